@@ -1,0 +1,44 @@
+# DSTL — every target that needs Python creates .venv from pyproject.toml when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast test-deep bench bench-quick lint typecheck clean venv
+
+venv: $(STAMP)
+
+# s3fs goes in first: resolved together with boto3/moto, pip can fall back to a 2020-era s3fs.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "s3fs>=2024.6.0"
+	$(PY) -m pip install --quiet -e ".[spark,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m dstl demo
+
+# Everything CI runs. Heavier runs: `make test-deep` (DSTL_DEEP=1).
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/contract -m "not s3 and not spark"
+
+test-deep: $(STAMP)
+	DSTL_DEEP=1 HYPOTHESIS_PROFILE=deep $(PY) -m pytest -n 2 --dist loadgroup -q
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+bench-quick: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dstl materializer restore tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,257 @@
+"""The storage seam: a small object-store interface every backend sits behind.
+
+Six operations, object-store semantics (keys are ``/``-separated relative paths below a root):
+
+- ``put(key, data)`` — write-once: the object appears whole or not at all; writing a key that
+  exists raises :class:`~dstl.errors.ObjectExistsError` (DSTL never reuses a name: segment names
+  are unique per upload attempt).
+- ``get(key)`` / ``get_range(key, offset, length)`` — a missing object raises
+  :class:`~dstl.errors.ObjectNotFoundError`; a ranged read past the end returns fewer bytes (the
+  caller decides whether that is corruption).
+- ``head(key)`` — :class:`ObjectInfo` or ``None``.
+- ``list(prefix)`` — objects whose key starts with ``prefix``, sorted by key.
+- ``delete(keys)`` — idempotent (missing keys are fine).
+
+Implementations: :class:`MemoryBlobStore` (reference, tests), ``LocalBlobStore`` (durable local
+disk: temp file, fsync, atomic publish, directory fsync) and ``FsspecBlobStore`` (S3 via s3fs,
+HDFS via fsspec's Arrow filesystem, memory, or any injected fsspec filesystem) in
+:mod:`dstl.stores`. One contract test suite (``tests/contract``) runs against all of them.
+
+Third-party exceptions are translated in exactly one place, :func:`translate_error`, which also
+decides what is retryable (:func:`is_retryable`).
+"""
+
+from __future__ import annotations
+
+import errno
+import posixpath
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from dstl.errors import (
+    AccessDeniedError,
+    DstlError,
+    LocalDiskFullError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+    UnsafePathError,
+)
+
+__all__ = [
+    "BlobStore",
+    "MemoryBlobStore",
+    "ObjectInfo",
+    "check_key",
+    "is_retryable",
+    "translate_error",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What ``head``/``list`` know about an object."""
+
+    key: str
+    size: int
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """The storage seam (see the module docstring for the semantics)."""
+
+    #: Human-readable location of the root, for messages (never contains credentials).
+    location: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+
+    def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_key(key: object) -> str:
+    """Validate an object key; return it.
+
+    Keys come from handles and manifests, which are untrusted input: a key must be a non-empty
+    relative POSIX path without ``.``/``..`` segments, backslashes, NUL or a scheme, so it can never
+    escape the storage root.
+
+    Raises:
+        UnsafePathError: the key is not allowed.
+    """
+    if not isinstance(key, str) or not key:
+        raise UnsafePathError(repr(key), "not a non-empty string")
+    if key.startswith("/") or "\\" in key or "\x00" in key or "://" in key:
+        raise UnsafePathError(key, "absolute, has a scheme, or contains '\\' or NUL")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(key, "empty, '.' or '..' path segment")
+    if posixpath.normpath(key) != key:
+        raise UnsafePathError(key, "not in normal form")
+    return key
+
+
+# --------------------------------------------------------------------------- error translation
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                     errno.EPIPE, errno.EAGAIN, errno.EINTR, errno.EHOSTUNREACH, errno.ENETUNREACH}
+_TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable",
+                       "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
+                       "500", "502", "503", "504"}
+_DENIED_S3_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
+                    "AllAccessDisabled", "ExpiredToken", "InvalidToken", "403"}
+_TRANSIENT_CLASS_NAMES = {
+    # s3fs's retryable set plus botocore/aiohttp transport errors, matched by class name so the
+    # core does not import them.
+    "FSTimeoutError", "IncompleteRead", "ResponseParserError", "ClientPayloadError",
+    "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ServerDisconnectedError", "ClientOSError", "ClientConnectorError",
+    "ProxyConnectionError", "ConnectionError", "TimeoutError", "ServerTimeoutError",
+}
+_CREDENTIAL_CLASS_NAMES = {"NoCredentialsError", "PartialCredentialsError",
+                           "CredentialRetrievalError"}
+
+
+def _chain_names(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error") or {}
+        code = err.get("Code")
+        if code:
+            return str(code)
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if status:
+            return str(status)
+    return None
+
+
+def translate_error(exc: BaseException, *, op: str, key: str | None, location: str) -> DstlError:
+    """Turn any exception raised by a storage backend into a DSTL error.
+
+    This is the only place that inspects third-party errors (botocore codes, s3fs/aiohttp
+    transport errors, ``OSError`` errnos). The result is retryable iff it is a
+    :class:`~dstl.errors.TransientStorageError`.
+
+    Args:
+        exc: what the backend raised.
+        op: the operation (``put``, ``get``, ...), for the message.
+        key: the object key, if any.
+        location: the store's root, for the message.
+    """
+    if isinstance(exc, DstlError):
+        return exc
+    where = f"{location}/{key}" if key else location
+    for cur in _chain_names(exc):
+        name = type(cur).__name__
+        code = _s3_code(cur)
+        if name in _CREDENTIAL_CLASS_NAMES:
+            return AccessDeniedError(
+                f"{op} {where}: no usable credentials ({name}); pass key/secret (or a profile) "
+                "in storage_options, or set the standard AWS environment variables", key=key)
+        if code in _DENIED_S3_CODES or isinstance(cur, PermissionError):
+            return AccessDeniedError(
+                f"{op} {where}: access denied or bucket missing ({code or name}); check the "
+                "bucket name, that it exists, and the credentials in storage_options", key=key)
+        if code in ("NoSuchKey", "404") or isinstance(cur, FileNotFoundError):
+            return ObjectNotFoundError(f"{op} {where}: object not found", key=key)
+        if code in ("PreconditionFailed", "412") or isinstance(cur, FileExistsError):
+            return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
+        if code in _TRANSIENT_S3_CODES or name in _TRANSIENT_CLASS_NAMES:
+            return TransientStorageError(f"{op} {where}: transient failure ({code or name}: "
+                                         f"{cur})", key=key)
+        if isinstance(cur, OSError) and cur.errno in _DISK_FULL_ERRNOS:
+            what = "file too large (EFBIG)" if cur.errno == errno.EFBIG else "no space left"
+            return LocalDiskFullError(f"{op} {where}: {what}; free space or move the directory",
+                                      key=key, path=getattr(cur, "filename", None))
+        if isinstance(cur, OSError) and cur.errno in _TRANSIENT_ERRNOS:
+            return TransientStorageError(f"{op} {where}: transient failure ({cur})", key=key)
+        if isinstance(cur, (TimeoutError, ConnectionError)):
+            return TransientStorageError(f"{op} {where}: transient failure ({name}: {cur})",
+                                         key=key)
+    if isinstance(exc, OSError):
+        # Unknown I/O failures are retried: an upload that fails for good still ends after
+        # upload_max_attempts, so the cost of a wrong guess is bounded.
+        return TransientStorageError(f"{op} {where}: I/O error ({type(exc).__name__}: {exc})",
+                                     key=key)
+    return StorageError(f"{op} {where}: {type(exc).__name__}: {exc}", key=key)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether an attempt that failed with ``exc`` may be retried."""
+    if isinstance(exc, DstlError):
+        return isinstance(exc, TransientStorageError)
+    return isinstance(translate_error(exc, op="?", key=None, location="?"),
+                      TransientStorageError)
+
+
+# --------------------------------------------------------------------------- memory store
+
+
+class MemoryBlobStore:
+    """A thread-safe in-memory :class:`BlobStore`; the reference implementation."""
+
+    def __init__(self, location: str = "memory://dstl") -> None:
+        self.location = location
+        self._objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        with self._lock:
+            if key in self._objects:
+                raise ObjectExistsError(f"put {self.location}/{key}: object already exists "
+                                        "(write-once)", key=key)
+            self._objects[key] = bytes(data)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._objects[key]
+            except KeyError:
+                raise ObjectNotFoundError(f"get {self.location}/{key}: object not found",
+                                          key=key) from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range offset={offset} length={length}")
+        return self.get(key)[offset:offset + length]
+
+    def head(self, key: str) -> ObjectInfo | None:
+        with self._lock:
+            data = self._objects.get(key)
+        return None if data is None else ObjectInfo(key, len(data))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = sorted((k, len(v)) for k, v in self._objects.items() if k.startswith(prefix))
+        return iter([ObjectInfo(k, n) for k, n in items])
+
+    def delete(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._objects.pop(key, None)
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,285 @@
+"""One error hierarchy for DSTL, shared by ``dstl``, ``materializer`` and ``restore``.
+
+Rules (see STYLE): a message says what happened, where (object key, offset, writer, sqn),
+expected vs got, and a hint naming the fix. The same facts are attributes, so callers never parse
+messages. Errors that correspond to a builtin also subclass it (``ObjectNotFoundError`` is a
+``FileNotFoundError``), so generic handlers keep working. Third-party errors are translated in one
+place only: :func:`dstl.blobstore.translate_error`.
+
+Hierarchy::
+
+    DstlError
+    ├── UsageError(ValueError)             the caller did something the API forbids
+    │   ├── ConfigError                    an option is out of range; names field and value
+    │   ├── KeyGroupError                  key group outside the owner's range
+    │   └── UnsafePathError                an object key would escape the storage root
+    ├── ClosedError(RuntimeError)          use after close
+    ├── StorageError(OSError)              the environment failed (after retries, if any)
+    │   ├── TransientStorageError          retryable I/O failure of one attempt
+    │   ├── ObjectNotFoundError(FileNotFoundError)
+    │   ├── ObjectExistsError(FileExistsError)
+    │   ├── AccessDeniedError(PermissionError)   missing or wrong credentials, missing bucket
+    │   ├── LocalDiskFullError             ENOSPC / EFBIG on local disk
+    │   ├── UploadFailedError              all attempts of an upload failed
+    │   └── UploadTimeoutError             back-pressure or a persist wait exceeded its deadline
+    ├── CorruptObjectError                 stored bytes are wrong; names object and offset
+    │   ├── ChecksumMismatchError
+    │   ├── TruncatedObjectError
+    │   └── UnsupportedFormatError
+    ├── WriterFailedError                  a writer is poisoned by an earlier permanent failure
+    ├── StateError                         state-table / backend misuse or failure
+    │   ├── StateTableFullError            LMDB map full and not allowed to grow
+    │   └── BackendFailedError             materialization failed too often
+    └── CacheError                         restore cache
+        ├── LeaseError                     double release, use after release
+        └── CacheFullError                 size budget or disk exhausted
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AccessDeniedError",
+    "BackendFailedError",
+    "CacheError",
+    "CacheFullError",
+    "ChecksumMismatchError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptObjectError",
+    "DstlError",
+    "KeyGroupError",
+    "LeaseError",
+    "LocalDiskFullError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "StateError",
+    "StateTableFullError",
+    "StorageError",
+    "TransientStorageError",
+    "TruncatedObjectError",
+    "UnsafePathError",
+    "UnsupportedFormatError",
+    "UploadFailedError",
+    "UploadTimeoutError",
+    "UsageError",
+    "WriterFailedError",
+]
+
+
+class DstlError(Exception):
+    """Root of every error DSTL raises on purpose."""
+
+
+# --------------------------------------------------------------------------- caller misuse
+
+
+class UsageError(DstlError, ValueError):
+    """The caller used the API in a way it forbids (wrong type, wrong order, bad argument)."""
+
+
+class ConfigError(UsageError):
+    """An option has a value outside its allowed range.
+
+    Attributes:
+        field: the option's name.
+        value: the rejected value.
+        expected: what would have been accepted.
+    """
+
+    def __init__(self, field: str, value: Any, expected: str, *, owner: str = "DstlOptions"):
+        self.field = field
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{owner}.{field}={value!r} is invalid: expected {expected}")
+
+
+class KeyGroupError(UsageError):
+    """A key group is outside the range its owner is responsible for."""
+
+    def __init__(self, key_group: int, owner: str, key_groups: object, hint: str = ""):
+        self.key_group = key_group
+        self.owner = owner
+        self.key_groups = key_groups
+        msg = f"key group {key_group} is outside {owner}'s range {key_groups}"
+        super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+class UnsafePathError(UsageError):
+    """An object key (e.g. read from an untrusted handle or manifest) would escape the root."""
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(
+            f"object key {key!r} is not allowed: {reason} "
+            "(keys in handles and manifests must be relative paths below the storage root)"
+        )
+
+
+class ClosedError(DstlError, RuntimeError):
+    """An object was used after ``close()``."""
+
+    def __init__(self, what: str, hint: str = "create a new one"):
+        self.what = what
+        super().__init__(f"{what} is closed ({hint})")
+
+
+# --------------------------------------------------------------------------- environment
+
+
+class StorageError(DstlError, OSError):
+    """The storage environment failed.
+
+    Attributes:
+        key: the object key (or path) concerned, when known.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None):
+        self.key = key
+        super().__init__(message)
+
+    def __str__(self) -> str:  # OSError's __str__ would format errno/strerror instead
+        return str(self.args[0]) if self.args else ""
+
+
+class TransientStorageError(StorageError):
+    """One I/O attempt failed in a way that a retry may fix (timeouts, 5xx, resets)."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """An object that must exist does not."""
+
+
+class ObjectExistsError(StorageError, FileExistsError):
+    """A write-once object already exists."""
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """Credentials are missing or wrong, or the bucket/container does not exist."""
+
+
+class LocalDiskFullError(StorageError):
+    """Local disk is full (ENOSPC) or a file-size limit was hit (EFBIG)."""
+
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None):
+        self.path = path
+        super().__init__(message, key=key)
+
+
+class UploadFailedError(StorageError):
+    """Every attempt of one segment upload failed.
+
+    Attributes:
+        attempts: attempts started (including concurrent ones after timeouts).
+        elapsed_s: time from the first attempt to giving up.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, attempts: int = 0,
+                 elapsed_s: float = 0.0):
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s
+        super().__init__(message, key=key)
+
+
+class UploadTimeoutError(StorageError, TimeoutError):
+    """Waiting for upload capacity (back-pressure) or a persist result exceeded its deadline."""
+
+
+# --------------------------------------------------------------------------- bad data
+
+
+class CorruptObjectError(DstlError):
+    """Stored bytes do not decode. Names the object and the byte offset.
+
+    Attributes:
+        key: object key (or a description such as ``"<bytes>"``).
+        offset: byte offset in the object where the problem was found.
+        reason: what was wrong.
+    """
+
+    def __init__(self, key: str, offset: int, reason: str,
+                 hint: str = "the object is damaged; restore from an earlier checkpoint"):
+        self.key = key
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"{key} at offset {offset}: {reason} ({hint})")
+
+
+class ChecksumMismatchError(CorruptObjectError):
+    """A checksum did not match. ``expected``/``got`` are hex strings."""
+
+    def __init__(self, key: str, offset: int, what: str, expected: int, got: int):
+        self.expected = f"{expected:08x}"
+        self.got = f"{got:08x}"
+        super().__init__(key, offset, f"{what} checksum mismatch: expected {self.expected}, "
+                                       f"got {self.got}")
+
+
+class TruncatedObjectError(CorruptObjectError):
+    """The object ended early."""
+
+    def __init__(self, key: str, offset: int, expected_len: int, got_len: int, what: str = "data"):
+        self.expected_len = expected_len
+        self.got_len = got_len
+        super().__init__(key, offset, f"truncated {what}: needed {expected_len} bytes, "
+                                      f"got {got_len}")
+
+
+class UnsupportedFormatError(CorruptObjectError):
+    """Magic or version unknown to this build."""
+
+    def __init__(self, key: str, offset: int, found: str, supported: str):
+        self.found = found
+        self.supported = supported
+        super().__init__(key, offset, f"unsupported format {found} (this build reads {supported})",
+                         hint="was it written by a newer DSTL, or is it not a DSTL object?")
+
+
+# --------------------------------------------------------------------------- poisoned components
+
+
+class WriterFailedError(DstlError):
+    """A writer hit a permanent failure earlier; its log is no longer usable past that point.
+
+    The original failure is chained as ``__cause__``.
+    """
+
+    def __init__(self, log_id: str, sqn: int, hint: str = "restore the backend from its last "
+                                                           "completed checkpoint"):
+        self.log_id = log_id
+        self.sqn = sqn
+        super().__init__(f"writer {log_id!r}: change set sqn={sqn} failed to upload earlier "
+                         f"({hint})")
+
+
+class StateError(DstlError):
+    """A state table or keyed backend failed or was misused."""
+
+
+class StateTableFullError(StateError):
+    """An LMDB environment reached its map size and may not grow further."""
+
+    def __init__(self, path: str, map_size_bytes: int, setting: str = "lmdb_max_map_size_bytes"):
+        self.path = path
+        self.map_size_bytes = map_size_bytes
+        self.setting = setting
+        super().__init__(f"LMDB environment {path} is full at map size {map_size_bytes} bytes "
+                         f"(raise {setting})")
+
+
+class BackendFailedError(StateError):
+    """A keyed backend stopped after too many consecutive materialization failures."""
+
+
+class CacheError(DstlError):
+    """The local restore cache failed or was misused."""
+
+
+class LeaseError(CacheError):
+    """A cache lease was released twice or used after release."""
+
+
+class CacheFullError(CacheError):
+    """The cache cannot hold an object (size budget or local disk)."""

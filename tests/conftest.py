@@ -1,0 +1,57 @@
+"""Shared test configuration: Hypothesis profiles, the deep switch, and leak checks.
+
+Every DSTL thread is named ``dstl-...``; the autouse ``no_dstl_thread_leaks`` fixture fails a test
+that leaves one running (guarantee G8).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # make tests/support importable as `support`
+
+settings.register_profile("dev", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True,
+                          stateful_step_count=50, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("deep", max_examples=2000, deadline=None, stateful_step_count=200,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+DEEP = os.environ.get("DSTL_DEEP") == "1"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--deep", action="store_true", default=False,
+                     help="run the heavier test variants (same as DSTL_DEEP=1)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global DEEP
+    if config.getoption("--deep"):
+        DEEP = True
+        os.environ["DSTL_DEEP"] = "1"
+
+
+def _dstl_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dstl-") and t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def no_dstl_thread_leaks() -> Iterator[None]:
+    before = _dstl_threads()
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked = _dstl_threads() - before
+    while leaked and time.monotonic() < deadline:
+        for t in leaked:
+            t.join(timeout=0.1)
+        leaked = _dstl_threads() - before
+    assert not leaked, f"threads left running after the test: {sorted(t.name for t in leaked)}"
