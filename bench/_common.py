@@ -1,0 +1,114 @@
+"""Shared plumbing for the bench scripts: repeats, medians with spread, machine info, output.
+
+Every script measures ``repeats`` times (>= 5), reports median and spread (min..max), writes
+``bench/results/<name>.json`` (figures + machine info + git sha) and replaces its own section in
+``docs/benchmarks.md`` between ``<!-- bench:<name> -->`` markers, so scripts never overwrite each
+other's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small sizes, for CI smoke runs")
+    p.add_argument("--repeats", type=int, default=5, help="repeats per figure (>= 5 for reports)")
+    p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    return p
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=False).stdout.strip()
+    except OSError:
+        sha = "?"
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (0.0, 0.0, 0.0)
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "git_sha": sha,
+        "loadavg_at_start": load,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread of repeated measurements."""
+    xs = sorted(samples)
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}
+
+
+def repeat(fn: Callable[[], float], repeats: int) -> dict[str, float]:
+    """Run ``fn`` (which returns one measurement) ``repeats`` times; summarise."""
+    return summary([fn() for _ in range(repeats)])
+
+
+def fmt(s: dict[str, float], unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    """``median (min–max) unit`` for a table cell."""
+    m, lo, hi = s["median"] * scale, s["min"] * scale, s["max"] * scale
+    return f"{m:,.{digits}f} ({lo:,.{digits}f}–{hi:,.{digits}f}){(' ' + unit) if unit else ''}"
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    ys = sorted(xs)
+    if not ys:
+        return float("nan")
+    k = min(len(ys) - 1, max(0, round(p / 100.0 * (len(ys) - 1))))
+    return ys[k]
+
+
+def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
+                  command: str, no_doc: bool = False) -> Path:
+    """Write the JSON result file and this script's section of docs/benchmarks.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    out = RESULTS / f"{name}{'-quick' if quick else ''}.json"
+    out.write_text(json.dumps({"name": name, "quick": quick, "command": command, "machine": info,
+                               "figures": figures}, indent=2, default=str) + "\n")
+    if not no_doc:
+        section = (f"<!-- bench:{name} -->\n"
+                   f"_Measured {info['time']} at git {info['git_sha']} on {info['cores']} cores "
+                   f"({info['cpu']}), Python {info['python']}; "
+                   f"{'quick mode; ' if quick else ''}reproduce with `{command}`._\n\n"
+                   f"{markdown.strip()}\n<!-- /bench:{name} -->")
+        text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+        start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            _, tail = rest.split(end, 1)
+            text = head + section + tail
+        else:
+            text = text.rstrip() + "\n\n" + section + "\n"
+        DOC.write_text(text)
+    print(f"wrote {out}")
+    return out
