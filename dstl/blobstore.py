@@ -110,9 +110,17 @@ _TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errn
                      errno.EPIPE, errno.EAGAIN, errno.EINTR, errno.EHOSTUNREACH, errno.ENETUNREACH}
 _TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable",
                        "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
+                       "XAmzContentSHA256Mismatch", "BadDigest", "IncompleteBody",
                        "500", "502", "503", "504"}
 _DENIED_S3_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
-                    "AllAccessDisabled", "ExpiredToken", "InvalidToken", "403"}
+                    "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem",
+                    "InvalidSecurity", "403"}
+_NOT_FOUND_S3_CODES = {"NoSuchKey", "404"}
+_EXISTS_S3_CODES = {"PreconditionFailed", "412"}
+# The request itself is wrong (a range past the end, a bad name): retrying cannot help.
+_PERMANENT_S3_CODES = {"InvalidRange", "416", "InvalidArgument", "InvalidRequest",
+                       "InvalidBucketName", "InvalidURI", "KeyTooLongError", "EntityTooLarge",
+                       "MalformedXML", "MethodNotAllowed", "NotImplemented", "400", "405", "501"}
 _TRANSIENT_CLASS_NAMES = {
     # s3fs's retryable set plus botocore/aiohttp transport errors, matched by class name so the
     # core does not import them.
@@ -147,12 +155,70 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
+def _from_service(cur: BaseException, *, op: str, key: str | None,
+                  where: str) -> DstlError | None:
+    """Translate what the remote service said (botocore credential errors, S3 error codes)."""
+    name = type(cur).__name__
+    if name in _CREDENTIAL_CLASS_NAMES:
+        return AccessDeniedError(
+            f"{op} {where}: no usable credentials ({name}); pass key/secret (or a profile) "
+            "in storage_options, or set the standard AWS environment variables", key=key)
+    code = _s3_code(cur)
+    if code is None:
+        return None
+    if code in _DENIED_S3_CODES:
+        return AccessDeniedError(
+            f"{op} {where}: access denied or bucket missing ({code}); check the bucket name, "
+            "that it exists, and the credentials in storage_options", key=key)
+    if code in _NOT_FOUND_S3_CODES:
+        return ObjectNotFoundError(f"{op} {where}: object not found", key=key)
+    if code in _EXISTS_S3_CODES:
+        return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
+    if code in _TRANSIENT_S3_CODES:
+        return TransientStorageError(f"{op} {where}: transient failure ({code}: {cur})", key=key)
+    if code in _PERMANENT_S3_CODES:
+        return StorageError(f"{op} {where}: request rejected by the store ({code}: {cur})",
+                            key=key)
+    return None
+
+
+def _from_local(cur: BaseException, *, op: str, key: str | None,
+                where: str) -> DstlError | None:
+    """Translate builtin exception types and errnos (local disk, sockets, fsspec wrappers)."""
+    name = type(cur).__name__
+    if isinstance(cur, PermissionError):
+        return AccessDeniedError(
+            f"{op} {where}: permission denied ({name}: {cur}); fix the permissions of the "
+            "directory, or the credentials in storage_options for a remote store", key=key)
+    if isinstance(cur, FileNotFoundError):
+        return ObjectNotFoundError(f"{op} {where}: object not found", key=key)
+    if isinstance(cur, FileExistsError):
+        return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
+    if name in _TRANSIENT_CLASS_NAMES:
+        return TransientStorageError(f"{op} {where}: transient failure ({name}: {cur})", key=key)
+    if isinstance(cur, OSError) and cur.errno in _DISK_FULL_ERRNOS:
+        what = "file too large (EFBIG)" if cur.errno == errno.EFBIG else "no space left"
+        return LocalDiskFullError(f"{op} {where}: {what}; free space or move the directory",
+                                  key=key, path=getattr(cur, "filename", None))
+    if isinstance(cur, OSError) and cur.errno in _TRANSIENT_ERRNOS:
+        return TransientStorageError(f"{op} {where}: transient failure ({cur})", key=key)
+    if isinstance(cur, (TimeoutError, ConnectionError)):
+        return TransientStorageError(f"{op} {where}: transient failure ({name}: {cur})",
+                                     key=key)
+    return None
+
+
 def translate_error(exc: BaseException, *, op: str, key: str | None, location: str) -> DstlError:
     """Turn any exception raised by a storage backend into a DSTL error.
 
     This is the only place that inspects third-party errors (botocore codes, s3fs/aiohttp
     transport errors, ``OSError`` errnos). The result is retryable iff it is a
     :class:`~dstl.errors.TransientStorageError`.
+
+    The whole ``__cause__``/``__context__`` chain is searched for what the service said first
+    (an S3 error code, a botocore credential error), then for builtin types: s3fs wraps
+    ``NoSuchBucket`` in a ``FileNotFoundError`` and ``InvalidRange`` in ``OSError(EINVAL)`` with
+    the ``ClientError`` as cause, and the code is the more precise fact.
 
     Args:
         exc: what the backend raised.
@@ -163,33 +229,12 @@ def translate_error(exc: BaseException, *, op: str, key: str | None, location: s
     if isinstance(exc, DstlError):
         return exc
     where = f"{location}/{key}" if key else location
-    for cur in _chain_names(exc):
-        name = type(cur).__name__
-        code = _s3_code(cur)
-        if name in _CREDENTIAL_CLASS_NAMES:
-            return AccessDeniedError(
-                f"{op} {where}: no usable credentials ({name}); pass key/secret (or a profile) "
-                "in storage_options, or set the standard AWS environment variables", key=key)
-        if code in _DENIED_S3_CODES or isinstance(cur, PermissionError):
-            return AccessDeniedError(
-                f"{op} {where}: access denied or bucket missing ({code or name}); check the "
-                "bucket name, that it exists, and the credentials in storage_options", key=key)
-        if code in ("NoSuchKey", "404") or isinstance(cur, FileNotFoundError):
-            return ObjectNotFoundError(f"{op} {where}: object not found", key=key)
-        if code in ("PreconditionFailed", "412") or isinstance(cur, FileExistsError):
-            return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
-        if code in _TRANSIENT_S3_CODES or name in _TRANSIENT_CLASS_NAMES:
-            return TransientStorageError(f"{op} {where}: transient failure ({code or name}: "
-                                         f"{cur})", key=key)
-        if isinstance(cur, OSError) and cur.errno in _DISK_FULL_ERRNOS:
-            what = "file too large (EFBIG)" if cur.errno == errno.EFBIG else "no space left"
-            return LocalDiskFullError(f"{op} {where}: {what}; free space or move the directory",
-                                      key=key, path=getattr(cur, "filename", None))
-        if isinstance(cur, OSError) and cur.errno in _TRANSIENT_ERRNOS:
-            return TransientStorageError(f"{op} {where}: transient failure ({cur})", key=key)
-        if isinstance(cur, (TimeoutError, ConnectionError)):
-            return TransientStorageError(f"{op} {where}: transient failure ({name}: {cur})",
-                                         key=key)
+    chain = list(_chain_names(exc))
+    for translate in (_from_service, _from_local):
+        for cur in chain:
+            err = translate(cur, op=op, key=key, where=where)
+            if err is not None:
+                return err
     if isinstance(exc, OSError):
         # Unknown I/O failures are retried: an upload that fails for good still ends after
         # upload_max_attempts, so the cost of a wrong guess is bounded.

@@ -1,0 +1,405 @@
+"""Batching upload scheduler: one per process, one segment per flush window for all writers.
+
+Theory of operation
+-------------------
+Writers hand :class:`UploadTask` s (their change sets plus callbacks) to :meth:`BatchingUploadScheduler.upload`:
+
+1. **Throttle.** Queued + uploading bytes are limited by ``max_in_flight_bytes``. A caller whose
+   task does not fit waits (back-pressure; a task larger than the whole limit still goes through
+   when nothing else is in flight). The wait ends when capacity frees up, when the storage closes
+   (``ClosedError``), or after ``back_pressure_timeout_s`` (``UploadTimeoutError``). Time spent
+   waiting is the ``backPressureTimeSeconds`` metric; :meth:`available` / :meth:`wait_available`
+   are the availability signal.
+2. **Batch.** The task joins the queue. The queue is drained into ONE segment when
+   ``persist_delay_s`` has passed since the first queued task, or at once when the queued bytes
+   reach ``persist_size_threshold_bytes`` (or the delay is 0).
+3. **Upload with retries** (:class:`_SegmentUpload`). The segment is encoded once. Each attempt
+   writes a fresh object name. An attempt that is still running after ``upload_timeout_s`` does
+   not stop: a concurrent attempt starts at once, and the first to finish wins; the objects of
+   the losers, and of failed attempts that may have landed anyway, are deleted. A retryable I/O
+   error starts the next attempt after ``upload_retry_delay_s``; a non-retryable one fails the
+   segment at once. After ``upload_max_attempts`` attempts (the last one timed out or failed)
+   every task of the segment fails with :class:`~dstl.errors.UploadFailedError` carrying the
+   attempt count and the cause. So an upload ends, one way or the other, within about
+   ``upload_max_attempts * (upload_timeout_s + upload_retry_delay_s)``.
+4. **Register, then acknowledge.** The winning segment is tracked in the registry (one reference
+   per change set) *before* any writer hears of it, then each task's ``on_success`` receives the
+   references of its change sets. A change set is therefore acknowledged only after its segment
+   is durably stored (G1) and exactly one object holds it (G6).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dstl.blobstore import BlobStore, translate_error
+from dstl.errors import (
+    ClosedError,
+    DstlError,
+    TransientStorageError,
+    UploadFailedError,
+    UploadTimeoutError,
+)
+from dstl.handle import ChangeSetRef
+from dstl.metrics import MetricsRegistry
+from dstl.options import DstlOptions
+from dstl.registry import SegmentRegistry
+from dstl.segment import ChangeSet, IndexEntry, encode_segment
+from dstl.timer import Timer, TimerHandle
+
+__all__ = ["BatchingUploadScheduler", "UploadTask", "segment_key"]
+
+logger = logging.getLogger(__name__)
+
+SuccessCallback = Callable[[list[tuple[ChangeSet, ChangeSetRef]]], None]
+FailureCallback = Callable[[list[ChangeSet], BaseException], None]
+
+
+def segment_key(created_ms: int, storage_id: str, upload_no: int, attempt: int) -> str:
+    """Object key of one upload attempt; fixed width, so lexical order is creation order."""
+    return f"dstl/{created_ms:011x}-{storage_id}-{upload_no:08x}-{attempt:02x}.seg"
+
+
+@dataclass(slots=True)
+class UploadTask:
+    """Change sets of one writer to upload, with the writer's callbacks (run on upload threads)."""
+
+    change_sets: list[ChangeSet]
+    on_success: SuccessCallback
+    on_failure: FailureCallback
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.size = sum(cs.size for cs in self.change_sets)
+
+
+class BatchingUploadScheduler:
+    """Gathers upload tasks of all writers of a storage into one segment per flush window."""
+
+    def __init__(self, store: BlobStore, registry: SegmentRegistry, options: DstlOptions,
+                 timer: Timer, metrics: MetricsRegistry, storage_id: str) -> None:
+        self._store = store
+        self._registry = registry
+        self._opts = options
+        self._timer = timer
+        self._storage_id = storage_id
+        self._pool = ThreadPoolExecutor(options.upload_threads, thread_name_prefix="dstl-upload")
+        self._cond = threading.Condition()
+        self._queue: list[UploadTask] = []
+        self._queued_bytes = 0
+        self._in_flight_bytes = 0
+        self._drain_timer: TimerHandle | None = None
+        self._uploads: set[_SegmentUpload] = set()
+        self._upload_no = 0
+        self._closed = False
+        m = metrics
+        self.m_requests = m.counter("numberOfUploadRequests")
+        self.m_failures = m.counter("numberOfUploadFailures")
+        self.m_failed_segments = m.counter("numberOfFailedSegments")
+        self.m_segments = m.counter("numberOfSegments")
+        self.m_bytes = m.counter("uploadedBytes")
+        self.m_sizes = m.histogram("uploadSizes")
+        self.m_latency = m.histogram("uploadLatenciesSeconds")
+        self.m_attempts = m.histogram("attemptsPerUpload")
+        self.m_total_attempts = m.histogram("totalAttemptsPerUpload")
+        self.m_batch = m.histogram("uploadBatchSizes")
+        self.m_writers = m.histogram("writersPerSegment")
+        self.m_busy = m.counter("backPressureTimeSeconds")
+        m.gauge("uploadQueueSize", lambda: float(len(self._queue)))
+        m.gauge("inFlightBytes", lambda: float(self._in_flight_bytes))
+
+    # ------------------------------------------------------------------ submission
+
+    def upload(self, task: UploadTask) -> None:
+        """Queue ``task``; may block for capacity (see the module docstring).
+
+        Raises:
+            ClosedError: the storage closed (also while waiting).
+            UploadTimeoutError: no capacity within ``back_pressure_timeout_s``.
+        """
+        if not task.change_sets:
+            return
+        drain = False
+        with self._cond:
+            self._throttle(task.size)
+            self._in_flight_bytes += task.size
+            self._queue.append(task)
+            self._queued_bytes += task.size
+            if (self._opts.persist_delay_s == 0
+                    or self._queued_bytes >= self._opts.persist_size_threshold_bytes):
+                drain = True
+            elif self._drain_timer is None:
+                self._drain_timer = self._timer.schedule(self._opts.persist_delay_s,
+                                                         self._drain)
+        if drain:
+            self._drain()
+
+    def _throttle(self, size: int) -> None:
+        limit = self._opts.max_in_flight_bytes
+
+        def blocked() -> bool:
+            return self._in_flight_bytes > 0 and self._in_flight_bytes + size > limit
+
+        if self._closed:
+            raise ClosedError("changelog storage", "the storage was closed")
+        if not blocked():
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self._opts.back_pressure_timeout_s
+        try:
+            while blocked():
+                if self._closed:
+                    raise ClosedError("changelog storage", "closed while waiting for upload "
+                                                           "capacity")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise UploadTimeoutError(
+                        f"no upload capacity for {size} bytes within back_pressure_timeout_s="
+                        f"{self._opts.back_pressure_timeout_s}s ({self._in_flight_bytes} bytes "
+                        f"in flight, max_in_flight_bytes={limit}); uploads are too slow or "
+                        "stuck — check the store, or raise max_in_flight_bytes")
+                self._cond.wait(remaining)
+        finally:
+            self.m_busy.inc(time.monotonic() - t0)
+
+    def available(self) -> bool:
+        """True when a new task would not block (no back-pressure right now)."""
+        with self._cond:
+            return self._in_flight_bytes < self._opts.max_in_flight_bytes
+
+    def wait_available(self, timeout_s: float | None = None) -> bool:
+        """Block until :meth:`available` (or closed, or the timeout); return availability."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or self._in_flight_bytes < self._opts.max_in_flight_bytes,
+                timeout_s) and not self._closed
+
+    def flush(self) -> None:
+        """Drain the queue now instead of waiting for the persist delay."""
+        self._drain()
+
+    def _drain(self) -> None:
+        with self._cond:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+                self._drain_timer = None
+            tasks, self._queue = self._queue, []
+            self._queued_bytes = 0
+            if not tasks:
+                return
+            self._upload_no += 1
+            up = _SegmentUpload(self, tasks, self._upload_no)
+            self._uploads.add(up)
+        up.start()
+
+    def _finished(self, up: _SegmentUpload) -> None:
+        with self._cond:
+            self._uploads.discard(up)
+            self._in_flight_bytes -= up.size
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is queued, wait (bounded) for running uploads, stop the upload threads.
+
+        Uploads still unfinished after the bound fail their tasks with ``ClosedError``.
+        """
+        if timeout_s is None:
+            o = self._opts
+            timeout_s = o.upload_max_attempts * (o.upload_timeout_s + o.upload_retry_delay_s) + 1.0
+        self._drain()
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while self._uploads and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            stuck = list(self._uploads)
+        for up in stuck:
+            up.abandon(ClosedError("changelog storage", f"closed while segment upload "
+                                                        f"#{up.upload_no} was still running"))
+        self._pool.shutdown(wait=not stuck, cancel_futures=True)
+        if stuck:
+            logger.warning("closed with %d segment uploads still running; their threads finish "
+                           "in the background and their objects are orphans", len(stuck))
+
+
+class _SegmentUpload:
+    """One segment: encode once, attempts with timeouts and retries, first success wins."""
+
+    def __init__(self, sched: BatchingUploadScheduler, tasks: Sequence[UploadTask],
+                 upload_no: int) -> None:
+        self.s = sched
+        self.tasks = list(tasks)
+        self.upload_no = upload_no
+        self.change_sets = [cs for t in self.tasks for cs in t.change_sets]
+        self.size = sum(t.size for t in self.tasks)
+        self.created_ms = int(time.time() * 1000)
+        self._lock = threading.Lock()
+        self._encoded: tuple[bytes, list[IndexEntry]] | None = None
+        self._attempts = 0
+        self._running: dict[int, TimerHandle | None] = {}
+        self._done = False
+        self._last_error: BaseException | None = None
+        self._t0 = time.monotonic()
+
+    def start(self) -> None:
+        self.s.m_batch.update(len(self.tasks))
+        self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._attempts += 1
+            n = self._attempts
+            self._running[n] = None
+        key = segment_key(self.created_ms, self.s._storage_id, self.upload_no, n)
+        handle = self.s._timer.schedule(self.s._opts.upload_timeout_s,
+                                        lambda: self._on_timeout(n))
+        with self._lock:
+            if n in self._running:
+                self._running[n] = handle
+        self.s.m_requests.inc()
+        try:
+            self.s._pool.submit(self._attempt, n, key)
+        except RuntimeError as exc:  # pool shut down (storage closed)
+            handle.cancel()
+            self._attempt_failed(n, key, ClosedError("changelog storage", str(exc)))
+
+    def _encode(self) -> bytes:
+        with self._lock:
+            if self._encoded is None:
+                data, entries = encode_segment(self.change_sets, self.s._opts.zstd_level)
+                self._encoded = (data, list(entries))
+            return self._encoded[0]
+
+    def _attempt(self, n: int, key: str) -> None:
+        t0 = time.monotonic()
+        try:
+            data = self._encode()
+            self.s._store.put(key, data)
+        except BaseException as exc:
+            self._attempt_failed(n, key, exc)
+            return
+        self._attempt_succeeded(n, key, len(data), time.monotonic() - t0)
+
+    def _stop_timer(self, n: int) -> None:
+        handle = self._running.pop(n, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _on_timeout(self, n: int) -> None:
+        with self._lock:
+            if self._done or n not in self._running:
+                return
+            exhausted = self._attempts >= self.s._opts.upload_max_attempts
+            if exhausted and n == self._attempts:
+                self._done = True
+        if not exhausted:
+            logger.info("segment upload #%d attempt %d still running after %.3fs; starting a "
+                        "concurrent attempt", self.upload_no, n, self.s._opts.upload_timeout_s)
+            self._start_attempt()
+        elif n == self._attempts:
+            self._fail(UploadFailedError(
+                f"segment upload #{self.upload_no} to {self.s._store.location}: the last of "
+                f"{self._attempts} attempts timed out after upload_timeout_s="
+                f"{self.s._opts.upload_timeout_s}s (raise upload_timeout_s or "
+                "upload_max_attempts, or check the store)",
+                attempts=self._attempts, elapsed_s=time.monotonic() - self._t0))
+
+    def _attempt_failed(self, n: int, key: str, exc: BaseException) -> None:
+        err = translate_error(exc, op="put", key=key, location=self.s._store.location) \
+            if not isinstance(exc, DstlError) else exc
+        retryable = isinstance(err, TransientStorageError)
+        self.s.m_failures.inc()
+        if retryable:
+            # The write may have landed although the client saw an error ("ghost success"):
+            # delete the name so it cannot linger; nothing refers to it.
+            self.s._registry.discard_untracked(key)
+        with self._lock:
+            self._stop_timer(n)
+            if self._done:
+                return
+            self._last_error = err
+            more = retryable and self._attempts < self.s._opts.upload_max_attempts
+            give_up = not more and (not retryable or not self._running)
+            if give_up:
+                self._done = True
+        logger.warning("segment upload #%d attempt %d to %s failed (%s)%s", self.upload_no, n,
+                       key, err, "; retrying" if more else "")
+        if more:
+            self.s._timer.schedule(self.s._opts.upload_retry_delay_s, self._start_attempt)
+        elif give_up:
+            what = "failed with a non-retryable error" if not retryable else "all failed"
+            failure = UploadFailedError(
+                f"segment upload #{self.upload_no} to {self.s._store.location}: {self._attempts} "
+                f"attempt(s) {what}; last error: {err}", key=key, attempts=self._attempts,
+                elapsed_s=time.monotonic() - self._t0)
+            failure.__cause__ = err
+            self._fail(failure)
+
+    def _attempt_succeeded(self, n: int, key: str, nbytes: int, latency_s: float) -> None:
+        with self._lock:
+            self._stop_timer(n)
+            lost = self._done
+            self._done = True
+            total_attempts = self._attempts
+            entries = self._encoded[1] if self._encoded else []
+        if lost:
+            logger.info("segment upload #%d attempt %d finished after another outcome; "
+                        "deleting %s", self.upload_no, n, key)
+            self.s._registry.discard_untracked(key)
+            return
+        s = self.s
+        s._registry.start_tracking(key, len(self.change_sets))
+        s.m_segments.inc()
+        s.m_bytes.inc(nbytes)
+        s.m_sizes.update(nbytes)
+        s.m_latency.update(latency_s)
+        s.m_attempts.update(n)
+        s.m_total_attempts.update(total_attempts)
+        s.m_writers.update(len({cs.log_id for cs in self.change_sets}))
+        logger.debug("segment %s written: %d change sets of %d tasks, %d bytes, attempt %d, "
+                     "%.1f ms", key, len(self.change_sets), len(self.tasks), nbytes, n,
+                     latency_s * 1e3)
+        i = 0
+        results: list[list[tuple[ChangeSet, ChangeSetRef]]] = []
+        for t in self.tasks:
+            pairs = []
+            for cs in t.change_sets:
+                e = entries[i]
+                i += 1
+                pairs.append((cs, ChangeSetRef(cs.sqn, key, e.offset, e.length, cs.change_count,
+                                               cs.payload_bytes)))
+            results.append(pairs)
+        s._finished(self)
+        for t, pairs in zip(self.tasks, results):
+            _call(t.on_success, pairs)
+
+    def _fail(self, err: BaseException) -> None:
+        self.s.m_failed_segments.inc()
+        self.s._finished(self)
+        for t in self.tasks:
+            _call(t.on_failure, t.change_sets, err)
+
+    def abandon(self, err: BaseException) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._fail(err)
+
+
+def _call(fn: Callable[..., None], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("upload callback %r raised (a DSTL bug)", fn)
+

@@ -1,0 +1,415 @@
+"""Segment format v1: bytes <-> change sets. Pure: no I/O, no threads, no clock.
+
+Theory of operation
+-------------------
+A *segment* is one uploaded object holding the change sets of many writers of one process.
+Every change set is its own *record*: a zstd frame (with zstd's content checksum) preceded by its
+length and a CRC-32 of the frame bytes, so a handle ``(segment key, offset, length)`` can fetch and
+verify exactly one change set with a ranged read, without touching the rest of the object. The
+decompressed record body starts with the writer's log id and the sqn, so a handle that points at the
+wrong record is detected too. A trailer index (log id, sqn, key-group range, offset, length, change
+count) and a footer with a CRC-32 over the whole object make the object self-describing and let a
+whole-object read verify every byte.
+
+Layout (all integers big-endian; byte tables in ``docs/format.md``)::
+
+    header   "DSTL" | u8 kind=1 | u8 version=1 | u16 flags=0                       8 bytes
+    record*  u32 frame_len | u32 crc32(frame) | frame                         8 + frame_len
+             frame = zstd( u16 log_id_len | log_id | u64 sqn | u32 n_blocks | block* )
+             block = i32 key_group | u32 block_len | ( u32 len | payload )*
+             (blocks in ascending key-group order, so the metadata key group -1 comes first;
+              changes of one key group keep their append order)
+    index    u32 n | n * ( u16 log_id_len | log_id | u64 sqn | i32 kg_min | i32 kg_max |
+                           u64 offset | u64 length | u32 change_count | u64 payload_bytes )
+    footer   u64 index_offset | u32 index_len | u32 n | u32 crc32(bytes[0:-8]) | "LTSD"  24 bytes
+
+Invariants the decoders enforce (and raise only :class:`~dstl.errors.CorruptObjectError`
+subclasses naming the object and the offset otherwise): magic, kind, version and flags are known;
+the footer's CRC covers every byte before it, so any single-bit flip or truncation of a segment is
+detected when it is read whole; a record's CRC covers its frame, so a flipped bit inside a ranged
+read is detected too; decompression happens only after the CRC matched (so a damaged size field can
+never trigger a huge allocation); the record's log id and sqn equal what the handle expects.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import zstandard
+
+from dstl.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    TruncatedObjectError,
+    UnsupportedFormatError,
+    UsageError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "FOOTER_SIZE",
+    "KIND_SEGMENT",
+    "MAGIC",
+    "ChangeSet",
+    "IndexEntry",
+    "SegmentContents",
+    "build_change_set",
+    "decode_record",
+    "decode_segment",
+    "encode_segment",
+    "iter_body_changes",
+]
+
+MAGIC: Final = b"DSTL"
+END_MAGIC: Final = b"LTSD"
+KIND_SEGMENT: Final = 1
+FORMAT_VERSION: Final = 1
+HEADER_SIZE: Final = 8
+FOOTER_SIZE: Final = 24
+RECORD_HEADER_SIZE: Final = 8
+#: Refuse to decompress a change set above this size (a guard against a corrupt but CRC-valid
+#: frame from a foreign writer); the pre-emptive threshold keeps real change sets far below it.
+MAX_CHANGE_SET_BYTES: Final = 1 << 31
+
+_HEADER = struct.Struct(">4sBBH")
+_REC = struct.Struct(">II")
+_BODY_HEAD_SQN = struct.Struct(">QI")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_BLOCK = struct.Struct(">iI")
+_INDEX_FIXED = struct.Struct(">QiiQQIQ")
+_FOOTER_HEAD = struct.Struct(">QII")
+
+#: Frame-length prefix of one change inside a block (exported for the writer's hot path).
+CHANGE_LEN: Final = _U32
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeSet:
+    """A writer's frozen change set, ready to be written into a segment.
+
+    Attributes:
+        log_id: the writer's log id.
+        sqn: the change set's sequence number.
+        body: the uncompressed record body (see module docstring).
+        change_count: number of changes.
+        payload_bytes: sum of the payload lengths (Flink's "size" of a change set).
+        kg_min, kg_max: smallest and largest key group present (-1 = metadata).
+    """
+
+    log_id: str
+    sqn: int
+    body: bytes
+    change_count: int
+    payload_bytes: int
+    kg_min: int
+    kg_max: int
+
+    @property
+    def size(self) -> int:
+        """Bytes this change set holds in memory (what back-pressure counts)."""
+        return len(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """One change set's entry in a segment's trailer index."""
+
+    log_id: str
+    sqn: int
+    kg_min: int
+    kg_max: int
+    offset: int
+    length: int
+    change_count: int
+    payload_bytes: int
+
+
+def build_change_set(log_id: str, sqn: int, blocks: Mapping[int, bytes | bytearray],
+                     change_count: int, payload_bytes: int) -> ChangeSet:
+    """Freeze a writer's active blocks into a :class:`ChangeSet`.
+
+    Args:
+        log_id: writer log id (UTF-8 encodable, at most 65535 bytes).
+        sqn: sequence number, ``>= 0``.
+        blocks: key group -> concatenated ``u32 len | payload`` changes of that key group.
+        change_count: total changes in ``blocks``.
+        payload_bytes: total payload bytes in ``blocks``.
+    """
+    lid = log_id.encode("utf-8")
+    if len(lid) > 0xFFFF:
+        raise UsageError(f"log id of {len(lid)} bytes is too long (max 65535)")
+    kgs = sorted(blocks)
+    parts: list[bytes | bytearray] = [_U16.pack(len(lid)), lid, _BODY_HEAD_SQN.pack(sqn, len(kgs))]
+    for kg in kgs:
+        buf = blocks[kg]
+        parts.append(_BLOCK.pack(kg, len(buf)))
+        parts.append(buf)
+    return ChangeSet(log_id, sqn, b"".join(parts), change_count, payload_bytes,
+                     kgs[0] if kgs else 0, kgs[-1] if kgs else -1)
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    # ZstdCompressor objects are not safe for concurrent use; one per thread and level.
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True,
+                                                      write_content_size=True)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1
+                   ) -> tuple[bytes, list[IndexEntry]]:
+    """Encode change sets (of any writers) into one segment.
+
+    Returns:
+        The segment bytes and one :class:`IndexEntry` per change set, in input order; an entry's
+        ``(offset, length)`` is what a handle needs for a ranged read.
+
+    Raises:
+        UsageError: no change sets (DSTL never writes empty objects).
+    """
+    if not change_sets:
+        raise UsageError("refusing to encode an empty segment (no change sets)")
+    cctx = _compressor(zstd_level)
+    parts: list[bytes] = [_HEADER.pack(MAGIC, KIND_SEGMENT, FORMAT_VERSION, 0)]
+    entries: list[IndexEntry] = []
+    pos = HEADER_SIZE
+    for cs in change_sets:
+        frame = cctx.compress(cs.body)
+        parts.append(_REC.pack(len(frame), zlib.crc32(frame)))
+        parts.append(frame)
+        length = RECORD_HEADER_SIZE + len(frame)
+        entries.append(IndexEntry(cs.log_id, cs.sqn, cs.kg_min, cs.kg_max, pos, length,
+                                  cs.change_count, cs.payload_bytes))
+        pos += length
+    index_parts = [_U32.pack(len(entries))]
+    for e in entries:
+        lid = e.log_id.encode("utf-8")
+        index_parts.append(_U16.pack(len(lid)))
+        index_parts.append(lid)
+        index_parts.append(_INDEX_FIXED.pack(e.sqn, e.kg_min, e.kg_max, e.offset, e.length,
+                                             e.change_count, e.payload_bytes))
+    index = b"".join(index_parts)
+    parts.append(index)
+    parts.append(_FOOTER_HEAD.pack(pos, len(index), len(entries)))
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    parts.append(_U32.pack(crc))
+    parts.append(END_MAGIC)
+    return b"".join(parts), entries
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _check_header(data: bytes | memoryview, key: str) -> None:
+    if len(data) < HEADER_SIZE:
+        raise TruncatedObjectError(key, 0, HEADER_SIZE, len(data), "segment header")
+    magic, kind, version, flags = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise UnsupportedFormatError(key, 0, f"magic {bytes(magic)!r}", "magic b'DSTL'")
+    if kind != KIND_SEGMENT:
+        raise UnsupportedFormatError(key, 4, f"object kind {kind}", f"kind {KIND_SEGMENT} "
+                                                                    "(segment)")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(key, 5, f"version {version}", f"version {FORMAT_VERSION}")
+    if flags != 0:
+        raise UnsupportedFormatError(key, 6, f"flags {flags:#06x}", "flags 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentContents:
+    """A decoded, fully verified segment: its index entries in file order."""
+
+    key: str
+    entries: tuple[IndexEntry, ...]
+    size: int
+
+
+def decode_segment(data: bytes | memoryview, key: str = "<segment>") -> SegmentContents:
+    """Verify a whole segment (header, every record, index, footer) and return its index.
+
+    Raises:
+        CorruptObjectError: (or a subclass) naming ``key`` and the offset of the first problem.
+    """
+    mv = memoryview(data)
+    n = len(mv)
+    _check_header(mv, key)
+    if n < HEADER_SIZE + FOOTER_SIZE:
+        raise TruncatedObjectError(key, n, HEADER_SIZE + FOOTER_SIZE, n, "segment")
+    foot = n - FOOTER_SIZE
+    if bytes(mv[n - 4:]) != END_MAGIC:
+        raise TruncatedObjectError(key, n - 4, HEADER_SIZE + FOOTER_SIZE, n,
+                                   "segment (end magic missing)")
+    index_offset, index_len, count = _FOOTER_HEAD.unpack_from(mv, foot)
+    (stored_crc,) = _U32.unpack_from(mv, foot + 16)
+    actual_crc = zlib.crc32(mv[:foot + 16])
+    if stored_crc != actual_crc:
+        raise ChecksumMismatchError(key, foot + 16, "segment", stored_crc, actual_crc)
+    if index_offset < HEADER_SIZE or index_offset + index_len != foot:
+        raise CorruptObjectError(key, foot, f"index at {index_offset}+{index_len} does not end at "
+                                            f"the footer ({foot})")
+    entries = _decode_index(mv, index_offset, foot, count, key)
+    pos = HEADER_SIZE
+    for e in entries:
+        if e.offset != pos:
+            raise CorruptObjectError(key, e.offset, f"index entry for sqn {e.sqn} points at "
+                                                    f"{e.offset}, expected {pos}")
+        record = mv[e.offset:e.offset + e.length]
+        body = _verify_record(record, key, e.offset)
+        _check_body_identity(body, key, e.offset, e.log_id, e.sqn)
+        pos += e.length
+    if pos != index_offset:
+        raise CorruptObjectError(key, pos, f"records end at {pos} but the index starts at "
+                                           f"{index_offset}")
+    return SegmentContents(key, tuple(entries), n)
+
+
+def _decode_index(mv: memoryview, start: int, end: int, count: int, key: str
+                  ) -> list[IndexEntry]:
+    pos = start
+    (n,) = _U32.unpack_from(mv, pos) if end - pos >= 4 else (None,)
+    if n is None or n != count:
+        raise CorruptObjectError(key, pos, f"index count {n} does not match footer count {count}")
+    pos += 4
+    entries: list[IndexEntry] = []
+    for _ in range(n):
+        if end - pos < 2:
+            raise TruncatedObjectError(key, pos, 2, end - pos, "index entry")
+        (lid_len,) = _U16.unpack_from(mv, pos)
+        pos += 2
+        if end - pos < lid_len + _INDEX_FIXED.size:
+            raise TruncatedObjectError(key, pos, lid_len + _INDEX_FIXED.size, end - pos,
+                                       "index entry")
+        try:
+            log_id = bytes(mv[pos:pos + lid_len]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorruptObjectError(key, pos, "log id is not UTF-8") from exc
+        pos += lid_len
+        sqn, kg_min, kg_max, off, length, cc, pb = _INDEX_FIXED.unpack_from(mv, pos)
+        pos += _INDEX_FIXED.size
+        entries.append(IndexEntry(log_id, sqn, kg_min, kg_max, off, length, cc, pb))
+    if pos != end:
+        raise CorruptObjectError(key, pos, f"{end - pos} unexpected bytes after the index")
+    return entries
+
+
+def _verify_record(record: bytes | memoryview, key: str, offset: int) -> bytes:
+    """Check a record's length and CRC, then decompress it (zstd verifies its own checksum)."""
+    rec = memoryview(record)
+    if len(rec) < RECORD_HEADER_SIZE:
+        raise TruncatedObjectError(key, offset, RECORD_HEADER_SIZE, len(rec), "record header")
+    frame_len, crc = _REC.unpack_from(rec, 0)
+    if frame_len != len(rec) - RECORD_HEADER_SIZE:
+        raise TruncatedObjectError(key, offset, RECORD_HEADER_SIZE + frame_len, len(rec),
+                                   "change-set record")
+    frame = rec[RECORD_HEADER_SIZE:]
+    actual = zlib.crc32(frame)
+    if actual != crc:
+        raise ChecksumMismatchError(key, offset, "change-set record", crc, actual)
+    try:
+        size = zstandard.frame_content_size(frame)
+        if size < 0 or size > MAX_CHANGE_SET_BYTES:
+            raise CorruptObjectError(key, offset + RECORD_HEADER_SIZE,
+                                     f"zstd frame declares content size {size}")
+        return _decompressor().decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(key, offset + RECORD_HEADER_SIZE,
+                                 f"zstd frame does not decode: {exc}") from exc
+
+
+def _check_body_identity(body: bytes, key: str, offset: int, log_id: str, sqn: int) -> int:
+    """Check the body names ``(log_id, sqn)``; return the offset of its first block."""
+    if len(body) < 2:
+        raise TruncatedObjectError(key, offset, 2, len(body), "change-set body")
+    (lid_len,) = _U16.unpack_from(body, 0)
+    head_end = 2 + lid_len + _BODY_HEAD_SQN.size
+    if len(body) < head_end:
+        raise TruncatedObjectError(key, offset, head_end, len(body), "change-set body")
+    got_lid = body[2:2 + lid_len]
+    got_sqn, _ = _BODY_HEAD_SQN.unpack_from(body, 2 + lid_len)
+    if got_lid != log_id.encode("utf-8") or got_sqn != sqn:
+        raise CorruptObjectError(key, offset, f"record holds change set "
+                                              f"({got_lid.decode('utf-8', 'replace')!r}, "
+                                              f"sqn {got_sqn}), expected ({log_id!r}, sqn {sqn})",
+                                 hint="the handle does not match the object")
+    return head_end
+
+
+def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: str, sqn: int
+                  ) -> bytes:
+    """Verify one change-set record fetched with a ranged read; return its body.
+
+    Args:
+        record: exactly the bytes ``[offset, offset + length)`` of the segment.
+        key, offset: where they came from (for error messages).
+        log_id, sqn: which change set the handle says this is.
+
+    Raises:
+        CorruptObjectError: (or a subclass) naming ``key`` and the offset.
+    """
+    body = _verify_record(record, key, offset)
+    _check_body_identity(body, key, offset, log_id, sqn)
+    return body
+
+
+def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0,
+                      key_groups: object = None) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(key_group, payload)`` of a verified body, key groups ascending, append order kept.
+
+    Args:
+        body: a body returned by :func:`decode_record` (already checksum-verified).
+        key, offset: for error messages.
+        key_groups: if given, a container of key groups to keep (``kg in key_groups``); the
+            metadata key group (-1) is always yielded.
+    """
+    (lid_len,) = _U16.unpack_from(body, 0)
+    pos = 2 + lid_len
+    _, n_blocks = _BODY_HEAD_SQN.unpack_from(body, pos)
+    pos += _BODY_HEAD_SQN.size
+    end = len(body)
+    unpack_block = _BLOCK.unpack_from
+    unpack_len = _U32.unpack_from
+    for _ in range(n_blocks):
+        if end - pos < _BLOCK.size:
+            raise TruncatedObjectError(key, offset, pos + _BLOCK.size, end, "block header")
+        kg, blen = unpack_block(body, pos)
+        pos += _BLOCK.size
+        bend = pos + blen
+        if bend > end:
+            raise TruncatedObjectError(key, offset, bend, end, "key-group block")
+        if key_groups is not None and kg != -1 and kg not in key_groups:  # type: ignore[operator]
+            pos = bend
+            continue
+        while pos < bend:
+            if bend - pos < 4:
+                raise TruncatedObjectError(key, offset, pos + 4, bend, "change length")
+            (n,) = unpack_len(body, pos)
+            pos += 4
+            if pos + n > bend:
+                raise TruncatedObjectError(key, offset, pos + n, bend, "change payload")
+            yield kg, body[pos:pos + n]
+            pos += n
+    if pos != end:
+        raise CorruptObjectError(key, offset, f"{end - pos} unexpected bytes after the last block")

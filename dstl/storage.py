@@ -1,0 +1,161 @@
+"""``ChangelogStorage``: the per-process (task manager) owner of the log's moving parts.
+
+One storage per process holds the blob store, the batching upload scheduler (so the change sets
+of *all* its writers share one segment per flush window), the segment registry, the timer thread,
+the discard thread and the metrics. Writers are created from it, one per keyed backend.
+``close()`` sends what is queued, waits (bounded) for running uploads, closes the writers and
+stops every thread it started (G8).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from dstl.blobstore import BlobStore
+from dstl.errors import ClosedError, UsageError
+from dstl.keygroups import KeyGroupRange
+from dstl.metrics import MetricsRegistry
+from dstl.options import DstlOptions
+from dstl.registry import SegmentRegistry
+from dstl.scheduler import BatchingUploadScheduler
+from dstl.timer import ThreadTimer, Timer
+from dstl.writer import ChangelogWriter
+
+__all__ = ["ChangelogStorage"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChangelogStorage:
+    """The log of one process: writers, batching, uploads, registry, metrics.
+
+    Args:
+        base_uri: storage root: a local path, ``file://``, ``s3://bucket/prefix``,
+            ``hdfs://...``, ``memory://...``; with ``filesystem``, a path that filesystem
+            understands.
+        options: :class:`~dstl.options.DstlOptions` (defaults: Flink's DSTL defaults).
+        storage_options: passed to fsspec (e.g. S3 ``key``/``secret``/``client_kwargs``).
+        filesystem: an fsspec filesystem instance to use instead of resolving ``base_uri``
+            (wrappers that inject faults, count reads or add latency plug in here).
+        store: a ready :class:`~dstl.blobstore.BlobStore` (overrides the three above).
+        timer: timer for delays and timeouts (tests pass a ``ManualTimer``).
+
+    Raises:
+        ConfigError: bad options or an unsupported URI scheme.
+        AccessDeniedError: the bucket does not exist or the credentials do not work.
+    """
+
+    def __init__(self, base_uri: str = "", options: DstlOptions | None = None,
+                 storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
+                 store: BlobStore | None = None, timer: Timer | None = None) -> None:
+        self.options = options or DstlOptions()
+        if store is None:
+            from dstl.stores import open_store
+            store = open_store(base_uri, dict(storage_options or {}), filesystem)
+        self.store = store
+        self.storage_id = secrets.token_hex(6)
+        self._metrics = MetricsRegistry("ChangelogStorage.")
+        self._own_timer = timer is None
+        self._timer: Timer = timer if timer is not None else ThreadTimer(self.storage_id)
+        self._discard = ThreadPoolExecutor(self.options.discard_threads,
+                                           thread_name_prefix="dstl-discard")
+        self.registry = SegmentRegistry(store, self._discard, self._metrics)
+        self.scheduler = BatchingUploadScheduler(store, self.registry, self.options, self._timer,
+                                                 self._metrics, self.storage_id)
+        self._writers: dict[str, ChangelogWriter] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._metrics.gauge("writers", lambda: float(len(self._writers)))
+        logger.info("changelog storage %s opened at %s", self.storage_id, store.location)
+
+    def create_writer(self, log_id: str, key_groups: KeyGroupRange) -> ChangelogWriter:
+        """Create the writer of one backend.
+
+        Args:
+            log_id: unique among the live writers of this storage, and stable across restarts of
+                the same backend (it names the log in handles and segments).
+            key_groups: the backend's key-group range.
+
+        Raises:
+            UsageError: ``log_id`` empty, too long, or already in use; bad ``key_groups``.
+            ClosedError: the storage is closed.
+        """
+        self._check_usable()
+        if not isinstance(log_id, str) or not log_id or len(log_id.encode("utf-8")) > 1024:
+            raise UsageError(f"log_id must be a non-empty string of at most 1024 UTF-8 bytes, "
+                             f"got {log_id!r}")
+        if not isinstance(key_groups, KeyGroupRange):
+            raise UsageError(f"key_groups must be a KeyGroupRange, got {type(key_groups).__name__}")
+        with self._lock:
+            if log_id in self._writers:
+                raise UsageError(f"a writer with log_id {log_id!r} is already open on this "
+                                 "storage (close it first, or use a distinct operator id)")
+            w = ChangelogWriter(log_id, key_groups, scheduler=self.scheduler,
+                                registry=self.registry,
+                                preemptive_threshold_bytes=self.options
+                                .preemptive_persist_threshold_bytes,
+                                metrics=self._metrics, on_close=self._forget)
+            self._writers[log_id] = w
+        return w
+
+    def _forget(self, writer: ChangelogWriter) -> None:
+        with self._lock:
+            if self._writers.get(writer.log_id) is writer:
+                del self._writers[writer.log_id]
+
+    def available(self) -> bool:
+        """False while writers are back-pressured (in-flight bytes at the limit)."""
+        return self.scheduler.available()
+
+    def wait_available(self, timeout_s: float | None = None) -> bool:
+        """Block until uploads have capacity again (or the timeout); return availability."""
+        return self.scheduler.wait_available(timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters, gauges and histogram summaries, with Flink-like ``ChangelogStorage.*`` names."""
+        return self._metrics.snapshot()
+
+    @property
+    def metrics_registry(self) -> MetricsRegistry:
+        return self._metrics
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError("changelog storage")
+        if os.getpid() != self._pid:
+            raise UsageError("this ChangelogStorage was created in another process (before a "
+                             "fork); create a new one in this process — threads do not survive "
+                             "fork")
+
+    def close(self) -> None:
+        """Flush, wait (bounded) for uploads, close writers, stop threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            writers = list(self._writers.values())
+        try:
+            self.scheduler.close()
+        finally:
+            for w in writers:
+                w.close()
+            self._discard.shutdown(wait=True)
+            if self._own_timer:
+                self._timer.close()
+            self.store.close()
+        logger.info("changelog storage %s closed", self.storage_id)
+
+    def __enter__(self) -> ChangelogStorage:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""Timers: delayed callbacks on one background thread, or driven by hand in tests.
+
+The batching scheduler (persist delay) and the retrying uploader (attempt timeouts, retry delays)
+need "run this in t seconds unless cancelled". :class:`ThreadTimer` does it with one daemon thread
+per storage; :class:`ManualTimer` fires callbacks only when a test calls :meth:`ManualTimer.advance`,
+so tests of delays and timeouts are deterministic and never sleep (Flink's
+``ManuallyTriggeredScheduledExecutorService``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+__all__ = ["ManualTimer", "ThreadTimer", "Timer", "TimerHandle"]
+
+logger = logging.getLogger(__name__)
+
+
+class TimerHandle:
+    """A scheduled callback; ``cancel()`` is idempotent and safe from any thread."""
+
+    __slots__ = ("cancelled", "deadline", "fn")
+
+    def __init__(self, deadline: float, fn: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Timer(Protocol):
+    def schedule(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle: ...
+
+    def now(self) -> float: ...
+
+    def close(self) -> None: ...
+
+
+def _run(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:
+        # A timer callback must not kill the timer thread; callbacks report their own failures
+        # through futures, so reaching this is a DSTL bug worth a loud log line.
+        logger.exception("timer callback %r raised", fn)
+
+
+class ThreadTimer:
+    """Runs callbacks on one daemon thread named ``dstl-timer-<name>``."""
+
+    def __init__(self, name: str = "storage") -> None:
+        self._heap: list[tuple[float, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"dstl-timer-{name}", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def schedule(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
+        h = TimerHandle(self.now() + max(0.0, delay_s), fn)
+        with self._cond:
+            if self._closed:
+                h.cancel()
+                return h
+            heapq.heappush(self._heap, (h.deadline, next(self._seq), h))
+            self._cond.notify()
+        return h
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    if self._heap:
+                        wait = self._heap[0][0] - self.now()
+                        if wait <= 0:
+                            _, _, h = heapq.heappop(self._heap)
+                            break
+                        self._cond.wait(wait)
+                    else:
+                        self._cond.wait()
+            if not h.cancelled:
+                _run(h.fn)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class ManualTimer:
+    """A timer whose clock only moves when :meth:`advance` is called (tests)."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._heap: list[tuple[float, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self._now
+
+    def schedule(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
+        h = TimerHandle(self._now + max(0.0, delay_s), fn)
+        with self._lock:
+            heapq.heappush(self._heap, (h.deadline, next(self._seq), h))
+        return h
+
+    def pending(self) -> list[float]:
+        """Delays (from now) of callbacks not yet run or cancelled."""
+        with self._lock:
+            return sorted(d - self._now for d, _, h in self._heap if not h.cancelled)
+
+    def advance(self, delta_s: float) -> None:
+        """Move the clock forward, running due callbacks in deadline order on this thread."""
+        target = self._now + delta_s
+        while True:
+            with self._lock:
+                if not self._heap or self._heap[0][0] > target:
+                    break
+                deadline, _, h = heapq.heappop(self._heap)
+            self._now = max(self._now, deadline)
+            if not h.cancelled:
+                _run(h.fn)
+        self._now = target
+
+    def close(self) -> None:
+        with self._lock:
+            self._heap.clear()
