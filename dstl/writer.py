@@ -215,8 +215,11 @@ class ChangelogWriter:
         keys: list[str] = []
         with self._lock:
             self._check_range("confirm", from_sqn, to_sqn)
-            keys = list(dict.fromkeys(ref.key for sqn, ref in self._uploaded.items()
-                                      if from_sqn <= sqn < to_sqn))
+            keys = [ref.key for sqn, ref in self._uploaded.items() if from_sqn <= sqn < to_sqn]
+            # The range may have been truncated meanwhile; the checkpoint's pins still name
+            # every segment it refers to, so hand those over too.
+            keys.extend(self._pins.get(checkpoint_id, ()))
+            keys = list(dict.fromkeys(keys))
             unpin = self._take_pins(lambda cp: cp <= checkpoint_id)
         for key in keys:
             self._registry.stop_tracking(key)

@@ -1,0 +1,72 @@
+"""Fakes at the storage seam: a BlobStore whose puts follow a script (tests never sleep)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+
+from dstl.blobstore import MemoryBlobStore, ObjectInfo
+
+
+class ScriptedStore:
+    """A :class:`MemoryBlobStore` whose ``put`` calls follow a script, one step per call.
+
+    Steps: ``"ok"``; ``"transient"`` (ConnectionResetError before writing); ``"fatal"``
+    (PermissionError); ``"ghost"`` (the write lands, then ConnectionResetError); ``"hang"``
+    (block until :meth:`release_hangs`, then write). After the script, every put is ``"ok"``.
+    """
+
+    def __init__(self, script: Iterable[str] = ()) -> None:
+        self.inner = MemoryBlobStore("memory://scripted")
+        self.location = self.inner.location
+        self.script = list(script)
+        self.puts: list[str] = []
+        self.deletes: list[str] = []
+        self.gets = 0
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self.hanging = threading.Semaphore(0)
+
+    def release_hangs(self) -> None:
+        self._release.set()
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            step = self.script.pop(0) if self.script else "ok"
+            self.puts.append(key)
+        if step == "transient":
+            raise ConnectionResetError(f"injected reset for {key}")
+        if step == "fatal":
+            raise PermissionError(f"injected denial for {key}")
+        if step == "hang":
+            self.hanging.release()
+            self._release.wait(30)
+        self.inner.put(key, data)
+        if step == "ghost":
+            raise ConnectionResetError(f"injected reset after writing {key}")
+
+    def get(self, key: str) -> bytes:
+        self.gets += 1
+        return self.inner.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        self.gets += 1
+        return self.inner.get_range(key, offset, length)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self.deletes.extend(keys)
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self._release.set()
+
+    def keys(self) -> list[str]:
+        return [o.key for o in self.inner.list()]
