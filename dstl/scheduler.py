@@ -334,7 +334,9 @@ class _SegmentUpload:
                 self._done = True
         logger.warning("segment upload #%d attempt %d to %s failed (%s)%s", self.upload_no, n,
                        key, err, "; retrying" if more else "")
-        if more:
+        if more and self.s._opts.upload_retry_delay_s == 0:
+            self._start_attempt()
+        elif more:
             self.s._timer.schedule(self.s._opts.upload_retry_delay_s, self._start_attempt)
         elif give_up:
             what = "failed with a non-retryable error" if not retryable else "all failed"

@@ -110,7 +110,7 @@ class ManualTimer:
         self._now = 0.0
         self._heap: list[tuple[float, int, TimerHandle]] = []
         self._seq = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def now(self) -> float:
         return self._now
@@ -119,12 +119,27 @@ class ManualTimer:
         h = TimerHandle(self._now + max(0.0, delay_s), fn)
         with self._lock:
             heapq.heappush(self._heap, (h.deadline, next(self._seq), h))
+            self._lock.notify_all()
         return h
 
     def pending(self) -> list[float]:
         """Delays (from now) of callbacks not yet run or cancelled."""
         with self._lock:
-            return sorted(d - self._now for d, _, h in self._heap if not h.cancelled)
+            return self._pending()
+
+    def _pending(self) -> list[float]:
+        return sorted(round(d - self._now, 9) for d, _, h in self._heap if not h.cancelled)
+
+    def wait_for_pending(self, delay_s: float, timeout_s: float = 10.0) -> None:
+        """Block until a callback due in ``delay_s`` is scheduled (other threads schedule them).
+
+        Raises:
+            TimeoutError: none appeared within ``timeout_s`` (real time).
+        """
+        with self._lock:
+            if not self._lock.wait_for(lambda: round(delay_s, 9) in self._pending(), timeout_s):
+                raise TimeoutError(f"no timer callback due in {delay_s}s was scheduled; "
+                                   f"pending: {self._pending()}")
 
     def advance(self, delta_s: float) -> None:
         """Move the clock forward, running due callbacks in deadline order on this thread."""

@@ -23,7 +23,7 @@ class ScriptedStore:
         self.puts: list[str] = []
         self.deletes: list[str] = []
         self.gets = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._release = threading.Event()
         self.hanging = threading.Semaphore(0)
 
@@ -61,9 +61,16 @@ class ScriptedStore:
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
+        self.inner.delete(keys)
         with self._lock:
             self.deletes.extend(keys)
-        self.inner.delete(keys)
+            self._lock.notify_all()
+
+    def wait_deleted(self, key: str, timeout_s: float = 10.0) -> None:
+        """Block until ``key`` was deleted (deletes run on the storage's discard thread)."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: key in self.deletes, timeout_s):
+                raise TimeoutError(f"{key} was not deleted within {timeout_s}s")
 
     def close(self) -> None:
         self._release.set()

@@ -343,9 +343,5 @@ def test_late_upload_result_after_truncation_is_released(store: ScriptedStore,
             f.result(WAIT)
         store.release_hangs()
         # the upload lands after the truncation: released on arrival, then deleted
-        for _ in range(100):
-            _settle(s)
-            if not store.keys():
-                break
-            store.hanging.acquire(timeout=0.05)
+        store.wait_deleted(store.puts[0])
         assert store.keys() == []
