@@ -74,9 +74,9 @@ def repeat(fn: Callable[[], float], repeats: int) -> dict[str, float]:
 
 
 def fmt(s: dict[str, float], unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
-    """``median (min–max) unit`` for a table cell."""
+    """``median (min..max) unit`` for a table cell."""
     m, lo, hi = s["median"] * scale, s["min"] * scale, s["max"] * scale
-    return f"{m:,.{digits}f} ({lo:,.{digits}f}–{hi:,.{digits}f}){(' ' + unit) if unit else ''}"
+    return f"{m:,.{digits}f} ({lo:,.{digits}f}..{hi:,.{digits}f}){(' ' + unit) if unit else ''}"
 
 
 def percentile(xs: Sequence[float], p: float) -> float:

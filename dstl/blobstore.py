@@ -271,6 +271,7 @@ class MemoryBlobStore:
             self._objects[key] = bytes(data)
 
     def get(self, key: str) -> bytes:
+        check_key(key)
         with self._lock:
             try:
                 return self._objects[key]
@@ -284,6 +285,7 @@ class MemoryBlobStore:
         return self.get(key)[offset:offset + length]
 
     def head(self, key: str) -> ObjectInfo | None:
+        check_key(key)
         with self._lock:
             data = self._objects.get(key)
         return None if data is None else ObjectInfo(key, len(data))
@@ -294,6 +296,7 @@ class MemoryBlobStore:
         return iter([ObjectInfo(k, n) for k, n in items])
 
     def delete(self, keys: Iterable[str]) -> None:
+        keys = [check_key(k) for k in keys]
         with self._lock:
             for key in keys:
                 self._objects.pop(key, None)

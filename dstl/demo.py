@@ -60,7 +60,7 @@ def _drive(backends: list[_Backend], seconds: float, interval_s: float, seed: in
                     b.handles.append(h)
                     b.writer.confirm(h.from_sqn, h.to_sqn, checkpoint)  # checkpoint complete
                 next_cp = time.monotonic() + interval_s
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - handed to the main thread, re-raised there
         errors.append(exc)
 
 

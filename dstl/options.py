@@ -28,7 +28,8 @@ def _positive(field: str, value: Any, *, allow_zero: bool = False, kind: type = 
         raise ConfigError(field, value, f"a {kind.__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(field, value, "a finite number")
-    if value < 0 or (value == 0 and not allow_zero):
+    number = float(value)  # type: ignore[arg-type]  # checked above: int or float
+    if number < 0 or (number == 0 and not allow_zero):
         raise ConfigError(field, value, ">= 0" if allow_zero else "> 0")
 
 

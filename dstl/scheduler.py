@@ -285,7 +285,7 @@ class _SegmentUpload:
         try:
             data = self._encode()
             self.s._store.put(key, data)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - every failure is this attempt's outcome
             self._attempt_failed(n, key, exc)
             return
         self._attempt_succeeded(n, key, len(data), time.monotonic() - t0)

@@ -344,11 +344,11 @@ def _check_body_identity(body: bytes, key: str, offset: int, log_id: str, sqn: i
     if len(body) < 2:
         raise TruncatedObjectError(key, offset, 2, len(body), "change-set body")
     (lid_len,) = _U16.unpack_from(body, 0)
-    head_end = 2 + lid_len + _BODY_HEAD_SQN.size
+    head_end: int = 2 + int(lid_len) + _BODY_HEAD_SQN.size
     if len(body) < head_end:
         raise TruncatedObjectError(key, offset, head_end, len(body), "change-set body")
     got_lid = body[2:2 + lid_len]
-    got_sqn, _ = _BODY_HEAD_SQN.unpack_from(body, 2 + lid_len)
+    got_sqn = int(_BODY_HEAD_SQN.unpack_from(body, 2 + lid_len)[0])
     if got_lid != log_id.encode("utf-8") or got_sqn != sqn:
         raise CorruptObjectError(key, offset, f"record holds change set "
                                               f"({got_lid.decode('utf-8', 'replace')!r}, "

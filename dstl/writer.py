@@ -104,7 +104,7 @@ class ChangelogWriter:
 
     # ------------------------------------------------------------------ owner-thread API
 
-    def append(self, key_group: int, payload: bytes) -> None:
+    def append(self, key_group: int, payload: bytes | bytearray | memoryview) -> None:
         """Append one change to the active change set (no I/O unless a pre-emptive persist fires).
 
         Args:
@@ -120,10 +120,10 @@ class ChangelogWriter:
         if self._closed:
             raise ClosedError(f"changelog writer {self.log_id!r}", "append after close; the "
                                                                    "backend must be restored")
-        if type(key_group) is not int or not self._kg_start <= key_group <= self._kg_end:
-            if key_group != META_KEY_GROUP or type(key_group) is not int:
-                raise KeyGroupError(key_group, f"changelog writer {self.log_id!r}",
-                                    self.key_groups, "route the key to the backend owning it")
+        if (type(key_group) is not int or not self._kg_start <= key_group <= self._kg_end) and (
+                key_group != META_KEY_GROUP or type(key_group) is not int):
+            raise KeyGroupError(key_group, f"changelog writer {self.log_id!r}",
+                                self.key_groups, "route the key to the backend owning it")
         if type(payload) is not bytes:
             if not isinstance(payload, (bytearray, memoryview)):
                 raise UsageError(f"changelog writer {self.log_id!r}: payload must be bytes, got "

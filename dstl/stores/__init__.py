@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import os
 import urllib.parse
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -86,10 +86,8 @@ def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
         if storage_options:
             raise ConfigError("storage_options", "<given>", "None when filesystem= is given "
                               "(configure the filesystem itself)", owner="open_store")
-        store: BlobStore = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri))
-        if validate:
-            _validate(store)
-        return store
+        injected = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri))
+        return _validated(injected) if validate else injected
     if "://" not in base_uri:
         return _open_local(base_uri, validate)
     parts = urllib.parse.urlsplit(base_uri)
@@ -102,28 +100,24 @@ def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
             raise ConfigError("base_uri", base_uri, "file:///absolute/path (no host)",
                               owner="open_store")
         return _open_local(urllib.parse.unquote(parts.path), validate)
+    store: FsspecBlobStore
     if scheme == "memory":
-        fs = fsspec.filesystem("memory")
-        store = FsspecBlobStore(fs, base_uri, location=base_uri.rstrip("/"),
-                                owns_filesystem=True)
+        store = FsspecBlobStore(fsspec.filesystem("memory"), base_uri,
+                                location=base_uri.rstrip("/"))
     elif scheme in ("s3", "s3a"):
         store = _open_s3(scheme, parts, storage_options)
     elif scheme == "hdfs":
         store = _open_hdfs(parts, storage_options)
     else:
         raise ConfigError("base_uri", _redact(base_uri), _SUPPORTED_TEXT, owner="open_store")
-    if validate:
-        _validate(store)
-    return store
+    return _validated(store) if validate else store
 
 
 def _open_local(path: str, validate: bool) -> LocalBlobStore:
     if not path:
         raise ConfigError("base_uri", path, "a non-empty directory path", owner="open_store")
     store = LocalBlobStore(os.path.expanduser(path))
-    if validate:
-        store.validate()
-    return store
+    return _validated(store) if validate else store
 
 
 def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
@@ -136,35 +130,46 @@ def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
                           owner="open_store")
     prefix = parts.path.strip("/")
     root = f"{bucket}/{prefix}" if prefix else bucket
-    # Deep copy: botocore rewrites config_kwargs["retries"] in place, and the caller's dict
-    # must stay as it was.
-    opts = copy.deepcopy(storage_options or {})
+    opts = dict(storage_options or {})
     retries = int(opts.pop("retries", S3_DEFAULT_RETRIES))  # s3fs attribute, not an init arg
-    config_kwargs = opts.setdefault("config_kwargs", {})
+    # Copied deeply because botocore rewrites config_kwargs["retries"] in place and the
+    # caller's dict must stay as it was (the rest may hold objects such as a session).
+    config_kwargs = copy.deepcopy(opts.get("config_kwargs") or {})
     for name, value in S3_DEFAULT_CONFIG_KWARGS.items():
         config_kwargs.setdefault(name, copy.deepcopy(value))
+    opts["config_kwargs"] = config_kwargs
     opts.setdefault("use_listings_cache", False)
     opts["skip_instance_cache"] = True  # never share an instance (and its credentials) by token
     fs = s3fs.S3FileSystem(**opts)
     fs.retries = retries
-    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket,
-                           owns_filesystem=True)
+    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket)
 
 
 def _open_hdfs(parts: urllib.parse.SplitResult,
                storage_options: dict[str, Any] | None) -> FsspecBlobStore:
     # Not exercised by the test suite (no HDFS here): kept to the minimum fsspec needs.
-    host = parts.hostname or "default"
-    port = parts.port or 0
-    fs = fsspec.filesystem("hdfs", host=host, port=port, skip_instance_cache=True,
-                           **(storage_options or {}))
+    host = parts.hostname or "default"  # "default": fs.defaultFS from the Hadoop configuration
+    try:
+        port = parts.port or 0
+    except ValueError as exc:
+        raise ConfigError("base_uri", parts.geturl(), "hdfs://host:port/path with a numeric "
+                          "port", owner="open_store") from exc
+    opts = {**(storage_options or {}), "skip_instance_cache": True}
+    fs = fsspec.filesystem("hdfs", host=host, port=port, **opts)
     location = f"hdfs://{parts.netloc}{parts.path}".rstrip("/")
-    return FsspecBlobStore(fs, parts.path or "/", location=location, owns_filesystem=True)
+    return FsspecBlobStore(fs, parts.path or "/", location=location)
 
 
-def _validate(store: BlobStore) -> None:
-    if isinstance(store, (FsspecBlobStore, LocalBlobStore)):
+_S = TypeVar("_S", LocalBlobStore, FsspecBlobStore)
+
+
+def _validated(store: _S) -> _S:
+    try:
         store.validate()
+    except BaseException:
+        store.close()  # nothing may stay open behind a failed open_store
+        raise
+    return store
 
 
 def _redact(uri: str) -> str:

@@ -77,8 +77,6 @@ class FsspecBlobStore:
         read_backoff_s: pauses between read attempts; the last value repeats.
         bucket: the bucket (or container) holding ``root``, if the filesystem has them;
             :meth:`validate` checks that it exists.
-        owns_filesystem: ``close()`` drops the filesystem (set by :func:`dstl.stores.open_store`
-            for filesystems it created). Injected filesystems are never touched by ``close``.
 
     Raises:
         ConfigError: ``read_attempts`` < 1, or ``root`` is the filesystem's root.
@@ -87,7 +85,7 @@ class FsspecBlobStore:
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, location: str | None = None,
                  read_attempts: int = 3,
                  read_backoff_s: Sequence[float] = DEFAULT_READ_BACKOFF_S,
-                 bucket: str | None = None, owns_filesystem: bool = False) -> None:
+                 bucket: str | None = None) -> None:
         if read_attempts < 1:
             raise ConfigError("read_attempts", read_attempts, "an integer >= 1",
                               owner="FsspecBlobStore")
@@ -103,7 +101,6 @@ class FsspecBlobStore:
         self.location = location if location is not None else root.rstrip("/")
         self._read_attempts = read_attempts
         self._backoff = tuple(read_backoff_s)
-        self._owns_fs = owns_filesystem
         self._bucket = bucket
         self._create_mode = _takes_mode(fs)
         self._lock = threading.Lock()
@@ -266,10 +263,11 @@ class FsspecBlobStore:
                         raise err from exc
 
     def close(self) -> None:
-        """Mark the store closed; drop the filesystem if this store created it.
+        """Mark the store closed and drop its reference to the filesystem.
 
-        An injected filesystem is left as it is (its owner closes it). s3fs closes its HTTP
-        session when the filesystem object is collected.
+        The filesystem itself is never closed here: an injected one belongs to the caller, and
+        one made by :func:`dstl.stores.open_store` is referenced only by this store, so s3fs
+        closes its HTTP session when it is collected.
         """
         with self._lock:
             fs, self._fs = self._fs, None
@@ -300,13 +298,13 @@ class FsspecBlobStore:
                         "not visible with these credentials; create it, or fix base_uri or the "
                         "credentials in storage_options") from exc
                 raise err from exc
+            return
         try:
             fs.info(self._root)
         except Exception as exc:
             err = translate_error(exc, op="open", key=None, location=self.location)
             if not isinstance(err, ObjectNotFoundError):
                 raise err from exc
-        _log.debug("validated %s", self.location)
 
     # ------------------------------------------------------------------ internals
 

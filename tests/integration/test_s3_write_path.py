@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support.moto_server import moto_endpoint, s3_bucket, s3_storage_options  # noqa: F401
+from support import moto_server
+from support.moto_server import s3_storage_options
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.errors import AccessDeniedError
@@ -13,6 +14,8 @@ from dstl.segment import decode_segment
 from restore import ChangelogReader
 
 pytestmark = pytest.mark.s3
+moto_endpoint = moto_server.moto_endpoint
+s3_bucket = moto_server.s3_bucket
 
 
 def test_eight_writers_in_one_window_write_exactly_one_object(moto_endpoint: str,

@@ -75,5 +75,5 @@ class ScriptedStore:
     def close(self) -> None:
         self._release.set()
 
-    def keys(self) -> list[str]:
+    def stored(self) -> list[str]:
         return [o.key for o in self.inner.list()]

@@ -197,7 +197,7 @@ def test_success_on_the_nth_attempt(store: ScriptedStore, timer: ManualTimer) ->
         h = f.result(WAIT)
         assert list(ChangelogReader(s).read(h)) == [(1, b"payload")]
         _settle(s)
-        assert store.keys() == [h.change_sets[0].key]  # no duplicate object (G6)
+        assert store.stored() == [h.change_sets[0].key]  # no duplicate object (G6)
         m = s.metrics()
         assert m["ChangelogStorage.attemptsPerUpload.max"] == 3
 
@@ -233,7 +233,7 @@ def test_timeout_starts_a_concurrent_attempt_and_the_loser_is_deleted(
         assert len(store.puts) == 2 and h.change_sets[0].key == store.puts[1]
         store.release_hangs()  # the slow attempt lands late and loses
         store.wait_deleted(store.puts[0])
-        assert store.keys() == [store.puts[1]]
+        assert store.stored() == [store.puts[1]]
         assert s.metrics()["ChangelogStorage.totalAttemptsPerUpload.max"] == 2
 
 
@@ -257,7 +257,7 @@ def test_ghost_success_is_cleaned_up(store: ScriptedStore, timer: ManualTimer) -
     with _storage(store, timer, upload_retry_delay_s=0.0) as s:
         h = _persist_one(s).result(WAIT)  # type: ignore[attr-defined]
         _settle(s)
-        assert store.keys() == [h.change_sets[0].key]
+        assert store.stored() == [h.change_sets[0].key]
         assert store.puts[0] in store.deletes
 
 
@@ -275,7 +275,7 @@ def test_close_sends_what_is_queued(store: ScriptedStore, timer: ManualTimer) ->
     s = _storage(store, timer, persist_delay_s=100.0)
     f = _persist_one(s)
     s.close()
-    assert f.result(WAIT).change_sets[0].key in store.keys()  # type: ignore[attr-defined]
+    assert f.result(WAIT).change_sets[0].key in store.stored()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)

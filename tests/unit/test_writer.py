@@ -79,7 +79,7 @@ def test_preemptive_persist_uploads_and_later_persist_reuses(store: ScriptedStor
     with ChangelogStorage(store=store, options=_options(preemptive_persist_threshold_bytes=100),
                           timer=ManualTimer()) as s:
         w = s.create_writer("w", KGS)
-        for i in range(30):
+        for _ in range(30):
             w.append(1, b"0123456789")  # 14 framed bytes each: fires at the 8th append
         assert s.metrics()["ChangelogStorage.numberOfPreemptivePersists"] >= 1
         h = w.persist(0, 1).result(WAIT)
@@ -252,8 +252,8 @@ def test_truncate_releases_and_deletes_unconfirmed_segments(storage: ChangelogSt
     w.persist(1, -1).result(WAIT)
     w.truncate(1)
     _settle(storage)
-    assert h.change_sets[0].key not in store.keys()
-    assert len(store.keys()) == 1
+    assert h.change_sets[0].key not in store.stored()
+    assert len(store.stored()) == 1
 
 
 def test_confirmed_segments_are_never_deleted_by_the_process(storage: ChangelogStorage,
@@ -264,7 +264,7 @@ def test_confirmed_segments_are_never_deleted_by_the_process(storage: ChangelogS
     w.confirm(0, h.to_sqn, 1)
     w.truncate(h.to_sqn)
     _settle(storage)
-    assert h.change_sets[0].key in store.keys()
+    assert h.change_sets[0].key in store.stored()
     assert storage.registry.tracked() == {}
 
 
@@ -281,10 +281,10 @@ def test_segment_shared_by_two_writers_is_deleted_only_after_both_truncate(
         key = ha.change_sets[0].key
         a.truncate(1)
         _settle(s)
-        assert key in store.keys()
+        assert key in store.stored()
         b.truncate(1)
         _settle(s)
-        assert key not in store.keys()
+        assert key not in store.stored()
 
 
 def test_in_flight_checkpoint_pins_its_segments(storage: ChangelogStorage,
@@ -297,10 +297,10 @@ def test_in_flight_checkpoint_pins_its_segments(storage: ChangelogStorage,
     key = h.change_sets[0].key
     w.truncate(1)                            # materialized + older checkpoint subsumed
     _settle(storage)
-    assert key in store.keys()               # pinned by checkpoint 7
+    assert key in store.stored()               # pinned by checkpoint 7
     w.confirm(0, 1, 7)                       # completes: handed over, still there
     _settle(storage)
-    assert key in store.keys()
+    assert key in store.stored()
 
 
 def test_aborted_checkpoint_unpins_and_the_segment_can_go(storage: ChangelogStorage,
@@ -311,10 +311,10 @@ def test_aborted_checkpoint_unpins_and_the_segment_can_go(storage: ChangelogStor
     key = h.change_sets[0].key
     w.truncate(1)
     _settle(storage)
-    assert key in store.keys()
+    assert key in store.stored()
     w.reset(0, 1, 7)
     _settle(storage)
-    assert key not in store.keys()
+    assert key not in store.stored()
 
 
 def test_truncate_and_close_keeps_checkpointed_and_drops_the_rest(
@@ -326,8 +326,8 @@ def test_truncate_and_close_keeps_checkpointed_and_drops_the_rest(
     later = w.persist(1, -1).result(WAIT)
     w.truncate_and_close(h.to_sqn)
     _settle(storage)
-    assert h.change_sets[0].key in store.keys()
-    assert later.change_sets[0].key not in store.keys()
+    assert h.change_sets[0].key in store.stored()
+    assert later.change_sets[0].key not in store.stored()
 
 
 def test_late_upload_result_after_truncation_is_released(store: ScriptedStore,
@@ -344,4 +344,4 @@ def test_late_upload_result_after_truncation_is_released(store: ScriptedStore,
         store.release_hangs()
         # the upload lands after the truncation: released on arrival, then deleted
         store.wait_deleted(store.puts[0])
-        assert store.keys() == []
+        assert store.stored() == []

@@ -1,0 +1,297 @@
+"""One BlobStore contract, run against every backend (Litestream/zarr style).
+
+Backends: MemoryBlobStore (the reference), LocalBlobStore, FsspecBlobStore over fsspec's memory
+and local filesystems, and FsspecBlobStore over s3fs on a moto server (marker ``s3``). The
+semantics are those of the ``dstl.blobstore`` module docstring. LocalBlobStore-specific
+durability rules (temp files, stale temp cleanup, atomic write-once) follow the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import fsspec
+import pytest
+from support import moto_server
+from support.moto_server import s3_storage_options
+
+from dstl.blobstore import BlobStore, MemoryBlobStore, ObjectInfo
+from dstl.errors import ObjectExistsError, ObjectNotFoundError, UnsafePathError
+from dstl.stores import FsspecBlobStore, LocalBlobStore, open_store
+
+# Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
+# parameters of the same name do not shadow an import.
+moto_endpoint = moto_server.moto_endpoint
+s3_bucket = moto_server.s3_bucket
+
+BACKENDS = [
+    "memory",
+    "local",
+    "fsspec-memory",
+    "fsspec-local",
+    pytest.param("fsspec-s3", marks=pytest.mark.s3),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlobStore]:
+    kind = request.param
+    if kind == "memory":
+        s: BlobStore = MemoryBlobStore()
+    elif kind == "local":
+        s = LocalBlobStore(tmp_path / "root")
+    elif kind == "fsspec-memory":
+        # fsspec's memory filesystem is process-wide: a fresh root per test, removed after it.
+        s = open_store(f"memory://contract-{uuid.uuid4().hex}")
+    elif kind == "fsspec-local":
+        s = FsspecBlobStore(fsspec.filesystem("file"), str(tmp_path / "root"))
+    elif kind == "fsspec-s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        endpoint = request.getfixturevalue("moto_endpoint")
+        s = open_store(f"s3://{bucket}/contract", s3_storage_options(endpoint))
+    else:
+        raise AssertionError(kind)
+    yield s
+    if kind == "fsspec-memory":
+        s.delete([info.key for info in s.list()])
+    s.close()
+
+
+def keys_of(infos: Iterator[ObjectInfo]) -> list[str]:
+    return [info.key for info in infos]
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("size", [0, 17, 5 * 1024 * 1024], ids=["empty", "small", "5MiB"])
+def test_round_trip(store: BlobStore, size: int) -> None:
+    data = os.urandom(size)
+    store.put("dstl/obj", data)
+    assert store.get("dstl/obj") == data
+    assert store.head("dstl/obj") == ObjectInfo("dstl/obj", size)
+    assert list(store.list("dstl/")) == [ObjectInfo("dstl/obj", size)]
+
+
+def test_write_once_keeps_first_content(store: BlobStore) -> None:
+    store.put("a/k", b"first")
+    with pytest.raises(ObjectExistsError, match="a/k") as info:
+        store.put("a/k", b"second")
+    assert isinstance(info.value, FileExistsError)
+    assert store.get("a/k") == b"first"
+
+
+def test_missing_object(store: BlobStore) -> None:
+    with pytest.raises(ObjectNotFoundError, match="nope/x") as info:
+        store.get("nope/x")
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.key == "nope/x"
+    with pytest.raises(FileNotFoundError):
+        store.get_range("nope/x", 0, 4)
+    assert store.head("nope/x") is None
+
+
+# --------------------------------------------------------------------------- ranged reads
+
+DATA = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable
+
+
+@pytest.mark.parametrize(("offset", "length", "expected"), [
+    (10, 20, DATA[10:30]),          # inside
+    (1000, 24, DATA[1000:]),        # exactly to the end
+    (1000, 100, DATA[1000:]),       # past the end: short
+    (0, 1024, DATA),                # the whole object
+    (1024, 10, b""),                # starting at the end
+    (5000, 10, b""),                # starting past the end
+    (7, 0, b""),                    # zero length
+], ids=["inside", "at-end", "past-end-short", "whole", "at-size", "beyond", "zero-length"])
+def test_get_range(store: BlobStore, offset: int, length: int, expected: bytes) -> None:
+    store.put("r/obj", DATA)
+    assert store.get_range("r/obj", offset, length) == expected
+
+
+def test_get_range_rejects_negative(store: BlobStore) -> None:
+    store.put("r/obj", DATA)
+    with pytest.raises(ValueError):
+        store.get_range("r/obj", -1, 4)
+    with pytest.raises(ValueError):
+        store.get_range("r/obj", 0, -4)
+
+
+# --------------------------------------------------------------------------- head / list
+
+def test_head(store: BlobStore) -> None:
+    store.put("h/a/b", b"12345")
+    assert store.head("h/a/b") == ObjectInfo("h/a/b", 5)
+    assert store.head("h/a/c") is None
+    assert store.head("h/a") is None  # a "directory" is not an object
+
+
+LIST_KEYS = ["a.b", "a/b/c", "a/b/d", "a/bc", "ab", "b", "dstl/abc", "dstl/abd", "dstl/x/y",
+             "dstlz"]
+
+
+@pytest.mark.parametrize(("prefix", "expected"), [
+    ("", LIST_KEYS),
+    ("dstl/ab", ["dstl/abc", "dstl/abd"]),            # partial-name prefix
+    ("dstl/", ["dstl/abc", "dstl/abd", "dstl/x/y"]),
+    ("dstl", ["dstl/abc", "dstl/abd", "dstl/x/y", "dstlz"]),
+    ("a/b", ["a/b/c", "a/b/d", "a/bc"]),
+    ("a/b/", ["a/b/c", "a/b/d"]),
+    ("dstl/x/", ["dstl/x/y"]),
+    ("dstl/x/y", ["dstl/x/y"]),                       # a whole key is its own prefix
+    ("zzz", []),
+    ("nothere/deeper/", []),
+], ids=lambda v: repr(v) if isinstance(v, str) else None)
+def test_list_prefix_semantics(store: BlobStore, prefix: str, expected: list[str]) -> None:
+    for i, key in enumerate(reversed(LIST_KEYS)):  # insertion order != key order
+        store.put(key, b"x" * i)
+    got = list(store.list(prefix))
+    assert [info.key for info in got] == expected
+    sizes = {key: len(LIST_KEYS) - 1 - i for i, key in enumerate(LIST_KEYS)}
+    assert all(info.size == sizes[info.key] for info in got)
+
+
+# --------------------------------------------------------------------------- delete
+
+def test_delete_is_idempotent(store: BlobStore) -> None:
+    store.put("d/k", b"v")
+    store.delete(["d/k"])
+    store.delete(["d/k"])
+    store.delete(["never/existed"])
+    store.delete([])
+    assert store.head("d/k") is None
+    with pytest.raises(ObjectNotFoundError):
+        store.get("d/k")
+
+
+def test_delete_many_with_missing(store: BlobStore) -> None:
+    keys = [f"m/{i % 5}/obj-{i:04d}" for i in range(60)]
+    for key in keys:
+        store.put(key, key.encode())
+    doomed = keys[::2]
+    store.delete([*doomed, "m/missing-1", "m/9/missing-2"])
+    assert keys_of(store.list("m/")) == sorted(keys[1::2])
+    for key in doomed:
+        assert store.head(key) is None
+    for key in keys[1::2]:
+        assert store.get(key) == key.encode()
+
+
+def test_deleted_keys_are_not_listed(store: BlobStore) -> None:
+    store.put("l/a", b"1")
+    store.put("l/b", b"2")
+    store.delete(["l/a"])
+    assert keys_of(store.list("l/")) == ["l/b"]
+    store.put("l/c", b"3")
+    assert keys_of(store.list("l")) == ["l/b", "l/c"]
+
+
+# --------------------------------------------------------------------------- key safety
+
+UNSAFE_KEYS = ["", "../x", "a/../../x", "/etc/passwd", "a//b", "a/./b", "a\\b", "s3://b/k",
+               "a/", "a\x00b", ".."]
+
+
+def test_unsafe_keys_rejected_on_put(store: BlobStore) -> None:
+    for key in UNSAFE_KEYS:
+        with pytest.raises(UnsafePathError):
+            store.put(key, b"x")
+    assert list(store.list()) == []
+
+
+def test_unsafe_keys_rejected_on_get(store: BlobStore) -> None:
+    for key in UNSAFE_KEYS:
+        with pytest.raises(UnsafePathError):
+            store.get(key)
+
+
+# --------------------------------------------------------------------------- concurrency
+
+def test_concurrent_puts_from_8_threads(store: BlobStore) -> None:
+    start = threading.Barrier(8)
+
+    def writer(t: int) -> list[str]:
+        start.wait(timeout=10)
+        keys = [f"c/t{t}/k{i:02d}" for i in range(6)] + [f"c/shared-{t}-{i}" for i in range(2)]
+        for key in keys:
+            store.put(key, key.encode() * 3)
+        return keys
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        written = [k for ks in pool.map(writer, range(8)) for k in ks]
+    assert keys_of(store.list("c/")) == sorted(written)
+    for key in written:
+        assert store.get(key) == key.encode() * 3
+
+
+# --------------------------------------------------------------------------- LocalBlobStore
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+class TestLocalBlobStore:
+    def test_no_temp_files_after_successful_puts(self, tmp_path: Path) -> None:
+        store = LocalBlobStore(tmp_path)
+        store.put("a/b/c", b"1")
+        store.put("a/d", b"")
+        store.put("e", os.urandom(100_000))
+        assert _files(tmp_path) == ["a/b/c", "a/d", "e"]
+
+    def test_same_key_race_has_exactly_one_winner(self, tmp_path: Path) -> None:
+        store = LocalBlobStore(tmp_path)
+        start = threading.Barrier(8)
+
+        def put(i: int) -> bool:
+            start.wait(timeout=10)
+            try:
+                store.put("race/k", str(i).encode() * 1000)
+            except ObjectExistsError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            won = list(pool.map(put, range(8)))
+        assert won.count(True) == 1
+        winner = won.index(True)
+        assert store.get("race/k") == str(winner).encode() * 1000
+        assert _files(tmp_path) == ["race/k"]
+
+    def test_stale_temp_files_of_dead_pids_removed_live_kept(self, tmp_path: Path) -> None:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+        dead_pid = int(dead.stdout)
+        live_pid = os.getpid()
+        (tmp_path / "dstl" / "sub").mkdir(parents=True)
+        stale = [tmp_path / f".seg-1.{dead_pid}.0123456789abcdef.tmp",
+                 tmp_path / "dstl" / "sub" / f".seg-2.{dead_pid}.fedcba9876543210.tmp"]
+        live = tmp_path / "dstl" / f".seg-3.{live_pid}.00112233445566ff.tmp"
+        for p in [*stale, live]:
+            p.write_bytes(b"partial")
+        (tmp_path / "dstl" / "real").write_bytes(b"object")
+
+        store = LocalBlobStore(tmp_path)
+
+        assert not any(p.exists() for p in stale)
+        assert live.exists()
+        assert keys_of(store.list()) == ["dstl/real"]  # temp files are never listed
+
+    def test_temp_names_are_reserved(self, tmp_path: Path) -> None:
+        store = LocalBlobStore(tmp_path)
+        with pytest.raises(UnsafePathError, match="reserved"):
+            store.put("a/.x.123.0123456789abcdef.tmp", b"x")
+
+    def test_use_after_close(self, tmp_path: Path) -> None:
+        store = LocalBlobStore(tmp_path)
+        store.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            store.put("k", b"v")
