@@ -128,7 +128,7 @@ class ManualTimer:
             return self._pending()
 
     def _pending(self) -> list[float]:
-        return sorted(round(d - self._now, 9) for d, _, h in self._heap if not h.cancelled)
+        return sorted(d - self._now for d, _, h in self._heap if not h.cancelled)
 
     def wait_for_pending(self, delay_s: float, timeout_s: float = 10.0) -> None:
         """Block until a callback due in ``delay_s`` is scheduled (other threads schedule them).
@@ -137,7 +137,8 @@ class ManualTimer:
             TimeoutError: none appeared within ``timeout_s`` (real time).
         """
         with self._lock:
-            if not self._lock.wait_for(lambda: round(delay_s, 9) in self._pending(), timeout_s):
+            if not self._lock.wait_for(
+                    lambda: any(abs(p - delay_s) < 1e-9 for p in self._pending()), timeout_s):
                 raise TimeoutError(f"no timer callback due in {delay_s}s was scheduled; "
                                    f"pending: {self._pending()}")
 

@@ -1,0 +1,730 @@
+"""``ChangelogKeyedStateBackend``: keyed state = a state table + a changelog + periodic snapshots.
+
+Theory of operation
+-------------------
+- **Double write.** A state mutation updates the state table (heap copy-on-write maps, or LMDB)
+  and appends one change record (:mod:`materializer.changes`) to this backend's
+  :class:`~dstl.writer.ChangelogWriter`, in the key's key group. Before a state's first change —
+  and again after every materialization starts — its metadata record goes to key group -1, so
+  the log after any snapshot is self-describing.
+- **Checkpoint** (:meth:`snapshot`): ``from`` = the sqn up to which the table is materialized,
+  ``persist(from, cp)``; the handle = the materialized snapshot objects + the changelog handles
+  after them. Only the last flush window is waited for.
+- **Materialization** (:meth:`materialize_now`, or the periodic timer): boundary
+  ``up_to = writer.next_sqn()``; the table snapshot is taken on the owner thread (heap: bump the
+  map versions and copy bucket arrays; LMDB: open a read transaction) and written out and uploaded
+  on the ``dstl-materializer`` thread while the owner keeps writing. At most one runs at a time,
+  and none starts until the previous one was confirmed by a completed checkpoint or failed
+  (Flink's guard against discontinuous shared-state dependencies). ``max_failures`` consecutive
+  failures fail the backend: the next call raises :class:`~dstl.errors.BackendFailedError` chained
+  to the cause. Besides the timer (first delay random in ``[0, interval)``, then a fixed delay
+  after each run), a size trigger materializes when the log since the last snapshot exceeds
+  ``materialize_log_ratio`` times the last snapshot's size (Flink triggers only on time, which let
+  sliding-window jobs reach 45x space).
+- **Timer thread vs owner thread.** The heap table has a single writer, so the timer only raises a
+  flag; the owner thread runs the (short) synchronous part at its next state access or checkpoint.
+- **Truncation.** ``writer.truncate(min(materialized_up_to, subsumed_checkpoint_up_to))``: a change
+  set is dropped only when it is materialized and every checkpoint that named it is subsumed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dstl.errors import (
+    BackendFailedError,
+    ClosedError,
+    ConfigError,
+    KeyGroupError,
+    StateError,
+    UsageError,
+)
+from dstl.handle import ChangelogHandle
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange, key_group_for
+from dstl.metrics import MetricsRegistry
+from dstl.timer import ThreadTimer, Timer, TimerHandle
+from materializer.changes import (
+    ADD,
+    ADD_ELEMENT,
+    ADD_OR_UPDATE_ELEMENT,
+    CLEAR,
+    OP_SID,
+    REMOVE_ELEMENT,
+    SET,
+    SET_INTERNAL,
+    Change,
+    decode_change,
+    decode_map_entry,
+    decode_metadata,
+    encode_key_ns,
+    encode_metadata,
+    iter_framed,
+    iter_pairs,
+)
+from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_name
+from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.options import BackendOptions
+from materializer.states import STATE_CLASSES, StateDescriptor, StateShape, _State
+
+__all__ = ["ChangelogKeyedStateBackend"]
+
+logger = logging.getLogger(__name__)
+
+_pack_op_sid = OP_SID.pack
+_MAX_STATES: Final = 65536
+
+
+class _NamespaceCodec:
+    """Namespaces: ``None`` (the default namespace) is ``b""``; others use the safe codec."""
+
+    name = "safe-ns"
+
+    def __init__(self) -> None:
+        self._safe = SafeCodec()
+
+    def encode(self, ns: Any) -> bytes:
+        return b"" if ns is None else self._safe.encode(ns)
+
+    def decode(self, data: bytes) -> Any:
+        return None if not data else self._safe.decode(data)
+
+
+@dataclass
+class _Registered:
+    state_id: int
+    descriptor: StateDescriptor | None  # None: known from a restore, not yet re-registered
+    shape: StateShape
+    meta: dict[str, Any]
+    state: _State | None = None
+
+
+@dataclass
+class _Checkpoint:
+    checkpoint_id: int
+    from_sqn: int
+    to_sqn: int
+    materialization_id: int
+
+
+class ChangelogKeyedStateBackend:
+    """A keyed state backend whose every change is logged (see the module docstring).
+
+    Args:
+        storage: the process's :class:`~dstl.ChangelogStorage`.
+        operator_id: unique per backend in the storage and stable across restarts (log id).
+        key_groups: the key groups this backend owns.
+        max_parallelism: number of key groups of the job.
+        table: ``"heap"`` or ``"lmdb"``.
+        options: :class:`~materializer.options.BackendOptions`.
+        key_codec: encodes keys (default: str -> UTF-8, bytes as is).
+        local_directory: where the LMDB environment lives (default: a fresh temporary directory,
+            removed on close).
+        timer: timer of the periodic materialization (default: a thread of its own).
+
+    Raises:
+        ConfigError: bad table kind or options.
+        UsageError: the operator id is already open on this storage.
+    """
+
+    def __init__(self, storage: Any, operator_id: str, key_groups: KeyGroupRange,
+                 max_parallelism: int, table: str = "heap", options: BackendOptions | None = None,
+                 *, key_codec: Codec | None = None, local_directory: str | None = None,
+                 timer: Timer | None = None) -> None:
+        if table not in ("heap", "lmdb"):
+            raise ConfigError("table", table, "'heap' or 'lmdb'", owner="backend")
+        if not isinstance(key_groups, KeyGroupRange) or key_groups.end >= max_parallelism:
+            raise UsageError(f"key groups {key_groups} do not fit max_parallelism "
+                             f"{max_parallelism}")
+        self.options = options or BackendOptions()
+        self.operator_id = operator_id
+        self.key_groups = key_groups
+        self.max_parallelism = max_parallelism
+        self.table_kind = table
+        self._storage = storage
+        self._store = storage.store
+        self._heap = table == "heap"
+        self._key_codec: Codec = key_codec or StrOrBytesKeyCodec()
+        self._ns_codec = _NamespaceCodec()
+        self._own_dir: str | None = None
+        self._tables: Any
+        if self._heap:
+            from materializer.state_tables import HeapStateTables
+            self._tables = HeapStateTables(key_groups)
+        else:
+            from materializer.lmdb_table import LmdbStateTable
+            if local_directory is None:
+                local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
+            self._tables = LmdbStateTable(
+                os.path.join(local_directory, _safe_dirname(operator_id)), key_groups,
+                map_size_bytes=self.options.lmdb_map_size_bytes,
+                max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
+        self._writer = storage.create_writer(operator_id, key_groups)
+        self._metrics = MetricsRegistry(f"ChangelogBackend.{operator_id}.")
+        self._lock = threading.Lock()
+        # current key / namespace
+        self._key: Any = None
+        self._kg = -2
+        self._key_b = b""
+        self._ns: Any = None
+        self._ns_b = b""
+        self._kn = encode_key_ns(b"", b"")
+        self._tk: Any = None
+        self._tn: Any = None if self._heap else b""
+        # states
+        self._states: dict[str, _Registered] = {}
+        self._by_id: dict[int, _Registered] = {}
+        self._meta_logged: set[int] = set()
+        # checkpoint / materialization state (guarded by _lock where the async part touches it)
+        self._materialized: tuple[SnapshotRef, ...] = ()
+        self._materialized_to = 0
+        self._restored_non_materialized: tuple[ChangelogHandle, ...] = ()
+        self._materialization_id = 0          # id of the newest completed materialization
+        self._next_materialization_id = 1
+        self._last_confirmed_mat = 0
+        self._last_failed_mat = 0
+        self._mat_in_flight: Future[None] | None = None
+        self._consecutive_failures = 0
+        self._failure: BaseException | None = None
+        self._last_checkpoint: _Checkpoint | None = None
+        self._checkpoint_up_to: dict[int, tuple[int, int]] = {}  # cp -> (to_sqn, mat id)
+        self._subsumed_up_to: int | None = None
+        self._log_bytes_since_mat = 0
+        self._last_snapshot_size = 0
+        self._closed = False
+        self._attention = False
+        self._due = False
+        # metrics
+        m = self._metrics
+        self._m_started = m.counter("startedMaterialization")
+        self._m_completed = m.counter("completedMaterialization")
+        self._m_failed = m.counter("failedMaterialization")
+        self._m_last_duration = -1.0
+        m.gauge("lastDurationOfMaterialization", lambda: self._m_last_duration)
+        self._sizes = {"lastFullSizeOfMaterialization": 0.0, "lastIncSizeOfMaterialization": 0.0,
+                       "lastFullSizeOfNonMaterialization": 0.0,
+                       "lastIncSizeOfNonMaterialization": 0.0}
+        for name in self._sizes:
+            m.gauge(name, lambda n=name: self._sizes[n])  # type: ignore[misc]
+        m.gauge("logBytesSinceMaterialization", lambda: float(self._log_bytes_since_mat))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dstl-materializer")
+        self._own_timer = timer is None and self.options.materialization_interval_s is not None
+        self._timer: Timer | None = timer if timer is not None else (
+            ThreadTimer(f"materializer-{operator_id}") if self._own_timer else None)
+        self._timer_handle: TimerHandle | None = None
+        if self._timer is not None and self.options.materialization_interval_s is not None:
+            interval = self.options.materialization_interval_s
+            self._timer_handle = self._timer.schedule(random.uniform(0, interval), self._on_timer)
+        logger.info("backend %s opened: %s table, key groups %s", operator_id, table, key_groups)
+
+    # ------------------------------------------------------------------ key / namespace
+
+    def set_current_key(self, key: Any) -> None:
+        """Set the key that state calls refer to.
+
+        Raises:
+            KeyGroupError: the key's key group is not owned by this backend.
+            UsageError: the key codec cannot encode the key.
+        """
+        if self._attention:
+            self._attend()
+        kb = self._key_codec.encode(key)
+        kg = key_group_for(kb, self.max_parallelism)
+        if not self.key_groups.start <= kg <= self.key_groups.end:
+            raise KeyGroupError(kg, f"backend {self.operator_id!r}", self.key_groups,
+                                f"key {key!r} belongs to another backend; route by "
+                                "dstl.key_group_for")
+        self._key, self._key_b, self._kg = key, kb, kg
+        self._kn = encode_key_ns(kb, self._ns_b)
+        self._tk = key if self._heap else kb
+
+    def get_current_key(self) -> Any:
+        return self._key
+
+    def set_current_namespace(self, namespace: Any) -> None:
+        """Set the namespace (e.g. a window); ``None`` is the default namespace."""
+        nb = self._ns_codec.encode(namespace)
+        self._ns, self._ns_b = namespace, nb
+        self._kn = encode_key_ns(self._key_b, nb)
+        self._tn = namespace if self._heap else nb
+
+    # ------------------------------------------------------------------ states
+
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """Register (or look up) the state described by ``descriptor`` and return it.
+
+        Raises:
+            UsageError: a state of that name exists with another kind, or too many states.
+        """
+        self._check_open()
+        if not isinstance(descriptor, StateDescriptor) or descriptor.kind not in STATE_CLASSES:
+            raise UsageError(f"not a state descriptor: {descriptor!r}")
+        if not isinstance(descriptor.name, str) or not 0 < len(descriptor.name) <= 255:
+            raise UsageError(f"state name {descriptor.name!r} is invalid: expected a non-empty "
+                             "string of at most 255 characters")
+        reg = self._states.get(descriptor.name)
+        if reg is not None and reg.state is not None:
+            if reg.meta["kind"] != descriptor.kind:
+                raise UsageError(f"state {descriptor.name!r} is a {reg.meta['kind']} state; it "
+                                 f"cannot be opened as a {descriptor.kind} state")
+            return reg.state
+        if reg is not None and reg.meta["kind"] != descriptor.kind:
+            raise UsageError(f"state {descriptor.name!r} was restored as a {reg.meta['kind']} "
+                             f"state; it cannot be opened as a {descriptor.kind} state")
+        codec = descriptor.codec()
+        key_codec = descriptor.key_codec() if descriptor.kind == "map" else None  # type: ignore[attr-defined]
+        shape = StateShape(descriptor.kind, codec, key_codec)
+        meta = {"name": descriptor.name, "kind": descriptor.kind, "value_codec": codec.name,
+                "key_codec": key_codec.name if key_codec is not None else None}
+        if reg is None:
+            if len(self._by_id) >= _MAX_STATES:
+                raise UsageError(f"backend {self.operator_id!r} has {_MAX_STATES} states; no "
+                                 "more can be registered")
+            sid = max(self._by_id, default=-1) + 1
+            reg = _Registered(sid, descriptor, shape, meta)
+            self._states[descriptor.name] = reg
+            self._by_id[sid] = reg
+        else:
+            reg.descriptor, reg.shape, reg.meta = descriptor, shape, meta
+        reg.state = STATE_CLASSES[descriptor.kind](self, reg.state_id, descriptor, shape)
+        return reg.state
+
+    def state_names(self) -> list[str]:
+        return sorted(self._states)
+
+    # ------------------------------------------------------------------ table + log (states)
+
+    def _check_read(self) -> None:
+        if self._attention:
+            self._attend()
+        if self._kg < 0:
+            raise UsageError(f"backend {self.operator_id!r}: set_current_key() first")
+
+    def _get(self, sid: int, shape: StateShape) -> Any:
+        if self._kg < 0:
+            self._check_read()
+        v = self._tables.get(sid, self._kg, self._tk, self._tn)
+        if v is None or self._heap:
+            return v
+        return shape.from_bytes(v)
+
+    def _get_raw(self, sid: int) -> Any:
+        """The table's stored form (LMDB: bytes) without decoding."""
+        if self._kg < 0:
+            self._check_read()
+        return self._tables.get(sid, self._kg, self._tk, self._tn)
+
+    def _touch(self) -> None:
+        """Before an in-place mutation of a live heap object: honour flags like a write."""
+        if self._attention:
+            self._attend()
+
+    def _put(self, sid: int, value: Any) -> None:
+        if self._attention:
+            self._attend()
+        if self._kg < 0:
+            self._check_read()
+        self._tables.put(sid, self._kg, self._tk, self._tn, value)
+
+    def _put_obj(self, sid: int, shape: StateShape, obj: Any) -> None:
+        self._put(sid, obj if self._heap else shape.to_bytes(obj))
+
+    def _remove(self, sid: int) -> None:
+        if self._attention:
+            self._attend()
+        if self._kg < 0:
+            self._check_read()
+        self._tables.remove(sid, self._kg, self._tk, self._tn)
+
+    def _log(self, op: int, sid: int, payload: bytes) -> None:
+        if sid not in self._meta_logged:
+            self._log_metadata(sid)
+        data = _pack_op_sid(op, sid) + self._kn + payload
+        self._writer.append(self._kg, data)
+        self._log_bytes_since_mat += len(data)
+        if self._log_bytes_since_mat > self._size_trigger_bytes():
+            self._due = self._attention = True
+
+    def _log_metadata(self, sid: int) -> None:
+        self._writer.append(META_KEY_GROUP, encode_metadata(sid, self._by_id[sid].meta))
+        self._meta_logged.add(sid)
+
+    def _size_trigger_bytes(self) -> float:
+        ratio = self.options.materialize_log_ratio
+        if ratio is None:
+            return float("inf")
+        return max(self.options.materialize_min_log_bytes, ratio * self._last_snapshot_size)
+
+    def _merge(self, state: _State, target: Any, sources: Iterable[Any],
+               fn: Callable[[Any, Any], Any]) -> None:
+        """Merge the namespaces ``sources`` into ``target`` for the current key; logged as
+        CLEAR of each source and SET_INTERNAL of the target (replay runs no merge function)."""
+        sid, shape = state._sid, state._shape
+        saved = self._ns
+        try:
+            merged = None
+            self.set_current_namespace(target)
+            merged = self._get(sid, shape)
+            for src in sources:
+                if src == target:
+                    continue
+                self.set_current_namespace(src)
+                v = self._get(sid, shape)
+                if v is None:
+                    continue
+                merged = v if merged is None else fn(merged, v)
+                self._remove(sid)
+                self._log(CLEAR, sid, b"")
+            if merged is not None:
+                self.set_current_namespace(target)
+                encoded = shape.to_bytes(merged)
+                self._put(sid, shape.from_bytes(encoded) if self._heap else encoded)
+                self._log(SET_INTERNAL, sid, encoded)
+        finally:
+            self.set_current_namespace(saved)
+
+    # ------------------------------------------------------------------ replay (restore)
+
+    def apply_change(self, key_group: int, payload: bytes, *, allow_pickle: bool = False) -> None:
+        """Apply one logged change to the table WITHOUT logging it again (used by restore).
+
+        Metadata records (key group -1) rebuild the state registry. A data change of a key
+        group outside this backend's range is ignored (rescaling).
+
+        Raises:
+            CorruptObjectError: malformed record or a state id with no metadata.
+        """
+        if key_group == META_KEY_GROUP:
+            sid, meta = decode_metadata(payload)
+            self._register_restored(sid, meta, allow_pickle)
+            return
+        if not self.key_groups.start <= key_group <= self.key_groups.end:
+            return
+        ch = decode_change(payload)
+        reg = self._by_id.get(ch.state_id)
+        if reg is None:
+            from dstl.errors import CorruptObjectError
+            raise CorruptObjectError("<changelog>", 0, f"change for state id {ch.state_id} "
+                                                       "before its metadata record")
+        self._apply(key_group, reg, ch)
+
+    def _register_restored(self, sid: int, meta: dict[str, Any], allow_pickle: bool) -> None:
+        name = meta["name"]
+        existing = self._by_id.get(sid)
+        if existing is not None:
+            if existing.meta["name"] != name or existing.meta["kind"] != meta["kind"]:
+                raise StateError(f"state id {sid} is {existing.meta['name']!r} "
+                                 f"({existing.meta['kind']}) here but {name!r} "
+                                 f"({meta['kind']}) in the log")
+            return
+        if meta["kind"] not in STATE_CLASSES:
+            raise StateError(f"state {name!r} has unknown kind {meta['kind']!r}")
+        codec = codec_by_name(meta.get("value_codec", "safe"), allow_pickle=allow_pickle)
+        kc = meta.get("key_codec")
+        key_codec = codec_by_name(kc, allow_pickle=allow_pickle) if kc else None
+        reg = _Registered(sid, None, StateShape(meta["kind"], codec, key_codec), dict(meta))
+        self._states[name] = reg
+        self._by_id[sid] = reg
+
+    def _apply(self, kg: int, reg: _Registered, ch: Change) -> None:
+        t, shape, sid = self._tables, reg.shape, reg.state_id
+        key: Any = ch.key
+        ns: Any = ch.namespace
+        if self._heap:
+            key = self._key_codec.decode(ch.key)
+            ns = self._ns_codec.decode(ch.namespace)
+        op = ch.op
+        if op == CLEAR:
+            t.remove(sid, kg, key, ns)
+        elif op in (SET, SET_INTERNAL):
+            t.put(sid, kg, key, ns, shape.from_bytes(ch.payload) if self._heap else ch.payload)
+        else:
+            cur = t.get(sid, kg, key, ns)
+            obj = (cur if self._heap else shape.from_bytes(cur)) if cur is not None else None
+            codec = shape.codec
+            if op == ADD_ELEMENT:
+                obj = [*(obj or []), codec.decode(ch.payload)]
+            elif op == ADD and shape.kind == "list":
+                obj = [*(obj or []), *(codec.decode(e) for e in iter_framed(ch.payload))]
+            elif op == ADD:
+                kd = shape.key_codec.decode  # type: ignore[union-attr]
+                obj = dict(obj or {})
+                obj.update((kd(k), codec.decode(v)) for k, v in iter_pairs(ch.payload))
+            elif op == ADD_OR_UPDATE_ELEMENT:
+                kd = shape.key_codec.decode  # type: ignore[union-attr]
+                kb, vb = decode_map_entry(ch.payload)
+                obj = dict(obj or {})
+                obj[kd(kb)] = codec.decode(vb)
+            elif op == REMOVE_ELEMENT:
+                kd = shape.key_codec.decode  # type: ignore[union-attr]
+                obj = dict(obj or {})
+                obj.pop(kd(ch.payload), None)
+            else:
+                from dstl.errors import CorruptObjectError
+                raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
+            if op == REMOVE_ELEMENT and not obj:
+                t.remove(sid, kg, key, ns)
+            else:
+                t.put(sid, kg, key, ns, obj if self._heap else shape.to_bytes(obj))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def snapshot(self, checkpoint_id: int) -> Future[ChangelogStateBackendHandle]:
+        """Checkpoint: persist the log since the last materialization; the future gives this
+        backend's handle once that log is durable.
+
+        Raises:
+            BackendFailedError: materialization failed too often earlier.
+            ClosedError: the backend is closed.
+        """
+        self._check_open()
+        if self._attention:
+            self._attend()
+        with self._lock:
+            from_sqn = self._materialized_to
+            materialized = self._materialized
+            restored = self._restored_non_materialized
+            mat_id = self._materialization_id
+        persist = self._writer.persist(from_sqn, checkpoint_id)
+        to_sqn = self._writer.next_sqn()
+        self._last_checkpoint = _Checkpoint(checkpoint_id, from_sqn, to_sqn, mat_id)
+        self._checkpoint_up_to[checkpoint_id] = (to_sqn, mat_id)
+        out: Future[ChangelogStateBackendHandle] = Future()
+        out.set_running_or_notify_cancel()
+
+        def done(f: Future[ChangelogHandle]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            delta = f.result()
+            non_mat = restored + ((delta,) if len(delta) else ())
+            h = ChangelogStateBackendHandle(self.operator_id, self.key_groups, checkpoint_id,
+                                            mat_id, materialized, non_mat,
+                                            delta.incremental_size)
+            self._sizes["lastFullSizeOfNonMaterialization"] = float(h.non_materialized_size)
+            self._sizes["lastIncSizeOfNonMaterialization"] = float(delta.incremental_size)
+            out.set_result(h)
+
+        persist.add_done_callback(done)
+        return out
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """The checkpoint completed: hand its log over, unblock the next materialization."""
+        cp = self._last_checkpoint
+        entry = self._checkpoint_up_to.get(checkpoint_id)
+        if entry is not None:
+            with self._lock:
+                self._last_confirmed_mat = max(self._last_confirmed_mat, entry[1])
+        if cp is not None and cp.checkpoint_id == checkpoint_id:
+            self._writer.confirm(cp.from_sqn, cp.to_sqn, checkpoint_id)
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        """The checkpoint was aborted: keep uploads for reuse, drop its pins."""
+        cp = self._last_checkpoint
+        if cp is not None and cp.checkpoint_id == checkpoint_id:
+            self._writer.reset(cp.from_sqn, cp.to_sqn, checkpoint_id)
+
+    def notify_checkpoint_subsumed(self, checkpoint_id: int) -> None:
+        """The checkpoint is no longer retained: its log may be truncated once materialized."""
+        entry = self._checkpoint_up_to.get(checkpoint_id)
+        if entry is None:
+            return
+        for cp in [c for c in self._checkpoint_up_to if c <= checkpoint_id]:
+            del self._checkpoint_up_to[cp]
+        self._subsumed_up_to = max(self._subsumed_up_to or 0, entry[0])
+        self._maybe_truncate()
+
+    def _maybe_truncate(self) -> None:
+        with self._lock:
+            if self._subsumed_up_to is None or self._materialization_id == 0:
+                return
+            to = min(self._materialized_to, self._subsumed_up_to)
+        if to > self._writer.lowest_sqn():
+            self._writer.truncate(to)
+
+    # ------------------------------------------------------------------ materialization
+
+    def _on_timer(self) -> None:
+        self._due = self._attention = True
+
+    def _attend(self) -> None:
+        if self._failure is not None:
+            raise BackendFailedError(f"backend {self.operator_id!r} failed: materialization "
+                                     f"failed {self._consecutive_failures} times in a row "
+                                     f"(max_failures={self.options.max_failures}); restore it "
+                                     "from its last completed checkpoint") from self._failure
+        if self._closed:
+            raise ClosedError(f"backend {self.operator_id!r}")
+        if self._due:
+            self._due = False
+            self._attention = False
+            self._start_materialization()
+
+    def materialize_now(self, timeout_s: float | None = None) -> SnapshotRef | None:
+        """Run one materialization to completion (the timer's ``run_once``).
+
+        Returns:
+            The new snapshot, or ``None`` when skipped (nothing new since the last one, or the
+            previous one is not yet confirmed by a completed checkpoint).
+
+        Raises:
+            BackendFailedError: this failure was one too many.
+            StorageError: the snapshot could not be uploaded (counted as a failure).
+        """
+        self._check_open()
+        if self._failure is not None:
+            self._attend()
+        fut = self._start_materialization()
+        if fut is None:
+            return None
+        fut.result(timeout_s)
+        with self._lock:
+            return self._materialized[0] if self._materialized else None
+
+    def _start_materialization(self) -> Future[None] | None:
+        with self._lock:
+            busy = self._mat_in_flight is not None and not self._mat_in_flight.done()
+            unconfirmed = (self._materialization_id > self._last_confirmed_mat
+                           and self._materialization_id > self._last_failed_mat)
+        if busy or unconfirmed:
+            logger.debug("backend %s: materialization skipped (%s)", self.operator_id,
+                         "one in flight" if busy else "previous not yet confirmed")
+            self._reschedule()
+            return None
+        up_to = self._writer.next_sqn()
+        if up_to == self._materialized_to:
+            self._reschedule()
+            return None
+        mat_id = self._next_materialization_id
+        self._next_materialization_id += 1
+        self._m_started.inc()
+        t0 = time.monotonic()
+        snap = self._tables.snapshot()
+        metadata = json.dumps({"operator_id": self.operator_id, "materialization_id": mat_id,
+                               "up_to": up_to,
+                               "states": {str(r.state_id): r.meta for r in self._by_id.values()}},
+                              sort_keys=True).encode("utf-8")
+        self._meta_logged.clear()  # the log after up_to must describe its states again
+        self._log_bytes_since_mat = 0
+        key = (f"snapshots/{_safe_dirname(self.operator_id)}/"
+               f"{int(time.time() * 1000):011x}-{mat_id:08x}-{secrets.token_hex(4)}.snap")
+        encode = self._encode_entry if self._heap else None
+
+        def run() -> None:
+            try:
+                data = snap.to_bytes(metadata=metadata, encode=encode,
+                                     zstd_level=self.options.zstd_level)
+                self._store.put(key, data)
+            except BaseException as exc:
+                self._materialization_failed(mat_id, exc)
+                raise
+            self._materialization_done(mat_id, up_to, key, len(data), time.monotonic() - t0)
+
+        fut = self._executor.submit(run)
+        with self._lock:
+            self._mat_in_flight = fut
+        return fut
+
+    def _encode_entry(self, sid: int, key: Any, ns: Any, state: Any) -> tuple[bytes, bytes, bytes]:
+        return (self._key_codec.encode(key), self._ns_codec.encode(ns),
+                self._by_id[sid].shape.to_bytes(state))
+
+    def decode_entry(self, sid: int, key: bytes, ns: bytes, value: bytes
+                     ) -> tuple[Any, Any, Any]:
+        """Inverse of the snapshot encoder for the heap table (used by restore)."""
+        return (self._key_codec.decode(key), self._ns_codec.decode(ns),
+                self._by_id[sid].shape.from_bytes(value))
+
+    def _materialization_done(self, mat_id: int, up_to: int, key: str, size: int,
+                              duration_s: float) -> None:
+        with self._lock:
+            self._materialized = (SnapshotRef(key, size, self.key_groups, mat_id),)
+            self._materialized_to = up_to
+            self._restored_non_materialized = ()
+            self._materialization_id = mat_id
+            self._consecutive_failures = 0
+            self._last_snapshot_size = size
+        self._m_completed.inc()
+        self._m_last_duration = duration_s * 1000.0
+        self._sizes["lastFullSizeOfMaterialization"] = float(size)
+        self._sizes["lastIncSizeOfMaterialization"] = float(size)
+        logger.info("backend %s: materialization %d up to sqn %d written to %s (%d bytes, "
+                    "%.1f ms)", self.operator_id, mat_id, up_to, key, size, duration_s * 1e3)
+        self._maybe_truncate()
+        self._reschedule()
+
+    def _materialization_failed(self, mat_id: int, exc: BaseException) -> None:
+        self._m_failed.inc()
+        with self._lock:
+            self._last_failed_mat = max(self._last_failed_mat, mat_id)
+            self._consecutive_failures += 1
+            fatal = self._consecutive_failures > self.options.max_failures
+            if fatal:
+                self._failure = exc
+                self._attention = True
+        logger.warning("backend %s: materialization %d failed (%d in a row): %s",
+                       self.operator_id, mat_id, self._consecutive_failures, exc)
+        if not fatal:
+            self._reschedule()
+
+    def _reschedule(self) -> None:
+        interval = self.options.materialization_interval_s
+        if self._timer is None or interval is None or self._closed:
+            return
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        self._timer_handle = self._timer.schedule(interval, self._on_timer)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def metrics(self) -> dict[str, float]:
+        """Materialization counters, last duration, and sizes (Flink's names)."""
+        return self._metrics.snapshot()
+
+    @property
+    def writer(self) -> Any:
+        return self._writer
+
+    @property
+    def tables(self) -> Any:
+        return self._tables
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"backend {self.operator_id!r}")
+
+    def close(self) -> None:
+        """Stop the timer, wait for a running materialization, release the log after the last
+        checkpoint, close the table. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        if self._own_timer and self._timer is not None:
+            self._timer.close()
+        self._executor.shutdown(wait=True)
+        cp = self._last_checkpoint
+        self._writer.truncate_and_close(cp.to_sqn if cp is not None else 0)
+        self._tables.close()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+        logger.info("backend %s closed", self.operator_id)
+
+
+def _safe_dirname(operator_id: str) -> str:
+    """A directory/object-name component for an operator id (no '/', no '..')."""
+    out = "".join(c if c.isalnum() or c in "-_." else "_" for c in operator_id)
+    return out.strip(".") or "op"

@@ -1,0 +1,773 @@
+"""On-disk state table: one LMDB environment per owner directory, all states, bytes only.
+
+Theory of operation
+-------------------
+Key layout (one LMDB database, keys compared bytewise)::
+
+    offset  size  field
+    0       2     key group, u16 big-endian
+    2       2     state id, u16 big-endian
+    4       4     key length L, u32 big-endian
+    8       L     key bytes
+    8+L     rest  namespace bytes
+
+So all entries of a key group are one contiguous key range, a key-group *range* is one contiguous
+scan, and inside a key group the states come in ascending state id (which is the order the snapshot
+format stores them in). The length prefix keeps ``(key, namespace)`` pairs unambiguous. Values are
+the caller's bytes. One reserved record at key group ``0xFFFF`` (outside any real range) stores the
+layout version. LMDB limits a key to ``env.max_key_size()`` (511) bytes, so ``key + namespace`` may
+take at most 503 bytes; longer ones are a :class:`~dstl.errors.UsageError`.
+
+Writes: every write outside a batch is its own write transaction (~40k/s); ``write_batch()`` groups
+writes of the calling thread into one transaction (~10x faster). A batch keeps a journal of its
+operations, so when LMDB reports a full map the transaction is aborted, the map grown (doubled, up
+to ``max_map_size_bytes``) and the journal replayed: a batch is atomic and never half-applied.
+Beyond the maximum a :class:`~dstl.errors.StateTableFullError` names the setting.
+
+Snapshots: ``snapshot()`` opens a read transaction (MVCC), so writers continue while it is written
+out on another thread. py-lmdb invalidates every open transaction when the map is resized, so
+growth waits until open snapshots are released (at most ``grow_wait_s``), and ``snapshot()`` first
+grows the map to twice the used size when it can, so writers rarely need to grow during a write-out.
+All reads hold a small in-process guard that a resize waits for.
+
+Concurrency: the environment is shared by threads; one write transaction at a time (a Python lock
+serialises writers; a batch holds it until it ends). Reads from any thread; a batch's own thread
+reads through the batch (it sees its uncommitted writes). Other processes may open the same
+directory (LMDB is multi-process); a map grown by another process is adopted.
+
+Fork rule: an LMDB environment must never be used in a forked child. The table records its pid at
+open; any use from another pid raises :class:`ForkedTableError`, and an ``os.register_at_fork``
+hook makes a child keep (never close, never touch) the parent's environments and transactions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import lmdb
+
+from dstl.errors import (
+    ClosedError,
+    KeyGroupError,
+    LocalDiskFullError,
+    StateError,
+    StateTableFullError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from dstl.keygroups import KeyGroupRange
+from materializer.snapshot_format import SnapshotEntry
+from materializer.state_tables import (
+    DecodeFn,
+    EncodeFn,
+    SnapshotReader,
+    TablesSnapshot,
+    check_state_id,
+)
+
+__all__ = [
+    "DEFAULT_GROW_WAIT_S",
+    "DEFAULT_MAP_SIZE_BYTES",
+    "DEFAULT_MAX_MAP_SIZE_BYTES",
+    "ForkedTableError",
+    "LmdbStateTable",
+    "LmdbTableSnapshot",
+    "LmdbWriteBatch",
+]
+
+log = logging.getLogger(__name__)
+
+#: Initial map size. Virtual address space and a sparse file, so generous is cheap.
+DEFAULT_MAP_SIZE_BYTES: Final = 64 * 1024 * 1024
+#: Growth stops here; a Spark executor's local disk is the real limit.
+DEFAULT_MAX_MAP_SIZE_BYTES: Final = 64 * 1024 * 1024 * 1024
+#: Longest a writer waits for open snapshots to be released before the map can grow.
+DEFAULT_GROW_WAIT_S: Final = 60.0
+
+_PREFIX: Final = struct.Struct(">HHI")   # key group, state id, key length
+_KG_SID: Final = struct.Struct(">HH")
+_LAYOUT_KEY: Final = b"\xff\xff" + b"dstl-layout"
+_LAYOUT_VERSION: Final = b"1"
+_SCAN_CHUNK: Final = 4096                # entries per guarded cursor pass of entries()
+
+# Environments of tables opened before a fork: the child keeps them referenced forever so that
+# deallocation never runs LMDB code on the parent's environment or reader slots.
+_OPEN_TABLES: weakref.WeakSet[LmdbStateTable] = weakref.WeakSet()
+_ABANDONED_IN_CHILD: list[object] = []
+
+
+class ForkedTableError(UsageError):
+    """An :class:`LmdbStateTable` was used in a process forked from the one that opened it."""
+
+    def __init__(self, path: str, opened_pid: int, pid: int) -> None:
+        self.path = path
+        self.opened_pid = opened_pid
+        self.pid = pid
+        super().__init__(f"LmdbStateTable {path} was opened in process {opened_pid} and cannot be "
+                         f"used in forked process {pid} (LMDB environments do not survive fork; "
+                         "open a new LmdbStateTable in the child)")
+
+
+def _after_fork_in_child() -> None:
+    for table in list(_OPEN_TABLES):
+        table._abandon_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class LmdbWriteBatch:
+    """Groups the calling thread's writes into one LMDB transaction (see ``write_batch``).
+
+    Writes go through the table's normal methods (``put``/``remove``/``clear_state``) or through
+    the batch's own ``put``/``remove``. Commits on a clean exit, aborts if the block raises.
+    """
+
+    def __init__(self, table: LmdbStateTable) -> None:
+        self._table = table
+        self._outer = False
+        self.txn: Any = None
+        self.journal: list[tuple[Any, ...]] = []
+        self.thread = 0
+
+    def __enter__(self) -> LmdbWriteBatch:
+        self._outer = self._table._begin_batch(self)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._outer:
+            self._table._end_batch(self, commit=exc_type is None)
+
+    def put(self, state_id: int, key_group: int, key: bytes, namespace: bytes,
+            value: bytes) -> None:
+        self._table.put(state_id, key_group, key, namespace, value)
+
+    def remove(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
+        return self._table.remove(state_id, key_group, key, namespace)
+
+
+class LmdbStateTable:
+    """All states of one backend in one LMDB environment (directory), keyed by state id.
+
+    Args:
+        directory: the environment's directory (created if missing); one per owner.
+        key_groups: the owner's key-group range; operations outside it raise ``KeyGroupError``.
+        map_size_bytes: initial map size (an existing environment keeps its larger size).
+        max_map_size_bytes: growth limit; beyond it ``StateTableFullError``.
+        sync: fsync on commit. Off by default: the table is rebuilt from the last snapshot and
+            the changelog after a machine crash, so durability here only costs latency.
+        grow_wait_s: longest a writer waits for open snapshots before growing the map.
+
+    Raises:
+        ConfigError-like UsageError: sizes are not positive or ``map > max``.
+        UnsupportedFormatError: the directory holds another key layout version.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], key_groups: KeyGroupRange, *,
+                 map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES,
+                 max_map_size_bytes: int = DEFAULT_MAX_MAP_SIZE_BYTES,
+                 sync: bool = False, grow_wait_s: float = DEFAULT_GROW_WAIT_S) -> None:
+        for name, value in (("map_size_bytes", map_size_bytes),
+                            ("max_map_size_bytes", max_map_size_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UsageError(f"LmdbStateTable.{name}={value!r} is invalid: expected an int > 0")
+        if max_map_size_bytes < map_size_bytes:
+            raise UsageError(f"LmdbStateTable.max_map_size_bytes={max_map_size_bytes} is below "
+                             f"map_size_bytes={map_size_bytes}")
+        self.path = str(Path(directory))
+        self._key_groups = key_groups
+        self._kg_start = key_groups.start
+        self._kg_end = key_groups.end
+        self._max_map_size = max_map_size_bytes
+        self._grow_wait_s = grow_wait_s
+        self._closed = False
+        self._forked = False
+        self._map_size = map_size_bytes
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        try:
+            self._env: Any = lmdb.open(self.path, map_size=map_size_bytes, subdir=True,
+                                       sync=sync, metasync=sync, readahead=False, lock=True,
+                                       max_dbs=0)
+        except lmdb.Error as exc:
+            if "already open" in str(exc):
+                raise UsageError(
+                    f"LMDB environment {self.path} is already open in this process (py-lmdb "
+                    "allows one per process, and a forked child inherits the parent's: share "
+                    "the open LmdbStateTable, or open it in a process that did not inherit it)"
+                ) from exc
+            raise self._translate(exc, "open") from exc
+        self._pid = os.getpid()
+        self._map_size = int(self._env.info()["map_size"])
+        self._max_key = int(self._env.max_key_size())
+        self._write_lock = threading.RLock()
+        self._cv = threading.Condition(threading.Lock())
+        self._active_reads = 0
+        self._open_snapshots: weakref.WeakSet[LmdbTableSnapshot] = weakref.WeakSet()
+        self._remapping = False
+        self._batch: LmdbWriteBatch | None = None
+        self._check_layout()
+        _OPEN_TABLES.add(self)
+        log.info("opened LMDB state table %s (map %d bytes, max %d)", self.path, self._map_size,
+                 self._max_map_size)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def key_groups(self) -> KeyGroupRange:
+        return self._key_groups
+
+    @property
+    def map_size_bytes(self) -> int:
+        """Current map size."""
+        return self._map_size
+
+    # ------------------------------------------------------------------ keys
+
+    def _key(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bytes:
+        if type(key_group) is not int or not self._kg_start <= key_group <= self._kg_end:
+            raise KeyGroupError(key_group, f"LmdbStateTable {self.path}", self._key_groups,
+                                hint="route the key to the backend owning its key group")
+        try:
+            k = _PREFIX.pack(key_group, state_id, len(key)) + key + namespace
+        except (struct.error, TypeError) as exc:
+            check_state_id(state_id)
+            raise UsageError(f"LmdbStateTable keys and namespaces must be bytes, got "
+                             f"{type(key).__name__}/{type(namespace).__name__}") from exc
+        if len(k) > self._max_key:
+            raise UsageError(f"key ({len(key)} bytes) + namespace ({len(namespace)} bytes) exceed "
+                             f"LMDB's key limit of {self._max_key - _PREFIX.size} bytes; use "
+                             "shorter keys or the heap table")
+        return k
+
+    @staticmethod
+    def _split(raw: bytes) -> tuple[int, int, bytes, bytes]:
+        kg, sid, klen = _PREFIX.unpack_from(raw, 0)
+        end = _PREFIX.size + klen
+        return kg, sid, raw[_PREFIX.size:end], raw[end:]
+
+    # ------------------------------------------------------------------ guards
+
+    def _check_usable(self) -> None:
+        if self._pid != os.getpid() or self._forked:
+            raise ForkedTableError(self.path, self._pid, os.getpid())
+        if self._closed:
+            raise ClosedError(f"LmdbStateTable {self.path}",
+                              hint="reopen it with LmdbStateTable(directory, key_groups)")
+
+    def _enter_read(self) -> None:
+        with self._cv:
+            while self._remapping:
+                self._cv.wait()
+            self._active_reads += 1
+
+    def _exit_read(self) -> None:
+        with self._cv:
+            self._active_reads -= 1
+            if self._active_reads == 0:
+                self._cv.notify_all()
+
+    def _batch_txn(self) -> Any:
+        batch = self._batch
+        if batch is not None and batch.thread == threading.get_ident():
+            return batch.txn
+        return None
+
+    def _read_txn(self) -> Any:
+        """A new read transaction; adopts a map grown by another process. Call under a read
+        guard."""
+        try:
+            return self._env.begin(buffers=False)
+        except lmdb.MapResizedError:
+            self._exit_read()
+            try:
+                with self._write_lock:
+                    self._remap(0)
+            finally:
+                self._enter_read()
+            return self._env.begin(buffers=False)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bytes | None:
+        """The value bytes, or None."""
+        self._check_usable()
+        k = self._key(state_id, key_group, key, namespace)
+        txn = self._batch_txn()
+        if txn is not None:
+            value: bytes | None = txn.get(k)
+            return value
+        self._enter_read()
+        try:
+            with self._read_txn() as txn:
+                value = txn.get(k)
+                return value
+        except lmdb.Error as exc:
+            raise self._translate(exc, "get") from exc
+        finally:
+            self._exit_read()
+
+    def contains(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
+        return self.get(state_id, key_group, key, namespace) is not None
+
+    def entries(self, state_id: int, key_group: int) -> Iterator[tuple[bytes, bytes, bytes]]:
+        """``(key, namespace, value)`` of one state in one key group, from one read transaction
+        (a consistent view as of the first ``next``), sorted by the key layout."""
+        self._check_usable()
+        check_state_id(state_id)
+        prefix = self._key(state_id, key_group, b"", b"")[:_KG_SID.size]
+        batch_txn = self._batch_txn()
+        if batch_txn is not None:
+            yield from _scan_prefix(batch_txn, prefix)
+            return
+        self._enter_read()
+        try:
+            txn = self._read_txn()
+        finally:
+            self._exit_read()
+        try:
+            start = prefix
+            skip_first = False
+            while True:
+                self._enter_read()
+                try:
+                    chunk = _scan_chunk(txn, prefix, start, skip_first, _SCAN_CHUNK)
+                finally:
+                    self._exit_read()
+                for raw, value in chunk:
+                    _, _, k, ns = self._split(raw)
+                    yield k, ns, value
+                if len(chunk) < _SCAN_CHUNK:
+                    return
+                start, skip_first = chunk[-1][0], True
+        finally:
+            txn.abort()
+
+    def __len__(self) -> int:
+        """Entries of all states in the key-group range."""
+        self._check_usable()
+        n = 0
+        self._enter_read()
+        try:
+            with self._read_txn() as txn, txn.cursor() as cur:
+                lo, hi = _KG_SID.pack(self._kg_start, 0), _KG_SID.pack(self._kg_end + 1, 0)
+                if cur.set_range(lo):
+                    for raw in cur.iternext(keys=True, values=False):
+                        if raw >= hi:
+                            break
+                        n += 1
+        finally:
+            self._exit_read()
+        return n
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, state_id: int, key_group: int, key: bytes, namespace: bytes,
+            value: bytes) -> None:
+        """Store ``value`` (bytes) for ``(state_id, key_group, key, namespace)``."""
+        self._check_usable()
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise UsageError(f"LmdbStateTable values must be bytes, got {type(value).__name__}")
+        self._write(("put", self._key(state_id, key_group, key, namespace), value))
+
+    def remove(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
+        """Delete the entry; True if it existed."""
+        self._check_usable()
+        return bool(self._write(("del", self._key(state_id, key_group, key, namespace))))
+
+    def clear_state(self, state_id: int) -> None:
+        """Delete every entry of ``state_id`` in the key-group range (one transaction)."""
+        self._check_usable()
+        check_state_id(state_id)
+        self._write(("clear", state_id))
+
+    def put_many(self, items: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
+        """Store many ``(state_id, key_group, key, namespace, value)`` in one transaction."""
+        with self.write_batch():
+            for sid, kg, k, ns, v in items:
+                self.put(sid, kg, k, ns, v)
+
+    def write_batch(self) -> LmdbWriteBatch:
+        """A context manager grouping this thread's writes into one transaction.
+
+        Nested batches join the outer one. While a batch is open, writers on other threads wait
+        for it. Reads on this thread see the batch's uncommitted writes.
+        """
+        self._check_usable()
+        return LmdbWriteBatch(self)
+
+    def _begin_batch(self, batch: LmdbWriteBatch) -> bool:
+        me = threading.get_ident()
+        current = self._batch
+        if current is not None and current.thread == me:
+            return False  # nested: join the outer batch
+        self._write_lock.acquire()
+        try:
+            self._check_usable()
+            batch.thread = me
+            batch.txn = self._begin_write()
+            self._batch = batch
+        except BaseException:
+            self._write_lock.release()
+            raise
+        return True
+
+    def _end_batch(self, batch: LmdbWriteBatch, *, commit: bool) -> None:
+        try:
+            if self._forked or self._closed:
+                return
+            if not commit:
+                batch.txn.abort()
+                return
+            while True:
+                try:
+                    batch.txn.commit()
+                    return
+                except lmdb.MapFullError:
+                    batch.txn, _ = self._grow_and_replay(batch)
+                except lmdb.Error as exc:
+                    batch.txn.abort()
+                    raise self._translate(exc, "commit") from exc
+        finally:
+            self._batch = None
+            batch.txn = None
+            batch.journal = []
+            self._write_lock.release()
+
+    def _begin_write(self) -> Any:
+        """A write transaction; call with the write lock held."""
+        try:
+            return self._env.begin(write=True, buffers=False)
+        except lmdb.MapResizedError:
+            self._remap(0)
+            return self._env.begin(write=True, buffers=False)
+
+    def _write(self, op: tuple[Any, ...]) -> Any:
+        batch = self._batch
+        if batch is not None and batch.thread == threading.get_ident():
+            batch.journal.append(op)
+            try:
+                return self._apply(batch.txn, op)
+            except lmdb.MapFullError:
+                batch.txn, result = self._grow_and_replay(batch)
+                return result
+            except lmdb.Error as exc:
+                raise self._translate(exc, op[0]) from exc
+        with self._write_lock:
+            self._check_usable()
+            while True:
+                txn = self._begin_write()
+                try:
+                    result = self._apply(txn, op)
+                    txn.commit()
+                    return result
+                except lmdb.MapFullError:
+                    txn.abort()
+                    self._grow()
+                except lmdb.Error as exc:
+                    txn.abort()
+                    raise self._translate(exc, op[0]) from exc
+                except BaseException:
+                    txn.abort()
+                    raise
+
+    def _apply(self, txn: Any, op: tuple[Any, ...]) -> Any:
+        kind = op[0]
+        if kind == "put":
+            return txn.put(op[1], op[2])
+        if kind == "del":
+            return txn.delete(op[1])
+        lo = _KG_SID.pack
+        with txn.cursor() as cur:
+            for kg in range(self._kg_start, self._kg_end + 1):
+                prefix = lo(kg, op[1])
+                if not cur.set_range(prefix):
+                    break
+                while cur.key()[:_KG_SID.size] == prefix:
+                    if not cur.delete():
+                        break
+        return None
+
+    def _grow_and_replay(self, batch: LmdbWriteBatch) -> tuple[Any, Any]:
+        """MapFull inside a batch: abort, grow, replay the journal into a new transaction.
+
+        Returns the new transaction and the result of the journal's last operation.
+        """
+        batch.txn.abort()
+        while True:
+            self._grow()
+            txn = self._begin_write()
+            try:
+                result = None
+                for op in batch.journal:
+                    result = self._apply(txn, op)
+                return txn, result
+            except lmdb.MapFullError:
+                txn.abort()
+
+    def _grow(self) -> None:
+        """Double the map (up to the max); call with the write lock held and no write txn."""
+        if self._map_size >= self._max_map_size:
+            raise StateTableFullError(self.path, self._map_size, setting="max_map_size_bytes")
+        new_size = min(self._map_size * 2, self._max_map_size)
+        self._remap(new_size, wait_for_snapshots=True)
+
+    def _remap(self, new_size: int, *, wait_for_snapshots: bool = True) -> None:
+        """Resize (``0``: adopt another process's size). py-lmdb invalidates every open
+        transaction, so wait for snapshots and in-flight reads first."""
+        deadline = time.monotonic() + self._grow_wait_s
+        with self._cv:
+            while wait_for_snapshots and len(self._open_snapshots):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StateTableFullError(
+                        self.path, self._map_size,
+                        setting=f"max_map_size_bytes or release the {len(self._open_snapshots)} "
+                                f"open snapshot(s) sooner (waited {self._grow_wait_s} s to grow)")
+                self._cv.wait(left)
+            self._remapping = True
+            while self._active_reads:
+                self._cv.wait()
+            try:
+                self._env.set_mapsize(new_size)
+                self._map_size = int(self._env.info()["map_size"])
+            except lmdb.Error as exc:
+                raise self._translate(exc, "set_mapsize") from exc
+            finally:
+                self._remapping = False
+                self._cv.notify_all()
+        log.info("LMDB state table %s map size now %d bytes", self.path, self._map_size)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot(self) -> LmdbTableSnapshot:
+        """A read transaction over the whole table; write it out on any thread.
+
+        First grows the map to twice the used size when possible (no batch open, no other
+        snapshot), so writers rarely have to wait for this snapshot before growing.
+        """
+        self._check_usable()
+        self._ensure_headroom()
+        self._enter_read()
+        try:
+            txn = self._read_txn()
+            snap = LmdbTableSnapshot(self, txn)
+            with self._cv:
+                self._open_snapshots.add(snap)
+        except lmdb.Error as exc:
+            raise self._translate(exc, "snapshot") from exc
+        finally:
+            self._exit_read()
+        return snap
+
+    def _ensure_headroom(self) -> None:
+        if self._batch is not None or len(self._open_snapshots):
+            return
+        if not self._write_lock.acquire(blocking=False):
+            return
+        try:
+            info = self._env.info()
+            used = (int(info["last_pgno"]) + 1) * int(self._env.stat()["psize"])
+            if used * 2 > self._map_size and self._map_size < self._max_map_size:
+                self._remap(min(max(self._map_size * 2, used * 4), self._max_map_size),
+                            wait_for_snapshots=False)
+        finally:
+            self._write_lock.release()
+
+    def _snapshot_done(self, snap: LmdbTableSnapshot) -> None:
+        with self._cv:
+            self._open_snapshots.discard(snap)
+            self._cv.notify_all()
+
+    def load_snapshot(self, reader: SnapshotReader, decode: DecodeFn | None = None,
+                      key_groups: KeyGroupRange | None = None) -> int:
+        """Put the entries of a snapshot object's key groups (``key_groups ∩ ours``) into the
+        table, one transaction per key group. ``decode`` must be None (values stay bytes).
+
+        Returns:
+            entries loaded.
+        """
+        if decode is not None:
+            raise UsageError("LmdbStateTable stores bytes: load_snapshot takes no decode")
+        self._check_usable()
+        wanted = self._key_groups if key_groups is None else \
+            self._key_groups.intersection(key_groups)
+        count = 0
+        for kg, entries in reader.read(wanted):
+            with self.write_batch():
+                for sid, k, ns, v in entries:
+                    self.put(sid, kg, k, ns, v)
+            count += len(entries)
+        return count
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close the environment (open snapshots become unusable). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN_TABLES.discard(self)
+        if self._forked or self._pid != os.getpid():
+            return  # never touch the parent's environment from a child
+        self._env.close()
+        log.info("closed LMDB state table %s", self.path)
+
+    def __enter__(self) -> LmdbStateTable:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _abandon_in_child(self) -> None:
+        self._forked = True
+        _ABANDONED_IN_CHILD.append(self._env)
+        _ABANDONED_IN_CHILD.extend(s._txn for s in list(self._open_snapshots))
+        if self._batch is not None:
+            _ABANDONED_IN_CHILD.append(self._batch.txn)
+
+    def _check_layout(self) -> None:
+        with self._write_lock:
+            txn = self._begin_write()
+            try:
+                found = txn.get(_LAYOUT_KEY)
+                if found is None:
+                    txn.put(_LAYOUT_KEY, _LAYOUT_VERSION)
+                    txn.commit()
+                    return
+                txn.abort()
+            except BaseException:
+                txn.abort()
+                raise
+        if found != _LAYOUT_VERSION:
+            self._env.close()
+            self._closed = True
+            raise UnsupportedFormatError(self.path, 0, f"LMDB key layout {found!r}",
+                                         f"layout {_LAYOUT_VERSION!r}")
+
+    def _translate(self, exc: lmdb.Error, op: str) -> Exception:
+        if isinstance(exc, lmdb.MapFullError):
+            return StateTableFullError(self.path, self._map_size, setting="max_map_size_bytes")
+        if isinstance(exc, lmdb.DiskError) or "No space left" in str(exc):
+            return LocalDiskFullError(f"LMDB state table {self.path}: {op} failed: {exc} "
+                                      "(free local disk space)", path=self.path)
+        if self._closed:
+            return ClosedError(f"LmdbStateTable {self.path}", hint="reopen it")
+        return StateError(f"LMDB state table {self.path}: {op} failed: {exc}")
+
+
+def _scan_prefix(txn: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes, bytes]]:
+    with txn.cursor() as cur:
+        if not cur.set_range(prefix):
+            return
+        for raw, value in cur.iternext():
+            if raw[:len(prefix)] != prefix:
+                return
+            _, _, k, ns = LmdbStateTable._split(raw)
+            yield k, ns, value
+
+
+def _scan_chunk(txn: Any, prefix: bytes, start: bytes, skip_first: bool,
+                limit: int) -> list[tuple[bytes, bytes]]:
+    """Up to ``limit`` raw ``(key, value)`` pairs with ``prefix`` from ``start`` on."""
+    out: list[tuple[bytes, bytes]] = []
+    n = len(prefix)
+    with txn.cursor() as cur:
+        if not cur.set_range(start):
+            return out
+        for raw, value in cur.iternext():
+            if skip_first and raw == start:
+                skip_first = False
+                continue
+            if raw[:n] != prefix or len(out) >= limit:
+                break
+            out.append((raw, value))
+    return out
+
+
+class LmdbTableSnapshot(TablesSnapshot):
+    """A read transaction over an :class:`LmdbStateTable`; write it out once, on any thread."""
+
+    def __init__(self, table: LmdbStateTable, txn: Any) -> None:
+        super().__init__(table.key_groups)
+        self._table = table
+        self._txn = txn
+        self._released = False
+
+    def entries(self, key_group: int) -> list[SnapshotEntry]:
+        """All states' ``(state id, key, namespace, value)`` of ``key_group`` at the snapshot."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        if key_group not in self._key_groups:
+            raise KeyGroupError(key_group, "LmdbTableSnapshot", self._key_groups)
+        table = self._table
+        table._enter_read()
+        try:
+            return _collect_key_group(self._txn, key_group)
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot read") from exc
+        finally:
+            table._exit_read()
+
+    def _blocks(self, encode: EncodeFn | None) -> Iterator[tuple[int, list[SnapshotEntry]]]:
+        if encode is not None:
+            raise UsageError("LmdbStateTable snapshots hold bytes: write() takes no encode")
+        table = self._table
+        kg = self._key_groups.start
+        end = self._key_groups.end
+        while kg <= end:
+            if self._released:
+                raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+            table._enter_read()
+            try:
+                # Jump straight to the next non-empty key group.
+                with self._txn.cursor() as cur:
+                    if not cur.set_range(_KG_SID.pack(kg, 0)):
+                        return
+                    kg = _KG_SID.unpack_from(cur.key(), 0)[0]
+                if kg > end:
+                    return
+                entries = _collect_key_group(self._txn, kg)
+            except lmdb.Error as exc:
+                raise table._translate(exc, "snapshot read") from exc
+            finally:
+                table._exit_read()
+            yield kg, entries
+            kg += 1
+
+    def release(self) -> None:
+        """Abort the read transaction. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        table = self._table
+        if not table._forked and table._pid == os.getpid() and not table._closed:
+            self._txn.abort()
+        table._snapshot_done(self)
+
+
+def _collect_key_group(txn: Any, key_group: int) -> list[SnapshotEntry]:
+    out: list[SnapshotEntry] = []
+    append = out.append
+    unpack = _PREFIX.unpack_from
+    psize = _PREFIX.size
+    with txn.cursor() as cur:
+        if not cur.set_range(_KG_SID.pack(key_group, 0)):
+            return out
+        for raw, value in cur.iternext():
+            kg, sid, klen = unpack(raw, 0)
+            if kg != key_group:
+                break
+            end = psize + klen
+            append((sid, raw[psize:end], raw[end:], value))
+    return out

@@ -1,0 +1,59 @@
+"""Options of a keyed state backend (``BackendOptions``). Every field is documented, with the
+reason for its default, in ``docs/configuration.md``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dstl.errors import ConfigError
+
+__all__ = ["BackendOptions"]
+
+_OWNER = "BackendOptions"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendOptions:
+    """Options of one :class:`~materializer.ChangelogKeyedStateBackend`."""
+
+    #: Delay between materializations, fixed delay after each one; the first is random in
+    #: [0, interval) so backends do not materialize together (Flink: 10 min). None: timer off.
+    materialization_interval_s: float | None = 600.0
+    #: Also materialize when the log since the last snapshot exceeds this multiple of the last
+    #: snapshot's size (beyond Flink, whose time-only trigger let logs grow 45x). None: off.
+    materialize_log_ratio: float | None = 2.0
+    #: ...but never for less log than this (small states would otherwise materialize constantly).
+    materialize_min_log_bytes: int = 8 * 1024 * 1024
+    #: Consecutive materialization failures tolerated; one more fails the backend (Flink: 3).
+    max_failures: int = 3
+    #: zstd level of snapshot blocks (as for segments).
+    zstd_level: int = 1
+    #: Initial LMDB map size; grows by doubling on demand.
+    lmdb_map_size_bytes: int = 64 * 1024 * 1024
+    #: Largest LMDB map size; beyond it writes fail with StateTableFullError naming this setting.
+    lmdb_max_map_size_bytes: int = 64 * 1024 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("materialization_interval_s", "materialize_log_ratio"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
+                raise ConfigError(name, v, "a positive number or None", owner=_OWNER)
+        for name in ("materialize_min_log_bytes", "max_failures", "lmdb_map_size_bytes",
+                     "lmdb_max_map_size_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(name, v, "a non-negative int", owner=_OWNER)
+        if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int) \
+                or not -7 <= self.zstd_level <= 22:
+            raise ConfigError("zstd_level", self.zstd_level, "an int in [-7, 22]", owner=_OWNER)
+        if self.lmdb_max_map_size_bytes < self.lmdb_map_size_bytes:
+            raise ConfigError("lmdb_max_map_size_bytes", self.lmdb_max_map_size_bytes,
+                              f">= lmdb_map_size_bytes ({self.lmdb_map_size_bytes})",
+                              owner=_OWNER)
+
+    def replace(self, **changes: Any) -> BackendOptions:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,516 @@
+"""Snapshot object format v1: bytes <-> values, no I/O (sans-I/O codec shared by both tables).
+
+Theory of operation
+-------------------
+A materialized snapshot of a backend's state tables is one object::
+
+    header (8) | metadata block | key-group block ... | index | footer (28)
+
+* The header is the one all DSTL objects share with the log's segment format: magic ``b"DSTL"``,
+  u8 object kind (1 = log segment, 2 = snapshot), u8 format version (1), u16 flags (0; anything
+  else is an :class:`~dstl.errors.UnsupportedFormatError`). Integers are big-endian; checksums are
+  ``zlib.crc32``.
+* Every block is a record ``u32 frame length | u32 crc32(frame) | zstd frame``; the frame carries
+  its content size and zstd's content checksum. A block's content starts with ``u16 key group,
+  u32 entry count`` so a block read on its own (ranged read) verifies itself and proves which key
+  group it holds. The metadata block (key group ``0xFFFF``) comes first and holds opaque caller
+  bytes (the states' descriptions); then one block per NON-EMPTY key group in ascending order,
+  each holding the entries of every state in that key group::
+
+      u16 state id | u32 key length | key | u32 namespace length | namespace |
+      u32 value length | value
+
+* The index lists the key-group range the snapshot covers (a key group in the range without a
+  block is empty) and, per block, ``(key group, record offset, record length, entry count)``.
+* The fixed-size footer at the very end locates the index and checks it on its own (for readers
+  that fetch only the tail), repeats kind/version/flags, and ends with a crc32 over every byte
+  before that field and the end magic ``b"LTSD"``.
+
+A reader that has the whole object uses :func:`decode_snapshot` (verifies everything). A ranged
+reader fetches the tail, :func:`decode_footer`, then the index bytes, :func:`decode_index`, then
+only the blocks of its key groups, :func:`decode_block` (each verified by its record crc, its zstd
+content checksum and its key-group field). :class:`SnapshotEncoder` produces the object block by
+block, so the heap table can release a key group's map snapshot right after encoding it.
+
+Decoders raise only :class:`~dstl.errors.CorruptObjectError` and its subclasses
+(:class:`~dstl.errors.ChecksumMismatchError`, :class:`~dstl.errors.TruncatedObjectError`,
+:class:`~dstl.errors.UnsupportedFormatError`), naming the object key and byte offset. The base class
+itself is used for structure that is wrong although its checksums match (a forged or buggy object).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+import zstandard
+
+from dstl.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    TruncatedObjectError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
+
+__all__ = [
+    "END_MAGIC",
+    "FOOTER_SIZE",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "KIND_SEGMENT",
+    "KIND_SNAPSHOT",
+    "MAGIC",
+    "MAX_BLOCK_CONTENT_BYTES",
+    "MAX_STATE_ID",
+    "METADATA_KEY_GROUP",
+    "RECORD_HEADER_SIZE",
+    "TAIL_READ_BYTES",
+    "IndexEntry",
+    "SnapshotContents",
+    "SnapshotEncoder",
+    "SnapshotEntry",
+    "SnapshotFooter",
+    "SnapshotIndex",
+    "decode_block",
+    "decode_footer",
+    "decode_index",
+    "decode_metadata_block",
+    "decode_snapshot",
+    "encode_snapshot",
+]
+
+MAGIC: Final = b"DSTL"
+END_MAGIC: Final = b"LTSD"
+KIND_SEGMENT: Final = 1
+KIND_SNAPSHOT: Final = 2
+FORMAT_VERSION: Final = 1
+#: Key group of the metadata block (real key groups are < 2**15).
+METADATA_KEY_GROUP: Final = 0xFFFF
+#: State ids are u16.
+MAX_STATE_ID: Final = 0xFFFF
+#: Upper bound of one block's decompressed content: a forged frame header cannot make a reader
+#: allocate more (and one key group's state beyond 1 GiB is a sign of a too-small max parallelism).
+MAX_BLOCK_CONTENT_BYTES: Final = 1 << 30
+#: How much of the tail a ranged reader should fetch first: the footer plus, usually, the index.
+TAIL_READ_BYTES: Final = 64 * 1024
+
+_HEADER: Final = struct.Struct(">4sBBH")          # magic, kind, version, flags
+_RECORD: Final = struct.Struct(">II")              # frame length, crc32(frame)
+_BLOCK_PREFIX: Final = struct.Struct(">HI")        # key group, entry count
+_ENTRY_HEAD: Final = struct.Struct(">HI")          # state id, key length
+_U32: Final = struct.Struct(">I")
+_INDEX_HEAD: Final = struct.Struct(">HHI")         # range start, range length, block count
+_INDEX_ENTRY: Final = struct.Struct(">HQII")       # key group, offset, record length, entries
+_FOOTER: Final = struct.Struct(">QIIBBHI4s")       # index off, index len, index crc, kind,
+#                                                    version, flags, object crc, end magic
+HEADER_SIZE: Final = _HEADER.size                  # 8
+RECORD_HEADER_SIZE: Final = _RECORD.size           # 8
+FOOTER_SIZE: Final = _FOOTER.size                  # 28
+_OBJECT_CRC_FROM_END: Final = 8                    # crc field + end magic
+
+#: One decoded entry: ``(state id, key bytes, namespace bytes, value bytes)``.
+SnapshotEntry = tuple[int, bytes, bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotFooter:
+    """The fixed-size footer. ``object_size`` is the whole object's length."""
+
+    index_offset: int
+    index_length: int
+    index_crc: int
+    object_crc: int
+    object_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """Where one block record lives: ``[offset, offset + length)`` of the object."""
+
+    key_group: int       # METADATA_KEY_GROUP for the metadata block
+    offset: int
+    length: int          # record length, including the 8-byte record header
+    entry_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotIndex:
+    """The decoded index: the covered key-group range and the blocks."""
+
+    key_groups: KeyGroupRange
+    metadata: IndexEntry
+    blocks: tuple[IndexEntry, ...]   # key-group blocks, ascending key group
+
+    def blocks_for(self, key_groups: KeyGroupRange | None = None) -> list[IndexEntry]:
+        """The blocks a reader of ``key_groups`` (default: all) must fetch."""
+        if key_groups is None:
+            return list(self.blocks)
+        return [b for b in self.blocks if b.key_group in key_groups]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotContents:
+    """A whole decoded snapshot."""
+
+    metadata: bytes
+    key_groups: KeyGroupRange
+    blocks: dict[int, list[SnapshotEntry]]   # non-empty key groups only
+
+    def entries(self) -> Iterable[tuple[int, SnapshotEntry]]:
+        """``(key group, entry)`` in object order."""
+        for kg, entries in self.blocks.items():
+            for e in entries:
+                yield kg, e
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+class SnapshotEncoder:
+    """Streams a snapshot object: :meth:`start`, :meth:`add_key_group` per key group, :meth:`finish`.
+
+    Each call returns the bytes to append to the object (pure: no I/O). Key groups must come in
+    ascending order, each at most once, inside ``key_groups``.
+
+    Args:
+        key_groups: the range the snapshot covers (recorded in the index).
+        metadata: opaque bytes describing the states (e.g. JSON), stored in the metadata block.
+        zstd_level: compression level of every block (1: fast, ratio close to 3; see DstlOptions).
+    """
+
+    def __init__(self, key_groups: KeyGroupRange, metadata: bytes = b"", *,
+                 zstd_level: int = 1) -> None:
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise UsageError(f"snapshot metadata must be bytes, got {type(metadata).__name__}")
+        self._key_groups = key_groups
+        self._metadata = bytes(metadata)
+        self._compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True,
+                                                    write_content_size=True)
+        self._offset = 0
+        self._crc = 0
+        self._index: list[IndexEntry] = []
+        self._last_key_group = -1
+        self._state = "new"
+        self.entries_written = 0
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes returned so far."""
+        return self._offset
+
+    def _emit(self, data: bytes) -> bytes:
+        self._crc = zlib.crc32(data, self._crc)
+        self._offset += len(data)
+        return data
+
+    def _record(self, content: bytes, what: str) -> bytes:
+        if len(content) > MAX_BLOCK_CONTENT_BYTES:
+            raise UsageError(f"snapshot block of {what} has {len(content)} bytes, more than "
+                             f"{MAX_BLOCK_CONTENT_BYTES} (raise max_parallelism so key groups "
+                             "are smaller)")
+        frame = self._compressor.compress(content)
+        return _RECORD.pack(len(frame), zlib.crc32(frame)) + frame
+
+    def start(self) -> bytes:
+        """The header and the metadata block."""
+        if self._state != "new":
+            raise UsageError("SnapshotEncoder.start() called twice")
+        self._state = "blocks"
+        header = _HEADER.pack(MAGIC, KIND_SNAPSHOT, FORMAT_VERSION, 0)
+        record = self._record(_BLOCK_PREFIX.pack(METADATA_KEY_GROUP, 0) + self._metadata,
+                              "metadata")
+        self._index.append(IndexEntry(METADATA_KEY_GROUP, HEADER_SIZE, len(record), 0))
+        return self._emit(header + record)
+
+    def add_key_group(self, key_group: int, entries: Iterable[SnapshotEntry]) -> bytes:
+        """Encode one key group's entries (all states) as a block; ``b""`` if there are none.
+
+        Raises:
+            UsageError: out of order, outside the range, a state id outside u16, non-bytes.
+        """
+        if self._state != "blocks":
+            raise UsageError("SnapshotEncoder.add_key_group() needs start() first and no "
+                             "finish() yet")
+        if key_group not in self._key_groups or key_group <= self._last_key_group:
+            raise UsageError(f"key group {key_group} is outside {self._key_groups} or not after "
+                             f"{self._last_key_group} (blocks go in ascending key-group order)")
+        self._last_key_group = key_group
+        parts: list[bytes] = [b""]
+        append = parts.append
+        head = _ENTRY_HEAD.pack
+        u32 = _U32.pack
+        count = 0
+        try:
+            for state_id, key, namespace, value in entries:
+                append(head(state_id, len(key)))
+                append(key)
+                append(u32(len(namespace)))
+                append(namespace)
+                append(u32(len(value)))
+                append(value)
+                count += 1
+        except struct.error as exc:
+            raise UsageError(f"snapshot entry in key group {key_group}: state id must be in "
+                             f"[0, {MAX_STATE_ID}] and lengths < 4 GiB ({exc})") from exc
+        except TypeError as exc:
+            raise UsageError(f"snapshot entries of key group {key_group} must be bytes "
+                             f"(pass an encoder for heap states): {exc}") from exc
+        if count == 0:
+            return b""
+        parts[0] = _BLOCK_PREFIX.pack(key_group, count)
+        try:
+            content = b"".join(parts)
+        except TypeError as exc:
+            raise UsageError(f"snapshot entries of key group {key_group} must be bytes "
+                             f"(encode states first): {exc}") from exc
+        record = self._record(content, f"key group {key_group}")
+        self._index.append(IndexEntry(key_group, self._offset, len(record), count))
+        self.entries_written += count
+        return self._emit(record)
+
+    def finish(self) -> bytes:
+        """The index and the footer; the object is complete after these bytes."""
+        if self._state != "blocks":
+            raise UsageError("SnapshotEncoder.finish() needs start() first and only once")
+        self._state = "done"
+        kgs = self._key_groups
+        parts = [_INDEX_HEAD.pack(kgs.start, len(kgs), len(self._index))]
+        parts.extend(_INDEX_ENTRY.pack(e.key_group, e.offset, e.length, e.entry_count)
+                     for e in self._index)
+        index = b"".join(parts)
+        index_offset = self._offset
+        self._emit(index)
+        footer_head = _FOOTER.pack(index_offset, len(index), zlib.crc32(index), KIND_SNAPSHOT,
+                                   FORMAT_VERSION, 0, 0, END_MAGIC)[:-_OBJECT_CRC_FROM_END]
+        self._emit(footer_head)
+        tail = _U32.pack(self._crc) + END_MAGIC
+        self._offset += len(tail)
+        return index + footer_head + tail
+
+
+def encode_snapshot(key_groups: KeyGroupRange, metadata: bytes,
+                    blocks: Iterable[tuple[int, Iterable[SnapshotEntry]]], *,
+                    zstd_level: int = 1) -> bytes:
+    """Encode a whole snapshot in memory (tests, small states). ``blocks``: ascending key groups."""
+    enc = SnapshotEncoder(key_groups, metadata, zstd_level=zstd_level)
+    out = [enc.start()]
+    out.extend(enc.add_key_group(kg, entries) for kg, entries in blocks)
+    out.append(enc.finish())
+    return b"".join(out)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _check_header(data: bytes | bytearray | memoryview, key: str) -> None:
+    if len(data) < HEADER_SIZE:
+        raise TruncatedObjectError(key, 0, HEADER_SIZE, len(data), "snapshot header")
+    magic, kind, version, flags = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise UnsupportedFormatError(key, 0, f"magic {bytes(magic)!r}", "b'DSTL' objects")
+    _check_kind(key, 4, kind, version, flags)
+
+
+def _check_kind(key: str, offset: int, kind: int, version: int, flags: int) -> None:
+    if kind != KIND_SNAPSHOT:
+        raise UnsupportedFormatError(key, offset, f"object kind {kind}",
+                                     f"kind {KIND_SNAPSHOT} (snapshot)")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(key, offset + 1, f"snapshot format version {version}",
+                                     f"version {FORMAT_VERSION}")
+    if flags != 0:
+        raise UnsupportedFormatError(key, offset + 2, f"flags 0x{flags:04x}", "flags 0")
+
+
+def decode_footer(tail: bytes | memoryview, object_size: int, *,
+                  key: str = "<snapshot>") -> SnapshotFooter:
+    """Decode the footer from the last ``len(tail)`` bytes of an object of ``object_size`` bytes.
+
+    Does not verify the object crc (that needs the whole object; see :func:`decode_snapshot`).
+
+    Raises:
+        TruncatedObjectError: too short, or the end magic is missing.
+        UnsupportedFormatError: not a v1 snapshot.
+        CorruptObjectError: the index location is impossible.
+    """
+    min_size = HEADER_SIZE + FOOTER_SIZE
+    if object_size < min_size or len(tail) < FOOTER_SIZE:
+        raise TruncatedObjectError(key, max(object_size - len(tail), 0), min_size,
+                                   min(object_size, len(tail)), "snapshot footer")
+    at = object_size - FOOTER_SIZE
+    (index_offset, index_length, index_crc, kind, version, flags, object_crc,
+     end_magic) = _FOOTER.unpack_from(tail, len(tail) - FOOTER_SIZE)
+    if end_magic != END_MAGIC:
+        raise TruncatedObjectError(key, object_size - 4, object_size + 4, object_size,
+                                   "snapshot: end magic b'LTSD' missing, so the footer")
+    _check_kind(key, at + 16, kind, version, flags)
+    if index_offset < HEADER_SIZE or index_offset + index_length != at:
+        raise CorruptObjectError(key, at, f"footer places the index at [{index_offset}, "
+                                          f"{index_offset + index_length}), but it must end "
+                                          f"at the footer ({at})")
+    return SnapshotFooter(index_offset, index_length, index_crc, object_crc, object_size)
+
+
+def decode_index(index: bytes | memoryview, footer: SnapshotFooter, *,
+                 key: str = "<snapshot>") -> SnapshotIndex:
+    """Decode and verify the index bytes ``[footer.index_offset, + footer.index_length)``.
+
+    Raises:
+        TruncatedObjectError, ChecksumMismatchError, CorruptObjectError: as named.
+    """
+    at = footer.index_offset
+    if len(index) != footer.index_length:
+        raise TruncatedObjectError(key, at, footer.index_length, len(index), "snapshot index")
+    got = zlib.crc32(index)
+    if got != footer.index_crc:
+        raise ChecksumMismatchError(key, at, "snapshot index", footer.index_crc, got)
+    if len(index) < _INDEX_HEAD.size:
+        raise TruncatedObjectError(key, at, _INDEX_HEAD.size, len(index), "snapshot index")
+    start, count_kg, n = _INDEX_HEAD.unpack_from(index, 0)
+    if len(index) != _INDEX_HEAD.size + n * _INDEX_ENTRY.size or n < 1:
+        raise CorruptObjectError(key, at, f"index of {len(index)} bytes cannot hold {n} entries")
+    if start + count_kg > MAX_PARALLELISM_LIMIT:
+        raise CorruptObjectError(key, at, f"index key-group range start={start} "
+                                          f"length={count_kg} exceeds {MAX_PARALLELISM_LIMIT}")
+    kgs = KeyGroupRange(start, start + count_kg - 1)
+    entries = [IndexEntry(*_INDEX_ENTRY.unpack_from(index, _INDEX_HEAD.size + i * _INDEX_ENTRY.size))
+               for i in range(n)]
+    expected_offset = HEADER_SIZE
+    previous_kg = -1
+    for i, e in enumerate(entries):
+        where = at + _INDEX_HEAD.size + i * _INDEX_ENTRY.size
+        if i == 0:
+            if e.key_group != METADATA_KEY_GROUP:
+                raise CorruptObjectError(key, where, "first index entry is not the metadata block")
+        elif e.key_group not in kgs or e.key_group <= previous_kg:
+            raise CorruptObjectError(key, where, f"index entry {i}: key group {e.key_group} is "
+                                                 f"outside {kgs} or out of order")
+        if e.offset != expected_offset or e.length < RECORD_HEADER_SIZE:
+            raise CorruptObjectError(key, where, f"index entry {i}: block at offset {e.offset} "
+                                                 f"length {e.length}, expected offset "
+                                                 f"{expected_offset} and length >= "
+                                                 f"{RECORD_HEADER_SIZE}")
+        expected_offset = e.offset + e.length
+        if i:
+            previous_kg = e.key_group
+    if expected_offset != footer.index_offset:
+        raise CorruptObjectError(key, at, f"blocks end at {expected_offset}, index starts at "
+                                          f"{footer.index_offset}")
+    return SnapshotIndex(kgs, entries[0], tuple(entries[1:]))
+
+
+def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str) -> bytes:
+    at = entry.offset
+    if len(record) != entry.length:
+        raise TruncatedObjectError(key, at, entry.length, len(record),
+                                   f"block of key group {entry.key_group}")
+    frame_len, crc = _RECORD.unpack_from(record, 0)
+    if frame_len != entry.length - RECORD_HEADER_SIZE:
+        raise CorruptObjectError(key, at, f"block record says frame length {frame_len}, index "
+                                          f"says {entry.length - RECORD_HEADER_SIZE}")
+    frame = bytes(record[RECORD_HEADER_SIZE:])
+    got = zlib.crc32(frame)
+    if got != crc:
+        raise ChecksumMismatchError(key, at, f"block of key group {entry.key_group}", crc, got)
+    try:
+        size = zstandard.frame_content_size(frame)
+        if size < 0 or size > MAX_BLOCK_CONTENT_BYTES:
+            raise CorruptObjectError(key, at + RECORD_HEADER_SIZE,
+                                     f"zstd frame content size {size} is unknown or above "
+                                     f"{MAX_BLOCK_CONTENT_BYTES}")
+        content: bytes = zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(key, at + RECORD_HEADER_SIZE,
+                                 f"zstd frame of key group {entry.key_group} does not decode: "
+                                 f"{exc}") from exc
+    if len(content) < _BLOCK_PREFIX.size:
+        raise TruncatedObjectError(key, at, _BLOCK_PREFIX.size, len(content), "block content")
+    kg, count = _BLOCK_PREFIX.unpack_from(content, 0)
+    if kg != entry.key_group or count != entry.entry_count:
+        raise CorruptObjectError(key, at, f"block holds key group {kg} with {count} entries, "
+                                          f"index says key group {entry.key_group} with "
+                                          f"{entry.entry_count}")
+    return content
+
+
+def decode_metadata_block(record: bytes | memoryview, entry: IndexEntry, *,
+                          key: str = "<snapshot>") -> bytes:
+    """The caller's metadata bytes from the metadata block record."""
+    if entry.key_group != METADATA_KEY_GROUP:
+        raise UsageError(f"index entry {entry} is not the metadata block")
+    return _block_content(record, entry, key)[_BLOCK_PREFIX.size:]
+
+
+def decode_block(record: bytes | memoryview, entry: IndexEntry, *,
+                 key: str = "<snapshot>") -> list[SnapshotEntry]:
+    """Decode one key group's block record (the bytes ``[entry.offset, + entry.length)``).
+
+    Returns:
+        the entries ``(state id, key, namespace, value)`` in stored order.
+
+    Raises:
+        TruncatedObjectError, ChecksumMismatchError, CorruptObjectError: as named; offsets are
+        object offsets (the reason names the position inside the decompressed content).
+    """
+    content = _block_content(record, entry, key)
+    end = len(content)
+    pos = _BLOCK_PREFIX.size
+    out: list[SnapshotEntry] = []
+    append = out.append
+    head = _ENTRY_HEAD.unpack_from
+    u32 = _U32.unpack_from
+    try:
+        for _ in range(entry.entry_count):
+            state_id, klen = head(content, pos)
+            pos += 6
+            k = content[pos:pos + klen]
+            pos += klen
+            (nlen,) = u32(content, pos)
+            pos += 4
+            ns = content[pos:pos + nlen]
+            pos += nlen
+            (vlen,) = u32(content, pos)
+            pos += 4
+            v = content[pos:pos + vlen]
+            pos += vlen
+            if pos > end:
+                break
+            append((state_id, k, ns, v))
+    except struct.error:
+        pos = end + 1
+    if pos != end:
+        raise CorruptObjectError(key, entry.offset,
+                                 f"block of key group {entry.key_group}: {entry.entry_count} "
+                                 f"entries do not fill its {end} content bytes exactly "
+                                 f"(stopped at content byte {min(pos, end)})")
+    return out
+
+
+def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>") -> SnapshotContents:
+    """Decode and verify a whole snapshot object.
+
+    Verifies, in order: header, footer and end magic, the object crc, the index, every block.
+
+    Raises:
+        TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
+    """
+    view = memoryview(data)
+    _check_header(view, key)
+    size = len(view)
+    footer = decode_footer(view[max(size - FOOTER_SIZE, 0):], size, key=key)
+    got = zlib.crc32(view[:size - _OBJECT_CRC_FROM_END])
+    if got != footer.object_crc:
+        raise ChecksumMismatchError(key, size - _OBJECT_CRC_FROM_END, "snapshot object",
+                                    footer.object_crc, got)
+    index = decode_index(view[footer.index_offset:footer.index_offset + footer.index_length],
+                         footer, key=key)
+    m = index.metadata
+    metadata = decode_metadata_block(view[m.offset:m.offset + m.length], m, key=key)
+    blocks = {b.key_group: decode_block(view[b.offset:b.offset + b.length], b, key=key)
+              for b in index.blocks}
+    return SnapshotContents(metadata, index.key_groups, blocks)

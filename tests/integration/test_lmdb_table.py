@@ -1,0 +1,215 @@
+"""LmdbStateTable: snapshots while writing, reopen, map growth and its limit, the fork rule."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from dstl.errors import ClosedError, StateTableFullError, UnsupportedFormatError, UsageError
+from dstl.keygroups import KeyGroupRange
+from materializer import ForkedTableError, LmdbStateTable, SnapshotReader
+
+RANGE = KeyGroupRange(0, 15)
+
+
+def _table(path: Path, **kw: int) -> LmdbStateTable:
+    kw.setdefault("map_size_bytes", 1 << 20)
+    kw.setdefault("max_map_size_bytes", 1 << 28)
+    return LmdbStateTable(path, RANGE, **kw)  # type: ignore[arg-type]
+
+
+def test_snapshot_is_written_out_while_a_writer_thread_continues(tmp_path: Path) -> None:
+    t = _table(tmp_path / "env")
+    try:
+        model = {}
+        with t.write_batch():
+            for i in range(5000):
+                kg = i % 16
+                t.put(1, kg, b"k%06d" % i, b"", b"v%d" % i)
+                model[(1, kg, b"k%06d" % i, b"")] = b"v%d" % i
+        snap = t.snapshot()
+        started = threading.Event()
+        stop = threading.Event()
+        written: list[int] = []
+
+        def writer() -> None:
+            i = 0
+            while not stop.is_set() or i < 2000:
+                with t.write_batch():
+                    for _ in range(50):
+                        t.put(1, i % 16, b"k%06d" % (i % 6000), b"", b"new%d" % i)
+                        i += 1
+                started.set()
+            written.append(i)
+
+        th = threading.Thread(target=writer, name="dstl-test-lmdb-writer")
+        th.start()
+        try:
+            started.wait()
+            data = snap.to_bytes(metadata=b"m")  # on this thread, while the writer commits
+        finally:
+            stop.set()
+            th.join()
+        got = {(sid, kg, k, ns): v for kg, es in SnapshotReader(data).read()
+               for sid, k, ns, v in es}
+        assert got == model
+        assert written and written[0] >= 2000
+        assert t.get(1, 0, b"k000000", b"") != b"v0"
+    finally:
+        t.close()
+
+
+def test_reopen_after_close_sees_the_data_and_close_is_idempotent(tmp_path: Path) -> None:
+    t = _table(tmp_path / "env")
+    t.put(3, 5, b"key", b"ns", b"value")
+    t.close()
+    t.close()
+    with pytest.raises(ClosedError, match="reopen"):
+        t.get(3, 5, b"key", b"ns")
+    with _table(tmp_path / "env") as again:
+        assert again.get(3, 5, b"key", b"ns") == b"value"
+
+
+def test_map_grows_when_full_and_batches_stay_atomic(tmp_path: Path) -> None:
+    t = _table(tmp_path / "env", map_size_bytes=1 << 20, max_map_size_bytes=1 << 26)
+    try:
+        value = b"x" * 1000
+        with t.write_batch():
+            for i in range(6000):  # ~6 MB in one transaction: several doublings + replays
+                t.put(0, i % 16, b"%d" % i, b"", value)
+        assert t.map_size_bytes >= 8 << 20
+        assert len(t) == 6000
+        assert t.get(0, 5, b"5", b"") == value
+        for i in range(200):  # single-op transactions grow too
+            t.put(1, 0, b"%d" % i, b"", value * 20)
+        assert t.get(1, 0, b"199", b"") == value * 20
+    finally:
+        t.close()
+
+
+def test_full_at_max_map_size_is_a_typed_error_naming_the_setting(tmp_path: Path) -> None:
+    t = _table(tmp_path / "env", map_size_bytes=1 << 20, max_map_size_bytes=2 << 20)
+    try:
+        t.put(0, 0, b"before", b"", b"ok")
+        with pytest.raises(StateTableFullError, match="max_map_size_bytes") as info, \
+                t.write_batch():
+            for i in range(5000):
+                t.put(0, i % 16, b"%d" % i, b"", b"y" * 1000)
+        assert info.value.setting == "max_map_size_bytes"
+        assert info.value.path == str(tmp_path / "env")
+        assert t.get(0, 0, b"before", b"") == b"ok"
+        assert t.get(0, 1, b"1", b"") is None  # the failed batch left nothing behind
+        t.put(0, 0, b"after", b"", b"still usable")
+        assert t.get(0, 0, b"after", b"") == b"still usable"
+    finally:
+        t.close()
+
+
+def test_growth_waits_for_an_open_snapshot_to_be_released(tmp_path: Path) -> None:
+    reached_remap = threading.Event()
+
+    class Observed(LmdbStateTable):
+        def _remap(self, new_size: int, *, wait_for_snapshots: bool = True) -> None:
+            if wait_for_snapshots:
+                reached_remap.set()
+            super()._remap(new_size, wait_for_snapshots=wait_for_snapshots)
+
+    t = Observed(tmp_path / "env", RANGE, map_size_bytes=1 << 20, max_map_size_bytes=1 << 26)
+    try:
+        t.put(0, 0, b"old", b"", b"1")
+        snap = t.snapshot()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                with t.write_batch():
+                    for i in range(4000):
+                        t.put(0, i % 16, b"%d" % i, b"", b"z" * 1000)
+            except BaseException as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=writer, name="dstl-test-lmdb-grower")
+        th.start()
+        reached_remap.wait()
+        data = snap.to_bytes()  # still valid: the resize has not happened yet
+        th.join()
+        assert not errors, errors
+        assert [e[1] for _, es in SnapshotReader(data).read() for e in es] == [b"old"]
+        assert len(t) == 4001
+    finally:
+        t.close()
+
+
+def test_growth_blocked_by_a_snapshot_gives_up_with_a_hint(tmp_path: Path) -> None:
+    t = LmdbStateTable(tmp_path / "env", RANGE, map_size_bytes=1 << 20,
+                       max_map_size_bytes=1 << 26, grow_wait_s=0.05)
+    try:
+        snap = t.snapshot()
+        with pytest.raises(StateTableFullError, match="open snapshot"), t.write_batch():
+            for i in range(4000):
+                t.put(0, i % 16, b"%d" % i, b"", b"z" * 1000)
+        snap.release()
+        t.put(0, 0, b"k", b"", b"v")
+    finally:
+        t.close()
+
+
+def test_forked_child_never_uses_the_parent_environment(tmp_path: Path) -> None:
+    t = _table(tmp_path / "env")
+    try:
+        t.put(0, 1, b"k", b"", b"parent")
+        snap = t.snapshot()  # an open read transaction at fork time
+        pid = os.fork()
+        if pid == 0:  # child: report through the exit code only, never return into pytest
+            code = 1
+            try:
+                try:
+                    t.get(0, 1, b"k", b"")
+                    code = 2
+                except ForkedTableError as exc:
+                    code = 3 if exc.opened_pid == os.getppid() else 4
+                t.close()  # must not touch the parent's environment
+                if code == 3:
+                    try:  # py-lmdb: the inherited environment blocks reopening in the child
+                        LmdbStateTable(tmp_path / "env", RANGE)
+                        code = 5
+                    except UsageError as exc:
+                        code = 0 if "already open in this process" in str(exc) else 7
+            except BaseException:
+                code = 6
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        # the parent's environment and its snapshot are intact
+        assert t.get(0, 1, b"k", b"") == b"parent"
+        t.put(0, 1, b"k2", b"", b"after fork")
+        assert [e[1] for _, es in SnapshotReader(snap.to_bytes()).read() for e in es] == [b"k"]
+    finally:
+        t.close()
+
+
+def test_keys_values_and_ids_are_validated(tmp_path: Path) -> None:
+    with _table(tmp_path / "env") as t:
+        with pytest.raises(UsageError, match="key limit"):
+            t.put(0, 0, b"k" * 600, b"", b"v")
+        with pytest.raises(UsageError, match="bytes"):
+            t.put(0, 0, b"k", b"", "str")  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="bytes"):
+            t.get(0, 0, "str", b"")  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="state id"):
+            t.put(70000, 0, b"k", b"", b"v")
+        with pytest.raises(UsageError):
+            t.snapshot().to_bytes(encode=lambda *a: (b"", b"", b""))
+
+
+def test_unknown_key_layout_is_refused(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"\xff\xffdstl-layout", b"9")
+    env.close()
+    with pytest.raises(UnsupportedFormatError, match="layout"):
+        _table(tmp_path / "env")
