@@ -47,6 +47,7 @@ from dstl.errors import (
     BackendFailedError,
     ClosedError,
     ConfigError,
+    CorruptObjectError,
     KeyGroupError,
     StateError,
     UsageError,
@@ -131,6 +132,7 @@ class ChangelogKeyedStateBackend:
         key_codec: encodes keys (default: str -> UTF-8, bytes as is).
         local_directory: where the LMDB environment lives (default: a fresh temporary directory,
             removed on close).
+        clear_local: remove an existing LMDB environment of this operator first (restore).
         timer: timer of the periodic materialization (default: a thread of its own).
 
     Raises:
@@ -141,7 +143,7 @@ class ChangelogKeyedStateBackend:
     def __init__(self, storage: Any, operator_id: str, key_groups: KeyGroupRange,
                  max_parallelism: int, table: str = "heap", options: BackendOptions | None = None,
                  *, key_codec: Codec | None = None, local_directory: str | None = None,
-                 timer: Timer | None = None) -> None:
+                 timer: Timer | None = None, clear_local: bool = False) -> None:
         if table not in ("heap", "lmdb"):
             raise ConfigError("table", table, "'heap' or 'lmdb'", owner="backend")
         if not isinstance(key_groups, KeyGroupRange) or key_groups.end >= max_parallelism:
@@ -166,8 +168,11 @@ class ChangelogKeyedStateBackend:
             from materializer.lmdb_table import LmdbStateTable
             if local_directory is None:
                 local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
+            env_dir = os.path.join(local_directory, _safe_dirname(operator_id))
+            if clear_local:
+                shutil.rmtree(env_dir, ignore_errors=True)  # a restore starts from an empty table
             self._tables = LmdbStateTable(
-                os.path.join(local_directory, _safe_dirname(operator_id)), key_groups,
+                env_dir, key_groups,
                 map_size_bytes=self.options.lmdb_map_size_bytes,
                 max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
         self._writer = storage.create_writer(operator_id, key_groups)
@@ -394,48 +399,97 @@ class ChangelogKeyedStateBackend:
         finally:
             self.set_current_namespace(saved)
 
-    # ------------------------------------------------------------------ replay (restore)
+    # ------------------------------------------------------------------ restore hooks
 
-    def apply_change(self, key_group: int, payload: bytes, *, allow_pickle: bool = False) -> None:
+    def apply_change(self, key_group: int, payload: bytes, *, remap: dict[int, int] | None = None,
+                     allow_pickle: bool = False) -> None:
         """Apply one logged change to the table WITHOUT logging it again (used by restore).
 
-        Metadata records (key group -1) rebuild the state registry. A data change of a key
-        group outside this backend's range is ignored (rescaling).
+        A metadata record (key group -1) registers its state and, when ``remap`` is given, maps
+        the log's state id to this backend's id for that name (backends being merged by a
+        rescale may have numbered their states differently). A data change of a key group
+        outside this backend's range is skipped (rescaling).
 
         Raises:
-            CorruptObjectError: malformed record or a state id with no metadata.
+            CorruptObjectError: malformed record, or a change before its state's metadata.
+            StateError: the log names a state with a different kind than this backend knows.
         """
         if key_group == META_KEY_GROUP:
             sid, meta = decode_metadata(payload)
-            self._register_restored(sid, meta, allow_pickle)
+            new = self.register_restored_state(meta, sid, allow_pickle=allow_pickle)
+            if remap is not None:
+                remap[sid] = new
             return
         if not self.key_groups.start <= key_group <= self.key_groups.end:
             return
         ch = decode_change(payload)
-        reg = self._by_id.get(ch.state_id)
+        sid = ch.state_id if remap is None else remap.get(ch.state_id, -1)
+        reg = self._by_id.get(sid)
         if reg is None:
-            from dstl.errors import CorruptObjectError
             raise CorruptObjectError("<changelog>", 0, f"change for state id {ch.state_id} "
                                                        "before its metadata record")
         self._apply(key_group, reg, ch)
 
-    def _register_restored(self, sid: int, meta: dict[str, Any], allow_pickle: bool) -> None:
-        name = meta["name"]
-        existing = self._by_id.get(sid)
+    def register_restored_state(self, meta: dict[str, Any], preferred_id: int, *,
+                                allow_pickle: bool = False) -> int:
+        """Register a state known from a snapshot or the log; return its id in this backend.
+
+        The state keeps ``preferred_id`` when that id is free; a state of the same name keeps
+        the id it already has.
+
+        Raises:
+            StateError: same name, different kind; or an unknown kind.
+            UsageError: its codec is not built in (or is pickle without ``allow_pickle``).
+        """
+        name = meta.get("name")
+        kind = meta.get("kind")
+        if not isinstance(name, str) or kind not in STATE_CLASSES:
+            raise StateError(f"state metadata {meta!r} has no valid name/kind")
+        existing = self._states.get(name)
         if existing is not None:
-            if existing.meta["name"] != name or existing.meta["kind"] != meta["kind"]:
-                raise StateError(f"state id {sid} is {existing.meta['name']!r} "
-                                 f"({existing.meta['kind']}) here but {name!r} "
-                                 f"({meta['kind']}) in the log")
-            return
-        if meta["kind"] not in STATE_CLASSES:
-            raise StateError(f"state {name!r} has unknown kind {meta['kind']!r}")
-        codec = codec_by_name(meta.get("value_codec", "safe"), allow_pickle=allow_pickle)
+            if existing.meta["kind"] != kind:
+                raise StateError(f"state {name!r} is a {existing.meta['kind']} state here but a "
+                                 f"{kind} state in the restored checkpoint")
+            return existing.state_id
+        codec = codec_by_name(meta.get("value_codec") or "safe", allow_pickle=allow_pickle)
         kc = meta.get("key_codec")
         key_codec = codec_by_name(kc, allow_pickle=allow_pickle) if kc else None
-        reg = _Registered(sid, None, StateShape(meta["kind"], codec, key_codec), dict(meta))
+        sid = preferred_id if preferred_id not in self._by_id and 0 <= preferred_id < _MAX_STATES \
+            else max(self._by_id, default=-1) + 1
+        reg = _Registered(sid, None, StateShape(kind, codec, key_codec), dict(meta))
         self._states[name] = reg
         self._by_id[sid] = reg
+        return sid
+
+    def load_snapshot_entries(self, key_group: int, entries: Iterable[Any],
+                              remap: dict[int, int]) -> int:
+        """Put snapshot entries ``(state_id, key, namespace, value)`` (bytes) of one key group
+        into the table, mapping state ids with ``remap``; returns the count."""
+        t = self._tables
+        n = 0
+        with t.write_batch():
+            for sid, kb, nb, vb in entries:
+                new = remap[sid]
+                if self._heap:
+                    key, ns, state = self.decode_entry(new, kb, nb, vb)
+                    t.put(new, key_group, key, ns, state)
+                else:
+                    t.put(new, key_group, kb, nb, vb)
+                n += 1
+        return n
+
+    def install_restored(self, materialized: Iterable[SnapshotRef],
+                         non_materialized: Iterable[ChangelogHandle],
+                         materialization_id: int) -> None:
+        """Make the restored parts the base of the next checkpoints (until the first
+        materialization): they keep being referenced, as in Flink."""
+        with self._lock:
+            self._materialized = tuple(materialized)
+            self._restored_non_materialized = tuple(non_materialized)
+            self._materialization_id = materialization_id
+            self._next_materialization_id = materialization_id + 1
+            self._last_confirmed_mat = materialization_id  # part of a completed checkpoint
+            self._materialized_to = 0
 
     def _apply(self, kg: int, reg: _Registered, ch: Change) -> None:
         t, shape, sid = self._tables, reg.shape, reg.state_id
@@ -471,7 +525,6 @@ class ChangelogKeyedStateBackend:
                 obj = dict(obj or {})
                 obj.pop(kd(ch.payload), None)
             else:
-                from dstl.errors import CorruptObjectError
                 raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
             if op == REMOVE_ELEMENT and not obj:
                 t.remove(sid, kg, key, ns)
@@ -512,7 +565,7 @@ class ChangelogKeyedStateBackend:
             non_mat = restored + ((delta,) if len(delta) else ())
             h = ChangelogStateBackendHandle(self.operator_id, self.key_groups, checkpoint_id,
                                             mat_id, materialized, non_mat,
-                                            delta.incremental_size)
+                                            delta.incremental_size, self.max_parallelism)
             self._sizes["lastFullSizeOfNonMaterialization"] = float(h.non_materialized_size)
             self._sizes["lastIncSizeOfNonMaterialization"] = float(delta.incremental_size)
             out.set_result(h)

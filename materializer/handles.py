@@ -61,6 +61,7 @@ class ChangelogStateBackendHandle:
         materialized: snapshot objects.
         non_materialized: changelog handles to replay after the snapshots, in order.
         incremental_size: bytes newly uploaded for this checkpoint.
+        max_parallelism: the job's number of key groups (a restore needs it).
     """
 
     operator_id: str
@@ -70,6 +71,7 @@ class ChangelogStateBackendHandle:
     materialized: tuple[SnapshotRef, ...]
     non_materialized: tuple[ChangelogHandle, ...]
     incremental_size: int
+    max_parallelism: int = 128
 
     @property
     def materialized_size(self) -> int:
@@ -98,7 +100,8 @@ class ChangelogStateBackendHandle:
                 "materialization_id": self.materialization_id,
                 "materialized": [s.to_json_obj() for s in self.materialized],
                 "non_materialized": [h.to_json_obj() for h in self.non_materialized],
-                "incremental_size": self.incremental_size}
+                "incremental_size": self.incremental_size,
+                "max_parallelism": self.max_parallelism}
 
     def to_json(self) -> str:
         return json.dumps(self.to_json_obj(), separators=(",", ":"))
@@ -119,7 +122,7 @@ class ChangelogStateBackendHandle:
                    _int(obj, "checkpoint_id", -1), _int(obj, "materialization_id"),
                    tuple(SnapshotRef.from_json_obj(s) for s in mats),
                    tuple(ChangelogHandle.from_json_obj(h) for h in nons),
-                   _int(obj, "incremental_size"))
+                   _int(obj, "incremental_size"), _int(obj, "max_parallelism", 1))
 
     @classmethod
     def from_json(cls, s: str | bytes) -> ChangelogStateBackendHandle:
