@@ -115,9 +115,14 @@ def _read_all(b: ChangelogKeyedStateBackend, keys: list[str]) -> dict[tuple[str,
         for ns in (None, "w1"):
             b.set_current_namespace(ns)
             for name, s in st.items():
-                v = {"v": lambda: s.value(), "l": lambda: s.get() or None,
-                     "m": lambda: s.items() or None, "r": lambda: s.get(),
-                     "a": lambda: s.get()}[name]()
+                if name == "v":
+                    v = s.value()
+                elif name == "l":
+                    v = s.get() or None
+                elif name == "m":
+                    v = s.items() or None
+                else:
+                    v = s.get()
                 if v is not None:
                     out[(name, k, ns)] = v
     b.set_current_namespace(None)
