@@ -20,6 +20,9 @@ __all__ = ["KiB", "MiB", "DstlOptions"]
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
+#: Largest pre-emptive threshold: with payloads below MAX_PAYLOAD_BYTES (dstl.writer) a change set
+#: then stays below the 2 GiB a segment record may hold.
+MAX_CHANGE_SET_TARGET_BYTES: Final = 1024 * MiB
 
 
 def _positive(field: str, value: Any, *, allow_zero: bool = False, kind: type = float) -> None:
@@ -75,6 +78,13 @@ class DstlOptions:
         _positive("upload_threads", self.upload_threads, kind=int)
         _positive("upload_timeout_s", self.upload_timeout_s)
         _positive("upload_max_attempts", self.upload_max_attempts, kind=int)
+        if self.upload_max_attempts > 255:  # the attempt is two hex digits of the object name
+            raise ConfigError("upload_max_attempts", self.upload_max_attempts, "<= 255")
+        if self.preemptive_persist_threshold_bytes > MAX_CHANGE_SET_TARGET_BYTES:
+            raise ConfigError("preemptive_persist_threshold_bytes",
+                              self.preemptive_persist_threshold_bytes,
+                              f"<= {MAX_CHANGE_SET_TARGET_BYTES} (a change set must stay below "
+                              "the 2 GiB that one record may hold)")
         _positive("upload_retry_delay_s", self.upload_retry_delay_s, allow_zero=True)
         _positive("discard_threads", self.discard_threads, kind=int)
         if (isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int)
@@ -102,6 +112,8 @@ class DstlOptions:
             if not key.startswith(prefix):
                 continue
             name = key[len(prefix):]
+            if "." in name:
+                continue  # a sub-group (e.g. spark.dstl.backend.*) has its own options class
             if name not in fields:
                 continue_keys = ", ".join(sorted(fields))
                 raise ConfigError(name, raw, f"one of the known options: {continue_keys}",

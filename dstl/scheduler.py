@@ -245,6 +245,7 @@ class _SegmentUpload:
         self._encoded: tuple[bytes, list[IndexEntry]] | None = None
         self._attempts = 0
         self._running: dict[int, TimerHandle | None] = {}
+        self._timed_out: set[int] = set()
         self._done = False
         self._last_error: BaseException | None = None
         self._t0 = time.monotonic()
@@ -295,22 +296,30 @@ class _SegmentUpload:
         if handle is not None:
             handle.cancel()
 
+    def _still_in_time(self) -> bool:
+        """Whether some running attempt has not yet used up its timeout (caller holds _lock)."""
+        return bool(set(self._running) - self._timed_out)
+
     def _on_timeout(self, n: int) -> None:
         with self._lock:
             if self._done or n not in self._running:
                 return
-            exhausted = self._attempts >= self.s._opts.upload_max_attempts
-            if exhausted and n == self._attempts:
+            self._timed_out.add(n)
+            more = self._attempts < self.s._opts.upload_max_attempts
+            # Out of attempts: give up once no running attempt is within its timeout (the
+            # late ones may still finish; they are then discarded as losers).
+            give_up = not more and not self._still_in_time()
+            if give_up:
                 self._done = True
-        if not exhausted:
+        if more:
             logger.info("segment upload #%d attempt %d still running after %.3fs; starting a "
                         "concurrent attempt", self.upload_no, n, self.s._opts.upload_timeout_s)
             self._start_attempt()
-        elif n == self._attempts:
+        elif give_up:
             self._fail(UploadFailedError(
-                f"segment upload #{self.upload_no} to {self.s._store.location}: the last of "
-                f"{self._attempts} attempts timed out after upload_timeout_s="
-                f"{self.s._opts.upload_timeout_s}s (raise upload_timeout_s or "
+                f"segment upload #{self.upload_no} to {self.s._store.location}: all "
+                f"{self._attempts} attempts timed out or failed (upload_timeout_s="
+                f"{self.s._opts.upload_timeout_s}s; raise upload_timeout_s or "
                 "upload_max_attempts, or check the store)",
                 attempts=self._attempts, elapsed_s=time.monotonic() - self._t0))
 
@@ -329,7 +338,7 @@ class _SegmentUpload:
                 return
             self._last_error = err
             more = retryable and self._attempts < self.s._opts.upload_max_attempts
-            give_up = not more and (not retryable or not self._running)
+            give_up = not more and (not retryable or not self._still_in_time())
             if give_up:
                 self._done = True
         logger.warning("segment upload #%d attempt %d to %s failed (%s)%s", self.upload_no, n,

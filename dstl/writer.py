@@ -37,6 +37,7 @@ by the owner thread alone, which keeps ``append`` lock-free.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ __all__ = ["ChangelogWriter"]
 logger = logging.getLogger(__name__)
 
 _pack_len = CHANGE_LEN.pack
+#: Largest single change (see MAX_CHANGE_SET_TARGET_BYTES in dstl.options).
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class ChangelogWriter:
         self._listeners: list[_Listener] = []
         self._pins: dict[int, list[str]] = {}
         self._closed = False
+        self._pid = os.getpid()
         self._m_preemptive = metrics.counter("numberOfPreemptivePersists")
         self._m_appended = metrics.counter("numberOfAppendedChangeSets")
 
@@ -129,6 +133,9 @@ class ChangelogWriter:
                 raise UsageError(f"changelog writer {self.log_id!r}: payload must be bytes, got "
                                  f"{type(payload).__name__} (encode it first)")
             payload = bytes(payload)
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise UsageError(f"changelog writer {self.log_id!r}: a {len(payload)}-byte change is "
+                             f"larger than {MAX_PAYLOAD_BYTES} bytes; split the state value")
         buf = self._blocks.get(key_group)
         if buf is None:
             buf = self._blocks[key_group] = bytearray()
@@ -164,6 +171,10 @@ class ChangelogWriter:
             UploadTimeoutError: back-pressure lasted longer than ``back_pressure_timeout_s``.
         """
         self._check_open()
+        if os.getpid() != self._pid:
+            raise UsageError(f"changelog writer {self.log_id!r} was created in process "
+                             f"{self._pid}, not in this forked process; create the storage and "
+                             "writers after the fork")
         if type(from_sqn) is not int or type(checkpoint_id) is not int:
             raise UsageError(f"persist({from_sqn!r}, {checkpoint_id!r}): sqn and checkpoint id "
                              "must be ints")

@@ -282,3 +282,20 @@ def test_close_sends_what_is_queued(store: ScriptedStore, timer: ManualTimer) ->
 def _release_hangs(store: ScriptedStore) -> Iterator[None]:
     yield
     store.release_hangs()
+
+
+def test_last_attempt_failing_while_only_timed_out_attempts_run_does_not_hang(
+        store: ScriptedStore, timer: ManualTimer) -> None:
+    """Attempt 1 hangs past its timeout; attempts 2 and 3 fail: give up, do not wait for 1."""
+    store.script = ["hang", "transient", "transient"]
+    with _storage(store, timer, upload_timeout_s=1.0, upload_max_attempts=3,
+                  upload_retry_delay_s=0.5) as s:
+        f = _persist_one(s)
+        assert store.hanging.acquire(timeout=WAIT)
+        timer.advance(1.0)                 # attempt 1 timed out: attempt 2 starts and fails
+        timer.wait_for_pending(0.5)
+        timer.advance(0.5)                 # attempt 3 starts and fails
+        with pytest.raises(UploadFailedError) as info:
+            f.result(WAIT)  # type: ignore[attr-defined]
+        assert info.value.attempts == 3
+        store.release_hangs()
