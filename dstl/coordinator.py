@@ -1,0 +1,885 @@
+"""Driver-side checkpoint coordinator: ids, acknowledgements, manifest-last commit, retention.
+
+Theory of operation
+-------------------
+Engine-agnostic (Flink's ``CheckpointCoordinator`` + ``SharedStateRegistry``, seed 004): the
+engine integration (``dstl.spark``) calls it on the driver; it knows only task ids, opaque state
+handles and object keys. The pure parts — the manifest codec and the retention planner — live in
+:mod:`dstl.manifest`; this module adds the store calls, the lock, the clock and the listeners.
+
+1. **Trigger.** :meth:`CheckpointCoordinator.trigger` opens a *pending* checkpoint for a set of
+   tasks. Ids grow strictly when the coordinator picks them; an explicit id may repeat the last
+   completed one (Spark re-runs a micro-batch: the re-run commits a new manifest *attempt* that
+   replaces the old one) but never go below it. At most one checkpoint is pending (the Flink
+   changelog rule): a new trigger aborts the pending one.
+2. **Acknowledge.** Every task reports its state handle, the object keys it references and its
+   sizes. A second acknowledgement of the same task replaces the first (a task retry).
+3. **Commit = manifest put, last.** When every task has acknowledged, the manifest is written
+   under ``checkpoints/{id:016x}-{attempt:04x}.manifest``; the tasks' objects were all stored
+   before they acknowledged, so the manifest is the last write of a checkpoint and its existence
+   is the checkpoint's existence (G3). A failed put leaves the checkpoint pending with all its
+   acknowledgements and raises :class:`CheckpointCommitError`;
+   :meth:`~CheckpointCoordinator.complete` retries it under the next attempt number (the failed
+   put may have landed: write-once names are never reused).
+4. **Retention.** :func:`dstl.manifest.plan_retention` keeps the newest ``retained`` checkpoint
+   ids and returns the subsumed manifests and the objects no retained or pending checkpoint
+   references. They are *doomed*: deleted by :meth:`~CheckpointCoordinator.run_deletions`,
+   manifests FIRST and objects only after every doomed manifest is gone, so a crash or a failed
+   delete leaves orphans, never a manifest naming deleted data. Deletions run on the injected
+   executor (or inline when there is none, after the commit); a failure is logged, counted and
+   retried on the next completion — doomed keys are never forgotten. Right before deleting, the
+   doomed objects are filtered again against the live references (retained and pending), and
+   an acknowledgement naming an object that is being deleted at that moment is refused, so
+   nothing referenced by a retained or in-flight checkpoint is deleted (G5). Time plays no part.
+5. **Notify.** ``on_complete`` then ``on_subsumed`` (and ``on_aborted`` on aborts) go to the
+   registered listeners, outside the lock; the same values are returned to the caller
+   (:class:`Completion`, :class:`AbortedCheckpoint`).
+6. **Recover.** :meth:`CheckpointCoordinator.recover` lists ``checkpoints/``, loads the newest
+   manifest (strict: a corrupt one is an error naming it, unless ``fallback=True``), rebuilds the
+   retained set — and so the references — from the newest valid manifests, and dooms every
+   other manifest (older attempts, subsumed leftovers, corrupt or ghost ones) for deletion at the
+   next completion. Recovery itself writes and deletes nothing.
+7. **Orphans.** Objects no checkpoint ever took over (uploads of aborted batches, crashes between
+   a manifest delete and its objects) are found by :meth:`~CheckpointCoordinator.collect_orphans`:
+   anything under ``dstl/`` or ``snapshots/`` that no retained or pending checkpoint references and
+   whose creation time (from its fixed-width name) is older than a grace period that covers
+   live writers' uploads not yet acknowledged by any checkpoint.
+
+Thread safety: all state sits behind one lock, held for the manifest put too (commits are
+serialised anyway); store deletes and listener calls run outside it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from dstl.blobstore import BlobStore
+from dstl.errors import (
+    ClosedError,
+    ConfigError,
+    CorruptObjectError,
+    DstlError,
+    ObjectExistsError,
+    StorageError,
+    UsageError,
+)
+from dstl.manifest import (
+    MANIFEST_PREFIX,
+    MAX_ATTEMPT,
+    MAX_CHECKPOINT_ID,
+    MAX_MANIFEST_BYTES,
+    REFERENCE_PREFIXES,
+    Manifest,
+    TaskEntry,
+    created_ms_of,
+    decode_manifest,
+    parse_manifest_key,
+    plan_retention,
+    validate_id,
+)
+from dstl.metrics import MetricsRegistry
+
+__all__ = [
+    "DEFAULT_RETAINED",
+    "AbortedCheckpoint",
+    "CheckpointCommitError",
+    "CheckpointCoordinator",
+    "CheckpointListener",
+    "Completion",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Checkpoints kept. A Spark re-run of batch N restores from checkpoint N-1 while N is still
+#: retained, so at least 2 are needed for re-runs; 3 leaves room for a fallback past a damaged one.
+DEFAULT_RETAINED = 3
+#: How many aborted checkpoint ids are remembered, only to explain a late acknowledgement.
+_ABORTED_MEMORY = 16
+#: Keys shown in a log line before "...".
+_LOG_KEYS = 5
+
+
+class CheckpointCommitError(StorageError):
+    """The manifest of a checkpoint could not be written: the checkpoint is NOT complete.
+
+    Attributes:
+        checkpoint_id: the checkpoint.
+        key: the manifest key whose put failed (the object may exist anyway: a "ghost" write).
+    """
+
+    def __init__(self, checkpoint_id: int, key: str, cause: str, hint: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        super().__init__(f"checkpoint {checkpoint_id} was not committed: manifest put {key} "
+                         f"failed ({cause}); {hint}", key=key)
+
+
+class CheckpointListener:
+    """Receives checkpoint notifications; override what you need (the defaults do nothing).
+
+    Listeners run on the thread that caused the event, outside the coordinator's lock. An
+    exception in a listener is logged and does not undo the event or stop other listeners.
+    """
+
+    def on_complete(self, checkpoint: Manifest) -> None:
+        """``checkpoint``'s manifest was written: it is complete (Flink's
+        ``notifyCheckpointComplete``)."""
+
+    def on_subsumed(self, checkpoint: Manifest) -> None:
+        """``checkpoint`` is no longer retained (a newer one, or a newer attempt of the same id,
+        replaced it); its exclusive objects are being deleted."""
+
+    def on_aborted(self, checkpoint: AbortedCheckpoint) -> None:
+        """A pending checkpoint was aborted; it never became complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortedCheckpoint:
+    """A pending checkpoint that was aborted.
+
+    Attributes:
+        checkpoint_id: the checkpoint.
+        tasks: the tasks it waited for.
+        acknowledged: those that had acknowledged.
+        reason: why it was aborted.
+    """
+
+    checkpoint_id: int
+    tasks: tuple[str, ...]
+    acknowledged: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What a completed checkpoint changed (returned by :meth:`CheckpointCoordinator.complete`
+    and by the acknowledgement that completed it; truthy).
+
+    Attributes:
+        manifest: the committed manifest.
+        subsumed: checkpoints this completion subsumed, oldest first.
+        deleted: keys deleted before returning (manifests, then objects); empty when deletions
+            run on an executor.
+    """
+
+    manifest: Manifest
+    subsumed: tuple[Manifest, ...]
+    deleted: tuple[str, ...]
+
+    @property
+    def checkpoint_id(self) -> int:
+        return self.manifest.checkpoint_id
+
+
+@dataclass(slots=True)
+class _Pending:
+    checkpoint_id: int
+    tasks: tuple[str, ...]
+    trigger_mono: float
+    trigger_ms: int
+    acks: dict[str, tuple[TaskEntry, float]] = field(default_factory=dict)
+    #: manifest keys whose put was attempted for this checkpoint and failed (they may exist).
+    uncertain_keys: list[str] = field(default_factory=list)
+
+    def keys(self) -> set[str]:
+        return {k for entry, _ in self.acks.values() for k in entry.referenced_keys}
+
+
+class CheckpointCoordinator:
+    """Driver-side checkpoint coordinator (see the module docstring).
+
+    Args:
+        store: where manifests are written and objects deleted (the job's ``state_uri`` root).
+        job_id: the job (or operator) whose checkpoints these are; written into every manifest
+            and checked on recovery.
+        retained: how many checkpoint ids to keep (>= 1; >= 2 for Spark batch re-runs).
+        clock: monotonic seconds, for durations and acknowledgement latencies.
+        wall_clock: epoch seconds, for the times written into manifests and for the age of
+            orphans (object names carry their epoch-ms creation time).
+        metrics: a registry to report into; by default one with prefix
+            ``CheckpointCoordinator.``.
+        executor: runs deletions off the caller's path; ``None`` runs them inline right after
+            the commit (deterministic). The coordinator never shuts it down.
+        listeners: initial listeners (more with :meth:`add_listener`).
+
+    Raises:
+        ConfigError: ``retained`` < 1.
+        UsageError: ``job_id`` is not a non-empty string.
+    """
+
+    def __init__(self, store: BlobStore, *, job_id: str, retained: int = DEFAULT_RETAINED,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
+                 metrics: MetricsRegistry | None = None,
+                 executor: Executor | None = None,
+                 listeners: Iterable[CheckpointListener] = ()) -> None:
+        if not isinstance(retained, int) or isinstance(retained, bool) or retained < 1:
+            raise ConfigError("retained", retained, "an integer >= 1 (>= 2 if batches may be "
+                              "re-run)", owner="CheckpointCoordinator")
+        self._store = store
+        self._job_id = validate_id(job_id, "job_id")
+        self._retain = retained
+        self._clock = clock
+        self._wall = wall_clock
+        self._executor = executor
+        self._listeners: list[CheckpointListener] = list(listeners)
+        self._lock = threading.Lock()
+        self._delete_lock = threading.Lock()  # one deletion pass at a time
+        self._retained: list[Manifest] = []  # oldest first
+        self._pending: _Pending | None = None
+        self._last_id = 0  # highest checkpoint id triggered or found in the store
+        self._last_completed: int | None = None
+        self._attempts: dict[int, int] = {}  # highest manifest attempt used or seen, per id
+        self._aborted: OrderedDict[int, str] = OrderedDict()
+        self._doomed_manifests: set[str] = set()
+        self._doomed_objects: set[str] = set()
+        self._deleting: set[str] = set()
+        self._futures: set[Future[list[str]]] = set()
+        self._closed = False
+        m = self._metrics = metrics if metrics is not None else MetricsRegistry(
+            "CheckpointCoordinator.")
+        self._c_completed = m.counter("numberOfCompletedCheckpoints")
+        self._c_aborted = m.counter("numberOfAbortedCheckpoints")
+        self._c_subsumed = m.counter("numberOfSubsumedCheckpoints")
+        self._c_failed_commits = m.counter("numberOfFailedCommits")
+        self._c_deleted_objects = m.counter("numberOfDeletedObjects")
+        self._c_deleted_manifests = m.counter("numberOfDeletedManifests")
+        self._c_delete_failures = m.counter("numberOfDeleteFailures")
+        self._c_orphans = m.counter("numberOfCollectedOrphans")
+        self._h_duration = m.histogram("checkpointDurationMs")
+        self._h_ack = m.histogram("checkpointAckLatencyMs")
+        m.gauge("lastCheckpointDuration", lambda: self._latest_stat("duration_ms"))
+        m.gauge("lastCheckpointFullSize", lambda: self._latest_stat("full_size"))
+        m.gauge("lastCheckpointIncrementalSize", lambda: self._latest_stat("incremental_size"))
+        m.gauge("lastCompletedCheckpointId", lambda: float(
+            -1 if self._last_completed is None else self._last_completed))
+        m.gauge("numberOfRetainedCheckpoints", lambda: float(len(self._retained)))
+        m.gauge("pendingDeletions", lambda: float(len(self._doomed_manifests)
+                                                  + len(self._doomed_objects)))
+
+    def __repr__(self) -> str:
+        return (f"CheckpointCoordinator(job_id={self._job_id!r}, store={self._store.location!r}, "
+                f"retained={self._retain})")
+
+    # ------------------------------------------------------------------ recovery
+
+    @classmethod
+    def recover(cls, store: BlobStore, job_id: str, *, retained: int = DEFAULT_RETAINED,
+                fallback: bool = False, clock: Callable[[], float] = time.monotonic,
+                wall_clock: Callable[[], float] = time.time,
+                metrics: MetricsRegistry | None = None, executor: Executor | None = None,
+                listeners: Iterable[CheckpointListener] = ()) -> CheckpointCoordinator:
+        """Open the coordinator of a store that may hold checkpoints (a restarted driver).
+
+        Lists ``checkpoints/``, loads the newest manifest and then older ones until ``retained``
+        checkpoint ids are known (the highest valid attempt of each id), and continues from
+        there: ids continue above every id found, deletion decisions use the recovered
+        references, and every other manifest is doomed for deletion at the next completion.
+        Reads only; writes and deletes nothing.
+
+        Args:
+            store: the job's store.
+            job_id: must equal the ``job_id`` in the manifests.
+            retained: as for the constructor.
+            fallback: if the newest manifest is corrupt, log it and use the previous valid one
+                (an older attempt of the same id, or an older id) instead of failing.
+            clock, wall_clock, metrics, executor, listeners: as for the constructor.
+
+        Returns:
+            The coordinator; :meth:`latest` is the checkpoint to restore from (``None`` for an
+            empty store).
+
+        Raises:
+            CorruptObjectError: (without ``fallback``) the newest manifest is damaged; the error
+                names its key. With ``fallback``, only when no manifest is valid.
+            UsageError: the manifests belong to another job id.
+            StorageError: the store could not be listed or read.
+        """
+        coord = cls(store, job_id=job_id, retained=retained, clock=clock, wall_clock=wall_clock,
+                    metrics=metrics, executor=executor, listeners=listeners)
+        named: list[tuple[int, int, str, int]] = []
+        ignored: list[str] = []
+        for info in store.list(MANIFEST_PREFIX):
+            parsed = parse_manifest_key(info.key)
+            if parsed is None:
+                ignored.append(info.key)
+            else:
+                named.append((parsed[0], parsed[1], info.key, info.size))
+        if ignored:
+            logger.warning("recover %s: ignoring %d objects under %s that are not manifests: %s",
+                           store.location, len(ignored), MANIFEST_PREFIX, ignored[:_LOG_KEYS])
+        named.sort(reverse=True)
+        loaded: list[Manifest] = []
+        corrupt: list[str] = []
+        for cid, _attempt, key, size in named:
+            if len(loaded) == retained:
+                break
+            if any(m.checkpoint_id == cid for m in loaded):
+                continue  # a lower attempt of an id we already have: stale
+            try:
+                if size > MAX_MANIFEST_BYTES:
+                    raise CorruptObjectError(key, 0, f"{size} bytes is larger than the manifest "
+                                                     f"limit of {MAX_MANIFEST_BYTES} bytes")
+                m = decode_manifest(store.get(key), key)
+            except CorruptObjectError as exc:
+                if not loaded and not fallback:
+                    exc.add_note(f"recover {store.location}: {key} is the newest manifest; pass "
+                                 "fallback=True to recover from the previous valid checkpoint")
+                    raise
+                logger.warning("recover %s: skipping corrupt manifest %s: %s", store.location,
+                               key, exc)
+                corrupt.append(key)
+                continue
+            if m.job_id != coord._job_id:
+                raise UsageError(f"recover {store.location}: manifest {key} belongs to job "
+                                 f"{m.job_id!r}, not {coord._job_id!r}; open this job's own "
+                                 "state_uri, or pass the job id the store was written with")
+            loaded.append(m)
+        if named and not loaded:
+            raise CorruptObjectError(named[0][2], 0, f"none of the {len(named)} manifests under "
+                                     f"{MANIFEST_PREFIX} is valid (corrupt: "
+                                     f"{corrupt[:_LOG_KEYS]})",
+                                     hint="the checkpoint directory is damaged; nothing can be "
+                                          "restored from it")
+        with coord._lock:
+            coord._retained = loaded[::-1]
+            keep = {m.key for m in loaded}
+            coord._doomed_manifests = {key for _, _, key, _ in named if key not in keep}
+            if named:
+                coord._last_id = named[0][0]
+            for cid, attempt, _, _ in named:
+                coord._attempts[cid] = max(attempt, coord._attempts.get(cid, 0))
+            if loaded:
+                coord._last_completed = loaded[0].checkpoint_id
+                coord._attempts = {c: a for c, a in coord._attempts.items()
+                                   if c >= loaded[0].checkpoint_id}
+        latest = loaded[0] if loaded else None
+        logger.info("recovered job %s from %s: latest checkpoint %s (attempt %s), %d retained, "
+                    "%d stale manifests doomed, %d corrupt skipped", job_id, store.location,
+                    latest.checkpoint_id if latest else None, latest.attempt if latest else None,
+                    len(loaded), len(coord._doomed_manifests), len(corrupt))
+        return coord
+
+    # ------------------------------------------------------------------ the protocol
+
+    def trigger(self, tasks: Iterable[str], checkpoint_id: int | None = None) -> int:
+        """Start a checkpoint that waits for ``tasks``; abort the pending one, if any.
+
+        Args:
+            tasks: the task ids that must acknowledge (non-empty, unique).
+            checkpoint_id: ``None`` picks the next id (strictly above every id seen). An
+                explicit id must be >= the last completed id; equal to it is a re-run, which
+                commits a new manifest attempt replacing the old one.
+
+        Returns:
+            The checkpoint id.
+
+        Raises:
+            UsageError: no tasks, a repeated or malformed task id, or an id below the last
+                completed one or out of range.
+            ClosedError: the coordinator is closed.
+        """
+        task_ids = tuple(tasks) if not isinstance(tasks, str) else (tasks,)
+        if not task_ids:
+            raise UsageError("trigger: a checkpoint needs at least one task")
+        for t in task_ids:
+            validate_id(t, "task_id")
+        if len(set(task_ids)) != len(task_ids):
+            raise UsageError(f"trigger: task ids repeat in {list(task_ids)[:10]}")
+        with self._lock:
+            self._check_open()
+            if checkpoint_id is None:
+                cid = self._last_id + 1
+            else:
+                if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool) \
+                        or not 0 <= checkpoint_id <= MAX_CHECKPOINT_ID:
+                    raise UsageError(f"trigger: checkpoint_id={checkpoint_id!r} must be an "
+                                     f"integer in [0, {MAX_CHECKPOINT_ID}]")
+                cid = checkpoint_id
+                if self._last_completed is not None and cid < self._last_completed:
+                    raise UsageError(
+                        f"trigger: checkpoint {cid} is below the last completed checkpoint "
+                        f"{self._last_completed}; ids only grow (a re-run may repeat "
+                        f"{self._last_completed}, or pass checkpoint_id=None)")
+            if cid > MAX_CHECKPOINT_ID:
+                raise UsageError(f"trigger: checkpoint ids are exhausted ({cid})")
+            aborted = None
+            if self._pending is not None:
+                aborted = self._abort_locked(f"superseded by checkpoint {cid}")
+            self._pending = _Pending(cid, task_ids, self._clock(), self._wall_ms())
+            self._aborted.pop(cid, None)
+            self._last_id = max(self._last_id, cid)
+            rerun = cid == self._last_completed
+        logger.info("triggered checkpoint %d%s for %d tasks", cid, " (re-run)" if rerun else "",
+                    len(task_ids))
+        if aborted is not None:
+            self._deliver("on_aborted", aborted)
+        return cid
+
+    def acknowledge(self, checkpoint_id: int, task_id: str, state: Mapping[str, Any],
+                    referenced_keys: Sequence[str], full_size: int,
+                    incremental_size: int) -> Completion | None:
+        """Record one task's part of a checkpoint; commit when every task has acknowledged.
+
+        A repeated acknowledgement of the same task replaces the earlier one (a task retry).
+
+        Args:
+            checkpoint_id: the pending checkpoint.
+            task_id: one of the tasks it waits for.
+            state: the task's state handle, a JSON object (stored in the manifest as is).
+            referenced_keys: every object the state needs, all below ``dstl/`` or
+                ``snapshots/`` and all already stored.
+            full_size: bytes of the task's whole state.
+            incremental_size: bytes uploaded for this checkpoint.
+
+        Returns:
+            The :class:`Completion` if this acknowledgement completed the checkpoint, else
+            ``None``.
+
+        Raises:
+            UsageError: the checkpoint is not pending (never triggered, completed, aborted), the
+                task is not one of its tasks, a field is malformed, or a referenced object is
+                being deleted right now (it was referenced only by subsumed checkpoints).
+            UnsafePathError: a key could escape the storage root or is outside ``dstl/`` and
+                ``snapshots/``.
+            CheckpointCommitError: this was the last acknowledgement and the manifest put
+                failed; the checkpoint stays pending (retry with :meth:`complete`).
+            ClosedError: the coordinator is closed.
+        """
+        entry = TaskEntry.of(task_id, state, referenced_keys, full_size, incremental_size)
+        with self._lock:
+            self._check_open()
+            p = self._pending_for(checkpoint_id, "acknowledge")
+            if task_id not in p.tasks:
+                raise UsageError(f"acknowledge: task {task_id!r} is not one of the "
+                                 f"{len(p.tasks)} tasks of checkpoint {checkpoint_id} "
+                                 f"({list(p.tasks)[:10]})")
+            clash = self._deleting.intersection(entry.referenced_keys)
+            if clash:
+                raise UsageError(
+                    f"acknowledge: task {task_id!r} of checkpoint {checkpoint_id} references "
+                    f"{sorted(clash)[:_LOG_KEYS]}, which are being deleted because only "
+                    "subsumed checkpoints referenced them; the task must restore from the "
+                    "latest checkpoint and re-upload instead of reusing subsumed objects")
+            latency_ms = max(0.0, (self._clock() - p.trigger_mono) * 1000.0)
+            if task_id in p.acks:
+                logger.info("checkpoint %d: task %s acknowledged again; the new "
+                            "acknowledgement replaces the earlier one", checkpoint_id, task_id)
+            p.acks[task_id] = (entry, latency_ms)
+            self._h_ack.update(latency_ms)
+            if len(p.acks) < len(p.tasks):
+                return None
+            manifest, subsumed = self._commit_locked(p)
+        return self._after_commit(manifest, subsumed)
+
+    def complete(self, checkpoint_id: int) -> Completion:
+        """Commit a pending checkpoint whose tasks have all acknowledged.
+
+        Normally the last acknowledgement commits; call this to retry after a
+        :class:`CheckpointCommitError` (the retry uses the next attempt number).
+
+        Returns:
+            The :class:`Completion`.
+
+        Raises:
+            UsageError: the checkpoint is not pending, or tasks are still missing (named).
+            CheckpointCommitError: the manifest put failed again.
+            ClosedError: the coordinator is closed.
+        """
+        with self._lock:
+            self._check_open()
+            p = self._pending_for(checkpoint_id, "complete")
+            missing = [t for t in p.tasks if t not in p.acks]
+            if missing:
+                raise UsageError(f"complete: checkpoint {checkpoint_id} still waits for "
+                                 f"{len(missing)} tasks: {missing[:10]}")
+            manifest, subsumed = self._commit_locked(p)
+        return self._after_commit(manifest, subsumed)
+
+    def abort(self, checkpoint_id: int, reason: str) -> AbortedCheckpoint:
+        """Abort the pending checkpoint ``checkpoint_id``.
+
+        Manifest puts of this checkpoint that failed (and may have landed anyway) are doomed,
+        so no stray manifest survives for a checkpoint the caller was told did not complete.
+
+        Returns:
+            The aborted checkpoint (also delivered to ``on_aborted``).
+
+        Raises:
+            UsageError: the checkpoint is not pending.
+            ClosedError: the coordinator is closed.
+        """
+        with self._lock:
+            self._check_open()
+            self._pending_for(checkpoint_id, "abort")
+            aborted = self._abort_locked(str(reason))
+        self._deliver("on_aborted", aborted)
+        return aborted
+
+    # ------------------------------------------------------------------ queries
+
+    def latest(self) -> Manifest | None:
+        """The newest retained (completed) checkpoint, or ``None``."""
+        with self._lock:
+            return self._retained[-1] if self._retained else None
+
+    def manifests(self) -> tuple[Manifest, ...]:
+        """The retained checkpoints, oldest first."""
+        with self._lock:
+            return tuple(self._retained)
+
+    @property
+    def pending_checkpoint_id(self) -> int | None:
+        """The id of the pending checkpoint, or ``None``."""
+        with self._lock:
+            return None if self._pending is None else self._pending.checkpoint_id
+
+    @property
+    def job_id(self) -> str:
+        return self._job_id
+
+    def doomed(self) -> tuple[frozenset[str], frozenset[str]]:
+        """Keys waiting for deletion: ``(manifests, objects)`` (failed or not yet run)."""
+        with self._lock:
+            return frozenset(self._doomed_manifests), frozenset(self._doomed_objects)
+
+    def stats(self) -> dict[str, float]:
+        """The coordinator's metrics as ``{name: value}`` (Flink-like names: completed and
+        aborted checkpoints, last duration and sizes, deleted objects, collected orphans, ...).
+        The full statistics of a checkpoint are in its manifest (``latest().stats``)."""
+        return self._metrics.snapshot()
+
+    def add_listener(self, listener: CheckpointListener) -> None:
+        """Deliver future notifications to ``listener`` too."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: CheckpointListener) -> None:
+        """Stop delivering to ``listener`` (no error if it was not registered)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    # ------------------------------------------------------------------ deletion
+
+    def run_deletions(self) -> list[str]:
+        """Delete what is doomed, once: manifests first, then — only if every doomed manifest
+        is gone — the doomed objects that no retained or pending checkpoint references.
+
+        Runs after every completion (inline or on the executor); callable by hand. Failures are
+        logged and counted, and the keys stay doomed for the next run.
+
+        Returns:
+            The keys deleted by this call.
+        """
+        with self._delete_lock:
+            return self._run_deletions_locked()
+
+    def collect_orphans(self, min_age_s: float, now_ms: int | None = None) -> list[str]:
+        """Delete objects no checkpoint references (orphans), after a grace period.
+
+        First every stale manifest (in ``checkpoints/`` but neither retained nor a put of the
+        pending checkpoint) and every doomed manifest is deleted; if that fails nothing else is
+        deleted. Then every object under ``dstl/`` and ``snapshots/`` that no retained or
+        pending checkpoint references and whose name says it was created at least
+        ``min_age_s`` before ``now_ms`` is deleted. Names without a creation time are left
+        alone and logged. A failed delete is logged and retried at the next completion.
+
+        Args:
+            min_age_s: the grace period. It must exceed the longest time from an object's
+                upload to the acknowledgement that first references it (a few checkpoint
+                intervals) plus the clock skew between executors and the driver.
+            now_ms: the current epoch time in ms (default: the wall clock).
+
+        Returns:
+            The keys deleted (manifests, then objects).
+
+        Raises:
+            UsageError: ``min_age_s`` is negative or not finite, or the store holds a manifest
+                newer than this coordinator's latest checkpoint that it does not know (it was
+                not opened with :meth:`recover`, or another coordinator writes to the store);
+                nothing is deleted then.
+            StorageError: listing failed.
+            ClosedError: the coordinator is closed.
+        """
+        if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) \
+                or not math.isfinite(min_age_s) or min_age_s < 0:
+            raise UsageError(f"collect_orphans: min_age_s={min_age_s!r} must be a finite number "
+                             ">= 0 (seconds)")
+        now = self._wall_ms() if now_ms is None else int(now_ms)
+        cutoff = now - int(min_age_s * 1000)
+        with self._delete_lock:
+            with self._lock:
+                self._check_open()
+            listed = [info.key for info in self._store.list(MANIFEST_PREFIX)]
+            with self._lock:
+                keep = {m.key for m in self._retained}
+                if self._pending is not None:
+                    keep.update(self._pending.uncertain_keys)  # doomed when it ends
+                newest = self._retained[-1].checkpoint_id if self._retained else -1
+                stale = set()
+                for k in listed:
+                    parsed = parse_manifest_key(k)
+                    if parsed is None or k in keep:
+                        continue
+                    if parsed[0] > newest and k not in self._doomed_manifests:
+                        raise UsageError(
+                            f"collect_orphans: {self._store.location} holds manifest {k}, newer "
+                            f"than this coordinator's latest checkpoint ({newest}) and unknown "
+                            "to it; nothing was deleted. Open an existing store with "
+                            "CheckpointCoordinator.recover(), and run one coordinator per store")
+                    stale.add(k)
+                self._doomed_manifests |= stale
+            deleted = self._run_deletions_locked()
+            with self._lock:
+                if self._doomed_manifests:
+                    logger.warning("collect_orphans: %d manifests could not be deleted; no "
+                                   "objects deleted", len(self._doomed_manifests))
+                    return deleted
+            candidates: list[str] = []
+            unnamed: list[str] = []
+            for prefix in REFERENCE_PREFIXES:
+                for info in self._store.list(prefix):
+                    created = created_ms_of(info.key)
+                    if created is None:
+                        unnamed.append(info.key)
+                    elif created <= cutoff:
+                        candidates.append(info.key)
+            if unnamed:
+                logger.warning("collect_orphans: left alone %d objects whose names carry no "
+                               "creation time: %s", len(unnamed), unnamed[:_LOG_KEYS])
+            with self._lock:
+                orphans = sorted(set(candidates) - self._live_keys_locked())
+                self._deleting.update(orphans)
+            try:
+                if orphans:
+                    self._store.delete(orphans)
+            except (DstlError, OSError) as exc:
+                self._c_delete_failures.inc()
+                logger.warning("collect_orphans: deleting %d orphans failed (retried at the next "
+                               "completion): %s", len(orphans), exc)
+                with self._lock:
+                    self._doomed_objects.update(orphans)
+                return deleted
+            finally:
+                with self._lock:
+                    self._deleting.difference_update(orphans)
+            with self._lock:
+                self._doomed_objects.difference_update(orphans)
+            self._c_orphans.inc(len(orphans))
+            logger.info("collect_orphans: deleted %d orphans older than %.0f s (%d candidates, "
+                        "%d manifests)", len(orphans), min_age_s, len(candidates), len(deleted))
+            return deleted + orphans
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        """Refuse further calls and wait up to ``timeout_s`` for deletions already handed to
+        the executor. Idempotent. Doomed keys that were not deleted stay in the store (a
+        recovering coordinator finds stale manifests; orphan collection finds objects)."""
+        with self._lock:
+            self._closed = True
+            futures = list(self._futures)
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout_s)
+
+    def __enter__(self) -> CheckpointCoordinator:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(repr(self), "recover a new coordinator from the store")
+
+    def _wall_ms(self) -> int:
+        return int(self._wall() * 1000)
+
+    def _latest_stat(self, name: str) -> float:
+        latest = self._retained[-1] if self._retained else None
+        return 0.0 if latest is None else float(getattr(latest.stats, name))
+
+    def _pending_for(self, checkpoint_id: int, op: str) -> _Pending:
+        p = self._pending
+        if p is not None and p.checkpoint_id == checkpoint_id:
+            return p
+        why = self._aborted.get(checkpoint_id) if isinstance(checkpoint_id, int) else None
+        if why is not None:
+            detail = f"it was aborted ({why})"
+        elif self._last_completed is not None and checkpoint_id == self._last_completed:
+            detail = "it is already complete (trigger it again to re-run it)"
+        else:
+            detail = "it was never triggered"
+        pending = "none" if p is None else str(p.checkpoint_id)
+        raise UsageError(f"{op}: checkpoint {checkpoint_id!r} is not pending (pending: "
+                         f"{pending}); {detail}")
+
+    def _live_keys_locked(self) -> set[str]:
+        live = {k for m in self._retained for k in m.referenced_keys}
+        if self._pending is not None:
+            live |= self._pending.keys()
+        return live
+
+    def _abort_locked(self, reason: str) -> AbortedCheckpoint:
+        p = self._pending
+        assert p is not None
+        self._pending = None
+        self._doomed_manifests.update(p.uncertain_keys)
+        aborted = AbortedCheckpoint(p.checkpoint_id, p.tasks, tuple(p.acks), reason)
+        self._aborted[p.checkpoint_id] = reason
+        while len(self._aborted) > _ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+        self._c_aborted.inc()
+        logger.info("aborted checkpoint %d (%d of %d tasks acknowledged): %s", p.checkpoint_id,
+                    len(p.acks), len(p.tasks), reason)
+        return aborted
+
+    def _commit_locked(self, p: _Pending) -> tuple[Manifest, tuple[Manifest, ...]]:
+        """Write the manifest, then apply the retention plan to the in-memory state."""
+        cid = p.checkpoint_id
+        attempt = self._attempts.get(cid, 0) + 1
+        if attempt > MAX_ATTEMPT:
+            raise UsageError(f"checkpoint {cid}: manifest attempts exhausted ({MAX_ATTEMPT})")
+        self._attempts[cid] = attempt
+        manifest = Manifest.build(
+            job_id=self._job_id, checkpoint_id=cid, attempt=attempt,
+            created_ms=self._wall_ms(), tasks=[p.acks[t][0] for t in p.tasks],
+            trigger_ms=p.trigger_ms,
+            duration_ms=max(0.0, (self._clock() - p.trigger_mono) * 1000.0),
+            ack_latency_ms={t: p.acks[t][1] for t in p.tasks})
+        key = manifest.key
+        # Until the put is known to have succeeded the object may exist (a "ghost" write): it
+        # is doomed if this checkpoint is aborted or committed under a later attempt.
+        p.uncertain_keys.append(key)
+        try:
+            self._store.put(key, manifest.encode())
+        except ObjectExistsError as exc:
+            p.uncertain_keys.remove(key)  # someone else's object: never ours to delete
+            self._c_failed_commits.inc()
+            raise CheckpointCommitError(
+                cid, key, str(exc), "another coordinator writes to this store, or it holds "
+                "checkpoints of an earlier run: open it with CheckpointCoordinator.recover()"
+            ) from exc
+        except (DstlError, OSError) as exc:
+            self._c_failed_commits.inc()
+            logger.warning("checkpoint %d: manifest put %s failed: %s", cid, key, exc)
+            raise CheckpointCommitError(
+                cid, key, str(exc), f"the checkpoint stays pending with all acknowledgements; "
+                f"retry with complete({cid}), or re-run it with trigger(tasks, "
+                f"checkpoint_id={cid})") from exc
+        p.uncertain_keys.remove(key)
+        # Committed: from here on nothing may fail before the in-memory state matches the store.
+        plan = plan_retention([m.refs() for m in self._retained], manifest.refs(),
+                              retain=self._retain, doomed_objects=self._doomed_objects)
+        by_key = {m.key: m for m in self._retained}
+        by_key[key] = manifest
+        self._retained = [by_key[r.manifest_key] for r in plan.retained]
+        subsumed = tuple(by_key[r.manifest_key] for r in plan.subsumed)
+        self._doomed_manifests.update(plan.delete_manifests)
+        self._doomed_manifests.update(p.uncertain_keys)  # earlier failed puts of this checkpoint
+        self._doomed_objects = set(plan.delete_objects) | set(plan.deferred_objects)
+        self._pending = None
+        self._last_completed = cid
+        self._attempts = {c: a for c, a in self._attempts.items() if c >= cid}
+        self._c_completed.inc()
+        self._c_subsumed.inc(len(subsumed))
+        self._h_duration.update(manifest.stats.duration_ms)
+        logger.info("completed checkpoint %d attempt %d in %.1f ms: %d tasks, full %d B, "
+                    "incremental %d B; subsumed %s; %d objects doomed", cid, attempt,
+                    manifest.stats.duration_ms, len(manifest.tasks), manifest.stats.full_size,
+                    manifest.stats.incremental_size, [m.checkpoint_id for m in subsumed],
+                    len(self._doomed_objects))
+        return manifest, subsumed
+
+    def _after_commit(self, manifest: Manifest,
+                      subsumed: tuple[Manifest, ...]) -> Completion:
+        deleted: list[str] = []
+        if self._executor is None:
+            deleted = self.run_deletions()
+        else:
+            try:
+                future = self._executor.submit(self.run_deletions)
+            except RuntimeError as exc:  # an executor that was shut down
+                logger.warning("deletions not scheduled (retried at the next completion): %s",
+                               exc)
+            else:
+                with self._lock:
+                    self._futures.add(future)
+                future.add_done_callback(self._forget_future)
+        self._deliver("on_complete", manifest)
+        for m in subsumed:
+            self._deliver("on_subsumed", m)
+        return Completion(manifest, subsumed, tuple(deleted))
+
+    def _forget_future(self, future: Future[list[str]]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _run_deletions_locked(self) -> list[str]:
+        """One deletion pass; the caller holds ``_delete_lock``."""
+        with self._lock:
+            manifests = sorted(self._doomed_manifests)
+            retained_refs = {k for m in self._retained for k in m.referenced_keys}
+            # Referenced again by a retained checkpoint: its subsumption will doom it anew.
+            self._doomed_objects -= retained_refs
+            objects = sorted(self._doomed_objects - self._live_keys_locked())
+            if not manifests and not objects:
+                return []
+        deleted: list[str] = []
+        if manifests:
+            try:
+                self._store.delete(manifests)
+            except (DstlError, OSError) as exc:
+                self._c_delete_failures.inc()
+                logger.warning("deleting %d manifests failed; they and %d objects stay doomed "
+                               "for the next completion: %s", len(manifests), len(objects), exc)
+                return deleted
+            with self._lock:
+                self._doomed_manifests.difference_update(manifests)
+            self._c_deleted_manifests.inc(len(manifests))
+            deleted.extend(manifests)
+        if not objects:
+            return deleted
+        with self._lock:
+            # Between the snapshot above and now an acknowledgement may have named one.
+            objects = sorted(set(objects) - self._live_keys_locked())
+            self._deleting.update(objects)
+        try:
+            self._store.delete(objects)
+        except (DstlError, OSError) as exc:
+            self._c_delete_failures.inc()
+            logger.warning("deleting %d unreferenced objects failed; they stay doomed for the "
+                           "next completion: %s", len(objects), exc)
+            return deleted
+        finally:
+            with self._lock:
+                self._deleting.difference_update(objects)
+        with self._lock:
+            self._doomed_objects.difference_update(objects)
+        self._c_deleted_objects.inc(len(objects))
+        logger.info("deleted %d manifests and %d unreferenced objects: %s", len(manifests),
+                    len(objects), (manifests + objects)[:_LOG_KEYS])
+        return deleted + objects
+
+    def _deliver(self, event: str, value: Manifest | AbortedCheckpoint) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                getattr(listener, event)(value)
+            except Exception:
+                logger.exception("checkpoint listener %r failed in %s for checkpoint %d", listener,
+                                 event, value.checkpoint_id)

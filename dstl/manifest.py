@@ -1,0 +1,685 @@
+"""Checkpoint manifests and the retention planner — pure values in, values out, no I/O.
+
+Theory of operation
+-------------------
+A checkpoint exists iff its manifest exists (guarantee G3). The manifest is the LAST object a
+checkpoint writes: every segment and snapshot it names was stored (and acknowledged by its task)
+before the coordinator puts it. The store is write-once, so a checkpoint id that is committed
+again (Spark re-runs a micro-batch, or a failed manifest put is retried) gets a new *attempt*::
+
+    checkpoints/{checkpoint_id:016x}-{attempt:04x}.manifest      attempt = 1, 2, ...
+
+Names are fixed-width lowercase hex, so lexical order is numeric order: a reader takes the highest
+attempt of the highest checkpoint id (:func:`parse_manifest_key` recognises the names).
+
+**Encoding.** One canonical JSON document (sorted keys, no whitespace, ASCII only, no NaN/Infinity)
+plus a newline::
+
+    {"body":{...},"crc32":"<8 lowercase hex>","format":"dstl-manifest","version":1}
+
+``crc32`` is CRC-32 over the canonical JSON encoding of ``body``. The body holds the job id,
+checkpoint id, attempt, creation time, one entry per task (task id, its opaque JSON state handle,
+the object keys it references, full and incremental size) and the checkpoint statistics (trigger
+time, duration, per-task acknowledgement latency, total sizes). See ``docs/coordinator.md`` for
+the field table.
+
+**Decoding is strict** — a checkpoint directory is untrusted input. In order: size limit, UTF-8,
+JSON (no NaN/Infinity, bounded nesting), format and version (:class:`UnsupportedFormatError`), the
+CRC (:class:`ChecksumMismatchError`), canonical form (so that *every* altered byte is detected,
+not only those the CRC covers), then every field's type and range and the cross-field rules
+(:class:`CorruptManifestError` naming the field). Every referenced key goes through
+:func:`~dstl.blobstore.check_key` and must lie under ``dstl/`` or ``snapshots/``
+(:class:`UnsafeManifestKeyError`), so a manifest can neither point outside the storage root nor
+make the coordinator delete anything but segments and snapshots. All of these are
+:class:`~dstl.errors.CorruptObjectError` s naming the manifest's key.
+
+Building a manifest from caller values (:meth:`Manifest.build`, :class:`TaskEntry`) applies the
+same rules but raises :class:`~dstl.errors.UsageError` (:class:`~dstl.errors.UnsafePathError` for
+keys): then it is the caller's mistake, not damaged data.
+
+**Retention** (:func:`plan_retention`) is by checkpoint id, never by wall-clock time. Given the
+retained checkpoints, the key sets of pending (in-flight) checkpoints and a new completion, it
+keeps the newest ``retain`` checkpoint ids (a new attempt of a retained id *replaces* the older
+attempt), and says which manifests to delete (every subsumed one) and which objects to delete:
+exactly those referenced by a subsumed checkpoint (or left over from an earlier plan) that NO
+retained and NO pending checkpoint references. Keys protected only by a pending checkpoint are
+returned as ``deferred_objects`` for the caller to pass back in next time, so nothing unreferenced
+stays once the pending checkpoint is gone (G5). The caller deletes manifests first, then objects:
+a crash in between leaves only orphans, never a manifest naming deleted data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from dstl.blobstore import check_key
+from dstl.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    UnsafePathError,
+    UnsupportedFormatError,
+    UsageError,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_PREFIX",
+    "MAX_ATTEMPT",
+    "MAX_CHECKPOINT_ID",
+    "MAX_MANIFEST_BYTES",
+    "REFERENCE_PREFIXES",
+    "CheckpointRefs",
+    "CheckpointStats",
+    "CorruptManifestError",
+    "Manifest",
+    "RetentionPlan",
+    "TaskEntry",
+    "UnsafeManifestKeyError",
+    "created_ms_of",
+    "decode_manifest",
+    "encode_manifest",
+    "manifest_key",
+    "parse_manifest_key",
+    "plan_retention",
+    "validate_id",
+]
+
+#: Where manifests live (store layout in DESIGN.md).
+MANIFEST_PREFIX = "checkpoints/"
+#: Value of the top-level ``format`` field.
+FORMAT_NAME = "dstl-manifest"
+#: The manifest format this build writes and reads.
+FORMAT_VERSION = 1
+#: Referenced objects must live under one of these: segments and materialized snapshots. Nothing
+#: else in the root (manifests, other applications' files) can be named, and so deleted.
+REFERENCE_PREFIXES: tuple[str, ...] = ("dstl/", "snapshots/")
+#: 16 hex digits in the name.
+MAX_CHECKPOINT_ID = 16**16 - 1
+#: 4 hex digits in the name; attempts start at 1.
+MAX_ATTEMPT = 16**4 - 1
+#: Larger manifests are rejected before parsing (untrusted input must not exhaust memory). A
+#: manifest holds keys and small handles; 10 000 tasks x 100 keys stay well below this.
+MAX_MANIFEST_BYTES = 64 << 20
+#: Ids, task ids and job ids longer than this are rejected (they end up in messages and logs).
+MAX_ID_CHARS = 1024
+
+_MANIFEST_NAME = re.compile(r"checkpoints/([0-9a-f]{16})-([0-9a-f]{4})\.manifest")
+#: Segment and snapshot names start with the creation time in epoch ms, 11 hex digits.
+_CREATED_PREFIX = re.compile(r"([0-9a-f]{11})-")
+_TOP_FIELDS = frozenset({"body", "crc32", "format", "version"})
+_BODY_FIELDS = frozenset({"attempt", "checkpoint_id", "created_ms", "job_id", "stats", "tasks"})
+_TASK_FIELDS = frozenset({"full_size", "incremental_size", "referenced_keys", "state",
+                          "task_id"})
+_STATS_FIELDS = frozenset({"ack_latency_ms", "duration_ms", "full_size", "incremental_size",
+                           "trigger_ms"})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CorruptManifestError(CorruptObjectError):
+    """A stored manifest does not decode: a field is missing, has the wrong type or range, or
+    contradicts another field.
+
+    Attributes:
+        key: the manifest's object key.
+        field: the offending field, as a path (``body.tasks[2].referenced_keys[0]``).
+    """
+
+    def __init__(self, key: str, field: str, reason: str,
+                 hint: str = "the manifest is damaged or was not written by DSTL; recover with "
+                             "fallback=True to use the previous valid checkpoint") -> None:
+        self.field = field
+        super().__init__(key, 0, f"manifest field {field}: {reason}", hint)
+
+
+class UnsafeManifestKeyError(CorruptManifestError, UnsafePathError):
+    """A manifest names an object key that could escape the storage root, or that lies outside
+    ``dstl/`` and ``snapshots/``. It is both a :class:`CorruptManifestError` (the manifest is
+    bad) and an :class:`~dstl.errors.UnsafePathError` (the key is refused).
+
+    Attributes:
+        key: the manifest's object key.
+        object_key: the refused key, as found in the manifest.
+        field: where it was found.
+        reason: why it is refused.
+    """
+
+    def __init__(self, key: str, field: str, object_key: str, reason: str) -> None:
+        # Not cooperative: the two bases' constructors take different arguments.
+        self.key = key  # the manifest (CorruptObjectError's meaning); the refused key follows
+        self.object_key = object_key
+        self.offset = 0
+        self.field = field
+        self.reason = reason
+        Exception.__init__(
+            self, f"{key} at offset 0: manifest field {field}: object key {object_key!r} is "
+                  f"not allowed: {reason} (manifests may only name keys below dstl/ or "
+                  "snapshots/ of the storage root; do not restore from this manifest)")
+
+
+# --------------------------------------------------------------------------- names
+
+
+def manifest_key(checkpoint_id: int, attempt: int) -> str:
+    """The object key of one manifest attempt.
+
+    Raises:
+        UsageError: the id or attempt does not fit the fixed-width name.
+    """
+    _check_int_range(checkpoint_id, 0, MAX_CHECKPOINT_ID, "checkpoint_id", _usage)
+    _check_int_range(attempt, 1, MAX_ATTEMPT, "attempt", _usage)
+    return f"{MANIFEST_PREFIX}{checkpoint_id:016x}-{attempt:04x}.manifest"
+
+
+def parse_manifest_key(key: str) -> tuple[int, int] | None:
+    """``(checkpoint_id, attempt)`` of a manifest key, or ``None`` if ``key`` is not one."""
+    match = _MANIFEST_NAME.fullmatch(key)
+    if match is None:
+        return None
+    attempt = int(match.group(2), 16)
+    return (int(match.group(1), 16), attempt) if attempt >= 1 else None
+
+
+def created_ms_of(key: str) -> int | None:
+    """Creation time (epoch ms) encoded at the start of an object's base name, or ``None``.
+
+    Segments are named ``dstl/{created_ms:011x}-...`` (:func:`dstl.scheduler.segment_key`);
+    snapshots follow the same rule for their base name (``snapshots/.../{created_ms:011x}-...``).
+    """
+    match = _CREATED_PREFIX.match(key.rpartition("/")[2])
+    return None if match is None else int(match.group(1), 16)
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+_Fail = Callable[[str, str], NoReturn]
+
+
+def _usage(field: str, reason: str) -> NoReturn:
+    raise UsageError(f"checkpoint manifest field {field}: {reason}")
+
+
+def validate_id(value: object, field: str) -> str:
+    """Return ``value`` if it is a usable job or task id (non-empty string, at most
+    ``MAX_ID_CHARS`` characters, no control characters).
+
+    Raises:
+        UsageError: it is not; the message names ``field``.
+    """
+    return _check_id(value, field, _usage)
+
+
+def _check_int_range(v: object, lo: int, hi: int | None, field: str, fail: _Fail) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        fail(field, f"expected an integer, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        fail(field, f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
+    return v
+
+
+def _check_number(v: object, field: str, fail: _Fail) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        fail(field, f"expected a number, got {type(v).__name__}")
+    if not math.isfinite(v) or v < 0:
+        fail(field, f"{v!r} is not a finite number >= 0")
+    return float(v)
+
+
+def _check_id(v: object, field: str, fail: _Fail) -> str:
+    if not isinstance(v, str) or not v:
+        fail(field, f"expected a non-empty string, got {v!r:.80}")
+    if len(v) > MAX_ID_CHARS or any(ord(c) < 0x20 for c in v):
+        fail(field, f"{v!r:.80} is longer than {MAX_ID_CHARS} characters or has control "
+                    "characters")
+    return v
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def _check_ref(v: object, field: str, *, manifest: str | None) -> str:
+    """A referenced object key: safe (check_key) and below a referenceable prefix."""
+    try:
+        key = check_key(v)
+    except UnsafePathError as exc:
+        if manifest is None:
+            raise
+        raise UnsafeManifestKeyError(manifest, field, repr(v) if not isinstance(v, str) else v,
+                                     exc.reason) from exc
+    if not key.startswith(REFERENCE_PREFIXES):
+        reason = f"not below {' or '.join(REFERENCE_PREFIXES)}"
+        if manifest is None:
+            raise UnsafePathError(key, reason + " (a checkpoint references segments and "
+                                                "snapshots only)")
+        raise UnsafeManifestKeyError(manifest, field, key, reason)
+    return key
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEntry:
+    """What one task contributed to a checkpoint.
+
+    Attributes:
+        task_id: the task (e.g. ``"count/3"``), unique within the checkpoint.
+        state: the task's state handle, an opaque JSON object (the coordinator stores it as is).
+        referenced_keys: every object the state needs (segments and snapshots), sorted, unique.
+        full_size: bytes of the task's whole checkpointed state.
+        incremental_size: bytes uploaded for this checkpoint only.
+    """
+
+    task_id: str
+    state: Mapping[str, Any]
+    referenced_keys: tuple[str, ...]
+    full_size: int
+    incremental_size: int
+
+    @classmethod
+    def of(cls, task_id: str, state: Mapping[str, Any], referenced_keys: Iterable[str],
+           full_size: int, incremental_size: int) -> TaskEntry:
+        """Validate caller values and build an entry (keys sorted and de-duplicated; the state
+        copied through JSON, so later changes by the caller do not leak in).
+
+        Raises:
+            UsageError: a field has the wrong type or range, or the state is not a JSON object
+                of strings, finite numbers, booleans, null, lists and objects.
+            UnsafePathError: a key could escape the storage root or is not below ``dstl/`` or
+                ``snapshots/``.
+        """
+        _check_id(task_id, "task_id", _usage)
+        if not isinstance(state, Mapping):
+            _usage("state", f"expected a JSON object (dict), got {type(state).__name__}")
+        try:
+            copied = json.loads(_canonical(dict(state)))
+        except (TypeError, ValueError, RecursionError) as exc:
+            _usage("state", f"task {task_id!r}: not JSON-serializable ({exc})")
+        if isinstance(referenced_keys, (str, bytes)):
+            _usage("referenced_keys", "expected a sequence of keys, got a single string")
+        keys = tuple(sorted({_check_ref(k, "referenced_keys", manifest=None)
+                             for k in referenced_keys}))
+        _check_int_range(full_size, 0, None, "full_size", _usage)
+        _check_int_range(incremental_size, 0, None, "incremental_size", _usage)
+        return cls(task_id, copied, keys, full_size, incremental_size)
+
+    def to_json_obj(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "state": dict(self.state),
+                "referenced_keys": list(self.referenced_keys), "full_size": self.full_size,
+                "incremental_size": self.incremental_size}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStats:
+    """Statistics kept with a manifest (Flink's checkpoint stats).
+
+    Attributes:
+        trigger_ms: wall-clock time of the trigger, epoch ms (informational; retention never
+            looks at it).
+        duration_ms: trigger to commit, measured with the coordinator's monotonic clock.
+        ack_latency_ms: per task, trigger to its (last) acknowledgement.
+        full_size: sum of the tasks' full sizes.
+        incremental_size: sum of the tasks' incremental sizes.
+    """
+
+    trigger_ms: int
+    duration_ms: float
+    ack_latency_ms: Mapping[str, float]
+    full_size: int
+    incremental_size: int
+
+    def to_json_obj(self) -> dict[str, Any]:
+        return {"trigger_ms": self.trigger_ms, "duration_ms": self.duration_ms,
+                "ack_latency_ms": dict(self.ack_latency_ms), "full_size": self.full_size,
+                "incremental_size": self.incremental_size}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRefs:
+    """What the retention planner needs to know about a checkpoint: its name and its keys."""
+
+    checkpoint_id: int
+    attempt: int
+    keys: frozenset[str]
+
+    @property
+    def manifest_key(self) -> str:
+        return manifest_key(self.checkpoint_id, self.attempt)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.checkpoint_id, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """One committed checkpoint attempt (see the module docstring).
+
+    Build with :meth:`build` (validates caller values) or :func:`decode_manifest` (validates
+    stored bytes). ``referenced_keys`` is the union over all tasks.
+    """
+
+    job_id: str
+    checkpoint_id: int
+    attempt: int
+    created_ms: int
+    tasks: tuple[TaskEntry, ...]
+    stats: CheckpointStats
+    referenced_keys: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "referenced_keys",
+                           frozenset(k for t in self.tasks for k in t.referenced_keys))
+
+    @classmethod
+    def build(cls, *, job_id: str, checkpoint_id: int, attempt: int, created_ms: int,
+              tasks: Sequence[TaskEntry], trigger_ms: int, duration_ms: float,
+              ack_latency_ms: Mapping[str, float]) -> Manifest:
+        """Validate and build a manifest; the stats' sizes are the sums over ``tasks``.
+
+        Args:
+            job_id: the job (or operator) this store belongs to.
+            checkpoint_id: the checkpoint (under Spark: the micro-batch id).
+            attempt: 1 for the first commit of this id, then 2, 3, ...
+            created_ms: wall-clock commit time, epoch ms.
+            tasks: one entry per task, task ids unique, at least one.
+            trigger_ms: wall-clock trigger time, epoch ms.
+            duration_ms: trigger to commit.
+            ack_latency_ms: per task id, trigger to acknowledgement; same task ids as ``tasks``.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            UsageError: a field is out of range, a task id repeats, or the latency map's task
+                ids differ from the tasks'.
+        """
+        stats = CheckpointStats(trigger_ms, round(float(duration_ms), 3),
+                                {k: round(float(v), 3) for k, v in ack_latency_ms.items()},
+                                sum(t.full_size for t in tasks),
+                                sum(t.incremental_size for t in tasks))
+        m = cls(job_id, checkpoint_id, attempt, created_ms, tuple(tasks), stats)
+        _validate(m, _usage)
+        return m
+
+    @property
+    def key(self) -> str:
+        """This manifest's object key."""
+        return manifest_key(self.checkpoint_id, self.attempt)
+
+    def refs(self) -> CheckpointRefs:
+        """The planner's view of this checkpoint."""
+        return CheckpointRefs(self.checkpoint_id, self.attempt, self.referenced_keys)
+
+    def task(self, task_id: str) -> TaskEntry:
+        """The entry of ``task_id``.
+
+        Raises:
+            KeyError: no such task in this checkpoint.
+        """
+        for t in self.tasks:
+            if t.task_id == task_id:
+                return t
+        raise KeyError(task_id)
+
+    def to_json_obj(self) -> dict[str, Any]:
+        """The body (what the CRC covers)."""
+        return {"job_id": self.job_id, "checkpoint_id": self.checkpoint_id,
+                "attempt": self.attempt, "created_ms": self.created_ms,
+                "tasks": [t.to_json_obj() for t in self.tasks],
+                "stats": self.stats.to_json_obj()}
+
+    def encode(self) -> bytes:
+        """See :func:`encode_manifest`."""
+        return encode_manifest(self)
+
+
+def _validate(m: Manifest, fail: _Fail) -> None:
+    """Cross-field rules shared by :meth:`Manifest.build` and decoding."""
+    _check_id(m.job_id, "job_id", fail)
+    _check_int_range(m.checkpoint_id, 0, MAX_CHECKPOINT_ID, "checkpoint_id", fail)
+    _check_int_range(m.attempt, 1, MAX_ATTEMPT, "attempt", fail)
+    _check_int_range(m.created_ms, 0, None, "created_ms", fail)
+    if not m.tasks:
+        fail("tasks", "a checkpoint has at least one task")
+    ids = [t.task_id for t in m.tasks]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        fail("tasks", f"task ids repeat: {dup[:5]}")
+    s = m.stats
+    _check_int_range(s.trigger_ms, 0, None, "stats.trigger_ms", fail)
+    _check_number(s.duration_ms, "stats.duration_ms", fail)
+    if set(s.ack_latency_ms) != set(ids):
+        fail("stats.ack_latency_ms", "task ids differ from the tasks' "
+                                     f"({sorted(s.ack_latency_ms)[:5]} vs {sorted(ids)[:5]})")
+    for tid, v in s.ack_latency_ms.items():
+        _check_number(v, f"stats.ack_latency_ms[{tid!r}]", fail)
+    if s.full_size != sum(t.full_size for t in m.tasks):
+        fail("stats.full_size", f"{s.full_size} is not the sum of the tasks' full sizes")
+    if s.incremental_size != sum(t.incremental_size for t in m.tasks):
+        fail("stats.incremental_size", f"{s.incremental_size} is not the sum of the tasks' "
+                                       "incremental sizes")
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """Encode ``m`` as canonical JSON with a CRC-32 over the body (module docstring)."""
+    body = m.to_json_obj()
+    crc = zlib.crc32(_canonical(body))
+    return _canonical({"format": FORMAT_NAME, "version": FORMAT_VERSION, "crc32": f"{crc:08x}",
+                       "body": body}) + b"\n"
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not allowed in a manifest")
+
+
+def decode_manifest(data: bytes, key: str) -> Manifest:
+    """Decode and validate a stored manifest (untrusted input).
+
+    Args:
+        data: the object's bytes.
+        key: the object's key; named in every error, and when it is a manifest name its
+            checkpoint id and attempt must match the body's.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CorruptObjectError: the bytes are not a manifest (too large, not UTF-8 or JSON, not in
+            canonical form); the subclasses say more —
+            :class:`~dstl.errors.UnsupportedFormatError` (other format or version),
+            :class:`~dstl.errors.ChecksumMismatchError` (CRC),
+            :class:`CorruptManifestError` (a field, named), :class:`UnsafeManifestKeyError` (a
+            referenced key that could escape the root).
+    """
+    data = bytes(data)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptObjectError(key, 0, f"{len(data)} bytes is larger than the manifest limit "
+                                         f"of {MAX_MANIFEST_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise CorruptObjectError(key, exc.start, f"not UTF-8 ({exc.reason})") from exc
+    except json.JSONDecodeError as exc:
+        raise CorruptObjectError(key, exc.pos, f"not JSON ({exc.msg})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise CorruptObjectError(key, 0, f"not a valid JSON document ({exc!s:.200})") from exc
+
+    def fail(f: str, reason: str) -> NoReturn:
+        raise CorruptManifestError(key, f, reason)
+
+    if not isinstance(doc, dict):
+        raise UnsupportedFormatError(key, 0, f"a JSON {type(doc).__name__}",
+                                     f"{FORMAT_NAME} v{FORMAT_VERSION}")
+    if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION \
+            or isinstance(doc.get("version"), bool):
+        raise UnsupportedFormatError(key, 0, f"{doc.get('format')!r:.40} "
+                                             f"v{doc.get('version')!r:.20}",
+                                     f"{FORMAT_NAME} v{FORMAT_VERSION}")
+    _check_fields(doc, _TOP_FIELDS, "", fail)
+    body, crc_text = doc["body"], doc["crc32"]
+    if not isinstance(crc_text, str) or re.fullmatch(r"[0-9a-f]{8}", crc_text) is None:
+        fail("crc32", f"expected 8 lowercase hex digits, got {crc_text!r:.40}")
+    if not isinstance(body, dict):
+        fail("body", f"expected an object, got {type(body).__name__}")
+    expected = int(crc_text, 16)
+    got = zlib.crc32(_canonical(body))
+    if got != expected:
+        raise ChecksumMismatchError(key, 0, "manifest body", expected, got)
+    if _canonical(doc) + b"\n" != data:
+        raise CorruptObjectError(key, 0, "not in canonical form (altered outside the "
+                                         "checksummed body?)")
+    return _decode_body(body, key, fail)
+
+
+def _check_fields(obj: dict[str, Any], expected: frozenset[str], where: str,
+                  fail: _Fail) -> None:
+    missing, extra = sorted(expected - set(obj)), sorted(set(obj) - expected)
+    if missing:
+        fail(f"{where}{missing[0]}", "missing")
+    if extra:
+        fail(f"{where}{extra[0]:.80}", f"unknown field (format v{FORMAT_VERSION} has only "
+                                       f"{sorted(expected)})")
+
+
+def _decode_body(body: dict[str, Any], key: str, fail: _Fail) -> Manifest:
+    _check_fields(body, _BODY_FIELDS, "body.", fail)
+    tasks_raw = body["tasks"]
+    if not isinstance(tasks_raw, list):
+        fail("body.tasks", f"expected a list, got {type(tasks_raw).__name__}")
+    tasks = []
+    for i, t in enumerate(tasks_raw):
+        where = f"body.tasks[{i}]"
+        if not isinstance(t, dict):
+            fail(where, f"expected an object, got {type(t).__name__}")
+        _check_fields(t, _TASK_FIELDS, where + ".", fail)
+        task_id = _check_id(t["task_id"], where + ".task_id", fail)
+        if not isinstance(t["state"], dict):
+            fail(where + ".state", f"expected an object, got {type(t['state']).__name__}")
+        refs = t["referenced_keys"]
+        if not isinstance(refs, list):
+            fail(where + ".referenced_keys", f"expected a list, got {type(refs).__name__}")
+        keys = tuple(_check_ref(k, f"{where}.referenced_keys[{j}]", manifest=key)
+                     for j, k in enumerate(refs))
+        if list(keys) != sorted(set(keys)):
+            fail(where + ".referenced_keys", "keys are not sorted and unique")
+        tasks.append(TaskEntry(
+            task_id, t["state"], keys,
+            _check_int_range(t["full_size"], 0, None, where + ".full_size", fail),
+            _check_int_range(t["incremental_size"], 0, None, where + ".incremental_size",
+                             fail)))
+    stats_raw = body["stats"]
+    if not isinstance(stats_raw, dict):
+        fail("body.stats", f"expected an object, got {type(stats_raw).__name__}")
+    _check_fields(stats_raw, _STATS_FIELDS, "body.stats.", fail)
+    lat = stats_raw["ack_latency_ms"]
+    if not isinstance(lat, dict):
+        fail("body.stats.ack_latency_ms", f"expected an object, got {type(lat).__name__}")
+    stats = CheckpointStats(
+        _check_int_range(stats_raw["trigger_ms"], 0, None, "body.stats.trigger_ms", fail),
+        _check_number(stats_raw["duration_ms"], "body.stats.duration_ms", fail),
+        {str(k): _check_number(v, f"body.stats.ack_latency_ms[{k!r}]", fail)
+         for k, v in lat.items()},
+        _check_int_range(stats_raw["full_size"], 0, None, "body.stats.full_size", fail),
+        _check_int_range(stats_raw["incremental_size"], 0, None, "body.stats.incremental_size",
+                         fail))
+    m = Manifest(body["job_id"], body["checkpoint_id"], body["attempt"], body["created_ms"],
+                 tuple(tasks), stats)
+    _validate(m, lambda f, r: fail(f"body.{f}", r))
+    named = parse_manifest_key(key)
+    if named is not None and named != (m.checkpoint_id, m.attempt):
+        fail("body.checkpoint_id", f"the body says checkpoint {m.checkpoint_id} attempt "
+                                   f"{m.attempt}, the object name says {named[0]} attempt "
+                                   f"{named[1]} (copied or renamed?)")
+    return m
+
+
+# --------------------------------------------------------------------------- retention planner
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPlan:
+    """What a completion changes (see :func:`plan_retention`).
+
+    Attributes:
+        retained: the checkpoints to keep, oldest first; the new completion is last.
+        subsumed: checkpoints dropped by this completion, oldest first (including an older
+            attempt of the completed checkpoint id, which the new attempt replaces).
+        delete_manifests: manifest keys to delete — FIRST.
+        delete_objects: object keys to delete after the manifests, sorted: no retained and no
+            pending checkpoint references them.
+        deferred_objects: keys that would be deleted but a pending checkpoint references them;
+            pass them back as ``doomed_objects`` on the next plan.
+    """
+
+    retained: tuple[CheckpointRefs, ...]
+    subsumed: tuple[CheckpointRefs, ...]
+    delete_manifests: tuple[str, ...]
+    delete_objects: tuple[str, ...]
+    deferred_objects: tuple[str, ...]
+
+
+def plan_retention(retained: Sequence[CheckpointRefs], completed: CheckpointRefs, *,
+                   retain: int, pending: Iterable[Collection[str]] = (),
+                   doomed_objects: Iterable[str] = ()) -> RetentionPlan:
+    """Decide what a completed checkpoint subsumes and what may be deleted. Pure.
+
+    Rules: a new attempt of a retained checkpoint id replaces the older attempt; then the newest
+    ``retain`` checkpoint ids stay and the rest are subsumed. An object is deleted iff it is
+    referenced by a subsumed checkpoint or listed in ``doomed_objects``, and by no retained and no
+    pending checkpoint. Time plays no part.
+
+    Args:
+        retained: the currently retained checkpoints (any order).
+        completed: the checkpoint just committed; it must be newer than every retained one
+            (same id with a higher attempt counts as newer).
+        retain: how many checkpoint ids to keep (>= 1).
+        pending: the key sets of in-flight checkpoints (what their tasks acknowledged so far).
+        doomed_objects: keys left over from earlier plans (deferred, or whose deletion failed).
+
+    Returns:
+        The plan.
+
+    Raises:
+        UsageError: ``retain`` < 1, ``completed`` is not newer than every retained checkpoint,
+            or ``retained`` names one checkpoint id twice.
+    """
+    if not isinstance(retain, int) or isinstance(retain, bool) or retain < 1:
+        raise UsageError(f"plan_retention: retain={retain!r} must be an integer >= 1")
+    ids = [r.checkpoint_id for r in retained]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"plan_retention: retained names a checkpoint id twice: {sorted(ids)}")
+    newest = max((r.order for r in retained), default=None)
+    if newest is not None and completed.order <= newest:
+        raise UsageError(f"plan_retention: completed checkpoint {completed.order} is not newer "
+                         f"than the newest retained checkpoint {newest}")
+    replaced = [r for r in retained if r.checkpoint_id == completed.checkpoint_id]
+    kept = [*sorted((r for r in retained if r.checkpoint_id != completed.checkpoint_id),
+                    key=lambda r: r.order), completed]
+    subsumed = sorted(kept[:-retain] + replaced, key=lambda r: r.order)
+    kept = kept[-retain:]
+    retained_refs = frozenset().union(*(r.keys for r in kept))
+    pending_refs = frozenset().union(*(frozenset(p) for p in pending))
+    candidates = frozenset().union(*(r.keys for r in subsumed)) | frozenset(doomed_objects)
+    unreferenced = candidates - retained_refs
+    return RetentionPlan(
+        retained=tuple(kept),
+        subsumed=tuple(subsumed),
+        delete_manifests=tuple(r.manifest_key for r in subsumed),
+        delete_objects=tuple(sorted(unreferenced - pending_refs)),
+        deferred_objects=tuple(sorted(unreferenced & pending_refs)),
+    )

@@ -1,0 +1,400 @@
+"""The manifest codec and the retention planner (pure: no store, no clock).
+
+Decoding treats a manifest as untrusted input: malformed, unsafe or damaged manifests raise typed
+errors naming the manifest and the field; every single-bit flip is detected. The planner property
+test checks guarantee G5 on random checkpoint sequences: no deleted object is referenced by a
+retained or pending checkpoint, and nothing referenced only by subsumed checkpoints stays.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dstl.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    UnsafePathError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from dstl.manifest import (
+    MAX_CHECKPOINT_ID,
+    CheckpointRefs,
+    CorruptManifestError,
+    Manifest,
+    TaskEntry,
+    UnsafeManifestKeyError,
+    created_ms_of,
+    decode_manifest,
+    manifest_key,
+    parse_manifest_key,
+    plan_retention,
+)
+from dstl.scheduler import segment_key
+
+SEG_A = segment_key(0x18F00000000, "a1b2c3d4e5f6", 1, 0)
+SEG_B = segment_key(0x18F00000001, "a1b2c3d4e5f6", 2, 1)
+SNAP = "snapshots/count/18f00000002-0003.snap"
+
+
+def make_manifest(checkpoint_id: int = 7, attempt: int = 1) -> Manifest:
+    tasks = [
+        TaskEntry.of("count/0", {"handle": {"v": 1, "segments": [SEG_A]}, "ratio": 0.25},
+                     [SEG_B, SEG_A, SEG_A], 1000, 100),
+        TaskEntry.of("count/1", {"handle": None, "name": "é ✓"}, [SNAP], 2000, 0),
+    ]
+    return Manifest.build(job_id="job-1", checkpoint_id=checkpoint_id, attempt=attempt,
+                          created_ms=1_700_000_000_123, tasks=tasks, trigger_ms=1_700_000_000_000,
+                          duration_ms=123.4567, ack_latency_ms={"count/0": 5.0, "count/1": 99.5})
+
+
+def resign(body: dict[str, Any]) -> bytes:
+    """A well-formed, correctly checksummed manifest around ``body`` (an attacker's forgery)."""
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    doc = {"format": "dstl-manifest", "version": 1, "crc32": f"{zlib.crc32(canon):08x}",
+           "body": body}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def body_of(m: Manifest) -> dict[str, Any]:
+    return json.loads(m.encode())["body"]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_manifest_names_sort_numerically_and_parse_back() -> None:
+    pairs = [(0, 1), (1, 1), (1, 2), (15, 1), (16, 1), (255, 65535), (2**40, 3),
+             (MAX_CHECKPOINT_ID, 1)]
+    keys = [manifest_key(c, a) for c, a in pairs]
+    assert keys == sorted(keys)
+    assert [parse_manifest_key(k) for k in keys] == pairs
+    assert keys[2] == "checkpoints/0000000000000001-0002.manifest"
+
+
+@pytest.mark.parametrize("key", ["checkpoints/0000000000000001-0000.manifest",  # attempt 0
+                                 "checkpoints/0000000000000001-0001.manifest.tmp",
+                                 "checkpoints/000000000000001-0001.manifest",
+                                 "checkpoints/000000000000000A-0001.manifest",
+                                 "dstl/0000000000000001-0001.manifest", "checkpoints/stats.json"])
+def test_non_manifest_names_do_not_parse(key: str) -> None:
+    assert parse_manifest_key(key) is None
+
+
+@pytest.mark.parametrize("cid,attempt", [(-1, 1), (0, 0), (MAX_CHECKPOINT_ID + 1, 1),
+                                         (1, 65536), (True, 1)])
+def test_manifest_key_rejects_out_of_range(cid: int, attempt: int) -> None:
+    with pytest.raises(UsageError):
+        manifest_key(cid, attempt)
+
+
+def test_creation_time_comes_from_the_fixed_width_name() -> None:
+    assert created_ms_of(SEG_A) == 0x18F00000000
+    assert created_ms_of(SNAP) == 0x18F00000002
+    for key in ("dstl/garbage.seg", "snapshots/x/18F00000002-1.snap", "dstl/18f0000000-x.seg"):
+        assert created_ms_of(key) is None
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_keeps_every_field() -> None:
+    m = make_manifest()
+    data = m.encode()
+    assert data.endswith(b"\n") and data.isascii()
+    back = decode_manifest(data, m.key)
+    assert back == m
+    assert back.referenced_keys == frozenset({SEG_A, SEG_B, SNAP})
+    assert back.task("count/0").referenced_keys == (SEG_A, SEG_B)  # sorted, de-duplicated
+    assert back.task("count/1").state == {"handle": None, "name": "é ✓"}
+    assert back.stats.full_size == 3000 and back.stats.incremental_size == 100
+    assert back.stats.duration_ms == 123.457
+    assert back.encode() == data  # canonical: encoding is deterministic
+
+
+def test_task_state_is_copied_not_aliased() -> None:
+    state: dict[str, Any] = {"handle": [1, 2]}
+    entry = TaskEntry.of("t", state, [SEG_A], 1, 1)
+    state["handle"].append(3)
+    assert entry.state == {"handle": [1, 2]}
+
+
+# --------------------------------------------------------------------------- strict decoding
+
+UNSAFE_KEYS = ["../etc/passwd", "dstl/../../etc/passwd", "/etc/passwd", "s3://other/dstl/x",
+               "file:///etc/passwd", "dstl//x", "dstl/./x", "dstl\\x", "dstl/x\x00", "",
+               "checkpoints/0000000000000001-0001.manifest", "app/other-data", 7, None]
+
+
+@pytest.mark.parametrize("bad", UNSAFE_KEYS, ids=repr)
+def test_unsafe_keys_in_a_manifest_are_refused(bad: object) -> None:
+    body = body_of(make_manifest())
+    body["tasks"][1]["referenced_keys"] = [bad]
+    data = resign(body)
+    key = manifest_key(7, 1)
+    with pytest.raises(UnsafeManifestKeyError) as info:
+        decode_manifest(data, key)
+    err = info.value
+    assert isinstance(err, CorruptObjectError) and isinstance(err, UnsafePathError)
+    assert err.key == key and err.field == "body.tasks[1].referenced_keys[0]"
+    assert key in str(err)
+
+
+@pytest.mark.parametrize("bad", UNSAFE_KEYS, ids=repr)
+def test_unsafe_keys_from_a_task_are_a_usage_error(bad: object) -> None:
+    with pytest.raises(UnsafePathError):
+        TaskEntry.of("t", {}, [bad], 0, 0)  # type: ignore[list-item]
+
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(path: str, value: object) -> Mutation:
+    def mutate(body: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = body
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node[p]
+        node[int(last) if last.isdigit() else last] = value
+    return mutate
+
+
+def _delete(path: str) -> Mutation:
+    def mutate(body: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = body
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node[p]
+        del node[last]
+    return mutate
+
+
+MALFORMED: list[tuple[str, Mutation, str]] = [
+    ("job_id not a string", _set("job_id", 5), "body.job_id"),
+    ("job_id empty", _set("job_id", ""), "body.job_id"),
+    ("checkpoint id negative", _set("checkpoint_id", -1), "body.checkpoint_id"),
+    ("checkpoint id a bool", _set("checkpoint_id", True), "body.checkpoint_id"),
+    ("checkpoint id a float", _set("checkpoint_id", 7.0), "body.checkpoint_id"),
+    ("attempt zero", _set("attempt", 0), "body.attempt"),
+    ("created_ms a string", _set("created_ms", "now"), "body.created_ms"),
+    ("missing field", _delete("created_ms"), "body.created_ms"),
+    ("unknown field", _set("extra", 1), "body.extra"),
+    ("tasks not a list", _set("tasks", {}), "body.tasks"),
+    ("no tasks", _set("tasks", []), "body.tasks"),
+    ("task not an object", _set("tasks.0", "x"), "body.tasks[0]"),
+    ("task id missing", _delete("tasks.0.task_id"), "body.tasks[0].task_id"),
+    ("task state a list", _set("tasks.0.state", [1]), "body.tasks[0].state"),
+    ("keys not a list", _set("tasks.0.referenced_keys", SEG_A), "body.tasks[0].referenced_keys"),
+    ("keys unsorted", _set("tasks.0.referenced_keys", [SEG_B, SEG_A]),
+     "body.tasks[0].referenced_keys"),
+    ("keys repeated", _set("tasks.0.referenced_keys", [SEG_A, SEG_A]),
+     "body.tasks[0].referenced_keys"),
+    ("size negative", _set("tasks.1.full_size", -5), "body.tasks[1].full_size"),
+    ("task ids repeat", _set("tasks.1.task_id", "count/0"), "body.tasks"),
+    ("stats missing", _delete("stats"), "body.stats"),
+    ("duration a string", _set("stats.duration_ms", "1"), "body.stats.duration_ms"),
+    ("duration negative", _set("stats.duration_ms", -1.0), "body.stats.duration_ms"),
+    ("latency for an unknown task", _set("stats.ack_latency_ms", {"count/0": 1, "zz": 2}),
+     "body.stats.ack_latency_ms"),
+    ("full size not the sum", _set("stats.full_size", 1), "body.stats.full_size"),
+    ("incremental size not the sum", _set("stats.incremental_size", 0),
+     "body.stats.incremental_size"),
+]
+
+
+@pytest.mark.parametrize("mutate,field", [(m, f) for _, m, f in MALFORMED],
+                         ids=[name for name, _, _ in MALFORMED])
+def test_malformed_fields_are_named(mutate: Mutation, field: str) -> None:
+    body = body_of(make_manifest())
+    mutate(body)
+    key = manifest_key(7, 1)
+    with pytest.raises(CorruptManifestError) as info:
+        decode_manifest(resign(body), key)
+    assert info.value.field == field, str(info.value)
+    assert info.value.key == key and key in str(info.value)
+
+
+def test_body_must_match_the_object_name() -> None:
+    data = make_manifest(7, 1).encode()
+    with pytest.raises(CorruptManifestError, match="object name says 8"):
+        decode_manifest(data, manifest_key(8, 1))
+
+
+@pytest.mark.parametrize("data,error", [
+    (b"", CorruptObjectError),
+    (b"\xff\xfe{}", CorruptObjectError),
+    (b"{not json", CorruptObjectError),
+    (b"[]", UnsupportedFormatError),
+    (b'{"format":"dstl-manifest","version":2}', UnsupportedFormatError),
+    (b'{"format":"dstl-manifest","version":true}', UnsupportedFormatError),
+    (b'{"format":"zarr","version":1}', UnsupportedFormatError),
+    (b'{"body":{},"crc32":NaN,"format":"dstl-manifest","version":1}', CorruptObjectError),
+    (b"[" * 100_000 + b"]" * 100_000, CorruptObjectError),
+    (b'{"body":{},"crc32":"ABCDEF01","format":"dstl-manifest","version":1}',
+     CorruptManifestError),
+    (b'{"body":[],"crc32":"00000000","format":"dstl-manifest","version":1}',
+     CorruptManifestError),
+], ids=["empty", "not utf-8", "not json", "a list", "newer version", "bool version",
+        "other format", "NaN", "deep nesting", "uppercase crc", "body not an object"])
+def test_garbage_is_a_typed_corruption_naming_the_key(data: bytes,
+                                                      error: type[Exception]) -> None:
+    with pytest.raises(error) as info:
+        decode_manifest(data, "checkpoints/x")
+    assert isinstance(info.value, CorruptObjectError)
+    assert "checkpoints/x" in str(info.value)
+
+
+def test_a_changed_value_fails_the_crc() -> None:
+    data = make_manifest().encode()
+    damaged = data.replace(b'"full_size":1000', b'"full_size":1001')
+    assert damaged != data
+    with pytest.raises(ChecksumMismatchError) as info:
+        decode_manifest(damaged, manifest_key(7, 1))
+    assert info.value.key == manifest_key(7, 1)
+
+
+def test_non_canonical_text_is_detected_even_with_a_valid_crc() -> None:
+    pretty = json.dumps(json.loads(make_manifest().encode()), indent=1).encode()
+    with pytest.raises(CorruptObjectError, match="canonical"):
+        decode_manifest(pretty, manifest_key(7, 1))
+
+
+def test_oversized_manifest_is_rejected_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dstl.manifest as manifest_mod
+
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(CorruptObjectError, match="larger than the manifest limit"):
+        decode_manifest(make_manifest().encode(), manifest_key(7, 1))
+
+
+@given(st.data())
+def test_every_single_bit_flip_is_detected(data: st.DataObject) -> None:
+    blob = make_manifest().encode()
+    pos = data.draw(st.integers(0, len(blob) - 1), label="byte")
+    bit = data.draw(st.integers(0, 7), label="bit")
+    damaged = bytearray(blob)
+    damaged[pos] ^= 1 << bit
+    with pytest.raises(CorruptObjectError):
+        decode_manifest(bytes(damaged), manifest_key(7, 1))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"state": [1]}, "state"),
+    ({"state": {"x": float("nan")}}, "state"),
+    ({"state": {"x": object()}}, "state"),
+    ({"referenced_keys": "dstl/x"}, "single string"),
+    ({"full_size": -1}, "full_size"),
+    ({"incremental_size": 1.5}, "incremental_size"),
+    ({"task_id": ""}, "task_id"),
+])
+def test_task_entries_validate_caller_values(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"task_id": "t", "state": {}, "referenced_keys": [SEG_A],
+                            "full_size": 1, "incremental_size": 1, **kwargs}
+    with pytest.raises(UsageError, match=match):
+        TaskEntry.of(**args)
+
+
+def test_build_rejects_inconsistent_latencies() -> None:
+    with pytest.raises(UsageError, match="ack_latency_ms"):
+        Manifest.build(job_id="j", checkpoint_id=1, attempt=1, created_ms=0,
+                       tasks=[TaskEntry.of("a", {}, [], 0, 0)], trigger_ms=0, duration_ms=0,
+                       ack_latency_ms={"b": 1.0})
+
+
+# --------------------------------------------------------------------------- retention planner
+
+
+def refs(cid: int, keys: set[str], attempt: int = 1) -> CheckpointRefs:
+    return CheckpointRefs(cid, attempt, frozenset(keys))
+
+
+def test_plan_keeps_the_newest_and_deletes_only_unreferenced() -> None:
+    retained = [refs(1, {"dstl/a", "dstl/b"}), refs(2, {"dstl/b", "dstl/c"})]
+    plan = plan_retention(retained, refs(3, {"dstl/c", "dstl/d"}), retain=2,
+                          pending=[{"dstl/a"}])
+    assert [r.checkpoint_id for r in plan.retained] == [2, 3]
+    assert [r.checkpoint_id for r in plan.subsumed] == [1]
+    assert plan.delete_manifests == (manifest_key(1, 1),)
+    assert plan.delete_objects == ()  # b is retained by 2, a is pinned by the pending one
+    assert plan.deferred_objects == ("dstl/a",)
+    nxt = plan_retention(plan.retained, refs(4, {"dstl/d"}), retain=2,
+                         doomed_objects=plan.deferred_objects)
+    assert nxt.delete_objects == ("dstl/a", "dstl/b")
+
+
+def test_plan_new_attempt_replaces_the_old_one() -> None:
+    retained = [refs(1, {"dstl/a"}), refs(2, {"dstl/b", "dstl/x"})]
+    plan = plan_retention(retained, refs(2, {"dstl/b", "dstl/y"}, attempt=2), retain=3)
+    assert [r.order for r in plan.retained] == [(1, 1), (2, 2)]
+    assert [r.order for r in plan.subsumed] == [(2, 1)]
+    assert plan.delete_manifests == (manifest_key(2, 1),)
+    assert plan.delete_objects == ("dstl/x",)
+
+
+@pytest.mark.parametrize("retained,completed,retain", [
+    ([refs(5, set())], refs(4, set()), 2),
+    ([refs(5, set(), attempt=2)], refs(5, set(), attempt=1), 2),
+    ([refs(5, set()), refs(5, set(), attempt=2)], refs(6, set()), 2),
+    ([], refs(1, set()), 0),
+])
+def test_plan_rejects_impossible_inputs(retained: list[CheckpointRefs],
+                                        completed: CheckpointRefs, retain: int) -> None:
+    with pytest.raises(UsageError):
+        plan_retention(retained, completed, retain=retain)
+
+
+@given(st.data())
+def test_planner_never_deletes_a_referenced_key_and_leaves_nothing_unreferenced(
+        data: st.DataObject) -> None:
+    retain = data.draw(st.integers(1, 4), label="retain")
+    steps = data.draw(st.integers(1, 25), label="steps")
+    retained: list[CheckpointRefs] = []
+    carried: tuple[str, ...] = ()
+    stored: set[str] = set()  # objects that exist (referenced at some point, not yet deleted)
+    fresh = iter(f"dstl/{i:06d}" for i in range(10**6))
+    next_id = 0
+    for step in range(steps):
+        usable = sorted({k for r in retained for k in r.keys} | set(carried))
+        new = {next(fresh) for _ in range(data.draw(st.integers(0, 3), label="new keys"))}
+        reused = set(data.draw(st.lists(st.sampled_from(usable), max_size=6), label="reused")
+                     if usable else [])
+        keys = frozenset(new | reused)
+        stored |= new
+        last = step == steps - 1
+        pending = [] if last or not usable else data.draw(st.lists(
+            st.sets(st.sampled_from(usable), max_size=4), max_size=2), label="pending")
+        rerun = data.draw(st.booleans(), label="re-run")
+        if retained and rerun:
+            completed = CheckpointRefs(retained[-1].checkpoint_id, retained[-1].attempt + 1, keys)
+        else:
+            next_id += data.draw(st.integers(1, 3), label="id gap")
+            completed = CheckpointRefs(next_id, 1, keys)
+        plan = plan_retention(retained, completed, retain=retain, pending=pending,
+                              doomed_objects=carried)
+        kept = {k for r in plan.retained for k in r.keys}
+        pinned = {k for p in pending for k in p}
+        deleted = set(plan.delete_objects)
+        # G5, safety: nothing retained or pending is deleted.
+        assert not deleted & kept, deleted & kept
+        assert not deleted & pinned, deleted & pinned
+        # The retained set: newest ids, the completion last, one attempt per id.
+        assert plan.retained[-1] == completed and len(plan.retained) <= retain
+        assert len({r.checkpoint_id for r in plan.retained}) == len(plan.retained)
+        assert sorted(plan.retained + plan.subsumed, key=lambda r: r.order) == \
+            sorted([*retained, completed], key=lambda r: r.order)
+        assert plan.delete_manifests == tuple(r.manifest_key for r in plan.subsumed)
+        stored -= deleted
+        retained, carried = list(plan.retained), plan.deferred_objects
+        # G5, liveness: whatever still exists is retained or carried (pinned) for later.
+        assert stored <= kept | set(carried), stored - kept - set(carried)
+        assert set(carried) <= pinned
+    # With no pending checkpoint at the end, exactly the retained objects remain.
+    assert stored == {k for r in retained for k in r.keys}
+    assert carried == ()
