@@ -22,8 +22,9 @@ class BackendOptions:
     #: Delay between materializations, fixed delay after each one; the first is random in
     #: [0, interval) so backends do not materialize together (Flink: 10 min). None: timer off.
     materialization_interval_s: float | None = 600.0
-    #: Also materialize when the log since the last snapshot exceeds this multiple of the last
-    #: snapshot's size (beyond Flink, whose time-only trigger let logs grow 45x). None: off.
+    #: Also materialize when the log since the last snapshot (uncompressed change bytes) exceeds
+    #: this multiple of the last snapshot object's (compressed) size — beyond Flink, whose
+    #: time-only trigger let logs grow 45x. None: off.
     materialize_log_ratio: float | None = 2.0
     #: ...but never for less log than this (small states would otherwise materialize constantly).
     materialize_min_log_bytes: int = 8 * 1024 * 1024
