@@ -1,4 +1,5 @@
-"""The log-only demo (``make demo`` / ``python -m dstl demo``) until the Spark job exists.
+"""The log-only demo (``python -m dstl demo --log-only``); ``make demo`` runs the Spark job
+(:mod:`dstl.spark.demo`).
 
 Several writers of one process (one per simulated backend, driven by a few threads) append
 changes and checkpoint (persist) every ``--checkpoint-interval`` for ``--seconds`` against a store
@@ -65,7 +66,14 @@ def _drive(backends: list[_Backend], seconds: float, interval_s: float, seed: in
 
 
 def run(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dstl demo", description=__doc__)
+    """``dstl demo``: the Spark job, or with ``--log-only`` this log demo."""
+    argv = list(argv or [])
+    if "--log-only" not in argv:
+        from dstl.spark.demo import run as spark_demo
+
+        return spark_demo(argv)
+    argv.remove("--log-only")
+    p = argparse.ArgumentParser(prog="dstl demo --log-only", description=__doc__)
     p.add_argument("--state-uri", default=None,
                    help="store root (default: a fresh temporary directory)")
     p.add_argument("--writers", type=int, default=8)
@@ -74,7 +82,6 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-interval", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
-
     tmp = None
     uri = args.state_uri
     if uri is None:

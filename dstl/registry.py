@@ -62,12 +62,17 @@ class SegmentRegistry:
         self._deleted = metrics.counter("numberOfDiscardedSegments")
         self._delete_failures = metrics.counter("numberOfDiscardFailures")
         self._on_delete_error = on_delete_error
+        #: False when segments are shared beyond this process's writers (the executor agent's
+        #: segments): then nothing is tracked or deleted here; the coordinator owns deletion.
+        self.deletes_enabled = True
         metrics.gauge("trackedSegments", lambda: float(len(self._entries)))
 
     def start_tracking(self, key: str, ref_count: int) -> None:
         """Track a just-uploaded segment holding ``ref_count`` change sets (must be > 0)."""
         if ref_count <= 0:
             raise ValueError(f"segment {key} tracked with ref_count={ref_count}; must be > 0")
+        if not self.deletes_enabled:
+            return
         with self._lock:
             if key in self._entries:
                 raise ValueError(f"segment {key} is already tracked")

@@ -46,6 +46,9 @@ class ChangelogStorage:
             (wrappers that inject faults, count reads or add latency plug in here).
         store: a ready :class:`~dstl.blobstore.BlobStore` (overrides the three above).
         timer: timer for delays and timeouts (tests pass a ``ManualTimer``).
+        uploader: an upload scheduler to use instead of this process's batching scheduler (the
+            executor agent's client); segments are then shared beyond this process, so this
+            storage's registry tracks and deletes nothing.
 
     Raises:
         ConfigError: bad options or an unsupported URI scheme.
@@ -54,7 +57,8 @@ class ChangelogStorage:
 
     def __init__(self, base_uri: str = "", options: DstlOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
-                 store: BlobStore | None = None, timer: Timer | None = None) -> None:
+                 store: BlobStore | None = None, timer: Timer | None = None,
+                 uploader: Any = None) -> None:
         self.options = options or DstlOptions()
         if store is None:
             from dstl.stores import open_store
@@ -67,8 +71,10 @@ class ChangelogStorage:
         self._discard = ThreadPoolExecutor(self.options.discard_threads,
                                            thread_name_prefix="dstl-discard")
         self.registry = SegmentRegistry(store, self._discard, self._metrics)
-        self.scheduler = BatchingUploadScheduler(store, self.registry, self.options, self._timer,
-                                                 self._metrics, self.storage_id)
+        self.scheduler: Any = uploader if uploader is not None else BatchingUploadScheduler(
+            store, self.registry, self.options, self._timer, self._metrics, self.storage_id)
+        if uploader is not None:
+            self.registry.deletes_enabled = False
         self._writers: dict[str, ChangelogWriter] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -113,11 +119,11 @@ class ChangelogStorage:
 
     def available(self) -> bool:
         """False while writers are back-pressured (in-flight bytes at the limit)."""
-        return self.scheduler.available()
+        return bool(self.scheduler.available())
 
     def wait_available(self, timeout_s: float | None = None) -> bool:
         """Block until uploads have capacity again (or the timeout); return availability."""
-        return self.scheduler.wait_available(timeout_s)
+        return bool(self.scheduler.wait_available(timeout_s))
 
     def metrics(self) -> dict[str, float]:
         """Counters, gauges and histogram summaries, with Flink-like ``ChangelogStorage.*`` names."""

@@ -41,7 +41,7 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dstl.errors import ClosedError, DstlError, KeyGroupError, UsageError, WriterFailedError
 from dstl.handle import ChangelogHandle, ChangeSetRef
@@ -76,7 +76,7 @@ class ChangelogWriter:
     """The append-only changelog of one backend. Create with ``ChangelogStorage.create_writer``."""
 
     def __init__(self, log_id: str, key_groups: KeyGroupRange, *,
-                 scheduler: BatchingUploadScheduler, registry: SegmentRegistry,
+                 scheduler: BatchingUploadScheduler | Any, registry: SegmentRegistry,
                  preemptive_threshold_bytes: int, metrics: MetricsRegistry,
                  on_close: object = None) -> None:
         self.log_id = log_id

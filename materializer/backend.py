@@ -208,6 +208,8 @@ class ChangelogKeyedStateBackend:
         self._subsumed_up_to: int | None = None
         self._log_bytes_since_mat = 0
         self._last_snapshot_size = 0
+        #: the log part of the newest checkpoint that this backend's writer produced
+        self.last_delta: ChangelogHandle | None = None
         self._closed = False
         self._attention = False
         self._due = False
@@ -566,6 +568,7 @@ class ChangelogKeyedStateBackend:
                 out.set_exception(exc)
                 return
             delta = f.result()
+            self.last_delta = delta
             non_mat = restored + ((delta,) if len(delta) else ())
             h = ChangelogStateBackendHandle(self.operator_id, self.key_groups, checkpoint_id,
                                             mat_id, materialized, non_mat,

@@ -1,5 +1,20 @@
-"""DSTL — restore: read back the log (and, later, snapshots) through a per-process cache."""
+"""DSTL — restore: read back the log and snapshots through a per-process cache.
 
-from restore.reader import ChangelogReader
+``restore_backend`` (and ``RestoreStats``) are imported on first use, so that reading the log
+(``ChangelogReader``, ``LocalFileCache``) does not load the state tables.
+"""
 
-__all__ = ["ChangelogReader"]
+from typing import Any
+
+from restore.cache import CacheLease, LocalFileCache
+from restore.reader import ChangelogReader, SegmentCache, verify_segment
+
+__all__ = ["CacheLease", "ChangelogReader", "LocalFileCache", "RestoreStats", "SegmentCache",
+           "restore_backend", "verify_segment"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("restore_backend", "RestoreStats"):
+        from restore import restore as _restore
+        return getattr(_restore, name)
+    raise AttributeError(f"module 'restore' has no attribute {name!r}")

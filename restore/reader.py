@@ -3,9 +3,17 @@
 Without a cache, every change set is fetched with one ranged read of exactly its record
 ``[offset, offset + length)`` and verified on its own (record CRC, zstd checksum, log id and sqn),
 so reading one writer's change sets never downloads other writers' data. Adjacent records of the
-same segment are coalesced into one ranged read. Changes come out in sqn order, and within a change
-set by key group (metadata first) in append order. With a cache (``restore.cache``), each segment
-is fetched once per process and shared by all readers.
+same segment are coalesced into one ranged read.
+
+With a cache (:class:`~restore.cache.LocalFileCache`, wrapped in :class:`SegmentCache`), each
+segment is leased whole: the first lease in the process downloads it and verifies every byte with
+:func:`~dstl.segment.decode_segment`, later leases (of this or any other reader sharing the cache)
+read the local file. All consecutive change sets of a handle in one segment are read under one
+lease, and each record is still verified on its own when decoded (so a local file damaged after
+download is detected too).
+
+Either way, changes come out in sqn order per handle, and within a change set by key group
+(metadata first) in append order.
 """
 
 from __future__ import annotations
@@ -14,11 +22,12 @@ from collections.abc import Container, Iterator
 from typing import Any, Protocol
 
 from dstl.blobstore import BlobStore
-from dstl.errors import ObjectNotFoundError, TruncatedObjectError
+from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
-from dstl.segment import decode_record, iter_body_changes
+from dstl.segment import decode_record, decode_segment, iter_body_changes
+from restore.cache import LocalFileCache
 
-__all__ = ["ChangelogReader"]
+__all__ = ["ChangelogReader", "RecordSource", "SegmentCache", "verify_segment"]
 
 #: Coalesce records of one segment into one ranged read while the gap between them is this small.
 _MAX_GAP_BYTES = 64 * 1024
@@ -29,12 +38,18 @@ class _StorageLike(Protocol):
 
 
 class RecordSource(Protocol):
-    """Where record bytes come from: direct ranged reads, or the restore cache."""
+    """Where record bytes come from: direct ranged reads, or the restore cache.
+
+    A source may set ``whole_object = True`` to receive every consecutive ref of one segment in
+    one call, whatever the gaps between them (it reads the object whole anyway).
+    """
 
     def read_records(self, key: str, refs: list[ChangeSetRef]) -> list[bytes]: ...
 
 
 class _DirectSource:
+    whole_object = False
+
     def __init__(self, store: BlobStore) -> None:
         self._store = store
 
@@ -48,19 +63,69 @@ class _DirectSource:
         return [blob[r.offset - start:r.offset - start + r.length] for r in refs]
 
 
+def verify_segment(data: bytes | memoryview, key: str) -> None:
+    """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a segment.
+
+    Raises:
+        CorruptObjectError: naming the segment and the offset of the first problem.
+    """
+    decode_segment(data, key)
+
+
+class SegmentCache:
+    """A :class:`RecordSource` that reads segments through a :class:`LocalFileCache`.
+
+    Args:
+        cache: the process's cache.
+        store: the store the segments live in.
+    """
+
+    whole_object = True
+
+    def __init__(self, cache: LocalFileCache, store: BlobStore) -> None:
+        self._cache = cache
+        self._store = store
+
+    def read_records(self, key: str, refs: list[ChangeSetRef]) -> list[bytes]:
+        """Read the records ``refs`` of segment ``key`` under one lease of the whole object.
+
+        Raises:
+            ObjectNotFoundError: the segment is missing.
+            CorruptObjectError: the segment fails verification (nothing is cached), or a record
+                lies outside it.
+            CacheFullError: the segment cannot be cached and the cache is not in direct mode.
+        """
+        with self._cache.lease(self._store, key, verify=verify_segment) as lease:
+            return [lease.read(r.offset, r.length) for r in refs]
+
+
 class ChangelogReader:
     """Reads change sets named by handles.
 
     Args:
         storage: a :class:`~dstl.ChangelogStorage` (or anything with a ``store`` attribute), or a
             :class:`~dstl.blobstore.BlobStore`.
-        cache: a restore cache offering ``read_records(key, refs)``; ``None`` reads ranges
-            directly from the store.
+        cache: a :class:`~restore.cache.LocalFileCache` (each segment is read whole, once per
+            process), any :class:`RecordSource`, or ``None`` to read ranges directly from the
+            store.
+
+    Raises:
+        UsageError: ``cache`` is neither a ``LocalFileCache`` nor a ``RecordSource``.
     """
 
-    def __init__(self, storage: Any, cache: RecordSource | None = None) -> None:
+    def __init__(self, storage: Any, cache: LocalFileCache | RecordSource | None = None) -> None:
         store = getattr(storage, "store", storage)
-        self._source: RecordSource = cache if cache is not None else _DirectSource(store)
+        self._source: RecordSource
+        if cache is None:
+            self._source = _DirectSource(store)
+        elif isinstance(cache, LocalFileCache):
+            self._source = SegmentCache(cache, store)
+        elif callable(getattr(cache, "read_records", None)):
+            self._source = cache
+        else:
+            raise UsageError(f"ChangelogReader(cache={cache!r}): expected a LocalFileCache, an "
+                             "object with read_records(key, refs), or None")
+        self._whole_object = bool(getattr(self._source, "whole_object", False))
 
     def read(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
              ) -> Iterator[tuple[int, bytes]]:
@@ -73,6 +138,7 @@ class ChangelogReader:
         Raises:
             ObjectNotFoundError: a segment is missing (names the segment and the writer).
             CorruptObjectError: a record fails verification (names segment and offset).
+            CacheFullError: (with a cache) a segment cannot be cached.
         """
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
@@ -84,11 +150,12 @@ class ChangelogReader:
         refs = list(handle.change_sets)
         i = 0
         while i < len(refs):
-            # a run of refs in the same segment, ascending and close together
+            # a run of refs in the same segment (for ranged reads: ascending and close together)
             j = i + 1
-            while (j < len(refs) and refs[j].key == refs[i].key
-                   and refs[j - 1].offset + refs[j - 1].length <= refs[j].offset
-                   <= refs[j - 1].offset + refs[j - 1].length + _MAX_GAP_BYTES):
+            while j < len(refs) and refs[j].key == refs[i].key and (
+                    self._whole_object
+                    or refs[j - 1].offset + refs[j - 1].length <= refs[j].offset
+                    <= refs[j - 1].offset + refs[j - 1].length + _MAX_GAP_BYTES):
                 j += 1
             run = refs[i:j]
             try:

@@ -1,0 +1,348 @@
+"""Executor side of the Spark operator: what one ``mapInArrow`` task does.
+
+Theory of operation
+-------------------
+A Python worker keeps module-level objects between tasks, but a partition does not stick to a
+worker (reference: spark_state.md §4). So each worker process holds a :class:`_Runtime` per
+operator (one :class:`~dstl.ChangelogStorage`, one restore cache, the partitions it served), and
+each task first makes sure its partition's state is exactly the state after the last committed
+checkpoint (``base``), in one of three ways:
+
+1. **hit** — this process served the partition in the base checkpoint: its backend is current;
+   tell it the base completed (hands the log over, unblocks materialization).
+2. **adopt** — LMDB only: another worker of this executor served it and the partition's local
+   version file says the on-disk table is at the base: open the table and install the base
+   checkpoint's handle as the log base, without reading anything.
+3. **restore** — anything else (the partition moved, the worker was replaced, a batch is
+   re-run, the version is unknown): clear the local table and restore from the base manifest
+   (snapshot + log replay through the cache).
+
+Then the task groups its rows by key, calls the processor (inside one LMDB write transaction),
+materializes synchronously when due, checkpoints (``snapshot(batch_id)``: waits only for the log
+of this batch to be durable), writes the partition's version file, and returns its output rows
+plus one metadata row carrying the backend handle for the driver's coordinator. Any failure
+discards the partition's in-process backend and version, so a retry restores: state is never
+half-applied.
+
+Until the executor agent exists, each task's log goes into its own segment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstl.keygroups import KeyGroupRange
+from dstl.options import DstlOptions
+from dstl.storage import ChangelogStorage
+from materializer.backend import ChangelogKeyedStateBackend
+from materializer.handles import ChangelogStateBackendHandle
+from materializer.options import BackendOptions
+from restore.restore import RestoreStats, restore_backend
+
+__all__ = ["META_COLUMN", "OperatorConfig", "TaskInput", "run_partition"]
+
+logger = logging.getLogger(__name__)
+
+META_COLUMN = "_dstl_meta"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything a task needs to know about the operator (shipped with the task closure)."""
+
+    name: str
+    processor: Any  # the StatefulProcessor class (cloudpickled)
+    key_column: str
+    output_columns: tuple[str, ...]
+    arrow_schema: Any  # pyarrow schema of the output columns + the metadata column
+    state_uri: str
+    storage_options: dict[str, Any] | None
+    partitions: int
+    max_parallelism: int
+    table: str
+    dstl_options: DstlOptions
+    backend_options: BackendOptions
+    materialization_interval_s: float
+    local_dir: str | None = None
+    agent: bool = True
+
+
+@dataclass(frozen=True)
+class TaskInput:
+    """What changes per micro-batch."""
+
+    batch_id: int
+    base_checkpoint: int  # -1: empty state
+    base_handles: dict[int, str] = field(default_factory=dict)  # partition -> handle JSON
+    retained: tuple[int, ...] = ()
+
+
+@dataclass
+class _Slot:
+    backend: ChangelogKeyedStateBackend
+    processor: Any
+    version: int
+    last_materialized_s: float
+
+
+class _Runtime:
+    """Per process and operator: storage, cache, and the partitions served here."""
+
+    def __init__(self, cfg: OperatorConfig) -> None:
+        self.cfg = cfg
+        self.pid = os.getpid()
+        executor_dir = (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
+        self.agent: Any = None
+        uploader = None
+        if cfg.agent:
+            from dstl.spark.agent import (
+                AgentClient,
+                AgentUploadScheduler,
+                ensure_agent,
+                executor_pid,
+            )
+            # the agent lives in the executor's own directory: it goes away with the executor
+            path = ensure_agent(os.path.join(executor_dir, "dstl-agent"), executor_pid())
+            self.agent = AgentClient(path)
+            uploader = AgentUploadScheduler(self.agent, cfg.state_uri, cfg.storage_options,
+                                            cfg.dstl_options)
+        self.storage = ChangelogStorage(cfg.state_uri, options=cfg.dstl_options,
+                                        storage_options=cfg.storage_options, uploader=uploader)
+        base = cfg.local_dir or executor_dir
+        self.local_dir = os.path.join(base, "dstl", _safe(cfg.name))
+        os.makedirs(self.local_dir, exist_ok=True)
+        from restore.cache import LocalFileCache
+        self.cache = LocalFileCache(os.path.join(self.local_dir, f"cache-{self.pid}"))
+        self.slots: dict[int, _Slot] = {}
+        self.lock = threading.Lock()
+
+    def version_path(self, partition: int) -> str:
+        return os.path.join(self.local_dir, f"p{partition}.version")
+
+    def read_version(self, partition: int) -> int | None:
+        try:
+            with open(self.version_path(partition)) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def write_version(self, partition: int, version: int | None) -> None:
+        path = self.version_path(partition)
+        if version is None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(version))
+        os.replace(tmp, path)
+
+    def drop(self, partition: int) -> None:
+        slot = self.slots.pop(partition, None)
+        if slot is not None:
+            _close_quietly(slot)
+
+    def close(self) -> None:
+        for partition in list(self.slots):
+            self.drop(partition)
+        self.storage.close()
+        self.cache.close()
+        if self.agent is not None:
+            self.agent.close()
+
+
+_RUNTIMES: dict[tuple[str, str], _Runtime] = {}
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def _runtime(cfg: OperatorConfig) -> _Runtime:
+    key = (cfg.state_uri, cfg.name)
+    with _RUNTIMES_LOCK:
+        rt = _RUNTIMES.get(key)
+        if rt is not None and rt.pid == os.getpid() and rt.agent is not None and rt.agent.broken:
+            # the agent died: this process's writers can no longer upload; start over (the
+            # partitions restore from their last checkpoint)
+            logger.warning("executor agent connection lost; resetting DSTL runtime %s", key)
+            rt.close()
+            rt = None
+        if rt is None or rt.pid != os.getpid():  # never reuse across fork
+            rt = _RUNTIMES[key] = _Runtime(cfg)
+        return rt
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "op"
+
+
+def _close_quietly(slot: _Slot) -> None:
+    try:
+        close = getattr(slot.processor, "close", None)
+        if close is not None:
+            close()
+    finally:
+        slot.backend.close()
+
+
+def _key_groups(cfg: OperatorConfig, partition: int) -> KeyGroupRange:
+    return KeyGroupRange.of_operator(cfg.max_parallelism, cfg.partitions, partition)
+
+
+def _operator_id(cfg: OperatorConfig, partition: int) -> str:
+    return f"{cfg.name}/p{partition}"
+
+
+def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]) -> _Slot:
+    """The partition's backend, at exactly the base checkpoint's state."""
+    cfg = rt.cfg
+    from dstl.spark.processor import StatefulProcessorHandle
+
+    slot = rt.slots.get(partition)
+    if slot is not None and slot.version == inp.base_checkpoint:
+        stats["access"] = "hit"
+        if inp.base_checkpoint >= 0:
+            slot.backend.notify_checkpoint_complete(inp.base_checkpoint)
+            if inp.retained:
+                # checkpoints the coordinator no longer retains: their log may be truncated
+                old = [c for c in slot.backend.checkpoint_ids() if c < min(inp.retained)]
+                if old:
+                    slot.backend.notify_checkpoint_subsumed(max(old))
+        return slot
+    rt.drop(partition)
+    handle_json = inp.base_handles.get(partition)
+    kgs = _key_groups(cfg, partition)
+    op_id = _operator_id(cfg, partition)
+    t0 = time.monotonic()
+    local_version = rt.read_version(partition) if cfg.table == "lmdb" else None
+    if handle_json is None:
+        # no state yet (first batch, or a partition that never had a checkpoint)
+        backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
+                                             table=cfg.table, options=cfg.backend_options,
+                                             local_directory=rt.local_dir, clear_local=True)
+        stats["access"] = "new"
+    elif local_version is not None and local_version == inp.base_checkpoint:
+        h = ChangelogStateBackendHandle.from_json(handle_json)
+        backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
+                                             table=cfg.table, options=cfg.backend_options,
+                                             local_directory=rt.local_dir)
+        backend.install_restored(h.materialized, h.non_materialized, h.materialization_id)
+        _register_states_from(backend, h, rt)
+        stats["access"] = "adopt"
+    else:
+        rs = RestoreStats()
+        backend = restore_backend([handle_json], rt.storage, kgs, table=cfg.table,
+                                  cache=rt.cache, operator_id=op_id,
+                                  max_parallelism=cfg.max_parallelism,
+                                  options=cfg.backend_options, local_directory=rt.local_dir,
+                                  stats=rs)
+        stats["access"] = "restore"
+        stats["restore_changes"] = rs.get("changes", 0)
+        stats["restore_entries"] = rs.get("entries", 0)
+    stats["restore_seconds"] = time.monotonic() - t0
+    processor = cfg.processor()
+    processor.init(StatefulProcessorHandle(backend))
+    slot = _Slot(backend, processor, inp.base_checkpoint, time.monotonic())
+    rt.slots[partition] = slot
+    return slot
+
+
+def _register_states_from(backend: ChangelogKeyedStateBackend, h: ChangelogStateBackendHandle,
+                          rt: _Runtime) -> None:
+    """Adopting an on-disk LMDB table: learn its state ids from the newest snapshot metadata (the
+    log after it re-registers states as they are used)."""
+    if not h.materialized:
+        return
+    from materializer.state_tables import BlobRangeSource, SnapshotReader
+    ref = h.materialized[0]
+    meta = json.loads(SnapshotReader(BlobRangeSource(rt.storage.store, ref.key),
+                                     key=ref.key).metadata)
+    for sid, m in meta["states"].items():
+        backend.register_restored_state(m, int(sid))
+
+
+def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
+    if time.monotonic() - slot.last_materialized_s >= cfg.materialization_interval_s:
+        return True
+    m = slot.backend.metrics()
+    prefix = f"ChangelogBackend.{slot.backend.operator_id}."
+    log = m.get(prefix + "logBytesSinceMaterialization", 0.0)
+    ratio = cfg.backend_options.materialize_log_ratio
+    return ratio is not None and log > max(cfg.backend_options.materialize_min_log_bytes,
+                                           ratio * m.get(prefix + "lastFullSizeOfMaterialization",
+                                                         0.0))
+
+
+def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any]) -> Iterator[Any]:
+    """The body of one ``mapInArrow`` task (see the module docstring)."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    partition = ctx.partitionId() if ctx is not None else 0
+    attempt = ctx.attemptNumber() if ctx is not None else 0
+    rt = _runtime(cfg)
+    stats: dict[str, Any] = {"partition": partition, "attempt": attempt, "pid": os.getpid(),
+                             "restore_seconds": 0.0}
+    t0 = time.monotonic()
+    with rt.lock:
+        try:
+            slot = _acquire(rt, partition, inp, stats)
+            backend = slot.backend
+            sqn0 = backend.writer.next_sqn()
+            groups: dict[Any, list[dict[str, Any]]] = {}
+            rows_in = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    groups.setdefault(row[cfg.key_column], []).append(row)
+                    rows_in += 1
+            outputs: list[dict[str, Any]] = []
+            with backend.tables.write_batch():
+                for key, rows in groups.items():
+                    backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
+                    outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
+            t1 = time.monotonic()
+            materialized = 0
+            if _materialization_due(cfg, slot) and backend.materialize_now(timeout_s=300):
+                materialized = 1
+                slot.last_materialized_s = time.monotonic()
+            h = backend.snapshot(inp.batch_id).result(timeout=300)
+            slot.version = inp.batch_id
+            if cfg.table == "lmdb":
+                rt.write_version(partition, inp.batch_id)
+            t2 = time.monotonic()
+        except BaseException:
+            rt.drop(partition)
+            rt.write_version(partition, None)
+            raise
+    # the segments this task's change sets went to (shared with other tasks under the agent)
+    delta = backend.last_delta
+    new_refs = [r for r in (delta.change_sets if delta is not None else ()) if r.sqn >= sqn0]
+    stats.update({
+        "rows_in": rows_in, "rows_out": len(outputs), "keys": len(groups),
+        "process_seconds": t1 - t0, "commit_seconds": t2 - t1,
+        "segment_keys": sorted({r.key for r in new_refs}),
+        "bytes": sum(r.length for r in new_refs),
+        "materializations": materialized,
+        "snapshot_bytes": h.materialized_size if materialized else 0,
+        "agent": rt.agent.metrics() if rt.agent is not None else None,
+    })
+    meta = {"partition": partition, "handle": h.to_json_obj(),
+            "referenced_keys": h.referenced_keys(), "full_size": h.full_size,
+            "incremental_size": h.incremental_size, "stats": stats}
+    names = list(cfg.output_columns)
+    cols: dict[str, list[Any]] = {n: [o.get(n) for o in outputs] for n in names}
+    cols[META_COLUMN] = [None] * len(outputs)
+    if outputs:
+        yield pa.RecordBatch.from_pydict(cols, schema=cfg.arrow_schema)
+    meta_cols: dict[str, list[Any]] = {n: [None] for n in names}
+    meta_cols[META_COLUMN] = [json.dumps(meta)]
+    yield pa.RecordBatch.from_pydict(meta_cols, schema=cfg.arrow_schema)

@@ -1,0 +1,934 @@
+"""``LocalFileCache``: one per process, so every object is downloaded once however many restores
+of the process need it (Flink's ``ChangelogStreamHandleReaderWithCache``, without its bugs).
+
+Theory of operation
+-------------------
+An *entry* is one object of one store, named by ``(store.location, key)``. It moves through
+
+    LOADING --publish--> READY --evict (TTL or budget)--> GONE
+       |  \\--cannot fit, on_full="direct"--> DIRECT (no local file; ranged reads from the store)
+       \\--any failure--> FAILED (removed from the map at once, so the next lease tries again)
+
+*Single flight.* The first ``lease()`` of an absent object creates a LOADING entry under the map
+lock and becomes the *owner*; later openers find the entry and wait on its ``done`` event. The
+owner downloads, verifies, writes and publishes with no lock held; the map lock only guards
+bookkeeping (counts, LRU order, budget reservations). Waiters of a failed flight raise the owner's
+error; the failed entry is gone from the map, so nothing is poisoned.
+
+*Download.* ``store.get`` -> the caller's ``verify(data, key)`` (segments: ``decode_segment``,
+which checks every byte) -> a temp file ``.<name>.<pid>.<16 hex>.tmp`` in the cache directory ->
+``fsync`` (a delayed-allocation ``ENOSPC``/``EIO`` surfaces here, before publication) -> atomic
+``rename`` to a name that is unique per download (``<base>.<digest>.<token>.obj``), so unlinking an
+evicted file can never race with a new download of the same object. Any failure removes the temp
+file. Objects are kept as stored: every change set of a segment is its own zstd frame at a known
+offset, so seeks are already O(1) and decompression happens per change set, once, in the reader.
+
+*Leases.* A :class:`CacheLease` is a reference count with its own file descriptor (``os.pread``;
+no shared file position). A file with open leases is never evicted. Releasing is idempotent
+through the context manager, but an explicit second ``release()`` raises
+:class:`~dstl.errors.LeaseError` (Flink's FLINK-30561 was a double close that deleted a file in
+use), and so does any use after release. Every failure between taking a count and handing out the
+lease gives the count back (apache/flink#27969: a failed seek after ``retain`` leaked it).
+
+*Idle TTL.* When the last lease of a file is released, its eviction is scheduled ``idle_ttl_s``
+later; a new lease cancels it. Each schedule carries a generation number that the callback checks,
+so an earlier timer can never evict a file that was used since (Flink's quirk: earlier cleanups
+were not cancelled, so a file could go ``idle-timeout`` after an *earlier* close).
+
+*Budget.* With ``max_bytes``, the size is known before the download (``size_hint`` or ``head``)
+and reserved; unleased files are evicted in least-recently-used order to make room (nothing is
+evicted unless the object then fits). An object that cannot fit (everything leased, or larger than
+the budget) or a full local disk (``ENOSPC``/``EFBIG``/``EDQUOT`` while writing) gives
+:class:`~dstl.errors.CacheFullError` (chained to :class:`~dstl.errors.LocalDiskFullError` for the
+disk), or with ``on_full="direct"`` a *direct* lease whose reads are ranged reads from the store.
+
+*Start and close.* The directory is locked (``flock``) for the cache's lifetime, so no two caches
+share it. Opening removes temp files of crashed processes and the published files of a previous
+process: a fresh process starts empty (a file that nobody verified in this process is not
+trusted). ``close()`` invalidates outstanding leases, waits for downloads in flight, deletes every
+file, stops the timer it owns and removes the lock file (and the directory if it created it).
+
+*Fork.* The creating pid is recorded; any use from a forked child raises
+:class:`~dstl.errors.CacheError` (a child must create its own cache in its own directory), and
+``close()`` in a child does nothing (the files belong to the parent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import functools
+import hashlib
+import logging
+import math
+import os
+import re
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal
+
+from dstl.blobstore import BlobStore, check_key
+from dstl.errors import (
+    CacheError,
+    CacheFullError,
+    ClosedError,
+    ConfigError,
+    CorruptObjectError,
+    DstlError,
+    LeaseError,
+    LocalDiskFullError,
+    ObjectNotFoundError,
+    TruncatedObjectError,
+    UsageError,
+)
+from dstl.timer import ThreadTimer, Timer, TimerHandle
+
+__all__ = [
+    "DEFAULT_IDLE_TTL_S",
+    "CacheLease",
+    "LocalFileCache",
+    "OnFull",
+    "Verify",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Flink's ``dstl.dfs.download.local-cache.idle-timeout`` default (10 min): long enough for the
+#: restores of one recovery (all backends of a process restore at about the same time), short
+#: enough that a cache does not keep a recovery's segments on disk for the job's lifetime.
+DEFAULT_IDLE_TTL_S = 600.0
+#: How long ``close()`` waits for downloads in flight to finish and clean up their temp files.
+_CLOSE_WAIT_S = 30.0
+
+OnFull = Literal["raise", "direct"]
+#: ``verify(data, key)`` raises (preferably :class:`~dstl.errors.CorruptObjectError`) when the
+#: downloaded bytes are wrong; its return value is ignored.
+Verify = Callable[[bytes | memoryview, str], object]
+
+_LOCK_NAME = ".dstl-cache.lock"
+#: Published files: ``<sanitised basename>.<16 hex digest of location+key>.<8 hex token>.obj``.
+_OBJ_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}\.[0-9a-f]{16}\.[0-9a-f]{8}\.obj$")
+#: Temp files: ``.<published name>.<pid>.<16 hex>.tmp`` (the pid tells whose it was).
+_TMP_RE = re.compile(r"^\.(?P<name>.+\.obj)\.(?P<pid>[0-9]+)\.[0-9a-f]{16}\.tmp$")
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+_DISK_FULL_ERRNOS = {
+    errno.ENOSPC: "the local disk is full (ENOSPC)",
+    errno.EDQUOT: "the disk quota is exhausted (EDQUOT)",
+    errno.EFBIG: "the file is larger than the filesystem or the process's RLIMIT_FSIZE allows "
+                 "(EFBIG)",
+}
+_DISK_FULL_RETRY_ERRNOS = {errno.ENOSPC, errno.EDQUOT}  # evicting idle files can help these
+
+
+class _State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DIRECT = "direct"
+    FAILED = "failed"
+    GONE = "gone"
+
+
+class _Entry:
+    """One object of one store in the cache (all fields guarded by the cache's lock)."""
+
+    __slots__ = ("done", "error", "ident", "key", "leases", "path", "reserved", "size", "state",
+                 "ttl", "ttl_gen")
+
+    def __init__(self, ident: tuple[str, str]) -> None:
+        self.ident = ident
+        self.key = ident[1]
+        self.state = _State.LOADING
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.path: str | None = None
+        self.size = 0
+        self.reserved = 0  # budget bytes held while LOADING
+        self.leases = 0
+        self.ttl: TimerHandle | None = None
+        self.ttl_gen = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    path: str | None  # None: serve direct ranged reads
+    size: int
+
+
+class _LeaseState(enum.Enum):
+    OPEN = "open"
+    RELEASED = "released"
+    INVALIDATED = "invalidated"  # the cache was closed
+
+
+class CacheLease:
+    """A reference to one cached object; read it with :meth:`read`, give it back with
+    :meth:`release` or by leaving the ``with`` block.
+
+    Obtained from :meth:`LocalFileCache.lease`, never constructed directly.
+
+    Attributes:
+        key: the object key.
+        location: the store's location (for messages).
+        size: the object's size in bytes.
+        path: the local file, or ``None`` for a direct lease (ranged reads from the store).
+    """
+
+    def __init__(self, cache: LocalFileCache, entry: _Entry | None, store: BlobStore,
+                 key: str, size: int, path: str | None) -> None:
+        self._cache = cache
+        self._entry = entry
+        self._store = store
+        self.key = key
+        self.location = store.location
+        self.size = size
+        self.path = path
+        self._lock = threading.Lock()
+        self._state = _LeaseState.OPEN
+        self._fd: int | None = None
+
+    def __repr__(self) -> str:
+        return (f"CacheLease({self.location}/{self.key}, size={self.size}, "
+                f"{'direct' if self.direct else 'file'}, {self._state.value})")
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads go straight to the store (the object did not fit in the cache)."""
+        return self.path is None
+
+    @property
+    def released(self) -> bool:
+        """Whether the lease was released (or invalidated by closing the cache)."""
+        return self._state is not _LeaseState.OPEN
+
+    def __enter__(self) -> CacheLease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._release(explicit=False)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Return exactly ``length`` bytes from ``offset``.
+
+        Args:
+            offset: byte offset in the object (>= 0).
+            length: bytes wanted (>= 0).
+
+        Returns:
+            The bytes.
+
+        Raises:
+            LeaseError: the lease was released, or the cache was closed.
+            TruncatedObjectError: the object ends before ``offset + length`` (names key and
+                offset).
+            UsageError: negative offset or length.
+            CacheError: used in a forked child.
+            StorageError: (direct leases) the store read failed.
+        """
+        self._cache._check_pid()
+        if offset < 0 or length < 0:
+            raise UsageError(f"read of cached {self.location}/{self.key}: bad range "
+                             f"offset={offset} length={length} (both must be >= 0)")
+        if offset + length > self.size:
+            self._check_open("read")
+            got = max(0, self.size - offset)
+            raise TruncatedObjectError(self.key, offset, length, min(got, length),
+                                       f"cached object range (object size {self.size})")
+        if self.path is None:
+            self._check_open("read")
+            data = self._store.get_range(self.key, offset, length)
+            self._cache._count_direct_read()
+        else:
+            # The lease lock keeps release()/close() from closing the fd under a running pread.
+            with self._lock:
+                self._check_open("read")
+                assert self._fd is not None
+                data = _pread_exact(self._fd, offset, length)
+        if len(data) < length:
+            raise TruncatedObjectError(self.key, offset + len(data), length, len(data),
+                                       "cached object range")
+        return data
+
+    def release(self) -> None:
+        """Give the lease back. After a ``with`` block this is done already.
+
+        Raises:
+            LeaseError: the lease was already released explicitly (a double release is a bug in
+                the caller: with a reference count it would free a file someone else uses).
+            CacheError: called in a forked child.
+        """
+        self._release(explicit=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self, what: str) -> None:
+        if self._state is _LeaseState.RELEASED:
+            raise LeaseError(f"{what} of cached {self.location}/{self.key} after its lease was "
+                             "released (take a new lease with LocalFileCache.lease)")
+        if self._state is _LeaseState.INVALIDATED:
+            raise LeaseError(f"{what} of cached {self.location}/{self.key}: the cache "
+                             f"{self._cache.directory} was closed, which invalidated the lease")
+
+    def _attach(self) -> None:
+        """Open the lease's file descriptor (outside the cache's lock)."""
+        assert self.path is not None
+        failure: OSError | None = None
+        with self._lock:
+            if self._state is not _LeaseState.OPEN:
+                raise ClosedError(f"LocalFileCache({self._cache.directory!r})")
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                failure = exc
+        if failure is not None:
+            self._release(explicit=False)  # give the count back (apache/flink#27969)
+            raise CacheError(f"cached file {self.path} of {self.location}/{self.key} cannot be "
+                             f"opened ({failure}); was the cache directory changed by someone "
+                             "else? Give the cache a directory of its own") from failure
+
+    def _release(self, *, explicit: bool) -> None:
+        self._cache._check_pid()
+        with self._lock:
+            if self._state is _LeaseState.RELEASED:
+                if explicit:
+                    raise LeaseError(f"lease of cached {self.location}/{self.key} released twice "
+                                     "(release once, or use the lease as a context manager)")
+                return
+            was_open = self._state is _LeaseState.OPEN
+            self._state = _LeaseState.RELEASED
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        if was_open:
+            self._cache._on_release(self)
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            if self._state is _LeaseState.OPEN:
+                self._state = _LeaseState.INVALIDATED
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _pread_exact(fd: int, offset: int, length: int) -> bytes:
+    chunks: list[bytes] = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, length - got, offset + got)
+        if not chunk:
+            break  # end of file
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class LocalFileCache:
+    """A per-process cache of whole objects on local disk (see the module docstring).
+
+    Args:
+        directory: where the files live; created if missing. Must belong to this cache alone
+            (it is locked, and files of a previous process in it are deleted on open).
+        idle_ttl_s: a file whose last lease was released is deleted this many seconds later,
+            unless leased again (>= 0).
+        max_bytes: size budget of the cached files (> 0), or ``None`` for no budget. With a
+            budget, the size of an object is taken from ``size_hint`` or a ``head`` request before
+            it is downloaded.
+        timer: schedules the idle evictions (tests pass a ``ManualTimer``); by default the cache
+            starts its own ``ThreadTimer`` (thread ``dstl-timer-cache``) when the first eviction
+            is scheduled, and stops it on :meth:`close`.
+        on_full: what a lease does when the object cannot be cached (budget exhausted by leased
+            files, object larger than the budget, local disk full): ``"raise"``
+            :class:`~dstl.errors.CacheFullError`, or ``"direct"``: hand out a lease that reads
+            ranges straight from the store (no local file, no whole-object verification; the
+            change-set reader still checks every record's CRC).
+
+    Raises:
+        ConfigError: an argument is out of range.
+        CacheError: the directory is in use by another cache, or cannot be created or cleaned.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+                 max_bytes: int | None = None, *, timer: Timer | None = None,
+                 on_full: OnFull = "raise") -> None:
+        if isinstance(idle_ttl_s, bool) or not isinstance(idle_ttl_s, (int, float)) \
+                or not math.isfinite(idle_ttl_s) or idle_ttl_s < 0:
+            raise ConfigError("idle_ttl_s", idle_ttl_s, "a finite number of seconds >= 0",
+                              owner="LocalFileCache")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes <= 0):
+            raise ConfigError("max_bytes", max_bytes, "None (no budget) or an integer > 0",
+                              owner="LocalFileCache")
+        if on_full not in ("raise", "direct"):
+            raise ConfigError("on_full", on_full, "'raise' or 'direct'", owner="LocalFileCache")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.idle_ttl_s = float(idle_ttl_s)
+        self.max_bytes = max_bytes
+        self.on_full: OnFull = on_full
+        self._pid = os.getpid()
+        self._timer: Timer | None = timer
+        self._own_timer = timer is None
+        self._cond = threading.Condition()  # the map lock: bookkeeping only, never held for I/O
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._lru: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # READY, oldest first
+        self._leases: set[CacheLease] = set()
+        self._closed = False
+        self._bytes_cached = 0
+        self._bytes_reserved = 0
+        self._counts = dict.fromkeys(
+            ("downloads", "hits", "waits", "bytes_downloaded", "download_failures",
+             "evictions_ttl", "evictions_budget", "evictions_disk_full", "direct_leases",
+             "direct_reads"), 0)
+        self._created_dir = False
+        self._lock_fd = -1
+        try:
+            self._open_directory()
+        except OSError as exc:
+            self._unlock()
+            raise CacheError(f"restore cache directory {self.directory} cannot be used ({exc}); "
+                             "choose a writable local directory") from exc
+        except BaseException:
+            self._unlock()
+            raise
+
+    def __repr__(self) -> str:
+        return f"LocalFileCache({self.directory!r})"
+
+    def __enter__(self) -> LocalFileCache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has started."""
+        return self._closed
+
+    def lease(self, store: BlobStore, key: str, *, verify: Verify | None = None,
+              size_hint: int | None = None) -> CacheLease:
+        """Lease the object ``key`` of ``store``, downloading it once per process if needed.
+
+        Concurrent calls for the same ``(store.location, key)`` share one download (single
+        flight); no lock is held while it runs.
+
+        Args:
+            store: where the object lives.
+            key: the object key (validated: untrusted input).
+            verify: ``verify(data, key)`` checks the downloaded bytes before they are published
+                (segments: ``lambda d, k: decode_segment(d, k)``); an exception other than
+                :class:`~dstl.errors.DstlError` is reported as a ``CorruptObjectError``.
+            size_hint: the object's size if known (saves a ``head`` when a budget is set).
+
+        Returns:
+            A :class:`CacheLease`; use it as a context manager.
+
+        Raises:
+            ObjectNotFoundError: the object does not exist.
+            CorruptObjectError: ``verify`` rejected the bytes (nothing is cached; the next lease
+                downloads again).
+            CacheFullError: the object cannot be cached and ``on_full="raise"`` (names the sizes
+                and the setting; chained to ``LocalDiskFullError`` when the disk is full).
+            StorageError: the download failed (after the store's own read retries).
+            ClosedError: the cache is closed.
+            CacheError: used in a forked child, or the cache file cannot be written.
+            UnsafePathError: the key is not allowed.
+        """
+        self._check_pid()
+        check_key(key)
+        if size_hint is not None and (isinstance(size_hint, bool) or not isinstance(size_hint, int)
+                                      or size_hint < 0):
+            raise UsageError(f"lease of {store.location}/{key}: size_hint={size_hint!r} is not "
+                             "None or an integer >= 0")
+        ident = (store.location, key)
+        while True:
+            owner = False
+            lease: CacheLease | None = None
+            with self._cond:
+                self._check_open()
+                entry = self._entries.get(ident)
+                if entry is None:
+                    entry = _Entry(ident)
+                    self._entries[ident] = entry
+                    owner = True
+                elif entry.state is _State.READY:
+                    lease = self._retain(entry, store)
+                    self._counts["hits"] += 1
+                else:
+                    self._counts["waits"] += 1
+                self._cond.notify_all()
+            if owner:
+                return self._fly(entry, store, key, verify, size_hint)
+            if lease is not None:
+                lease._attach()
+                return lease
+            entry.done.wait()
+            if entry.state is _State.FAILED:
+                err = entry.error
+                if isinstance(err, DstlError):
+                    raise err
+                raise CacheError(f"download of {store.location}/{key} failed in another thread "
+                                 f"({err!r})") from err
+            if entry.state is _State.DIRECT:
+                return self._direct_lease(store, key, entry.size)
+            # READY (take a lease on the next turn) or already GONE again (download anew)
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges (a consistent snapshot).
+
+        Returns:
+            ``downloads`` (whole objects fetched), ``hits`` (leases served without a download of
+            their own, including waiters of another's download), ``waits`` (leases that waited
+            for a download in flight), ``bytes_downloaded``, ``download_failures``,
+            ``leases_open``, ``files``, ``bytes_cached``, ``bytes_reserved`` (downloads in
+            flight), ``downloads_in_flight``, ``evictions`` (= ``evictions_ttl`` +
+            ``evictions_budget`` + ``evictions_disk_full``), ``direct_leases``, ``direct_reads``.
+
+        Raises:
+            CacheError: called in a forked child.
+        """
+        self._check_pid()
+        with self._cond:
+            return self._stats()
+
+    def wait_for_stats(self, predicate: Callable[[dict[str, int]], bool],
+                       timeout_s: float = 10.0) -> dict[str, int]:
+        """Block until ``predicate(stats())`` holds (tests and tools; never polls).
+
+        Returns:
+            The stats that satisfied the predicate.
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        self._check_pid()
+        with self._cond:
+            if not self._cond.wait_for(lambda: predicate(self._stats()), timeout_s):
+                raise TimeoutError(f"{self!r}: stats did not reach the expected state within "
+                                   f"{timeout_s}s; now {self._stats()}")
+            return self._stats()
+
+    def close(self) -> None:
+        """Invalidate outstanding leases, delete every file, stop the timer it owns.
+
+        Idempotent. Downloads in flight are waited for (up to 30 s) and clean up after themselves.
+        In a forked child this does nothing: the files belong to the parent.
+        """
+        if os.getpid() != self._pid:
+            logger.debug("%r: close() in forked child %d ignored (the parent owns the files)",
+                         self, os.getpid())
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            leases = list(self._leases)
+            self._leases.clear()
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._lru.clear()
+            for e in entries:
+                self._cancel_ttl(e)
+            self._cond.notify_all()
+        for lease in leases:
+            lease._invalidate()
+        loading = [e for e in entries if e.state is _State.LOADING]
+        for e in loading:
+            if not e.done.wait(_CLOSE_WAIT_S):
+                logger.warning("%r: download of %s still running at close; it removes its temp "
+                               "file when it ends", self, e.key)
+        removed = 0
+        for e in entries:
+            if e.state is _State.READY and e.path is not None:
+                removed += _unlink(e.path)
+        if self._own_timer and self._timer is not None:
+            self._timer.close()
+        self._unlock(remove=True)
+        if self._created_dir:
+            with contextlib.suppress(OSError):  # not empty (someone else's files) or gone
+                os.rmdir(self.directory)
+        with self._cond:
+            st = self._stats()
+        if leases:
+            logger.warning("%r closed with %d leases still open (invalidated)", self, len(leases))
+        logger.info("restore cache %s closed: %d files deleted, %d downloads (%d bytes), %d hits, "
+                    "%d evictions", self.directory, removed, st["downloads"],
+                    st["bytes_downloaded"], st["hits"], st["evictions"])
+
+    # ------------------------------------------------------------------ start-up
+
+    def _open_directory(self) -> None:
+        if not os.path.isdir(self.directory):
+            os.makedirs(self.directory, exist_ok=True)
+            self._created_dir = True
+        lock_path = os.path.join(self.directory, _LOCK_NAME)
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise CacheError(f"restore cache directory {self.directory} is in use by another "
+                                 "LocalFileCache (in this or another process); give each cache "
+                                 "a directory of its own") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # A previous owner may have unlinked the lock file between our open and flock:
+            # then we locked an orphan inode; try again with the current file.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._lock_fd = fd
+                break
+            os.close(fd)
+        temps: list[int] = []
+        previous = 0
+        for name in os.listdir(self.directory):
+            m = _TMP_RE.match(name)
+            if m is not None:
+                # We hold the directory lock, so no live cache writes here: every temp file is
+                # left over from a crash (usually of a dead pid; a live one is a reused pid).
+                temps.append(int(m.group("pid")))
+                _unlink(os.path.join(self.directory, name))
+            elif _OBJ_RE.match(name):
+                previous += _unlink(os.path.join(self.directory, name))
+        logger.info("restore cache %s opened (max_bytes=%s, idle_ttl_s=%s, on_full=%s); removed "
+                    "%d temp files of crashed processes (pids %s) and %d files of a previous "
+                    "process", self.directory, self.max_bytes, self.idle_ttl_s, self.on_full,
+                    len(temps), sorted(set(temps)), previous)
+
+    def _unlock(self, remove: bool = False) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd < 0:
+            return
+        if remove:
+            _unlink(os.path.join(self.directory, _LOCK_NAME))
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    # ------------------------------------------------------------------ the flight
+
+    def _fly(self, entry: _Entry, store: BlobStore, key: str, verify: Verify | None,
+             size_hint: int | None) -> CacheLease:
+        """The owner's part: fetch, publish, wake the waiters (no lock held during I/O)."""
+        outcome: _Outcome | None = None
+        try:
+            outcome = self._fetch(entry, store, key, verify, size_hint)
+            with self._cond:
+                if self._closed:
+                    raise ClosedError(repr(self))
+                self._bytes_reserved -= entry.reserved
+                entry.reserved = 0
+                entry.size = outcome.size
+                if outcome.path is None:
+                    entry.state = _State.DIRECT
+                    del self._entries[entry.ident]
+                    lease = self._register_direct(store, key, outcome.size)
+                else:
+                    entry.state = _State.READY
+                    entry.path = outcome.path
+                    self._bytes_cached += outcome.size
+                    self._lru[entry.ident] = entry
+                    lease = self._retain(entry, store)
+                self._cond.notify_all()
+        except BaseException as exc:
+            if outcome is not None and outcome.path is not None:
+                _unlink(outcome.path)  # downloaded, but the cache closed meanwhile
+            with self._cond:
+                if self._entries.get(entry.ident) is entry:
+                    del self._entries[entry.ident]
+                self._bytes_reserved -= entry.reserved
+                entry.reserved = 0
+                entry.state = _State.FAILED
+                entry.error = exc
+                self._counts["download_failures"] += 1
+                self._cond.notify_all()
+            entry.done.set()
+            logger.warning("restore cache: lease of %s/%s failed, nothing cached: %s",
+                           store.location, key, exc)
+            raise
+        entry.done.set()
+        if outcome.path is not None:
+            lease._attach()
+            logger.debug("restore cache: downloaded %s/%s (%d bytes) to %s", store.location, key,
+                         outcome.size, outcome.path)
+        return lease
+
+    def _fetch(self, entry: _Entry, store: BlobStore, key: str, verify: Verify | None,
+               size_hint: int | None) -> _Outcome:
+        exact = False
+        size = size_hint
+        if self.max_bytes is not None:
+            if size is None:
+                size, exact = self._head(store, key), True
+            if not self._reserve(entry, size):
+                return self._cannot_fit(store, key, size, exact, self._budget_message(key, size))
+        data = store.get(key)
+        with self._cond:
+            self._counts["downloads"] += 1
+            self._counts["bytes_downloaded"] += len(data)
+            self._cond.notify_all()
+        if exact and size is not None and len(data) != size:
+            raise TruncatedObjectError(key, min(len(data), size), size, len(data),
+                                       "download (size differs from head)")
+        if self.max_bytes is not None and len(data) != entry.reserved \
+                and not self._reserve(entry, len(data)):
+            return self._cannot_fit(store, key, len(data), True,
+                                    self._budget_message(key, len(data)))
+        if verify is not None:
+            _run_verify(verify, data, key)
+        try:
+            path = self._write_file(store.location, key, data)
+        except LocalDiskFullError as full:
+            if getattr(full.__cause__, "errno", None) in _DISK_FULL_RETRY_ERRNOS \
+                    and self._evict_idle():
+                try:
+                    path = self._write_file(store.location, key, data)
+                except LocalDiskFullError as again:
+                    full = again
+                else:
+                    return _Outcome(path, len(data))
+            return self._cannot_fit(store, key, len(data), True, f"{full}", full,
+                                    hint="free space on that disk, give the cache a directory "
+                                         "on a larger disk or a max_bytes below the free space")
+        return _Outcome(path, len(data))
+
+    def _head(self, store: BlobStore, key: str) -> int:
+        info = store.head(key)
+        if info is None:
+            raise ObjectNotFoundError(f"lease {store.location}/{key}: object not found", key=key)
+        return info.size
+
+    def _cannot_fit(self, store: BlobStore, key: str, size: int, exact: bool, message: str,
+                    cause: BaseException | None = None, *,
+                    hint: str = "raise LocalFileCache(max_bytes=...)") -> _Outcome:
+        if self.on_full == "raise":
+            raise CacheFullError(f"{message}; {hint}, or pass on_full='direct' to read such "
+                                 "objects with ranged reads from the store") from cause
+        if not exact:
+            size = self._head(store, key)  # a direct lease needs the real size, not a hint
+        logger.warning("restore cache: %s; serving it with direct ranged reads", message)
+        return _Outcome(None, size)
+
+    def _budget_message(self, key: str, size: int) -> str:
+        assert self.max_bytes is not None
+        with self._cond:
+            leased = sum(e.size for e in self._lru.values() if e.leases)
+            reserved = self._bytes_reserved
+        if size > self.max_bytes:
+            return (f"object {key} ({size} bytes) is larger than the restore cache budget "
+                    f"max_bytes={self.max_bytes} of {self.directory}")
+        return (f"object {key} ({size} bytes) does not fit in the restore cache budget "
+                f"max_bytes={self.max_bytes} of {self.directory}: {leased} bytes are held by "
+                f"open leases and {reserved} reserved by downloads in flight")
+
+    def _write_file(self, location: str, key: str, data: bytes) -> str:
+        """Temp file, fsync, atomic rename; the temp file is removed on any failure."""
+        digest = hashlib.blake2b(f"{location}\0{key}".encode(), digest_size=8).hexdigest()
+        base = _UNSAFE_CHARS.sub("_", key.rpartition("/")[2])[:64]
+        name = f"{base}.{digest}.{secrets.token_hex(4)}.obj"
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, final)  # final is unique: nothing to replace
+            except BaseException:
+                _unlink(tmp)
+                raise
+        except OSError as exc:
+            what = _DISK_FULL_ERRNOS.get(exc.errno or 0)
+            if what is not None:
+                raise LocalDiskFullError(
+                    f"cannot cache {location}/{key} ({len(data)} bytes) in {self.directory}: "
+                    f"{what} while writing {tmp}", key=key, path=tmp) from exc
+            raise CacheError(f"cannot write the cache file of {location}/{key} in "
+                             f"{self.directory} ({exc}); check the local disk") from exc
+        return final
+
+    # ------------------------------------------------------------------ bookkeeping (lock held)
+
+    def _retain(self, entry: _Entry, store: BlobStore) -> CacheLease:
+        self._cancel_ttl(entry)
+        entry.leases += 1
+        self._lru.move_to_end(entry.ident)
+        assert entry.path is not None
+        lease = CacheLease(self, entry, store, entry.key, entry.size, entry.path)
+        self._leases.add(lease)
+        return lease
+
+    def _register_direct(self, store: BlobStore, key: str, size: int) -> CacheLease:
+        lease = CacheLease(self, None, store, key, size, None)
+        self._leases.add(lease)
+        self._counts["direct_leases"] += 1
+        return lease
+
+    def _cancel_ttl(self, entry: _Entry) -> None:
+        entry.ttl_gen += 1  # a callback that already fired but has not run yet sees a new gen
+        if entry.ttl is not None:
+            entry.ttl.cancel()
+            entry.ttl = None
+
+    def _reserve(self, entry: _Entry, size: int) -> bool:
+        """Reserve ``size`` budget bytes for ``entry``, evicting idle files in LRU order."""
+        assert self.max_bytes is not None
+        victims: list[str] = []
+        with self._cond:
+            self._check_open()
+            self._bytes_reserved -= entry.reserved
+            entry.reserved = 0
+            used = self._bytes_cached + self._bytes_reserved
+            evictable = sum(e.size for e in self._lru.values() if not e.leases)
+            if size > self.max_bytes or used - evictable + size > self.max_bytes:
+                return False  # evicting would not help: evict nothing
+            for e in list(self._lru.values()):
+                if used + size <= self.max_bytes:
+                    break
+                if e.leases:
+                    continue
+                used -= e.size
+                victims.append(self._remove(e, "evictions_budget"))
+            entry.reserved = size
+            self._bytes_reserved += size
+            self._cond.notify_all()
+        for path in victims:
+            _unlink(path)
+        if victims:
+            logger.debug("restore cache %s: evicted %d idle files (LRU) to fit %s (%d bytes)",
+                         self.directory, len(victims), entry.key, size)
+        return True
+
+    def _evict_idle(self) -> int:
+        """Evict every unleased file (the disk is full); return how many."""
+        with self._cond:
+            victims = [self._remove(e, "evictions_disk_full")
+                       for e in list(self._lru.values()) if not e.leases]
+            self._cond.notify_all()
+        for path in victims:
+            _unlink(path)
+        if victims:
+            logger.warning("restore cache %s: local disk full, evicted %d idle files",
+                           self.directory, len(victims))
+        return len(victims)
+
+    def _remove(self, entry: _Entry, counter: str) -> str:
+        """Forget a READY entry without leases; return its path (the caller unlinks it)."""
+        if self._entries.get(entry.ident) is entry:
+            del self._entries[entry.ident]
+        self._lru.pop(entry.ident, None)
+        self._cancel_ttl(entry)
+        self._bytes_cached -= entry.size
+        entry.state = _State.GONE
+        self._counts[counter] += 1
+        assert entry.path is not None
+        return entry.path
+
+    def _on_release(self, lease: CacheLease) -> None:
+        with self._cond:
+            if lease not in self._leases:
+                return  # invalidated by close()
+            self._leases.discard(lease)
+            entry = lease._entry
+            if entry is not None:
+                entry.leases -= 1
+                if entry.leases == 0 and entry.state is _State.READY and not self._closed:
+                    self._lru.move_to_end(entry.ident)
+                    self._schedule_expiry(entry)
+            self._cond.notify_all()
+
+    def _schedule_expiry(self, entry: _Entry) -> None:
+        self._cancel_ttl(entry)
+        if self._timer is None:
+            self._timer = ThreadTimer("cache")
+        entry.ttl = self._timer.schedule(self.idle_ttl_s,
+                                         functools.partial(self._expire, entry, entry.ttl_gen))
+
+    def _expire(self, entry: _Entry, gen: int) -> None:
+        if os.getpid() != self._pid:
+            return
+        with self._cond:
+            # The generation check is the fix of Flink's quirk: a timer scheduled before the
+            # file's last use never evicts it, even if its cancel() raced with its firing.
+            if self._closed or entry.state is not _State.READY or entry.leases \
+                    or entry.ttl_gen != gen:
+                return
+            entry.ttl = None
+            path = self._remove(entry, "evictions_ttl")
+            self._cond.notify_all()
+        _unlink(path)
+        logger.debug("restore cache: evicted %s after %.1f s idle", entry.key, self.idle_ttl_s)
+
+    def _direct_lease(self, store: BlobStore, key: str, size: int) -> CacheLease:
+        with self._cond:
+            self._check_open()
+            lease = self._register_direct(store, key, size)
+            self._cond.notify_all()
+            return lease
+
+    def _count_direct_read(self) -> None:
+        with self._cond:
+            self._counts["direct_reads"] += 1
+
+    def _stats(self) -> dict[str, int]:
+        c = self._counts
+        out = dict(c)
+        out.update(
+            leases_open=len(self._leases),
+            files=len(self._lru),
+            bytes_cached=self._bytes_cached,
+            bytes_reserved=self._bytes_reserved,
+            downloads_in_flight=sum(1 for e in self._entries.values()
+                                    if e.state is _State.LOADING),
+            evictions=c["evictions_ttl"] + c["evictions_budget"] + c["evictions_disk_full"],
+        )
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(repr(self), "create a new LocalFileCache")
+
+    def _check_pid(self) -> None:
+        pid = os.getpid()
+        if pid != self._pid:
+            raise CacheError(f"{self!r} was created in process {self._pid} and used in forked "
+                             f"process {pid}; create a new LocalFileCache, in a directory of its "
+                             "own, in each process (never share one across fork)")
+
+
+def _run_verify(verify: Verify, data: bytes, key: str) -> None:
+    try:
+        verify(data, key)
+    except DstlError:
+        raise
+    except Exception as exc:
+        raise CorruptObjectError(key, 0, f"verification failed ({type(exc).__name__}: {exc})",
+                                 hint="the downloaded object is not what its reader "
+                                      "expects") from exc
+
+
+def _unlink(path: str) -> int:
+    """Remove a file; 1 if removed, 0 if it was already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return 1

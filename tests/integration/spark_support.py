@@ -1,0 +1,38 @@
+"""A shared local SparkSession for the Spark tests (starting one costs 10-20 s on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def new_session(name: str, master: str = "local[2,2]") -> Any:
+    """``local[2,2]``: 2 cores and up to 2 attempts per task, so a killed task is retried."""
+    from pyspark.sql import SparkSession
+
+    # workers must run this interpreter (the venv), not whatever `python3` is on PATH, and must
+    # import the test modules that define processors (cloudpickle ships classes by reference)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    spark = (SparkSession.builder.master(master).appName(name)
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "4")
+             .config("spark.driver.memory", "1g")
+             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    s = new_session("dstl-tests")
+    yield s
+    s.stop()

@@ -1,0 +1,134 @@
+"""The PySpark operator end to end on local[2,2] with S3 on a moto server: exact counts across
+batches, a task killed on its first attempt, a batch re-run, a failing processor, bad input."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from spark_support import spark  # noqa: F401
+from support import moto_server
+from support.moto_server import s3_storage_options
+
+from dstl.errors import AccessDeniedError, ConfigError
+from dstl.spark import DstlStatefulOperator, StatefulProcessor
+
+pytestmark = [pytest.mark.spark, pytest.mark.s3, pytest.mark.xdist_group("spark")]
+moto_endpoint = moto_server.moto_endpoint
+s3_bucket = moto_server.s3_bucket
+
+
+class Count(StatefulProcessor):
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        c = (self.count.get() or 0) + sum(1 for _ in rows)
+        self.count.update(c)
+        yield {"key": key, "count": c}
+
+
+class CrashOnce(Count):
+    """Kills its Python worker on the first attempt of partition 1 (Spark retries the task);
+    ``flag`` (set on a subclass made per test) records that it happened."""
+
+    flag = ""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        flag = self.flag
+        if ctx is not None and ctx.partitionId() == 1 and ctx.attemptNumber() == 0 \
+                and flag and not os.path.exists(flag):
+            Path(flag).write_text("crashed")
+            os._exit(137)
+        yield from super().handle_input_rows(key, rows)
+
+
+class Poison(Count):
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        rows = list(rows)
+        if any(r["key"] == "poison" for r in rows):
+            raise ValueError("processor refused the poison key")
+        yield from super().handle_input_rows(key, iter(rows))
+
+
+def _op(processor: type, uri: str, opts: dict[str, Any], sink: Any, tmp: Path,
+        **kw: Any) -> DstlStatefulOperator:
+    return DstlStatefulOperator(name="count", processor=processor, key_column="key",
+                                output_schema="key string, count long", state_uri=uri,
+                                storage_options=opts, partitions=3, max_parallelism=32,
+                                sink=sink, local_dir=str(tmp / "local"),
+                                materialization_interval_s=kw.pop("mat_s", 0.0), **kw)
+
+
+def _batch(spark: Any, keys: list[str]) -> Any:  # noqa: F811
+    return spark.createDataFrame([(k,) for k in keys], "key string")
+
+
+@pytest.mark.parametrize("table", ["lmdb", "heap"])
+def test_counts_exact_across_batches_retry_and_rerun(spark: Any, moto_endpoint: str,  # noqa: F811
+                                                     s3_bucket: str, tmp_path: Path,
+                                                     table: str) -> None:
+    # made here, so cloudpickle ships it by value with the flag path in it
+    crash_once = type("CrashOnceHere", (CrashOnce,), {"flag": str(tmp_path / "crashed")})
+    latest: dict[str, int] = {}
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        for r in out_df.collect():
+            latest[r["key"]] = r["count"]
+
+    op = _op(crash_once, f"s3://{s3_bucket}/app-{table}", s3_storage_options(moto_endpoint),
+             sink, tmp_path, table=table)
+    batches = [[f"u{i % 7}" for i in range(b, b + 40)] for b in range(5)]
+    expected: Counter[str] = Counter()
+    for batch_id, keys in enumerate(batches):
+        op.foreach_batch(_batch(spark, keys), batch_id)
+        expected.update(keys)
+        assert latest == dict(expected), f"after batch {batch_id}"
+    assert (tmp_path / "crashed").exists()  # the first attempt of a task really died
+    # a re-run of the last batch (Spark does it after a failure) gives the same state
+    op.foreach_batch(_batch(spark, batches[-1]), len(batches) - 1)
+    assert latest == dict(expected)
+    op.foreach_batch(_batch(spark, ["u0", "u0"]), len(batches))
+    expected.update(["u0", "u0"])
+    assert latest == dict(expected)
+    stats = op.batch_stats
+    assert sum(s["materializations"] for s in stats) > 0
+    assert any(s["restores"] for s in stats)  # re-run and retry restored from the store
+    op.close()
+
+
+def test_failing_processor_fails_the_batch_and_leaves_state_unchanged(
+        spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:  # noqa: F811
+    latest: dict[str, int] = {}
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        for r in out_df.collect():
+            latest[r["key"]] = r["count"]
+
+    op = _op(Poison, f"s3://{s3_bucket}/poison", s3_storage_options(moto_endpoint), sink,
+             tmp_path)
+    op.foreach_batch(_batch(spark, ["a", "b", "a"]), 0)
+    with pytest.raises(Exception, match="processor refused the poison key"):
+        op.foreach_batch(_batch(spark, ["a", "poison", "b"]), 1)
+    op.foreach_batch(_batch(spark, ["a", "b"]), 1)  # Spark re-runs the batch (fixed input here)
+    assert latest == {"a": 3, "b": 2}
+    op.close()
+
+
+def test_bad_state_uri_fails_before_any_batch(spark: Any, moto_endpoint: str,  # noqa: F811
+                                              tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="scheme"):
+        _op(Count, "ftpx://nowhere/app", None, None, tmp_path).validate(spark)
+    with pytest.raises(AccessDeniedError, match="no-such-bucket"):
+        _op(Count, "s3://no-such-bucket/app", s3_storage_options(moto_endpoint), None,
+            tmp_path).validate(spark)
