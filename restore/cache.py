@@ -99,7 +99,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Flink's ``dstl.dfs.download.local-cache.idle-timeout`` default (10 min): long enough for the
+#: Flink's ``dstl.dfs.download.local-cache.idle-timeout-ms`` default (10 min): long enough for the
 #: restores of one recovery (all backends of a process restore at about the same time), short
 #: enough that a cache does not keep a recovery's segments on disk for the job's lifetime.
 DEFAULT_IDLE_TTL_S = 600.0
