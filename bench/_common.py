@@ -50,7 +50,7 @@ def machine_info() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     except OSError:
-        pass
+        cpu = "unknown (no /proc/cpuinfo)"
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),

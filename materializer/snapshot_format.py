@@ -56,6 +56,7 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
+from dstl.segment import END_MAGIC, KIND_SEGMENT, MAGIC  # shared with segments
 
 __all__ = [
     "END_MAGIC",
@@ -84,9 +85,6 @@ __all__ = [
     "encode_snapshot",
 ]
 
-MAGIC: Final = b"DSTL"
-END_MAGIC: Final = b"LTSD"
-KIND_SEGMENT: Final = 1
 KIND_SNAPSHOT: Final = 2
 FORMAT_VERSION: Final = 1
 #: Key group of the metadata block (real key groups are < 2**15).

@@ -87,6 +87,7 @@ from dstl.errors import (
     TruncatedObjectError,
     UsageError,
 )
+from dstl.stores.local import write_new_file_durably
 from dstl.timer import ThreadTimer, Timer, TimerHandle
 
 __all__ = [
@@ -742,15 +743,8 @@ class LocalFileCache:
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                write_new_file_durably(tmp, data, 0o600)
                 os.rename(tmp, final)  # final is unique: nothing to replace
             except BaseException:
                 _unlink(tmp)

@@ -6,6 +6,7 @@ Shaped like Spark's ``transformWithState`` (``init(handle)``, ``handle_input_row
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,17 +74,17 @@ class StatefulProcessorHandle:
         return self._backend.get_state(AggregatingStateDescriptor(name, agg, serializer))
 
 
-class StatefulProcessor:
+class StatefulProcessor(ABC):
     """Subclass it: ``init`` gets the states, ``handle_input_rows`` sees one key's rows of a
     micro-batch (dicts) and yields output rows (dicts matching the operator's output schema)."""
 
-    def init(self, handle: StatefulProcessorHandle) -> None:
+    def init(self, handle: StatefulProcessorHandle) -> None:  # noqa: B027 - optional hook
         """Called once per partition backend, before the first rows."""
 
+    @abstractmethod
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
                           ) -> Iterator[dict[str, Any]]:
         """Process one key's rows of the micro-batch; yield output rows."""
-        raise NotImplementedError("StatefulProcessor subclasses implement handle_input_rows")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Called when the partition's backend is closed."""

@@ -29,6 +29,7 @@ Until the executor agent exists, each task's log goes into its own segment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -137,10 +138,8 @@ class _Runtime:
     def write_version(self, partition: int, version: int | None) -> None:
         path = self.version_path(partition)
         if version is None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
             return
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:

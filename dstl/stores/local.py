@@ -23,6 +23,7 @@ All ``OSError`` s are translated by :func:`dstl.blobstore.translate_error` (``EN
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -65,6 +66,22 @@ def _pid_alive(pid: int) -> bool:
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new_file_durably(path: str, data: bytes, mode: int) -> None:
+    """Create ``path`` (it must not exist), write all of ``data``, fsync, close.
+
+    The one place DSTL writes a local file it will publish (the local store and the restore
+    cache); callers publish it with link/rename and fsync the directory.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -114,19 +131,13 @@ class LocalBlobStore:
         tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
         try:
             _make_dirs(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                write_new_file_durably(tmp, data, 0o644)
                 # link() publishes atomically and, unlike rename(), never replaces a name.
                 os.link(tmp, path)
             finally:
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):  # never created if open failed
+                    os.unlink(tmp)
             _fsync_dir(directory)
         except OSError as exc:
             raise translate_error(exc, op="put", key=key, location=self.location) from exc
