@@ -8,7 +8,8 @@ operator (one :class:`~dstl.ChangelogStorage`, one restore cache, the partitions
 each task first makes sure its partition's state is exactly the state after the last committed
 checkpoint (``base``), in one of three ways:
 
-1. **hit** — this process served the partition in the base checkpoint: its backend is current;
+1. **hit** — this process served the partition in the base checkpoint and (LMDB) no other worker
+   advanced the shared on-disk table since: its backend is current;
    tell it the base completed (hands the log over, unblocks materialization).
 2. **adopt** — LMDB only: another worker of this executor served it and the partition's local
    version file says the on-disk table is at the base: open the table and install the base
@@ -206,7 +207,10 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
     from dstl.spark.processor import StatefulProcessorHandle
 
     slot = rt.slots.get(partition)
-    if slot is not None and slot.version == inp.base_checkpoint:
+    # An LMDB table is shared on disk by every worker of the executor: this worker's backend is
+    # current only if no other worker has advanced the table since (its version file says so).
+    if slot is not None and slot.version == inp.base_checkpoint and (
+            cfg.table != "lmdb" or rt.read_version(partition) == inp.base_checkpoint):
         stats["access"] = "hit"
         if inp.base_checkpoint >= 0:
             slot.backend.notify_checkpoint_complete(inp.base_checkpoint)

@@ -1,0 +1,74 @@
+"""The task runtime's state decision (hit / adopt / restore), driven without Spark."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from dstl import DstlOptions
+from dstl.spark import StatefulProcessor
+from dstl.spark import task as runtime
+from dstl.spark.task import META_COLUMN, OperatorConfig, TaskInput, run_partition
+from materializer.options import BackendOptions
+
+
+class Count(StatefulProcessor):
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        c = (self.count.get() or 0) + sum(1 for _ in rows)
+        self.count.update(c)
+        yield {"key": key, "count": c}
+
+
+SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (META_COLUMN, pa.string())])
+
+
+def _run(cfg: OperatorConfig, inp: TaskInput, keys: list[str]
+         ) -> tuple[dict[str, int], dict[str, Any]]:
+    batches = [pa.RecordBatch.from_pydict({"key": keys})]
+    out: dict[str, int] = {}
+    meta: dict[str, Any] = {}
+    for rb in run_partition(cfg, inp, iter(batches)):
+        for row in rb.to_pylist():
+            if row[META_COLUMN] is None:
+                out[row["key"]] = row["count"]
+            else:
+                meta = json.loads(row[META_COLUMN])
+    return out, meta
+
+
+def test_lmdb_hit_requires_the_on_disk_version(tmp_path: Path) -> None:
+    """Another worker of the executor advanced the shared LMDB table: this worker's backend is
+    stale, so a re-run must restore (found by a clean-clone CI run: counts doubled)."""
+    cfg = OperatorConfig(
+        name="t", processor=Count, key_column="key", output_columns=("key", "count"),
+        arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
+        partitions=1, max_parallelism=8, table="lmdb",
+        dstl_options=DstlOptions(persist_delay_s=0.0),
+        backend_options=BackendOptions(materialization_interval_s=None,
+                                       materialize_log_ratio=None),
+        materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+    try:
+        out0, meta0 = _run(cfg, TaskInput(0, -1), ["a", "a", "b"])
+        assert out0 == {"a": 2, "b": 1} and meta0["stats"]["access"] == "new"
+        base = {0: json.dumps(meta0["handle"])}
+        out1, meta1 = _run(cfg, TaskInput(1, 0, base, (0,)), ["a"])
+        assert out1 == {"a": 3} and meta1["stats"]["access"] == "hit"
+        # another worker then processed batch 2 on the shared table (it says so on disk) ...
+        rt = runtime._RUNTIMES[(cfg.state_uri, cfg.name)]
+        rt.write_version(0, 2)
+        # ... and Spark re-runs batch 2 here, from checkpoint 1: this backend must not be used
+        out2, meta2 = _run(cfg, TaskInput(2, 1, {0: json.dumps(meta1["handle"])}, (0, 1)), ["b"])
+        assert meta2["stats"]["access"] == "restore"
+        assert out2 == {"b": 2}
+    finally:
+        rt = runtime._RUNTIMES.pop((cfg.state_uri, cfg.name), None)
+        if rt is not None:
+            rt.close()
