@@ -197,7 +197,8 @@ class _Agent:
                     if op == "persist":
                         self._persist(header, body, lambda h, r=rid: reply({"id": r, **h}))
                     elif op == "metrics":
-                        reply({"id": rid, "ok": True, "metrics": self.metrics()})
+                        reply({"id": rid, "ok": True, "metrics": self.metrics(),
+                               "log_tail": self.log_tail()})
                     elif op == "ping":
                         reply({"id": rid, "ok": True, "pid": os.getpid()})
                     elif op == "shutdown":
@@ -232,6 +233,15 @@ class _Agent:
                    "key": getattr(exc, "key", None)})
 
         st.scheduler.upload(UploadTask(sets, ok, failed))
+
+    def log_tail(self, lines: int = 5) -> list[str]:
+        """The agent's last log lines (the driver shows them with each batch)."""
+        try:
+            with open(os.path.join(self.directory, "agent.log"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                return f.read().decode("utf-8", "replace").splitlines()[-lines:]
+        except OSError:
+            return []
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"agent.pid": float(os.getpid()),
@@ -391,8 +401,12 @@ class AgentClient:
                     "the task fails and Spark retries it"))
 
     def metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
-        reply = self.request({"op": "metrics"}).result(timeout_s)
-        return dict(reply.get("metrics") or {})
+        """The agent's storage metrics (``agent.*``)."""
+        return dict(self.status(timeout_s).get("metrics") or {})
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The agent's metrics and its last log lines."""
+        return self.request({"op": "metrics"}).result(timeout_s)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

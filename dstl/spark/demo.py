@@ -130,6 +130,15 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
               f"{s['restore_seconds'] * 1e3:>14.1f}")
     print("(objects = log segments + snapshots + 1 manifest; a partition that materializes in a "
           "batch needs no segment for it; state open = hit/adopt/restore time, max over tasks)")
+    agents: dict[int, dict[str, float]] = {}
+    for s in rows:
+        agents.update(s.get("agents") or {})
+    for pid, m in sorted(agents.items()):
+        print(f"executor agent pid {pid}: {int(m.get('agent.requests', 0))} requests, "
+              f"{int(m.get('agent.ChangelogStorage.numberOfSegments', 0))} segments, "
+              f"{m.get('agent.ChangelogStorage.writersPerSegment.mean', 0.0):.2f} writers per "
+              f"segment (mean), upload p50 "
+              f"{m.get('agent.ChangelogStorage.uploadLatenciesSeconds.p50', 0.0) * 1e3:.1f} ms")
 
 
 def run(argv: list[str] | None = None) -> int:

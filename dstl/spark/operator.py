@@ -105,6 +105,8 @@ class DstlStatefulOperator:
         self._coordinator: Any = None
         self._cfg: Any = None
         self.batch_stats: list[dict[str, Any]] = []
+        #: the executor agents' latest log lines, as reported with the last batch
+        self.agent_logs: list[str] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -223,6 +225,7 @@ class DstlStatefulOperator:
         st = [m["stats"] for m in metas]
         segments = sorted({k for s in st for k in s["segment_keys"]})
         agents = {int(s["agent"]["agent.pid"]): s["agent"] for s in st if s.get("agent")}
+        self.agent_logs = [line for s in st for line in s.get("agent_log") or []][-10:]
         stats = {
             "batch_id": batch_id, "batch_seconds": t3 - t0, "job_seconds": t1 - t0,
             "commit_seconds": t2 - t1, "sink_seconds": t3 - t2,

@@ -336,8 +336,12 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any]) -
         "bytes": sum(r.length for r in new_refs),
         "materializations": materialized,
         "snapshot_bytes": h.materialized_size if materialized else 0,
-        "agent": rt.agent.metrics() if rt.agent is not None else None,
+        "agent": None,
     })
+    if rt.agent is not None:
+        status = rt.agent.status()
+        stats["agent"] = status.get("metrics")
+        stats["agent_log"] = status.get("log_tail", [])
     meta = {"partition": partition, "handle": h.to_json_obj(),
             "referenced_keys": h.referenced_keys(), "full_size": h.full_size,
             "incremental_size": h.incremental_size, "stats": stats}
