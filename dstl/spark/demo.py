@@ -128,8 +128,9 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
               f"{s['commit_seconds'] * 1e3:>15.1f} {int(s['objects_written']):>8} "
               f"{int(s['bytes_written']):>9,} {s['materializations']:>13} {s['restores']:>9} "
               f"{s['restore_seconds'] * 1e3:>14.1f}")
-    print("(objects = log segments + snapshots + 1 manifest; a partition that materializes in a "
-          "batch needs no segment for it; state open = hit/adopt/restore time, max over tasks)")
+    print("(DSTL commit = slowest task's wait for its log to be durable + the driver's manifest; "
+          "objects = log segments + snapshots + 1 manifest; state open = hit/adopt/restore time, "
+          "max over tasks)")
     agents: dict[int, dict[str, float]] = {}
     for s in rows:
         agents.update(s.get("agents") or {})

@@ -228,7 +228,10 @@ class DstlStatefulOperator:
         self.agent_logs = [line for s in st for line in s.get("agent_log") or []][-10:]
         stats = {
             "batch_id": batch_id, "batch_seconds": t3 - t0, "job_seconds": t1 - t0,
-            "commit_seconds": t2 - t1, "sink_seconds": t3 - t2,
+            "commit_seconds": t2 - t1 + max((s["commit_seconds"] for s in st), default=0.0),
+            "manifest_seconds": t2 - t1,
+            "task_commit_seconds": max((s["commit_seconds"] for s in st), default=0.0),
+            "sink_seconds": t3 - t2,
             "rows_in": sum(s["rows_in"] for s in st), "rows_out": outputs.num_rows,
             "segments": len(segments),
             "materializations": sum(s["materializations"] for s in st),
@@ -236,6 +239,7 @@ class DstlStatefulOperator:
             "bytes_written": sum(s["bytes"] + s["snapshot_bytes"] for s in st),
             "restores": sum(1 for s in st if s["access"] == "restore"),
             "restore_seconds": max((s["restore_seconds"] for s in st), default=0.0),
+            "restore_seconds_total": sum(s["restore_seconds"] for s in st),
             "accesses": sorted(s["access"] for s in st),
             "deleted": len(completion.deleted) if completion is not None else 0,
             "agents": agents,

@@ -25,7 +25,9 @@ plus one metadata row carrying the backend handle for the driver's coordinator. 
 discards the partition's in-process backend and version, so a retry restores: state is never
 half-applied.
 
-Until the executor agent exists, each task's log goes into its own segment.
+With the executor agent (the default), a task's change sets go to the agent, which writes the
+change sets of all of the executor's concurrent tasks into one segment per flush window; with
+``agent=False`` each task writes its own segment.
 """
 
 from __future__ import annotations
