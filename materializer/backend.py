@@ -29,6 +29,7 @@ Theory of operation
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
@@ -214,6 +215,7 @@ class ChangelogKeyedStateBackend:
         self._attention = False
         self._due = False
         self._mat_blocked = False  # skipped until the previous one is confirmed
+        self._batch_depth = 0  # open write_batch() contexts
         # metrics
         m = self._metrics
         self._m_started = m.counter("startedMaterialization")
@@ -666,6 +668,9 @@ class ChangelogKeyedStateBackend:
             return self._materialized[0] if self._materialized else None
 
     def _start_materialization(self) -> Future[None] | None:
+        if self._batch_depth and not self._heap:
+            self._due = True  # after the batch commits (see write_batch)
+            return None
         with self._lock:
             busy = self._mat_in_flight is not None and not self._mat_in_flight.done()
             unconfirmed = (self._materialization_id > self._last_confirmed_mat
@@ -767,10 +772,23 @@ class ChangelogKeyedStateBackend:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def write_batch(self) -> Any:
+    @contextlib.contextmanager
+    def write_batch(self) -> Iterator[None]:
         """Group many state writes into one table transaction (LMDB: one write transaction
-        instead of one per write, ~3x faster; heap: no-op). Use as a context manager."""
-        return self._tables.write_batch()
+        instead of one per write, ~3x faster; heap: no-op). Use as a context manager.
+
+        An LMDB materialization never starts inside a batch: its read transaction could not see
+        the batch's uncommitted writes although the log already holds them. It is deferred to
+        the first state access after the batch.
+        """
+        self._batch_depth += 1
+        try:
+            with self._tables.write_batch():
+                yield
+        finally:
+            self._batch_depth -= 1
+            if self._batch_depth == 0 and self._due:
+                self._attention = True
 
     def metrics(self) -> dict[str, float]:
         """Materialization counters, last duration, and sizes (Flink's names)."""

@@ -18,8 +18,9 @@ code  op                     payload
 1     SET                    value bytes (value state)
 2     SET_INTERNAL           the whole new value/accumulator (list, map, reducing,
                              aggregating): replay never re-runs user functions
-3     ADD                    ``u32 n`` then n length-prefixed elements (list add_all) or
-                             n (key, value) pairs, each length-prefixed (map put_all)
+3     ADD                    ``u32 n`` then n length-prefixed items: the elements (list
+                             add_all), or keys and values alternating (map put_all; n is
+                             twice the number of entries)
 5     ADD_ELEMENT            one list element
 6     ADD_OR_UPDATE_ELEMENT  ``u32 key_len | map key | value``
 7     REMOVE_ELEMENT         map key

@@ -33,6 +33,7 @@ from dstl.keygroups import KeyGroupRange
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
+from materializer.snapshot_format import decode_snapshot
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from restore.reader import ChangelogReader
 
@@ -70,11 +71,16 @@ def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
     return exc
 
 
+def _verify_snapshot(data: bytes | memoryview, key: str) -> None:
+    decode_snapshot(bytes(data), key=key)
+
+
 class _CacheRangeSource:
     """A snapshot's bytes through the restore cache (one download per process)."""
 
     def __init__(self, cache: Any, store: Any, key: str) -> None:
-        self._lease = cache.lease(store, key)
+        # the whole object is verified once (object CRC, every block) before it is cached
+        self._lease = cache.lease(store, key, verify=_verify_snapshot)
         self._key = key
 
     def size(self) -> int:

@@ -425,8 +425,6 @@ class AgentUploadScheduler:
         self._uri = uri
         self._storage_options = storage_options
         self._options = {f: getattr(options, f) for f in options.__dataclass_fields__}
-        self._timeout_s = options.upload_max_attempts * (options.upload_timeout_s
-                                                         + options.upload_retry_delay_s) + 30
 
     def upload(self, task: UploadTask) -> None:
         if not task.change_sets:

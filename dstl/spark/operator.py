@@ -237,7 +237,7 @@ class DstlStatefulOperator:
             "materializations": sum(s["materializations"] for s in st),
             "objects_written": len(segments) + sum(s["materializations"] for s in st) + 1,
             "bytes_written": sum(s["bytes"] + s["snapshot_bytes"] for s in st),
-            "restores": sum(1 for s in st if s["access"] == "restore"),
+            "restores": sum(1 for s in st if s["access"] in ("restore", "rescale")),
             "restore_seconds": max((s["restore_seconds"] for s in st), default=0.0),
             "restore_seconds_total": sum(s["restore_seconds"] for s in st),
             "accesses": sorted(s["access"] for s in st),

@@ -223,19 +223,24 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
                     slot.backend.notify_checkpoint_subsumed(max(old))
         return slot
     rt.drop(partition)
-    handle_json = inp.base_handles.get(partition)
     kgs = _key_groups(cfg, partition)
     op_id = _operator_id(cfg, partition)
+    # every base handle whose key groups meet ours (several or partial ones after a change of
+    # `partitions`: rescaling)
+    handles = [h for h in (ChangelogStateBackendHandle.from_json(j)
+                           for j in inp.base_handles.values())
+               if len(h.key_groups.intersection(kgs))]
+    same_layout = len(handles) == 1 and handles[0].key_groups == kgs
     t0 = time.monotonic()
     local_version = rt.read_version(partition) if cfg.table == "lmdb" else None
-    if handle_json is None:
+    if not handles:
         # no state yet (first batch, or a partition that never had a checkpoint)
         backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
                                              table=cfg.table, options=cfg.backend_options,
                                              local_directory=rt.local_dir, clear_local=True)
         stats["access"] = "new"
-    elif local_version is not None and local_version == inp.base_checkpoint:
-        h = ChangelogStateBackendHandle.from_json(handle_json)
+    elif same_layout and local_version is not None and local_version == inp.base_checkpoint:
+        h = handles[0]
         backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
                                              table=cfg.table, options=cfg.backend_options,
                                              local_directory=rt.local_dir)
@@ -244,12 +249,12 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
         stats["access"] = "adopt"
     else:
         rs = RestoreStats()
-        backend = restore_backend([handle_json], rt.storage, kgs, table=cfg.table,
+        backend = restore_backend(handles, rt.storage, kgs, table=cfg.table,
                                   cache=rt.cache, operator_id=op_id,
                                   max_parallelism=cfg.max_parallelism,
                                   options=cfg.backend_options, local_directory=rt.local_dir,
                                   stats=rs)
-        stats["access"] = "restore"
+        stats["access"] = "restore" if same_layout else "rescale"
         stats["restore_changes"] = rs.get("changes", 0)
         stats["restore_entries"] = rs.get("entries", 0)
     stats["restore_seconds"] = time.monotonic() - t0
@@ -286,13 +291,16 @@ def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
                                                          0.0))
 
 
-def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any]) -> Iterator[Any]:
-    """The body of one ``mapInArrow`` task (see the module docstring)."""
+def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
+                  partition: int | None = None) -> Iterator[Any]:
+    """The body of one ``mapInArrow`` task (see the module docstring); ``partition`` defaults
+    to the Spark task's partition id."""
     import pyarrow as pa
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    partition = ctx.partitionId() if ctx is not None else 0
+    if partition is None:
+        partition = ctx.partitionId() if ctx is not None else 0
     attempt = ctx.attemptNumber() if ctx is not None else 0
     rt = _runtime(cfg)
     stats: dict[str, Any] = {"partition": partition, "attempt": attempt, "pid": os.getpid(),
@@ -310,7 +318,7 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any]) -
                     groups.setdefault(row[cfg.key_column], []).append(row)
                     rows_in += 1
             outputs: list[dict[str, Any]] = []
-            with backend.tables.write_batch():
+            with backend.write_batch():
                 for key, rows in groups.items():
                     backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
                     outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))

@@ -72,3 +72,56 @@ def test_lmdb_hit_requires_the_on_disk_version(tmp_path: Path) -> None:
         rt = runtime._RUNTIMES.pop((cfg.state_uri, cfg.name), None)
         if rt is not None:
             rt.close()
+
+
+def test_changing_partitions_restores_from_every_intersecting_handle(tmp_path: Path) -> None:
+    """2 partitions -> 1: the new partition restores both old ones (found by review: the old
+    partition 1's keys came back empty)."""
+    from dstl import key_group_for
+
+    def cfg(partitions: int) -> OperatorConfig:
+        return OperatorConfig(
+            name="r", processor=Count, key_column="key", output_columns=("key", "count"),
+            arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
+            partitions=partitions, max_parallelism=8, table="heap",
+            dstl_options=DstlOptions(persist_delay_s=0.0),
+            backend_options=BackendOptions(materialization_interval_s=None,
+                                           materialize_log_ratio=None),
+            materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+
+    keys = [f"user-{i}" for i in range(20)]
+    two = cfg(2)
+    base: dict[int, str] = {}
+    try:
+        for p in (0, 1):
+            mine = [k for k in keys if key_group_for(k.encode(), 8) * 2 // 8 == p]
+            out, meta = _run_p(two, TaskInput(0, -1), mine, p)
+            assert set(out) == set(mine)
+            base[p] = json.dumps(meta["handle"])
+    finally:
+        rt = runtime._RUNTIMES.pop((two.state_uri, two.name), None)
+        if rt is not None:
+            rt.close()
+    one = cfg(1)
+    try:
+        out, meta = _run_p(one, TaskInput(1, 0, base, (0,)), keys, 0)
+        assert meta["stats"]["access"] == "rescale"
+        assert out == {k: 2 for k in keys}
+    finally:
+        rt = runtime._RUNTIMES.pop((one.state_uri, one.name), None)
+        if rt is not None:
+            rt.close()
+
+
+def _run_p(cfg: OperatorConfig, inp: TaskInput, keys: list[str], partition: int
+           ) -> tuple[dict[str, int], dict[str, Any]]:
+    out: dict[str, int] = {}
+    meta: dict[str, Any] = {}
+    for rb in run_partition(cfg, inp, iter([pa.RecordBatch.from_pydict({"key": keys})]),
+                            partition=partition):
+        for row in rb.to_pylist():
+            if row[META_COLUMN] is None:
+                out[row["key"]] = row["count"]
+            else:
+                meta = json.loads(row[META_COLUMN])
+    return out, meta
