@@ -142,7 +142,7 @@ class CountingStore:
         self.inner.delete(keys)
 
     def close(self) -> None:
-        pass
+        """The inner store belongs to the caller."""
 
 
 @dataclass

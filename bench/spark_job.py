@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import random
 import re
 import shutil
 import statistics
@@ -58,7 +57,6 @@ sys.path.insert(0, str(ROOT))
 from bench._common import fmt, parser, summary, write_results  # noqa: E402
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle  # noqa: E402
 
-PAGES = ["/", "/search", "/item", "/cart", "/checkout", "/help", "/account", "/deals"]
 OUTPUT_SCHEMA = "user string, clicks long, distinct_pages long"
 # pages as a JSON string: a map<string, bigint> field in the state schema fails in the worker on
 # pyspark 4.3.0 (EvalConf.state_value_schema -> MapType.fromJson: KeyError 'keyType')
@@ -111,16 +109,10 @@ def spark_click_count(key: tuple[Any, ...], pdfs: Iterator[Any], state: Any) -> 
 
 
 def make_events(n_files: int, per_file: int, users: int, seed: int) -> list[list[dict[str, Any]]]:
-    rng = random.Random(seed)
-    files, t = [], 1_700_000_000_000
-    for _ in range(n_files):
-        batch = []
-        for _ in range(per_file):
-            t += rng.randint(1, 20)
-            batch.append({"user": f"user-{int(rng.paretovariate(1.2) * 7) % users:05d}",
-                          "page": rng.choice(PAGES), "ts": t})
-        files.append(batch)
-    return files
+    """The demo job's click stream (the same generator, so the workloads are comparable)."""
+    from dstl.spark.demo import click_events
+
+    return click_events(n_files, per_file, users, seed)
 
 
 def write_file(dirpath: Path, index: int, events: list[dict[str, Any]]) -> None:

@@ -51,7 +51,9 @@ class ClickStats(StatefulProcessor):
                "last_page": self.last.get()}
 
 
-def _events(n_files: int, per_file: int, users: int, seed: int) -> list[list[dict[str, Any]]]:
+def click_events(n_files: int, per_file: int, users: int, seed: int
+                 ) -> list[list[dict[str, Any]]]:
+    """Deterministic click events, one list per micro-batch file (heavy-tailed users)."""
     rng = random.Random(seed)
     files = []
     t = 1_700_000_000_000
@@ -161,7 +163,7 @@ def run(argv: list[str] | None = None) -> int:
     os.makedirs(src)
     state_uri = args.state_uri or os.path.join(work, "state")
     storage_options = json.loads(args.storage_options) if args.storage_options else None
-    files = _events(args.files, args.events, args.users, args.seed)
+    files = click_events(args.files, args.events, args.users, args.seed)
     print(f"DSTL demo: {args.files} micro-batches of {args.events} clicks by {args.users} users, "
           f"{args.partitions} partitions, {args.table} tables, store {state_uri}")
     t0 = time.monotonic()
