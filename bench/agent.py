@@ -2,8 +2,8 @@
 executor agent vs the per-task mode, same workload, same run; objects per day extrapolated to
 200 partitions on 10 executors with a 1 s trigger vs Spark's RocksDB + changelog store.
 
-Workload: the demo's click stream (:mod:`dstl.spark.demo`: ``ClickStats`` keyed by user, value
-state + map state + value state), JSON files written once and read by every run through a file
+Workload: the demo's click stream and processor (:mod:`dstl.spark.demo`: ``ClickStats`` keyed
+by user, value state + map state + value state; events generated here as in the demo), JSON files written once and read by every run through a file
 stream source (``maxFilesPerTrigger=1``, ``trigger(availableNow=True)``), ``writeStream
 .foreachBatch(op.foreach_batch)`` on a ``local[2,2]`` SparkSession (one executor, 2 cores), LMDB
 tables, materialization interval at the operator's default (60 s: longer than a run, so no
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import math
 import os
 import shutil
@@ -54,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import fmt, parser, percentile, summary, write_results  # noqa: E402
 from dstl import DstlOptions  # noqa: E402
-from dstl.spark.demo import ClickStats, _events, _write  # noqa: E402
+from dstl.spark.demo import ClickStats  # noqa: E402
 
 OUTPUT_SCHEMA = "user string, clicks long, distinct_pages long, last_page string"
 DAY_S = 86_400
@@ -62,6 +63,20 @@ DAY_S = 86_400
 X_PARTITIONS, X_EXECUTORS, X_TRIGGER_S = 200, 10, 1.0
 MATERIALIZATION_S = 60.0  # DstlStatefulOperator's default materialization interval
 SPARK_MAINTENANCE_S = 60.0  # spark.sql.streaming.stateStore.maintenanceInterval default
+
+
+def click_files(n_files: int, per_file: int, users: int, seed: int) -> list[list[dict[str, Any]]]:
+    """The demo's click stream (heavy-tailed users), one list of events per micro-batch file."""
+    from dstl.spark.demo import click_events
+
+    return click_events(n_files, per_file, users, seed)
+
+
+def write_file(dirpath: str, index: int, events: list[dict[str, Any]]) -> None:
+    tmp = os.path.join(dirpath, f".part-{index:05d}.json.tmp")  # hidden: the source skips it
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    os.replace(tmp, os.path.join(dirpath, f"part-{index:05d}.json"))
 
 
 def session(local_dir: str) -> Any:
@@ -100,10 +115,10 @@ def other_jvms() -> int:
 
 def agent_socket(spark_local: str, pid: int) -> str | None:
     """The socket of agent ``pid`` under ``spark.local.dir`` (blockmgr-*/dstl-agent)."""
-    for sock in glob.glob(os.path.join(spark_local, "**", "dstl-agent", "agent.sock"),
-                          recursive=True):
-        from dstl.spark.agent import AgentClient
+    from dstl.spark.agent import AgentClient, socket_path
 
+    for agent_dir in glob.glob(os.path.join(spark_local, "**", "dstl-agent"), recursive=True):
+        sock = socket_path(agent_dir)
         try:
             client = AgentClient(sock)
         except OSError:
@@ -245,8 +260,8 @@ def main() -> int:
     # AF_UNIX paths are limited to 107 bytes (a longer one: the agent cannot bind, see report)
     spark_local = tempfile.mkdtemp(prefix="dsa-", dir="/tmp")
     os.makedirs(src)
-    for i, evs in enumerate(_events(batches, args.events, args.users, seed=7)):
-        _write(src, i, evs)
+    for i, evs in enumerate(click_files(batches, args.events, args.users, seed=7)):
+        write_file(src, i, evs)
     runs: list[dict[str, Any]] = []
     spark = session(spark_local)
     try:

@@ -61,7 +61,24 @@ logger = logging.getLogger(__name__)
 
 _FRAME = struct.Struct(">II")
 _MAX_FRAME = 1 << 31
-SOCKET_NAME = "agent.sock"
+#: Unix socket paths are limited to 107 bytes; executor directories (YARN appcache,
+#: SPARK_LOCAL_DIRS/blockmgr-<uuid>/...) are often longer, so the socket lives in a short private
+#: directory and is named after a hash of the agent directory.
+_SOCKET_ROOT = "/tmp"
+
+
+def socket_path(directory: str) -> str:
+    """The agent socket of an agent directory: ``/tmp/dstl-<uid>/<hash>.sock`` (dir 0700)."""
+    import hashlib
+
+    root = os.path.join(_SOCKET_ROOT, f"dstl-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.stat(root)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise AgentUnavailableError(f"{root} must belong to this user with mode 0700 (it holds "
+                                    "the executor agent's socket); fix or remove it")
+    digest = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:24]
+    return os.path.join(root, f"{digest}.sock")
 
 
 class AgentUnavailableError(StorageError):
@@ -136,7 +153,7 @@ class _Agent:
             return st
 
     def serve(self) -> None:
-        path = os.path.join(self.directory, SOCKET_NAME)
+        path = socket_path(self.directory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -302,7 +319,7 @@ def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0)
     """
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
-    path = os.path.join(directory, SOCKET_NAME)
+    path = socket_path(directory)
     if _ping(path):
         return path
     with open(os.path.join(directory, "spawn.lock"), "w") as lock:
@@ -313,9 +330,10 @@ def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0)
             cmd = [sys.executable, "-m", "dstl.spark.agent", "--dir", directory]
             if watch_pid is not None:
                 cmd += ["--watch-pid", str(watch_pid)]
-            subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             close_fds=True)
+            err_path = os.path.join(directory, "agent.err")
+            with open(err_path, "ab") as err:  # start-up failures land here, not in the void
+                subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                 stdout=err, stderr=err, close_fds=True)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if _ping(path):
@@ -323,8 +341,11 @@ def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0)
                 time.sleep(0.05)  # polling a process we just started; no event to wait on
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    raise AgentUnavailableError(f"the executor agent did not start within {timeout_s}s "
-                                f"(see {directory}/agent.log)")
+    tail = ""
+    with contextlib.suppress(OSError), open(os.path.join(directory, "agent.err"), "rb") as f:
+        tail = f.read()[-800:].decode("utf-8", "replace").strip()
+    raise AgentUnavailableError(f"the executor agent did not start within {timeout_s}s (see "
+                                f"{directory}/agent.log and agent.err){': ' + tail if tail else ''}")
 
 
 def _ping(path: str) -> bool:

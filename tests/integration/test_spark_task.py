@@ -125,3 +125,19 @@ def _run_p(cfg: OperatorConfig, inp: TaskInput, keys: list[str], partition: int
             else:
                 meta = json.loads(row[META_COLUMN])
     return out, meta
+
+
+def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Path) -> None:
+    """YARN-style deep executor directories exceed the 107-byte socket path limit (found by the
+    agent bench: the agent died at start-up and every task waited 30 s)."""
+    from dstl.spark.agent import AgentClient, ensure_agent
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "dstl-agent"
+    assert len(str(deep / "agent.sock")) > 107
+    path = ensure_agent(str(deep), watch_pid=None)
+    client = AgentClient(path)
+    try:
+        assert client.metrics()["agent.pid"] > 0
+        client.request({"op": "shutdown"}).result(10)
+    finally:
+        client.close()
