@@ -7,9 +7,9 @@ Theory of operation
 worker, so batching across an executor's tasks needs something that outlives workers and sees all
 of them.
 
-*Lifecycle.* Workers find the agent through a Unix socket in the executor-local directory
-(``<dir>/agent.sock``; the directory is 0700, so the socket is private to the application's
-user). When no agent answers, the first worker to take ``<dir>/spawn.lock`` (``flock``) starts one
+*Lifecycle.* Workers find the agent through a Unix socket named after the executor-local agent
+directory (``/tmp/dstl-<uid>/<hash>.sock``, see :func:`socket_path`; the directory is 0700, so
+the socket is private to the application's user). When no agent answers, the first worker to take ``<dir>/spawn.lock`` (``flock``) starts one
 with ``start_new_session=True`` — detached, so killing the worker (Spark kills failed workers with
 SIGKILL) does not take it down — and the others wait for it on the lock. The agent holds
 ``<dir>/agent.lock`` for its whole life and exits when the process it watches (the executor JVM)
