@@ -8,7 +8,37 @@ from collections.abc import Iterable, Iterator
 from dstl.blobstore import MemoryBlobStore, ObjectInfo
 
 
-class ScriptedStore:
+class DelegatingStore:
+    """A BlobStore that forwards everything to a :class:`MemoryBlobStore`; fakes override the
+    operations they change."""
+
+    def __init__(self, location: str = "memory://fake") -> None:
+        self.inner = MemoryBlobStore(location)
+        self.location = self.inner.location
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.inner.get_range(key, offset, length)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ScriptedStore(DelegatingStore):
     """A :class:`MemoryBlobStore` whose ``put`` calls follow a script, one step per call.
 
     Steps: ``"ok"``; ``"transient"`` (ConnectionResetError before writing); ``"fatal"``
@@ -17,8 +47,7 @@ class ScriptedStore:
     """
 
     def __init__(self, script: Iterable[str] = ()) -> None:
-        self.inner = MemoryBlobStore("memory://scripted")
-        self.location = self.inner.location
+        super().__init__("memory://scripted")
         self.script = list(script)
         self.puts: list[str] = []
         self.deletes: list[str] = []
@@ -52,12 +81,6 @@ class ScriptedStore:
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         self.gets += 1
         return self.inner.get_range(key, offset, length)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.fakes import ScriptedStore
+from support.fakes import DelegatingStore, ScriptedStore
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
-from dstl.blobstore import MemoryBlobStore, ObjectInfo
+from dstl.blobstore import MemoryBlobStore
 from dstl.errors import BackendFailedError, KeyGroupError, UsageError
 from dstl.handle import ChangelogHandle
 from dstl.timer import ManualTimer
@@ -385,12 +385,11 @@ def test_segment_shared_by_two_backends_is_released_only_after_both_truncate() -
 # ----------------------------------------------------------------- materialization failures
 
 
-class SnapshotFailingStore:
+class SnapshotFailingStore(DelegatingStore):
     """A BlobStore (seam) whose snapshot puts fail ``fail`` times, then succeed."""
 
     def __init__(self, fail: int) -> None:
-        self.inner = MemoryBlobStore()
-        self.location = "memory://snapfail"
+        super().__init__("memory://snapfail")
         self.fail = fail
 
     def put(self, key: str, data: bytes) -> None:
@@ -398,24 +397,6 @@ class SnapshotFailingStore:
             self.fail -= 1
             raise ConnectionResetError(f"injected failure writing {key}")
         self.inner.put(key, data)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.inner.get_range(key, offset, length)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, keys: Iterable[str]) -> None:
-        self.inner.delete(keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_failures_up_to_max_are_retried_then_the_backend_fails(table: str) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from support.fakes import DelegatingStore
 
-from dstl.blobstore import MemoryBlobStore, ObjectInfo
 from dstl.coordinator import (
     AbortedCheckpoint,
     CheckpointCoordinator,
@@ -37,12 +37,11 @@ T0_MS = 1_700_000_000_000
 TASKS = ("op/0", "op/1")
 
 
-class RecordingStore:
+class RecordingStore(DelegatingStore):
     """A MemoryBlobStore that records every put and delete, in order."""
 
     def __init__(self) -> None:
-        self.inner = MemoryBlobStore()
-        self.location = self.inner.location
+        super().__init__()
         self.log: list[tuple[str, str]] = []
         self.existing_at_put: dict[str, set[str]] = {}
 
@@ -51,25 +50,10 @@ class RecordingStore:
         self.inner.put(key, data)
         self.log.append(("put", key))
 
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.inner.get_range(key, offset, length)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         self.inner.delete(keys)
         self.log.extend(("delete", k) for k in keys)
-
-    def close(self) -> None:
-        self.inner.close()
 
     def names(self, prefix: str = "") -> set[str]:
         return {i.key for i in self.inner.list(prefix)}
