@@ -11,13 +11,16 @@ See ``docs/state_tables.md``. Modules:
 - :mod:`materializer.backend` — ``ChangelogKeyedStateBackend`` (table + log + materialization);
 - :mod:`materializer.states` — descriptors and state objects; :mod:`materializer.changes` — the
   change payload format; :mod:`materializer.codecs` — key/value codecs (safe by default);
-- :mod:`materializer.handles` — ``ChangelogStateBackendHandle``; :mod:`materializer.options`.
+- :mod:`materializer.handles` — ``ChangelogStateBackendHandle``; :mod:`materializer.options`;
+- :mod:`materializer.table_marker` — what an on-disk table reflects, stored in it;
+  :mod:`materializer.external` — materializing an on-disk table from another process.
 """
 
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.codecs import BytesCodec, PickleCodec, SafeCodec
 from materializer.cow_map import CopyOnWriteStateMap, CopyOnWriteStateMapSnapshot, is_immutable
 from materializer.cow_table import CopyOnWriteStateTable, CopyOnWriteStateTableSnapshot
+from materializer.external import ExternalMaterialization, materialize_table_directory
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_table import ForkedTableError, LmdbStateTable, LmdbTableSnapshot
 from materializer.options import BackendOptions
@@ -48,6 +51,7 @@ from materializer.states import (
     ReducingStateDescriptor,
     ValueStateDescriptor,
 )
+from materializer.table_marker import TableMarker
 
 __all__ = [
     "AggregatingStateDescriptor",
@@ -86,4 +90,7 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "is_immutable",
+    "ExternalMaterialization",
+    "TableMarker",
+    "materialize_table_directory",
 ]

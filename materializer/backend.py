@@ -25,6 +25,13 @@ Theory of operation
   flag; the owner thread runs the (short) synchronous part at its next state access or checkpoint.
 - **Truncation.** ``writer.truncate(min(materialized_up_to, subsumed_checkpoint_up_to))``: a change
   set is dropped only when it is materialized and every checkpoint that named it is subsumed.
+- **Materialized elsewhere.** An on-disk (LMDB) table can be materialized by another process (the
+  executor agent) from a read transaction. Each checkpoint writes a
+  :class:`~materializer.table_marker.TableMarker` into the table in the same transaction as its
+  state (:meth:`write_table_marker`); the snapshot carries the marker's *boundary* (the last change
+  set the table reflects), and :meth:`install_materialization` makes such a snapshot this
+  backend's base when its own log contains that boundary. Because metadata records are logged
+  again after every checkpoint, the log after any checkpoint boundary describes its states.
 """
 
 from __future__ import annotations
@@ -79,8 +86,9 @@ from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_n
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.states import STATE_CLASSES, StateDescriptor, StateShape, _State
+from materializer.table_marker import TableMarker
 
-__all__ = ["ChangelogKeyedStateBackend"]
+__all__ = ["ChangelogKeyedStateBackend", "snapshot_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -497,6 +505,85 @@ class ChangelogKeyedStateBackend:
             self._last_confirmed_mat = materialization_id  # part of a completed checkpoint
             self._materialized_to = 0
 
+    def table_marker(self, handle: ChangelogStateBackendHandle) -> TableMarker:
+        """The marker of this backend's table at checkpoint ``handle`` (this backend's)."""
+        last = next((h.change_sets[-1] for h in reversed(handle.non_materialized)
+                     if h.change_sets), None)
+        return TableMarker(self.operator_id, self.key_groups, self.max_parallelism,
+                           handle.checkpoint_id, handle.materialization_id,
+                           (last.key, last.offset) if last is not None else None,
+                           handle.non_materialized_size, handle.materialized_size,
+                           {str(r.state_id): r.meta for r in self._by_id.values()})
+
+    def write_table_marker(self, handle: ChangelogStateBackendHandle) -> None:
+        """Write the marker of checkpoint ``handle`` into the (LMDB) table. Call it inside the
+        write batch that holds the checkpoint's state changes, after the checkpoint's log is
+        durable, so the two commit together.
+
+        Raises:
+            UsageError: the table is the heap (nothing outside the process can read it).
+        """
+        if self._heap:
+            raise UsageError(f"backend {self.operator_id!r}: a heap table has no marker")
+        self._tables.write_marker(self.table_marker(handle).to_bytes())
+
+    def install_materialization(self, ref: SnapshotRef, boundary: tuple[str, int]
+                                ) -> SnapshotRef | None:
+        """Make a snapshot taken elsewhere (the executor agent, from a read transaction of this
+        table) the base of the next checkpoints, if this backend's log reaches it.
+
+        The snapshot holds the table as of the change set at ``boundary`` = ``(segment key,
+        offset)``. If that change set is in this backend's log (its restored handles or its
+        writer's own change sets since the last materialization), the log up to it is replaced by
+        the snapshot; otherwise the lineage differs (a re-run batch, a restore elsewhere, a newer
+        snapshot already installed) and nothing changes.
+
+        Returns:
+            The installed reference (its materialization id raised above this backend's current
+            one if needed), or ``None`` when it was not installed.
+        """
+        key, offset = boundary
+        with self._lock:
+            if any(m.key == ref.key for m in self._materialized):
+                return None
+            restored = self._restored_non_materialized
+            new_restored: tuple[ChangelogHandle, ...] | None = None
+            new_from = self._materialized_to
+            for i, h in enumerate(restored):
+                j = next((j for j, r in enumerate(h.change_sets)
+                          if r.key == key and r.offset == offset), None)
+                if j is not None:
+                    rest = h.change_sets[j + 1:]
+                    head = (ChangelogHandle(h.log_id, h.key_groups, rest[0].sqn, h.to_sqn, rest),
+                            ) if rest else ()
+                    new_restored = head + restored[i + 1:]
+                    break
+            if new_restored is None:
+                delta = self.last_delta
+                own = next((r for r in (delta.change_sets if delta is not None else ())
+                            if r.key == key and r.offset == offset
+                            and r.sqn >= self._materialized_to), None)
+                if own is None:
+                    return None
+                new_restored, new_from = (), own.sqn + 1
+            mat_id = max(ref.materialization_id, self._materialization_id + 1)
+            if mat_id != ref.materialization_id:
+                ref = SnapshotRef(ref.key, ref.size, ref.key_groups, mat_id)
+            self._materialized = (ref,)
+            self._materialized_to = new_from
+            self._restored_non_materialized = new_restored
+            self._materialization_id = mat_id
+            self._next_materialization_id = max(self._next_materialization_id, mat_id + 1)
+            self._last_snapshot_size = ref.size
+            self._log_bytes_since_mat = 0
+        self._m_completed.inc()
+        self._sizes["lastFullSizeOfMaterialization"] = float(ref.size)
+        self._sizes["lastIncSizeOfMaterialization"] = float(ref.size)
+        logger.info("backend %s: installed materialization %d (%s, %d bytes) at %s@%d",
+                    self.operator_id, mat_id, ref.key, ref.size, key, offset)
+        self._maybe_truncate()
+        return ref
+
     def _apply(self, kg: int, reg: _Registered, ch: Change) -> None:
         t, shape, sid = self._tables, reg.shape, reg.state_id
         key: Any = ch.key
@@ -557,6 +644,9 @@ class ChangelogKeyedStateBackend:
             mat_id = self._materialization_id
         persist = self._writer.persist(from_sqn, checkpoint_id)
         to_sqn = self._writer.next_sqn()
+        # the log after this checkpoint describes its states again, so a snapshot taken at this
+        # checkpoint's boundary (install_materialization) leaves a self-describing log to replay
+        self._meta_logged.clear()
         self._last_checkpoint = _Checkpoint(checkpoint_id, from_sqn, to_sqn, mat_id)
         self._checkpoint_up_to[checkpoint_id] = (to_sqn, mat_id)
         with self._lock:
@@ -698,8 +788,7 @@ class ChangelogKeyedStateBackend:
         self._meta_logged.clear()  # the log after up_to must describe its states again
         log_bytes = self._log_bytes_since_mat
         self._log_bytes_since_mat = 0
-        key = (f"snapshots/{_safe_dirname(self.operator_id)}/"
-               f"{int(time.time() * 1000):011x}-{mat_id:08x}-{secrets.token_hex(4)}.snap")
+        key = snapshot_key(self.operator_id, mat_id)
         encode = self._encode_entry if self._heap else None
 
         def run() -> None:
@@ -823,6 +912,12 @@ class ChangelogKeyedStateBackend:
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         logger.info("backend %s closed", self.operator_id)
+
+
+def snapshot_key(operator_id: str, materialization_id: int) -> str:
+    """A new, unique object key for a snapshot of ``operator_id`` (creation-ordered names)."""
+    return (f"snapshots/{_safe_dirname(operator_id)}/"
+            f"{int(time.time() * 1000):011x}-{materialization_id:08x}-{secrets.token_hex(4)}.snap")
 
 
 def _safe_dirname(operator_id: str) -> str:

@@ -97,6 +97,9 @@ _PREFIX: Final = struct.Struct(">HHI")   # key group, state id, key length
 _KG_SID: Final = struct.Struct(">HH")
 _LAYOUT_KEY: Final = b"\xff\xff" + b"dstl-layout"
 _LAYOUT_VERSION: Final = b"1"
+#: The table marker (:mod:`materializer.table_marker`): what the table reflects, written in the
+#: transaction of the state it describes. Outside every key-group range, like the layout record.
+_MARKER_KEY: Final = b"\xff\xff" + b"dstl-marker"
 _SCAN_CHUNK: Final = 4096                # entries per guarded cursor pass of entries()
 
 # Environments of tables opened before a fork: the child keeps them referenced forever so that
@@ -167,6 +170,9 @@ class LmdbStateTable:
         sync: fsync on commit. Off by default: the table is rebuilt from the last snapshot and
             the changelog after a machine crash, so durability here only costs latency.
         grow_wait_s: longest a writer waits for open snapshots before growing the map.
+        readonly: open for reads and snapshots only (another process writes the table: the
+            executor agent materializing a worker's table). Never takes LMDB's writer lock, so
+            it cannot stall the writer; writes raise ``UsageError``.
 
     Raises:
         ConfigError-like UsageError: sizes are not positive or ``map > max``.
@@ -176,7 +182,8 @@ class LmdbStateTable:
     def __init__(self, directory: str | os.PathLike[str], key_groups: KeyGroupRange, *,
                  map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES,
                  max_map_size_bytes: int = DEFAULT_MAX_MAP_SIZE_BYTES,
-                 sync: bool = False, grow_wait_s: float = DEFAULT_GROW_WAIT_S) -> None:
+                 sync: bool = False, grow_wait_s: float = DEFAULT_GROW_WAIT_S,
+                 readonly: bool = False) -> None:
         for name, value in (("map_size_bytes", map_size_bytes),
                             ("max_map_size_bytes", max_map_size_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -193,11 +200,16 @@ class LmdbStateTable:
         self._closed = False
         self._forked = False
         self._map_size = map_size_bytes
-        Path(self.path).mkdir(parents=True, exist_ok=True)
+        self._readonly = readonly
+        if not readonly:
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+        elif not os.path.isfile(os.path.join(self.path, "data.mdb")):
+            raise UsageError(f"LMDB state table {self.path} does not exist (a read-only open "
+                             "needs a table some writer created)")
         try:
             self._env: Any = lmdb.open(self.path, map_size=map_size_bytes, subdir=True,
                                        sync=sync, metasync=sync, readahead=False, lock=True,
-                                       max_dbs=0)
+                                       max_dbs=0, readonly=readonly)
         except lmdb.Error as exc:
             if "already open" in str(exc):
                 raise UsageError(
@@ -390,6 +402,27 @@ class LmdbStateTable:
         check_state_id(state_id)
         self._write(("clear", state_id))
 
+    def write_marker(self, marker: bytes) -> None:
+        """Store the table marker (:mod:`materializer.table_marker`). Inside a write batch it
+        commits with the batch's state changes, which is the point of it."""
+        self._check_usable()
+        self._write(("put", _MARKER_KEY, bytes(marker)))
+
+    def read_marker(self) -> bytes | None:
+        """The table marker as of now (this thread's open batch included), or ``None``."""
+        self._check_usable()
+        txn = self._batch_txn()
+        if txn is not None:
+            return txn.get(_MARKER_KEY)  # type: ignore[no-any-return]
+        self._enter_read()
+        try:
+            with self._read_txn() as txn:
+                return txn.get(_MARKER_KEY)  # type: ignore[no-any-return]
+        except lmdb.Error as exc:
+            raise self._translate(exc, "read marker") from exc
+        finally:
+            self._exit_read()
+
     def put_many(self, items: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
         """Store many ``(state_id, key_group, key, namespace, value)`` in one transaction."""
         with self.write_batch():
@@ -406,6 +439,8 @@ class LmdbStateTable:
         return LmdbWriteBatch(self)
 
     def _begin_batch(self, batch: LmdbWriteBatch) -> bool:
+        if self._readonly:
+            raise UsageError(f"LMDB state table {self.path} was opened read-only")
         me = threading.get_ident()
         current = self._batch
         if current is not None and current.thread == me:
@@ -452,6 +487,8 @@ class LmdbStateTable:
             return self._env.begin(write=True, buffers=False)
 
     def _write(self, op: tuple[Any, ...]) -> Any:
+        if self._readonly:
+            raise UsageError(f"LMDB state table {self.path} was opened read-only")
         batch = self._batch
         if batch is not None and batch.thread == threading.get_ident():
             batch.journal.append(op)
@@ -570,7 +607,7 @@ class LmdbStateTable:
         return snap
 
     def _ensure_headroom(self) -> None:
-        if self._batch is not None or len(self._open_snapshots):
+        if self._readonly or self._batch is not None or len(self._open_snapshots):
             return
         if not self._write_lock.acquire(blocking=False):
             return
@@ -637,23 +674,34 @@ class LmdbStateTable:
             _ABANDONED_IN_CHILD.append(self._batch.txn)
 
     def _check_layout(self) -> None:
-        with self._write_lock:
-            txn = self._begin_write()
-            try:
+        if self._readonly:
+            with self._env.begin() as txn:
                 found = txn.get(_LAYOUT_KEY)
-                if found is None:
-                    txn.put(_LAYOUT_KEY, _LAYOUT_VERSION)
-                    txn.commit()
-                    return
-                txn.abort()
-            except BaseException:
-                txn.abort()
-                raise
-        if found != _LAYOUT_VERSION:
+            if found is None:
+                return  # nothing written yet: the writer sets the layout on its first open
+        else:
+            found = self._write_layout()
+        if found is not None and found != _LAYOUT_VERSION:
             self._env.close()
             self._closed = True
             raise UnsupportedFormatError(self.path, 0, f"LMDB key layout {found!r}",
                                          f"layout {_LAYOUT_VERSION!r}")
+
+    def _write_layout(self) -> bytes | None:
+        """Set the layout record of a new table; return what an existing table has."""
+        with self._write_lock:
+            txn = self._begin_write()
+            try:
+                found: bytes | None = txn.get(_LAYOUT_KEY)
+                if found is None:
+                    txn.put(_LAYOUT_KEY, _LAYOUT_VERSION)
+                    txn.commit()
+                    return None
+                txn.abort()
+                return found
+            except BaseException:
+                txn.abort()
+                raise
 
     def _translate(self, exc: lmdb.Error, op: str) -> Exception:
         if isinstance(exc, lmdb.MapFullError):
@@ -744,6 +792,19 @@ class LmdbTableSnapshot(TablesSnapshot):
                 table._exit_read()
             yield kg, entries
             kg += 1
+
+    def marker(self) -> bytes | None:
+        """The table marker as of this snapshot (same read transaction as the entries)."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            return self._txn.get(_MARKER_KEY)  # type: ignore[no-any-return]
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot read") from exc
+        finally:
+            table._exit_read()
 
     def release(self) -> None:
         """Abort the read transaction. Idempotent."""

@@ -7,10 +7,10 @@
 from typing import Any
 
 from restore.cache import CacheLease, LocalFileCache
-from restore.reader import ChangelogReader, SegmentCache, verify_segment
+from restore.reader import VERIFIERS, ChangelogReader, SegmentCache, verify_segment, verify_snapshot
 
-__all__ = ["CacheLease", "ChangelogReader", "LocalFileCache", "RestoreStats", "SegmentCache",
-           "restore_backend", "verify_segment"]
+__all__ = ["VERIFIERS", "CacheLease", "ChangelogReader", "LocalFileCache", "RestoreStats",
+           "SegmentCache", "restore_backend", "verify_segment", "verify_snapshot"]
 
 
 def __getattr__(name: str) -> Any:

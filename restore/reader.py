@@ -5,8 +5,9 @@ Without a cache, every change set is fetched with one ranged read of exactly its
 so reading one writer's change sets never downloads other writers' data. Adjacent records of the
 same segment are coalesced into one ranged read.
 
-With a cache (:class:`~restore.cache.LocalFileCache`, wrapped in :class:`SegmentCache`), each
-segment is leased whole: the first lease in the process downloads it and verifies every byte with
+With a cache (:class:`~restore.cache.LocalFileCache`, or anything else with its ``lease`` method,
+such as the Spark executor agent's ``AgentCache``; wrapped in :class:`SegmentCache`), each segment
+is leased whole: the first lease of the cache downloads it and verifies every byte with
 :func:`~dstl.segment.decode_segment`, later leases (of this or any other reader sharing the cache)
 read the local file. All consecutive change sets of a handle in one segment are read under one
 lease, and each record is still verified on its own when decoded (so a local file damaged after
@@ -14,20 +15,26 @@ download is detected too).
 
 Either way, changes come out in sqn order per handle, and within a change set by key group
 (metadata first) in append order.
+
+A cache that lives in another process cannot be handed a function, so the verify functions are
+also named: :data:`VERIFIERS` maps ``"segment"`` and ``"snapshot"`` to :func:`verify_segment` and
+:func:`verify_snapshot`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterator
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Any, Protocol, cast
 
 from dstl.blobstore import BlobStore
 from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import decode_record, decode_segment, iter_body_changes
-from restore.cache import LocalFileCache
+from restore.cache import LocalFileCache, Verify
 
-__all__ = ["ChangelogReader", "RecordSource", "SegmentCache", "verify_segment"]
+__all__ = ["VERIFIERS", "ChangelogReader", "LeaseLike", "LeasingCache", "RecordSource",
+           "SegmentCache", "verify_segment", "verify_snapshot"]
 
 #: Coalesce records of one segment into one ranged read while the gap between them is this small.
 _MAX_GAP_BYTES = 64 * 1024
@@ -63,6 +70,30 @@ class _DirectSource:
         return [blob[r.offset - start:r.offset - start + r.length] for r in refs]
 
 
+class LeaseLike(Protocol):
+    """What a cache's ``lease`` returns (:class:`~restore.cache.CacheLease` and the agent's
+    lease): a context manager with the object's ``size`` and exact ranged ``read``."""
+
+    size: int
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
+class LeasingCache(Protocol):
+    """A restore cache: :class:`~restore.cache.LocalFileCache`, or a cache in another process
+    that leases through it (the Spark executor agent's ``AgentCache``)."""
+
+    def lease(self, store: BlobStore, key: str, *, verify: Verify | None = None,
+              size_hint: int | None = None) -> LeaseLike: ...
+
+
 def verify_segment(data: bytes | memoryview, key: str) -> None:
     """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a segment.
 
@@ -72,17 +103,36 @@ def verify_segment(data: bytes | memoryview, key: str) -> None:
     decode_segment(data, key)
 
 
+def verify_snapshot(data: bytes | memoryview, key: str) -> None:
+    """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a snapshot object
+    (object CRC, index, every block).
+
+    Raises:
+        CorruptObjectError: naming the snapshot and the offset of the first problem.
+    """
+    # imported here: the materializer package loads the state tables, which reading the log
+    # alone does not need
+    from materializer.snapshot_format import decode_snapshot
+
+    decode_snapshot(bytes(data), key=key)
+
+
+#: The verify functions by name, so that a cache in another process (the executor agent's) can be
+#: told which one to run; a callable not in here cannot be used with such a cache.
+VERIFIERS: dict[str, Verify] = {"segment": verify_segment, "snapshot": verify_snapshot}
+
+
 class SegmentCache:
-    """A :class:`RecordSource` that reads segments through a :class:`LocalFileCache`.
+    """A :class:`RecordSource` that reads segments through a cache's leases.
 
     Args:
-        cache: the process's cache.
+        cache: the process's :class:`LocalFileCache`, or any :class:`LeasingCache`.
         store: the store the segments live in.
     """
 
     whole_object = True
 
-    def __init__(self, cache: LocalFileCache, store: BlobStore) -> None:
+    def __init__(self, cache: LeasingCache, store: BlobStore) -> None:
         self._cache = cache
         self._store = store
 
@@ -105,26 +155,29 @@ class ChangelogReader:
     Args:
         storage: a :class:`~dstl.ChangelogStorage` (or anything with a ``store`` attribute), or a
             :class:`~dstl.blobstore.BlobStore`.
-        cache: a :class:`~restore.cache.LocalFileCache` (each segment is read whole, once per
-            process), any :class:`RecordSource`, or ``None`` to read ranges directly from the
-            store.
+        cache: a :class:`~restore.cache.LocalFileCache` or any other :class:`LeasingCache`
+            (an object with ``lease(store, key, *, verify=None, size_hint=None)``; each segment
+            is read whole, once per cache), any :class:`RecordSource`, or ``None`` to read ranges
+            directly from the store.
 
     Raises:
-        UsageError: ``cache`` is neither a ``LocalFileCache`` nor a ``RecordSource``.
+        UsageError: ``cache`` has neither ``lease`` nor ``read_records``.
     """
 
-    def __init__(self, storage: Any, cache: LocalFileCache | RecordSource | None = None) -> None:
+    def __init__(self, storage: Any,
+                 cache: LocalFileCache | LeasingCache | RecordSource | None = None) -> None:
         store = getattr(storage, "store", storage)
         self._source: RecordSource
         if cache is None:
             self._source = _DirectSource(store)
-        elif isinstance(cache, LocalFileCache):
-            self._source = SegmentCache(cache, store)
+        elif callable(getattr(cache, "lease", None)):
+            self._source = SegmentCache(cast(LeasingCache, cache), store)
         elif callable(getattr(cache, "read_records", None)):
-            self._source = cache
+            self._source = cast(RecordSource, cache)
         else:
-            raise UsageError(f"ChangelogReader(cache={cache!r}): expected a LocalFileCache, an "
-                             "object with read_records(key, refs), or None")
+            raise UsageError(f"ChangelogReader(cache={cache!r}): expected a cache with "
+                             "lease(store, key, *, verify=None, size_hint=None) (such as "
+                             "LocalFileCache), an object with read_records(key, refs), or None")
         self._whole_object = bool(getattr(self._source, "whole_object", False))
 
     def read(self, handle: ChangelogHandle, key_groups: Container[int] | None = None

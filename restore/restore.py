@@ -33,9 +33,8 @@ from dstl.keygroups import KeyGroupRange
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
-from materializer.snapshot_format import decode_snapshot
 from materializer.state_tables import BlobRangeSource, SnapshotReader
-from restore.reader import ChangelogReader
+from restore.reader import ChangelogReader, verify_snapshot
 
 __all__ = ["RestoreStats", "restore_backend"]
 
@@ -71,16 +70,12 @@ def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
     return exc
 
 
-def _verify_snapshot(data: bytes | memoryview, key: str) -> None:
-    decode_snapshot(bytes(data), key=key)
-
-
 class _CacheRangeSource:
-    """A snapshot's bytes through the restore cache (one download per process)."""
+    """A snapshot's bytes through the restore cache (one download per cache)."""
 
     def __init__(self, cache: Any, store: Any, key: str) -> None:
         # the whole object is verified once (object CRC, every block) before it is cached
-        self._lease = cache.lease(store, key, verify=_verify_snapshot)
+        self._lease = cache.lease(store, key, verify=verify_snapshot)
         self._key = key
 
     def size(self) -> int:
@@ -106,8 +101,9 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
         storage: the process's :class:`~dstl.ChangelogStorage` (the new writer lives there).
         key_groups: the restored backend's range (rescaling: any range).
         table: ``"heap"`` or ``"lmdb"`` (independent of the table the checkpoint came from).
-        cache: a :class:`~restore.cache.LocalFileCache` shared by the process's restores, or
-            ``None`` for direct ranged reads.
+        cache: a :class:`~restore.cache.LocalFileCache` shared by the process's restores (or any
+            :class:`~restore.reader.LeasingCache`, such as the Spark executor agent's
+            ``AgentCache``), or ``None`` for direct ranged reads.
         operator_id: the new backend's id (default: the handles' id when they agree).
         max_parallelism: default: from the handles (they must agree).
         options, local_directory, timer: passed to the backend.

@@ -23,7 +23,13 @@ the store URI and the DSTL options; the agent hands them to the batching schedul
 :class:`~dstl.ChangelogStorage` for that store — the same scheduler, limits and retries as in
 process — and answers with one ``(segment key, offset, length)`` per change set once the segment
 is durable. Errors come back with their DSTL type name and message and are raised as that type.
-``metrics`` returns the agent's storage metrics; ``shutdown`` stops it.
+``metrics`` returns the agent's storage metrics; ``shutdown`` stops it. ``lease``, ``release``
+and ``cache_stats`` serve the executor's restore cache, which the agent owns
+(:mod:`dstl.spark.agent_cache`); a connection's leases are given back when it ends.
+``committed`` (sent by a task after it committed its partition's table) registers the partition
+with the agent's materializer (:mod:`dstl.spark.agent_materializer`) and answers with the
+agent's metrics and last log lines; ``materialization`` answers with a partition's newest
+snapshot for the task to install before it checkpoints; ``materialize`` makes one due now.
 
 *Ownership.* Segments written by the agent hold change sets of many workers, so no worker may
 delete one: worker-side registries do not delete in agent mode; the checkpoint coordinator owns
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -65,6 +72,14 @@ _MAX_FRAME = 1 << 31
 #: SPARK_LOCAL_DIRS/blockmgr-<uuid>/...) are often longer, so the socket lives in a short private
 #: directory and is named after a hash of the agent directory.
 _SOCKET_ROOT = "/tmp"
+
+
+def store_fields(uri: str, storage_options: dict[str, Any] | None,
+                 options: DstlOptions) -> dict[str, Any]:
+    """The request fields that name a store for the agent (it opens one storage per distinct
+    triple and shares it between persists, leases and materializations)."""
+    return {"uri": uri, "storage_options": storage_options,
+            "options": {f: getattr(options, f) for f in options.__dataclass_fields__}}
 
 
 def socket_path(directory: str) -> str:
@@ -118,11 +133,36 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 def _error_from(reply: dict[str, Any]) -> BaseException:
     cls = getattr(dstl_errors, str(reply.get("error_type")), None)
     msg = f"executor agent: {reply.get('message')}"
+    sent = reply.get("attrs")
+    attrs: dict[str, Any] = sent if isinstance(sent, dict) else {}
+    exc: BaseException
     if isinstance(cls, type) and issubclass(cls, StorageError):
-        return cls(msg, key=reply.get("key"))
-    if isinstance(cls, type) and issubclass(cls, dstl_errors.ClosedError):
-        return cls(msg)
-    return StorageError(msg)
+        exc = cls(msg, key=reply.get("key"))
+    elif isinstance(cls, type) and issubclass(cls, dstl_errors.ClosedError):
+        exc = cls(msg)
+    elif isinstance(cls, type) and issubclass(cls, DstlError):
+        # constructors differ (CorruptObjectError takes key, offset, reason): build the error
+        # with the agent's message and the attributes it sent, so callers keep type and fields
+        exc = cls.__new__(cls)
+        DstlError.__init__(exc, msg)
+        if isinstance(exc, dstl_errors.CorruptObjectError):
+            exc.key, exc.offset, exc.reason = str(reply.get("key") or "?"), 0, msg
+    else:
+        return StorageError(msg)
+    exc.__dict__.update({k: v for k, v in attrs.items() if isinstance(k, str)})
+    return exc
+
+
+def _error_reply(exc: BaseException) -> dict[str, Any]:
+    """A failure as a reply that :func:`_error_from` raises again as the same type, with its
+    message and its plain attributes (key, offset, reason, ...)."""
+    if not isinstance(exc, DstlError):
+        return {"ok": False, "error_type": "StorageError",
+                "message": f"{type(exc).__name__}: {exc}", "key": None}
+    attrs = {k: v for k, v in vars(exc).items()
+             if v is None or isinstance(v, (str, int, float, bool))}
+    return {"ok": False, "error_type": type(exc).__name__, "message": str(exc),
+            "key": getattr(exc, "key", None), "attrs": attrs}
 
 
 # --------------------------------------------------------------------------- agent (server)
@@ -137,12 +177,23 @@ class _Agent:
         self.stop = threading.Event()
         self.requests = 0
         self.connections = 0
+        self.cache_service: Any = None  # AgentCacheService, see restore_cache()
+        from dstl.spark.agent_materializer import AgentMaterializer
+        self.materializer = AgentMaterializer()
+        self.conn_ids = itertools.count(1)  # names a connection's cache leases; never reused
+
+    @staticmethod
+    def storage_key(header: dict[str, Any]) -> str:
+        """Names the store of a request (see :func:`store_fields`)."""
+        return json.dumps([header["uri"], header.get("storage_options"),
+                           header.get("options") or {}], sort_keys=True, default=str)
 
     def storage_for(self, uri: str, storage_options: dict[str, Any] | None,
                     options: dict[str, Any]) -> Any:
         from dstl.storage import ChangelogStorage
 
-        key = json.dumps([uri, storage_options, options], sort_keys=True, default=str)
+        key = self.storage_key({"uri": uri, "storage_options": storage_options,
+                                "options": options})
         with self.lock:
             st = self.storages.get(key)
             if st is None:
@@ -151,6 +202,23 @@ class _Agent:
                 st.registry.deletes_enabled = False  # shared segments: never deleted here
                 self.storages[key] = st
             return st
+
+    def restore_cache(self) -> Any:
+        """The executor's restore cache (``<directory>/cache``), opened on first use.
+
+        Raises:
+            ClosedError: the agent is stopping.
+            CacheError: the cache directory cannot be used.
+        """
+        from dstl.spark.agent_cache import AgentCacheService
+
+        with self.lock:
+            if self.cache_service is None:
+                if self.stop.is_set():
+                    raise dstl_errors.ClosedError("the executor agent's restore cache",
+                                                  "the agent is stopping; the task is retried")
+                self.cache_service = AgentCacheService(self.directory)
+            return self.cache_service
 
     def serve(self) -> None:
         path = socket_path(self.directory)
@@ -165,6 +233,10 @@ class _Agent:
         srv.listen(64)
         srv.settimeout(0.5)
         threading.Thread(target=self._watch, name="dstl-agent-watch", daemon=True).start()
+        try:
+            self.restore_cache()  # now, so the files a dead predecessor left are removed now
+        except DstlError as exc:
+            logger.warning("restore cache not opened at start (each lease tries again): %s", exc)
         logger.info("dstl agent %d serving on %s (watching pid %s)", os.getpid(), path,
                     self.watch_pid)
         try:
@@ -180,6 +252,11 @@ class _Agent:
             srv.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            self.materializer.close()  # finishes the snapshot in progress; before the storages
+            with self.lock:
+                cache, self.cache_service = self.cache_service, None
+            if cache is not None:  # before the storages: its downloads use them
+                cache.close()
             for st in list(self.storages.values()):
                 st.close()
             logger.info("dstl agent %d stopped", os.getpid())
@@ -196,6 +273,7 @@ class _Agent:
 
     def _connection(self, conn: socket.socket) -> None:
         send_lock = threading.Lock()
+        conn_id = next(self.conn_ids)
 
         def reply(header: dict[str, Any]) -> None:
             with send_lock, contextlib.suppress(OSError):
@@ -221,14 +299,68 @@ class _Agent:
                     elif op == "shutdown":
                         reply({"id": rid, "ok": True})
                         self.stop.set()
+                    elif op == "lease":  # runs on the cache's threads: downloads take time
+                        self._lease(conn_id, header, lambda h, r=rid: reply({"id": r, **h}))
+                    elif op == "release":
+                        self.restore_cache().release(conn_id, int(header.get("lease", -1)))
+                        reply({"id": rid, "ok": True})
+                    elif op == "cache_stats":
+                        reply({"id": rid, "ok": True, "stats": self.restore_cache().stats()})
+                    elif op == "committed":
+                        self._committed(header)
+                        reply({"id": rid, "ok": True, "metrics": self.metrics(),
+                               "log_tail": self.log_tail()})
+                    elif op == "materialization":
+                        reply({"id": rid, "ok": True, **self.materializer.latest(
+                            self.storage_key(header), str(header.get("log_id")))})
+                    elif op == "materialize":
+                        self.materializer.request(self.storage_key(header),
+                                                  str(header.get("log_id")))
+                        reply({"id": rid, "ok": True})
                     else:
                         reply({"id": rid, "ok": False, "error_type": "UsageError",
                                "message": f"unknown op {op!r}"})
                 except DstlError as exc:
-                    reply({"id": rid, "ok": False, "error_type": type(exc).__name__,
-                           "message": str(exc), "key": getattr(exc, "key", None)})
+                    reply({"id": rid, **_error_reply(exc)})
         finally:
+            # a worker that exited or was SIGKILLed must not pin cached files
+            cache = self.cache_service
+            if cache is not None:
+                cache.release_connection(conn_id)
             conn.close()
+
+    def _committed(self, header: dict[str, Any]) -> None:
+        from dstl.spark.agent_materializer import PartitionSpec
+
+        part = header.get("partition")
+        if part is None:  # a heap partition: the worker materializes it
+            return
+        try:
+            spec = PartitionSpec.from_json_obj(part)
+        except (KeyError, TypeError, ValueError, DstlError) as exc:
+            raise dstl_errors.UsageError(f"malformed partition registration {part!r}: "
+                                         f"{exc}") from exc
+        st = self.storage_for(header["uri"], header.get("storage_options"),
+                              header.get("options") or {})
+        self.materializer.register(self.storage_key(header), st.store, spec)
+
+    def _lease(self, conn_id: int, header: dict[str, Any], reply: Any) -> None:
+        def open_store() -> Any:  # on the cache's thread: opening a store may talk to it
+            return self.storage_for(header["uri"], header.get("storage_options"),
+                                    header.get("options") or {}).store
+
+        def done(f: Future[dict[str, Any]]) -> None:
+            if f.cancelled():  # the cache closed before the request ran
+                reply(_error_reply(dstl_errors.ClosedError(
+                    "the executor agent's restore cache", "the agent is stopping; the task is "
+                                                          "retried")))
+                return
+            exc = f.exception()
+            reply(_error_reply(exc) if exc is not None else {"ok": True, **f.result()})
+
+        fut = self.restore_cache().submit_lease(conn_id, open_store, header.get("key"),
+                                                header.get("verify"), header.get("size_hint"))
+        fut.add_done_callback(done)
 
     def _persist(self, header: dict[str, Any], body: bytes, reply: Any) -> None:
         st = self.storage_for(header["uri"], header.get("storage_options"),
@@ -246,8 +378,7 @@ class _Agent:
             reply({"ok": True, "refs": [[r.key, r.offset, r.length] for _, r in pairs]})
 
         def failed(_: list[ChangeSet], exc: BaseException) -> None:
-            reply({"ok": False, "error_type": type(exc).__name__, "message": str(exc),
-                   "key": getattr(exc, "key", None)})
+            reply(_error_reply(exc))
 
         st.scheduler.upload(UploadTask(sets, ok, failed))
 
@@ -267,6 +398,10 @@ class _Agent:
         for st in list(self.storages.values()):
             for k, v in st.metrics().items():
                 out[f"agent.{k}"] = out.get(f"agent.{k}", 0.0) + v
+        cache = self.cache_service
+        if cache is not None:
+            out.update({f"agent.cache.{k}": float(v) for k, v in cache.stats().items()})
+        out.update({f"agent.{k}": v for k, v in self.materializer.metrics().items()})
         return out
 
 
@@ -443,9 +578,7 @@ class AgentUploadScheduler:
     def __init__(self, client: AgentClient, uri: str, storage_options: dict[str, Any] | None,
                  options: DstlOptions) -> None:
         self._client = client
-        self._uri = uri
-        self._storage_options = storage_options
-        self._options = {f: getattr(options, f) for f in options.__dataclass_fields__}
+        self._store = store_fields(uri, storage_options, options)
 
     def upload(self, task: UploadTask) -> None:
         if not task.change_sets:
@@ -453,9 +586,7 @@ class AgentUploadScheduler:
         meta = [{"log_id": cs.log_id, "sqn": cs.sqn, "size": len(cs.body),
                  "change_count": cs.change_count, "payload_bytes": cs.payload_bytes,
                  "kg_min": cs.kg_min, "kg_max": cs.kg_max} for cs in task.change_sets]
-        fut = self._client.request({"op": "persist", "uri": self._uri,
-                                    "storage_options": self._storage_options,
-                                    "options": self._options, "sets": meta},
+        fut = self._client.request({"op": "persist", **self._store, "sets": meta},
                                    b"".join(cs.body for cs in task.change_sets))
 
         def done(f: Future[dict[str, Any]]) -> None:

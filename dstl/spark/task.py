@@ -18,16 +18,22 @@ checkpoint (``base``), in one of three ways:
    re-run, the version is unknown): clear the local table and restore from the base manifest
    (snapshot + log replay through the cache).
 
-Then the task groups its rows by key, calls the processor (inside one LMDB write transaction),
-materializes synchronously when due, checkpoints (``snapshot(batch_id)``: waits only for the log
-of this batch to be durable), writes the partition's version file, and returns its output rows
-plus one metadata row carrying the backend handle for the driver's coordinator. Any failure
-discards the partition's in-process backend and version, so a retry restores: state is never
-half-applied.
+Then the task groups its rows by key, calls the processor, checkpoints (``snapshot(batch_id)``:
+waits only for the log of this batch to be durable), writes the partition's version file, and
+returns its output rows plus one metadata row carrying the backend handle for the driver's
+coordinator. With LMDB all of that happens inside one write transaction, which also holds the
+table marker of the checkpoint (:mod:`materializer.table_marker`) and commits only once the log is
+durable. Any failure discards the partition's in-process backend and version, so a retry
+restores: state is never half-applied.
 
 With the executor agent (the default), a task's change sets go to the agent, which writes the
-change sets of all of the executor's concurrent tasks into one segment per flush window; with
-``agent=False`` each task writes its own segment.
+change sets of all of the executor's concurrent tasks into one segment per flush window; restores
+read through the agent's cache; and LMDB partitions are materialized by the agent, from a read
+transaction, while workers keep writing: before it checkpoints, a task installs the newest
+snapshot the agent took of its partition (if its log reaches the snapshot's boundary), and after
+it commits, it registers the partition's new marker with the agent. The heap table, and every
+table with ``agent=False``, materializes in the task, synchronously when due; with ``agent=False``
+each task also writes its own segment.
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dstl.errors import BackendFailedError, CorruptObjectError
 from dstl.keygroups import KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
-from materializer.handles import ChangelogStateBackendHandle
+from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
+from materializer.table_marker import TableMarker
 from restore.restore import RestoreStats, restore_backend
 
 __all__ = ["META_COLUMN", "OperatorConfig", "TaskInput", "run_partition"]
@@ -123,8 +131,17 @@ class _Runtime:
         base = cfg.local_dir or executor_dir
         self.local_dir = os.path.join(base, "dstl", _safe(cfg.name))
         os.makedirs(self.local_dir, exist_ok=True)
-        from restore.cache import LocalFileCache
-        self.cache = LocalFileCache(os.path.join(self.local_dir, f"cache-{self.pid}"))
+        self.cache: Any
+        if self.agent is not None:
+            from dstl.spark.agent_cache import AgentCache
+
+            # the executor's one cache lives in the agent: an object is downloaded once per
+            # executor, and a killed worker leaves no files and no leases behind
+            self.cache = AgentCache(self.agent, cfg.state_uri, cfg.storage_options,
+                                    cfg.dstl_options)
+        else:
+            from restore.cache import LocalFileCache
+            self.cache = LocalFileCache(os.path.join(self.local_dir, f"cache-{self.pid}"))
         self.slots: dict[int, _Slot] = {}
         self.lock = threading.Lock()
 
@@ -195,6 +212,18 @@ def _close_quietly(slot: _Slot) -> None:
         slot.backend.close()
 
 
+def _agent_materializes(cfg: OperatorConfig) -> bool:
+    """The executor agent materializes LMDB partitions (a heap lives in one worker's memory)."""
+    return cfg.agent and cfg.table == "lmdb"
+
+
+def _backend_options(cfg: OperatorConfig) -> BackendOptions:
+    if _agent_materializes(cfg):  # no timer, no size trigger: the agent decides
+        return cfg.backend_options.replace(materialization_interval_s=None,
+                                           materialize_log_ratio=None)
+    return cfg.backend_options
+
+
 def _key_groups(cfg: OperatorConfig, partition: int) -> KeyGroupRange:
     return KeyGroupRange.of_operator(cfg.max_parallelism, cfg.partitions, partition)
 
@@ -236,23 +265,23 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
     if not handles:
         # no state yet (first batch, or a partition that never had a checkpoint)
         backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
-                                             table=cfg.table, options=cfg.backend_options,
+                                             table=cfg.table, options=_backend_options(cfg),
                                              local_directory=rt.local_dir, clear_local=True)
         stats["access"] = "new"
     elif same_layout and local_version is not None and local_version == inp.base_checkpoint:
         h = handles[0]
         backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
-                                             table=cfg.table, options=cfg.backend_options,
+                                             table=cfg.table, options=_backend_options(cfg),
                                              local_directory=rt.local_dir)
         backend.install_restored(h.materialized, h.non_materialized, h.materialization_id)
-        _register_states_from(backend, h, rt)
+        _register_states_from(backend, h, rt, inp.base_checkpoint)
         stats["access"] = "adopt"
     else:
         rs = RestoreStats()
         backend = restore_backend(handles, rt.storage, kgs, table=cfg.table,
                                   cache=rt.cache, operator_id=op_id,
                                   max_parallelism=cfg.max_parallelism,
-                                  options=cfg.backend_options, local_directory=rt.local_dir,
+                                  options=_backend_options(cfg), local_directory=rt.local_dir,
                                   stats=rs)
         stats["access"] = "restore" if same_layout else "rescale"
         stats["restore_changes"] = rs.get("changes", 0)
@@ -266,9 +295,17 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
 
 
 def _register_states_from(backend: ChangelogKeyedStateBackend, h: ChangelogStateBackendHandle,
-                          rt: _Runtime) -> None:
-    """Adopting an on-disk LMDB table: learn its state ids from the newest snapshot metadata (the
-    log after it re-registers states as they are used)."""
+                          rt: _Runtime, checkpoint_id: int) -> None:
+    """Adopting an on-disk LMDB table: learn its state ids from the table's own marker (written
+    with the checkpoint's state), else from the newest snapshot's metadata (the log after it
+    re-registers states as they are used)."""
+    raw = backend.tables.read_marker()
+    if raw is not None:
+        marker = TableMarker.from_bytes(raw, where=f"{backend.tables.path} (table marker)")
+        if marker.checkpoint_id == checkpoint_id:
+            for sid, m in marker.states.items():
+                backend.register_restored_state(m, int(sid))
+            return
     if not h.materialized:
         return
     from materializer.state_tables import BlobRangeSource, SnapshotReader
@@ -289,6 +326,62 @@ def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
     return ratio is not None and log > max(cfg.backend_options.materialize_min_log_bytes,
                                            ratio * m.get(prefix + "lastFullSizeOfMaterialization",
                                                          0.0))
+
+
+def _agent_request(rt: _Runtime, header: dict[str, Any]) -> dict[str, Any]:
+    from dstl.spark.agent import _error_from, store_fields
+
+    cfg = rt.cfg
+    reply = rt.agent.request({**header, **store_fields(cfg.state_uri, cfg.storage_options,
+                                                       cfg.dstl_options)}).result(60)
+    if not reply.get("ok"):
+        raise _error_from(reply)
+    return dict(reply)
+
+
+def _install_agent_materialization(rt: _Runtime, backend: ChangelogKeyedStateBackend
+                                   ) -> SnapshotRef | None:
+    """Install the newest snapshot the agent took of this partition, if the backend's log reaches
+    it; returns it when installed.
+
+    Raises:
+        BackendFailedError: the agent's materializations of this partition failed too often.
+    """
+    reply = _agent_request(rt, {"op": "materialization", "log_id": backend.operator_id})
+    if reply.get("failed"):
+        raise BackendFailedError(f"backend {backend.operator_id!r} failed: the executor agent's "
+                                 f"materializations of it failed more than max_failures="
+                                 f"{rt.cfg.backend_options.max_failures} times in a row (last: "
+                                 f"{reply['failed']}); see the agent's log, fix the cause and "
+                                 "restart the query")
+    m = reply.get("materialization")
+    if m is None:
+        return None
+    try:
+        ref = SnapshotRef.from_json_obj(m["ref"])
+        boundary = (str(m["boundary"][0]), int(m["boundary"][1]))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CorruptObjectError("<agent reply>", 0, f"malformed materialization {m!r}") from exc
+    return backend.install_materialization(ref, boundary)
+
+
+def _committed(rt: _Runtime, backend: ChangelogKeyedStateBackend,
+               h: ChangelogStateBackendHandle) -> dict[str, Any]:
+    """Tell the agent the partition's table is committed (it schedules the partition's next
+    materialization); returns the agent's metrics and last log lines."""
+    header: dict[str, Any] = {"op": "committed", "partition": None}
+    if _agent_materializes(rt.cfg):
+        from dstl.spark.agent_materializer import PartitionSpec
+
+        cfg = rt.cfg
+        bo = cfg.backend_options
+        marker = backend.table_marker(h)
+        header["partition"] = PartitionSpec(
+            backend.operator_id, backend.tables.path, backend.key_groups,
+            cfg.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
+            bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
+            marker.snapshot_bytes).to_json_obj()
+    return _agent_request(rt, header)
 
 
 def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
@@ -318,16 +411,25 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
                     groups.setdefault(row[cfg.key_column], []).append(row)
                     rows_in += 1
             outputs: list[dict[str, Any]] = []
+            materialized: SnapshotRef | None = None
             with backend.write_batch():
                 for key, rows in groups.items():
                     backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
                     outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
-            t1 = time.monotonic()
-            materialized = 0
-            if _materialization_due(cfg, slot) and backend.materialize_now(timeout_s=300):
-                materialized = 1
-                slot.last_materialized_s = time.monotonic()
-            h = backend.snapshot(inp.batch_id).result(timeout=300)
+                t1 = time.monotonic()
+                if _agent_materializes(cfg):
+                    materialized = _install_agent_materialization(rt, backend)
+                    h = backend.snapshot(inp.batch_id).result(timeout=300)
+                    # commits with this batch's state: a read transaction sees both or neither
+                    backend.write_table_marker(h)
+            if not _agent_materializes(cfg):
+                if _materialization_due(cfg, slot):
+                    materialized = backend.materialize_now(timeout_s=300)
+                    if materialized is not None:
+                        slot.last_materialized_s = time.monotonic()
+                h = backend.snapshot(inp.batch_id).result(timeout=300)
+                if cfg.table == "lmdb":
+                    backend.write_table_marker(h)  # lets another worker adopt without reads
             slot.version = inp.batch_id
             if cfg.table == "lmdb":
                 rt.write_version(partition, inp.batch_id)
@@ -344,12 +446,12 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
         "process_seconds": t1 - t0, "commit_seconds": t2 - t1,
         "segment_keys": sorted({r.key for r in new_refs}),
         "bytes": sum(r.length for r in new_refs),
-        "materializations": materialized,
-        "snapshot_bytes": h.materialized_size if materialized else 0,
+        "materializations": int(materialized is not None),
+        "snapshot_bytes": materialized.size if materialized is not None else 0,
         "agent": None,
     })
     if rt.agent is not None:
-        status = rt.agent.status()
+        status = _committed(rt, backend, h)
         stats["agent"] = status.get("metrics")
         stats["agent_log"] = status.get("log_tail", [])
     meta = {"partition": partition, "handle": h.to_json_obj(),

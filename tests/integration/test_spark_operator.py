@@ -132,3 +132,48 @@ def test_bad_state_uri_fails_before_any_batch(spark: Any, moto_endpoint: str,  #
     with pytest.raises(AccessDeniedError, match="no-such-bucket"):
         _op(Count, "s3://no-such-bucket/app", s3_storage_options(moto_endpoint), None,
             tmp_path).validate(spark)
+
+
+def test_agent_materializes_partitions_and_restores_through_its_cache(
+        spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:  # noqa: F811
+    """Issue #7, capability 4: the executor agent snapshots the LMDB partitions (tasks install
+    the snapshots into their checkpoints, so the log to replay stays short), and a partition
+    that lost its local table restores through the agent's cache."""
+    latest: dict[str, int] = {}
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        for r in out_df.collect():
+            latest[r["key"]] = r["count"]
+
+    op = _op(Count, f"s3://{s3_bucket}/agent-mat", s3_storage_options(moto_endpoint), sink,
+             tmp_path, table="lmdb")
+    expected: Counter[str] = Counter()
+    batch_id = 0
+    for _ in range(6):
+        keys = [f"m{i % 11}" for i in range(batch_id, batch_id + 50)]
+        op.foreach_batch(_batch(spark, keys), batch_id)
+        expected.update(keys)
+        batch_id += 1
+    assert latest == dict(expected)
+    stats = op.batch_stats
+    assert sum(s["materializations"] for s in stats) > 0  # agent snapshots were installed
+    agent = next(a for s in reversed(stats) for a in s["agents"].values())
+    assert agent["agent.materializer.completed"] > 0
+    assert agent["agent.materializer.failed"] == 0
+    # the newest checkpoint stands on an agent snapshot: only the log after it is referenced
+    last = op.coordinator.latest()
+    assert any(t.state["materialized"] for t in last.tasks)
+    # every partition loses its local table: the next batch restores, through the agent cache
+    local = tmp_path / "local" / "dstl" / "count"
+    for version_file in local.glob("p*.version"):
+        version_file.unlink()
+    keys = [f"m{i % 11}" for i in range(30)]
+    op.foreach_batch(_batch(spark, keys), batch_id)
+    expected.update(keys)
+    assert latest == dict(expected)
+    restore_stats = op.batch_stats[-1]
+    assert restore_stats["restores"] == 3, restore_stats["accesses"]
+    agent = next(iter(restore_stats["agents"].values()))
+    assert agent["agent.cache.downloads"] > 0
+    assert agent["agent.cache.leases_open"] == 0
+    op.close()

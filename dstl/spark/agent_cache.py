@@ -1,0 +1,657 @@
+"""The executor's restore cache: one :class:`~restore.cache.LocalFileCache` in the executor agent,
+leased through by every Python worker of the executor.
+
+Theory of operation
+-------------------
+*Why in the agent.* Segments hold the change sets of every task of an executor, so after a
+failure the executor's workers restore from the same few objects. With a cache per worker, each
+object came over the network once per worker, and a worker that Spark SIGKILLed left its cache
+directory behind. The agent outlives the workers and sees all of them, so it owns ONE
+``LocalFileCache`` in ``<agent directory>/cache`` (:class:`AgentCacheService`) and the workers
+lease through it (:class:`AgentCache`, which ``ChangelogReader`` and ``restore_backend`` take like
+any cache).
+
+*What crosses the socket.* Names, not bytes. A ``lease`` request carries what the agent needs to
+open the store (uri, storage options, DSTL options: the agent opens one
+:class:`~dstl.ChangelogStorage` per distinct triple and shares it with its persists), the key, the
+verify function's name in :data:`restore.reader.VERIFIERS` (a function cannot be sent) and the
+size hint. The agent's cache downloads, verifies and publishes the object exactly as in process
+(single flight, budget, idle TTL) and answers with a lease id, the published file's path and the
+size. The worker opens its own descriptor on that path and reads with ``os.pread``. A *direct*
+lease (the object cannot be cached and the cache is in ``on_full="direct"`` mode) has no path:
+the worker reads ranges from its own store.
+
+*Leases belong to connections.* Each worker has one connection to the agent, and the agent
+records which connection holds which lease. ``release`` gives one back; when a connection ends —
+the worker closed it, exited, or was SIGKILLed — every lease it still holds is released, so a
+dead worker never pins a file. The agent's cache never deletes a leased file, and an open
+descriptor keeps an unlinked file readable, so a worker never reads a file that vanished under it.
+
+*Threads.* A lease may download for seconds, and the connection's frame loop must keep reading
+(a worker's persist requests arrive on the same connection), so leases run on a small pool of
+threads (``dstl-agent-cache``) that reply when done; ``release`` and ``cache_stats`` are quick and
+answered in the frame loop. A lease granted after its connection ended is released at once.
+
+*Failures.* Errors of the agent's cache (``ObjectNotFoundError``, ``CorruptObjectError``,
+``CacheFullError``, ...) arrive in the worker as the same type with the same message. If the
+agent dies, requests in flight fail with :class:`~dstl.spark.agent.AgentUnavailableError`
+(retryable: Spark retries the task, and the next worker starts a new agent, whose cache starts
+empty and removes its predecessor's files); a lease whose file is already gone when the worker
+opens it fails the same way. Leases whose file is open keep reading it.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from dstl.blobstore import BlobStore
+from dstl.errors import (
+    CacheError,
+    ClosedError,
+    ConfigError,
+    DstlError,
+    LeaseError,
+    TruncatedObjectError,
+    UsageError,
+)
+from dstl.options import DstlOptions
+from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, store_fields
+from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, LocalFileCache, OnFull, Verify
+from restore.reader import VERIFIERS
+
+__all__ = ["DEFAULT_LEASE_THREADS", "DEFAULT_LEASE_TIMEOUT_S", "AgentCache", "AgentCacheService",
+           "AgentLease"]
+
+logger = logging.getLogger(__name__)
+
+#: Lease requests the agent serves at once. Downloads of different objects run in parallel (the
+#: same object is downloaded once anyway); an executor runs a handful of tasks at a time, so a
+#: few threads keep every restoring task busy without a thread per request.
+DEFAULT_LEASE_THREADS = 4
+#: How long a worker waits for the agent to grant a lease, download included: a snapshot of a few
+#: GiB at tens of MB/s. Beyond that the agent is taken as hung and the task fails (Spark retries).
+DEFAULT_LEASE_TIMEOUT_S = 300.0
+#: How long a worker waits for the agent to answer a quick request (release, stats).
+_QUICK_TIMEOUT_S = 10.0
+
+
+def _verify_name(verify: Verify | None) -> str | None:
+    """The name of a verify function in :data:`restore.reader.VERIFIERS`.
+
+    Raises:
+        UsageError: ``verify`` is not registered there (the agent could not run it).
+    """
+    if verify is None:
+        return None
+    for name, fn in VERIFIERS.items():
+        if fn is verify:
+            return name
+    raise UsageError(f"AgentCache.lease(verify={verify!r}): the executor agent runs only the "
+                     f"verify functions named in restore.reader.VERIFIERS ({sorted(VERIFIERS)}); "
+                     "pass one of those, or use a LocalFileCache in this process")
+
+
+# --------------------------------------------------------------------------- in the agent
+
+
+class _Connection:
+    """The leases of one worker connection (guarded by the service's lock)."""
+
+    __slots__ = ("closed", "leases", "pending")
+
+    def __init__(self) -> None:
+        self.leases: dict[int, CacheLease] = {}
+        self.pending = 0  # lease requests accepted and not yet granted or failed
+        self.closed = False
+
+
+class AgentCacheService:
+    """The executor agent's restore cache: one :class:`LocalFileCache` for all its workers.
+
+    Connection ids are the agent's: unique for the agent's life, never reused.
+
+    Args:
+        directory: the agent's directory; the cache lives in ``<directory>/cache`` (files a
+            previous agent left there are removed on open).
+        threads: lease requests served at once (:data:`DEFAULT_LEASE_THREADS`).
+        idle_ttl_s, max_bytes, on_full: passed to :class:`LocalFileCache`.
+
+    Raises:
+        CacheError: the cache directory cannot be used.
+        ConfigError: an argument is out of range.
+    """
+
+    def __init__(self, directory: str, *, threads: int = DEFAULT_LEASE_THREADS,
+                 idle_ttl_s: float = DEFAULT_IDLE_TTL_S, max_bytes: int | None = None,
+                 on_full: OnFull = "raise") -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError("threads", threads, "an integer >= 1", owner="AgentCacheService")
+        self.cache = LocalFileCache(os.path.join(directory, "cache"), idle_ttl_s, max_bytes,
+                                    on_full=on_full)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dstl-agent-cache")
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Connection] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"AgentCacheService({self.cache.directory!r})"
+
+    def lease(self, conn_id: int, store: BlobStore, key: str, verify_name: str | None,
+              size_hint: int | None) -> dict[str, Any]:
+        """Lease ``key`` of ``store`` for connection ``conn_id`` (blocks while it downloads).
+
+        Returns:
+            The reply fields: ``lease`` (id), ``path`` (the published file, ``None`` for a direct
+            lease) and ``size``.
+
+        Raises:
+            UsageError: ``verify_name`` is not in :data:`restore.reader.VERIFIERS`.
+            ClosedError: the service is closed, or the connection ended meanwhile (the lease
+                was given back at once).
+            DstlError: whatever :meth:`LocalFileCache.lease` raises (``ObjectNotFoundError``,
+                ``CorruptObjectError``, ``CacheFullError``, ...).
+        """
+        verify = self._verify(verify_name)
+        self._begin(conn_id)
+        return self._lease_begun(conn_id, lambda: store, key, verify, size_hint)
+
+    def submit_lease(self, conn_id: int, open_store: Callable[[], BlobStore], key: str,
+                     verify_name: str | None, size_hint: int | None) -> Future[dict[str, Any]]:
+        """:meth:`lease` on the service's threads; ``open_store`` runs there too (opening a
+        store may talk to it).
+
+        The request is counted against the connection before this returns, so a
+        :meth:`release_connection` that follows always sees it.
+
+        Returns:
+            A future of the reply fields of :meth:`lease` (or of its error).
+
+        Raises:
+            UsageError: unknown ``verify_name``.
+            ClosedError: the service is closed.
+        """
+        verify = self._verify(verify_name)
+        self._begin(conn_id)
+        try:
+            return self._pool.submit(self._lease_begun, conn_id, open_store, key, verify,
+                                     size_hint)
+        except RuntimeError as exc:  # the pool was shut down: close() is running
+            self._end(conn_id, None)
+            raise ClosedError(repr(self), "the executor agent is stopping; the task is "
+                                          "retried") from exc
+
+    def release(self, conn_id: int, lease_id: int) -> None:
+        """Give back one lease of connection ``conn_id``.
+
+        Raises:
+            LeaseError: the connection holds no such lease (released twice, or taken on another
+                connection).
+            ClosedError: the service is closed.
+        """
+        with self._lock:
+            self._check_open()
+            conn = self._conns.get(conn_id)
+            lease = conn.leases.pop(lease_id, None) if conn is not None else None
+            if conn is not None and not conn.leases and not conn.pending:
+                del self._conns[conn_id]
+        if lease is None:
+            raise LeaseError(f"lease {lease_id} is not held by connection {conn_id} of the "
+                             f"executor agent's restore cache {self.cache.directory} (released "
+                             "twice, or taken on another connection); release each lease once, "
+                             "on the connection that took it")
+        lease.release()
+
+    def release_connection(self, conn_id: int) -> int:
+        """The connection ended: give back every lease it holds, and any it is still granted.
+
+        Returns:
+            How many leases were released now.
+        """
+        with self._lock:
+            conn = self._conns.get(conn_id)
+            if conn is None:
+                return 0
+            conn.closed = True
+            leases = list(conn.leases.values())
+            conn.leases.clear()
+            if not conn.pending:
+                del self._conns[conn_id]
+        for lease in leases:
+            lease.release()
+        if leases:
+            logger.info("agent restore cache: connection %d ended holding %d leases; released",
+                        conn_id, len(leases))
+        return len(leases)
+
+    def stats(self) -> dict[str, int]:
+        """The cache's :meth:`LocalFileCache.stats` (``downloads``, ``hits``, ``leases_open``, ...)."""
+        return self.cache.stats()
+
+    def close(self) -> None:
+        """Stop taking leases, invalidate the outstanding ones, delete every file. Idempotent.
+
+        Leases being downloaded fail with ``ClosedError``; workers keep reading the files they
+        have open.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._conns.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()  # waits for downloads in flight, which then fail
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _verify(self, name: str | None) -> Verify | None:
+        if name is None:
+            return None
+        verify = VERIFIERS.get(name) if isinstance(name, str) else None
+        if verify is None:
+            raise UsageError(f"unknown verify function {name!r} for the executor agent's restore "
+                             f"cache (it knows {sorted(VERIFIERS)}); name one of those, as "
+                             "AgentCache does for the functions in restore.reader.VERIFIERS")
+        return verify
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(repr(self), "the executor agent is stopping; the task is retried")
+
+    def _begin(self, conn_id: int) -> None:
+        with self._lock:
+            self._check_open()
+            conn = self._conns.get(conn_id)
+            if conn is None:
+                conn = self._conns[conn_id] = _Connection()
+            conn.pending += 1
+
+    def _end(self, conn_id: int, lease: CacheLease | None) -> int | None:
+        """Finish a request begun with :meth:`_begin`; the lease's id, or ``None`` when there is
+        no lease or it must be given back (connection ended, service closed)."""
+        with self._lock:
+            conn = self._conns.get(conn_id)
+            if conn is None:  # close() cleared the map
+                return None
+            conn.pending -= 1
+            if lease is not None and not conn.closed and not self._closed:
+                lease_id = next(self._ids)
+                conn.leases[lease_id] = lease
+                return lease_id
+            if not conn.pending and (conn.closed or not conn.leases):
+                del self._conns[conn_id]
+            return None
+
+    def _lease_begun(self, conn_id: int, open_store: Callable[[], BlobStore], key: str,
+                     verify: Verify | None, size_hint: int | None) -> dict[str, Any]:
+        try:
+            store = open_store()
+            lease = self.cache.lease(store, key, verify=verify, size_hint=size_hint)
+        except BaseException:
+            self._end(conn_id, None)
+            raise
+        lease_id = self._end(conn_id, lease)
+        if lease_id is None:
+            lease.release()
+            self._check_open()
+            raise ClosedError(f"connection {conn_id} of the executor agent",
+                              "the worker went away before its lease was granted; the lease "
+                              "was given back")
+        return {"lease": lease_id, "path": lease.path, "size": lease.size}
+
+
+# --------------------------------------------------------------------------- in a worker
+
+
+class AgentLease:
+    """A worker's lease of one object in the executor agent's cache; read it with :meth:`read`,
+    give it back with :meth:`release` or by leaving the ``with`` block.
+
+    Obtained from :meth:`AgentCache.lease`. Same contract as :class:`~restore.cache.CacheLease`.
+
+    Attributes:
+        key: the object key.
+        location: the store's location (for messages).
+        size: the object's size in bytes.
+        path: the agent's published file, or ``None`` for a direct lease.
+        lease_id: the agent's id of the lease.
+
+    Raises:
+        AgentUnavailableError: (constructing) the published file is gone: the agent was replaced
+            and its successor removed the files (retryable).
+        CacheError: (constructing) the file cannot be opened for another reason.
+    """
+
+    def __init__(self, cache: AgentCache, lease_id: int, store: BlobStore, key: str, size: int,
+                 path: str | None) -> None:
+        self._cache = cache
+        self._store = store
+        self.lease_id = lease_id
+        self.key = key
+        self.location = store.location
+        self.size = size
+        self.path = path
+        self._lock = threading.Lock()
+        self._state = "open"  # -> "released", or "invalidated" when the AgentCache is closed
+        self._fd: int | None = None
+        if path is None:
+            return
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._state = "released"
+            cache._give_back(self, explicit=False)
+            if exc.errno == errno.ENOENT:
+                raise AgentUnavailableError(
+                    f"the executor agent's cached file {path} of {self.location}/{key} is gone "
+                    f"({exc}): the agent was replaced and its successor removed its files; the "
+                    "task fails and Spark retries it", key=key) from exc
+            raise CacheError(f"cannot open the executor agent's cached file {path} of "
+                             f"{self.location}/{key} ({exc}); check the agent directory's "
+                             "permissions and the open-file limit") from exc
+
+    def __repr__(self) -> str:
+        return (f"AgentLease({self.location}/{self.key}, id={self.lease_id}, size={self.size}, "
+                f"{'direct' if self.direct else 'file'}, {self._state})")
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads go straight to the store (the object did not fit in the agent's cache)."""
+        return self.path is None
+
+    @property
+    def released(self) -> bool:
+        """Whether the lease was released (or invalidated by closing the :class:`AgentCache`)."""
+        return self._state != "open"
+
+    def __enter__(self) -> AgentLease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._release(explicit=False)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Return exactly ``length`` bytes from ``offset``.
+
+        Args:
+            offset: byte offset in the object (>= 0).
+            length: bytes wanted (>= 0).
+
+        Returns:
+            The bytes.
+
+        Raises:
+            LeaseError: the lease was released, or its cache closed.
+            TruncatedObjectError: the object ends before ``offset + length``.
+            UsageError: negative offset or length.
+            CacheError: used in a forked child.
+            StorageError: (direct leases) the store read failed.
+        """
+        self._cache._check_pid()
+        if offset < 0 or length < 0:
+            raise UsageError(f"read of cached {self.location}/{self.key}: bad range "
+                             f"offset={offset} length={length} (both must be >= 0)")
+        if offset + length > self.size:
+            self._check_open("read")
+            got = max(0, self.size - offset)
+            raise TruncatedObjectError(self.key, offset, length, min(got, length),
+                                       f"cached object range (object size {self.size})")
+        if self.path is None:
+            self._check_open("read")
+            data = self._store.get_range(self.key, offset, length)
+        else:
+            # the lock keeps release()/close() from closing the fd under a running pread
+            with self._lock:
+                self._check_open("read")
+                assert self._fd is not None
+                data = _pread_exact(self._fd, offset, length)
+        if len(data) < length:
+            raise TruncatedObjectError(self.key, offset + len(data), length, len(data),
+                                       "cached object range")
+        return data
+
+    def release(self) -> None:
+        """Give the lease back to the agent. After a ``with`` block this is done already.
+
+        Raises:
+            LeaseError: the lease was already released explicitly, or the agent does not know
+                it.
+            CacheError: called in a forked child.
+        """
+        self._release(explicit=True)
+
+    def _check_open(self, what: str) -> None:
+        if self._state == "released":
+            raise LeaseError(f"{what} of cached {self.location}/{self.key} after its lease was "
+                             "released (take a new lease with AgentCache.lease)")
+        if self._state == "invalidated":
+            raise LeaseError(f"{what} of cached {self.location}/{self.key}: its AgentCache was "
+                             "closed, which invalidated the lease")
+
+    def _release(self, *, explicit: bool) -> None:
+        self._cache._check_pid()
+        with self._lock:
+            if self._state == "released":
+                if explicit:
+                    raise LeaseError(f"lease of cached {self.location}/{self.key} released "
+                                     "twice (release once, or use the lease as a context "
+                                     "manager)")
+                return
+            was_open = self._state == "open"
+            self._state = "released"
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        if was_open:
+            self._cache._give_back(self, explicit=explicit)
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            if self._state == "open":
+                self._state = "invalidated"
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _pread_exact(fd: int, offset: int, length: int) -> bytes:
+    chunks: list[bytes] = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, length - got, offset + got)
+        if not chunk:
+            break  # end of file: the caller reports the truncation
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class AgentCache:
+    """A worker's restore cache that leases through the executor agent's one cache.
+
+    Use it wherever a :class:`~restore.cache.LocalFileCache` goes (``ChangelogReader(storage,
+    cache=...)``, ``restore_backend(..., cache=...)``). It does not own ``client``.
+
+    Args:
+        client: this worker's connection to its executor agent.
+        uri: the store's URI, as the worker's own :class:`~dstl.ChangelogStorage` was opened.
+        storage_options: its fsspec options.
+        options: its DSTL options (the agent opens one storage per uri, storage options and
+            options, shared with the persists of the same store).
+        timeout_s: how long a lease may take in the agent, download included.
+
+    Raises:
+        ConfigError: ``timeout_s`` is not > 0.
+    """
+
+    def __init__(self, client: AgentClient, uri: str, storage_options: dict[str, Any] | None,
+                 options: DstlOptions | None = None, *,
+                 timeout_s: float = DEFAULT_LEASE_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ConfigError("timeout_s", timeout_s, "seconds > 0", owner="AgentCache")
+        options = options or DstlOptions()
+        self._client = client
+        self._store_fields = store_fields(uri, storage_options, options)
+        self._timeout_s = timeout_s
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._leases: set[AgentLease] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"AgentCache({self._client.path!r}, {self._store_fields['uri']!r})"
+
+    def __enter__(self) -> AgentCache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def lease(self, store: BlobStore, key: str, *, verify: Verify | None = None,
+              size_hint: int | None = None) -> AgentLease:
+        """Lease the object ``key`` through the agent, which downloads it once per executor.
+
+        Args:
+            store: this worker's store of the same URI (messages; direct leases read from it).
+            key: the object key.
+            verify: one of the functions in :data:`restore.reader.VERIFIERS` (the agent runs it
+                on the downloaded bytes before publishing them), or ``None``.
+            size_hint: the object's size if known.
+
+        Returns:
+            An :class:`AgentLease`; use it as a context manager.
+
+        Raises:
+            UsageError: ``verify`` is not registered in ``VERIFIERS``, or a bad ``size_hint``.
+            ObjectNotFoundError, CorruptObjectError, CacheFullError, StorageError: as the
+                agent's :meth:`LocalFileCache.lease` raised them (same type and message).
+            AgentUnavailableError: the agent is gone or did not answer within ``timeout_s``
+                (retryable).
+            ClosedError: this cache is closed.
+            CacheError: used in a forked child.
+        """
+        self._check_pid()
+        self._check_open()
+        header = {"op": "lease", **self._store_fields, "key": key,
+                  "verify": _verify_name(verify), "size_hint": size_hint}
+        fut = self._client.request(header)
+        try:
+            reply = fut.result(self._timeout_s)
+        except TimeoutError as exc:
+            # the agent may still grant it: then give it back, without waiting on the reader
+            fut.add_done_callback(self._release_late)
+            raise AgentUnavailableError(f"the executor agent did not grant the lease of "
+                                        f"{store.location}/{key} within {self._timeout_s}s; "
+                                        "the task fails and Spark retries it", key=key) from exc
+        if not reply.get("ok"):
+            raise _error_from(reply)
+        path = reply.get("path")
+        lease = AgentLease(self, int(reply["lease"]), store, key, int(reply["size"]),
+                           str(path) if path is not None else None)
+        with self._lock:
+            if not self._closed:
+                self._leases.add(lease)
+                return lease
+        lease._release(explicit=False)  # close() ran meanwhile
+        raise ClosedError(repr(self))
+
+    def stats(self) -> dict[str, int]:
+        """The agent cache's stats (:meth:`LocalFileCache.stats`: ``downloads``, ``hits``,
+        ``leases_open`` of all workers, ...).
+
+        Raises:
+            AgentUnavailableError: the agent is gone or did not answer.
+            CacheError: used in a forked child.
+        """
+        self._check_pid()
+        try:
+            reply = self._client.request({"op": "cache_stats"}).result(_QUICK_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise AgentUnavailableError(f"the executor agent did not answer cache_stats within "
+                                        f"{_QUICK_TIMEOUT_S}s") from exc
+        if not reply.get("ok"):
+            raise _error_from(reply)
+        return {str(k): int(v) for k, v in dict(reply["stats"]).items()}
+
+    def close(self) -> None:
+        """Give back every lease still open (later reads raise ``LeaseError``). Idempotent; the
+        client stays open. In a forked child this does nothing (the leases are the parent's)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            leases = list(self._leases)
+            self._leases.clear()
+        for lease in leases:
+            lease._invalidate()
+            self._send_release(lease, explicit=False)
+        if leases:
+            logger.warning("%r closed with %d leases still open (given back)", self, len(leases))
+
+    # ------------------------------------------------------------------ internals
+
+    def _give_back(self, lease: AgentLease, *, explicit: bool) -> None:
+        with self._lock:
+            self._leases.discard(lease)
+        self._send_release(lease, explicit=explicit)
+
+    def _send_release(self, lease: AgentLease, *, explicit: bool) -> None:
+        try:
+            reply = self._client.request({"op": "release", "lease": lease.lease_id}
+                                         ).result(_QUICK_TIMEOUT_S)
+        except AgentUnavailableError as exc:
+            # the connection is gone, and with it every lease it held: nothing to give back
+            logger.debug("release of %r: agent connection lost (%s)", lease, exc)
+            return
+        except TimeoutError:
+            logger.warning("release of %r: the executor agent did not answer within %ss; the "
+                           "lease is given back when this worker's connection ends", lease,
+                           _QUICK_TIMEOUT_S)
+            return
+        if reply.get("ok"):
+            return
+        err = _error_from(reply)
+        if explicit:
+            raise err
+        logger.warning("release of %r failed in the executor agent: %s", lease, err)
+
+    def _release_late(self, fut: Future[dict[str, Any]]) -> None:
+        """A lease granted after its requester gave up: give it back (on the client's reader
+        thread, so fire and forget)."""
+        if fut.exception() is not None:
+            return
+        reply = fut.result()
+        if reply.get("ok"):
+            try:
+                self._client.request({"op": "release", "lease": reply["lease"]})
+            except DstlError as exc:
+                logger.debug("late release of lease %s: %s", reply.get("lease"), exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(repr(self), "create a new AgentCache")
+
+    def _check_pid(self) -> None:
+        pid = os.getpid()
+        if pid != self._pid:
+            raise CacheError(f"{self!r} was created in process {self._pid} and used in forked "
+                             f"process {pid}; create a new AgentClient and AgentCache in each "
+                             "process")

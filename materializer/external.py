@@ -1,0 +1,115 @@
+"""Materializing an on-disk state table from another process than its writer.
+
+Theory of operation
+-------------------
+Under Spark the executor agent materializes the LMDB tables of the executor's partitions while
+workers keep writing them (``dstl.spark.agent``). :func:`materialize_table_directory` opens the
+table **read-only** (it never takes LMDB's writer lock, so a worker's open write batch is never
+stalled), opens one read transaction, and reads the
+:class:`~materializer.table_marker.TableMarker` and every entry from that same transaction — the
+marker commits with the state it describes, so the two always agree. The snapshot object gets the
+marker's state registry as its metadata (the same snapshot format as an in-process
+materialization, so restore does not care who wrote it) and is uploaded under a fresh key.
+
+The result names the marker's *boundary*; a backend installs it with
+:meth:`~materializer.backend.ChangelogKeyedStateBackend.install_materialization` only if its own
+log contains that boundary. A table with no marker yet (no checkpoint written) or no log since its
+snapshot, or whose boundary was already materialized, is skipped (``None``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dstl.errors import UsageError
+from dstl.keygroups import KeyGroupRange
+from materializer.backend import snapshot_key
+from materializer.handles import SnapshotRef
+from materializer.lmdb_table import LmdbStateTable
+from materializer.table_marker import TableMarker
+
+__all__ = ["ExternalMaterialization", "materialize_table_directory"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalMaterialization:
+    """A snapshot taken from outside the table's writer.
+
+    Attributes:
+        ref: the uploaded snapshot object.
+        boundary: ``(segment key, offset)`` of the last change set the snapshot reflects.
+        marker: the table marker the snapshot was taken at.
+        entries: entries written.
+        duration_s: snapshot + upload time.
+    """
+
+    ref: SnapshotRef
+    boundary: tuple[str, int]
+    marker: TableMarker
+    entries: int
+    duration_s: float
+
+
+def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store: Any, *,
+                                zstd_level: int = 1,
+                                skip_boundary: tuple[str, int] | None = None
+                                ) -> ExternalMaterialization | None:
+    """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
+
+    Args:
+        directory: the table's LMDB environment directory.
+        key_groups: the table's key-group range (checked against its marker).
+        store: the :class:`~dstl.blobstore.BlobStore` to upload to.
+        zstd_level: zstd level of the snapshot blocks.
+        skip_boundary: a boundary already materialized (nothing new: skip).
+
+    Returns:
+        The materialization, or ``None`` when there is nothing to materialize (no marker yet,
+        no log since the table's snapshot, or the same boundary as ``skip_boundary``).
+
+    Raises:
+        UsageError: the directory holds no table, or the marker names other key groups.
+        CorruptObjectError: the marker does not decode.
+        StateError, StorageError: reading the table or uploading failed.
+    """
+    t0 = time.monotonic()
+    table = LmdbStateTable(directory, key_groups, readonly=True)
+    try:
+        snap = table.snapshot()
+        try:
+            raw = snap.marker()
+            if raw is None:
+                return None
+            marker = TableMarker.from_bytes(raw, where=f"{directory} (table marker)")
+            if marker.key_groups != key_groups:
+                raise UsageError(f"LMDB table {directory} holds key groups {marker.key_groups}, "
+                                 f"not {key_groups}: it belongs to another partition layout")
+            boundary = marker.boundary
+            if boundary is None or boundary == skip_boundary:
+                return None
+            mat_id = marker.materialization_id + 1
+            metadata = json.dumps({"operator_id": marker.operator_id, "materialization_id": mat_id,
+                                   "checkpoint_id": marker.checkpoint_id,
+                                   "boundary": list(boundary), "states": marker.states},
+                                  sort_keys=True).encode("utf-8")
+            parts: list[bytes] = []
+            written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level)
+        finally:
+            snap.release()
+    finally:
+        table.close()
+    data = b"".join(parts)
+    key = snapshot_key(marker.operator_id, mat_id)
+    store.put(key, data)
+    duration = time.monotonic() - t0
+    logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
+                "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,
+                written.entries, len(data), key, duration * 1e3)
+    return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id), boundary,
+                                   marker, written.entries, duration)

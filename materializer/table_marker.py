@@ -1,0 +1,126 @@
+"""The table marker: what an on-disk state table reflects, stored in the table itself.
+
+Theory of operation
+-------------------
+A process other than the table's writer (under Spark: the executor agent) may materialize an LMDB
+table while workers keep writing it. A read transaction is a consistent view of the table, but
+the reader must also know *which log* that view reflects, or it cannot say where the log after the
+snapshot begins. So every checkpoint that a backend writes into an on-disk table also writes this
+marker into the same LMDB transaction as the state changes it describes (the task commits its
+write batch only after the checkpoint's log is durable): a read transaction sees either the old
+state with the old marker, or the new state with the new one, never a mix.
+
+The marker names the table's log position by its **boundary**: the ``(segment key, offset)`` of
+the last change set of the checkpoint's log. Segment records are written once under names unique
+per upload, so a boundary is unique in the whole store: a snapshot taken at boundary ``B`` can be
+installed by any backend whose own log (restored handles + its writer's change sets) contains
+``B`` — that proves its lineage went through exactly the state the snapshot holds — and the log
+after ``B`` is what remains to replay. A backend whose log does not contain ``B`` (the batch was
+re-run, the partition was restored elsewhere, a newer snapshot is installed already) simply does
+not install it. ``boundary=None``: the table is exactly its materialized snapshot(s); there is
+nothing new to materialize.
+
+The marker also carries the state registry (state id -> name, kind, codecs), so a snapshot taken
+from outside the writer is self-describing, and the sizes the size trigger needs. Decoding is
+strict: the table directory is local, but the marker decides what a snapshot claims to be.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstl.errors import CorruptObjectError, UsageError
+from dstl.keygroups import KeyGroupRange
+
+__all__ = ["MARKER_VERSION", "TableMarker"]
+
+MARKER_VERSION = 1
+
+
+def _int(obj: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
+    v = obj.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise CorruptObjectError(where, 0, f"table marker field {name}={v!r} is not an int >= "
+                                           f"{minimum}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class TableMarker:
+    """What an on-disk table holds (see the module docstring).
+
+    Attributes:
+        operator_id: the backend (log id) that wrote the table.
+        key_groups: its key-group range.
+        max_parallelism: the job's number of key groups.
+        checkpoint_id: the checkpoint whose state the table holds.
+        materialization_id: the newest materialization in that checkpoint (0: none).
+        boundary: ``(segment key, offset)`` of the last change set of the checkpoint's log, or
+            ``None`` when the checkpoint has no log after its snapshots.
+        log_bytes: stored bytes of that log (the size trigger compares it with the snapshot).
+        snapshot_bytes: stored bytes of the checkpoint's snapshot objects.
+        states: state id (as a string) -> state metadata (name, kind, codecs).
+    """
+
+    operator_id: str
+    key_groups: KeyGroupRange
+    max_parallelism: int
+    checkpoint_id: int
+    materialization_id: int
+    boundary: tuple[str, int] | None
+    log_bytes: int = 0
+    snapshot_bytes: int = 0
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "v": MARKER_VERSION, "operator_id": self.operator_id,
+            "key_groups": self.key_groups.to_json_obj(), "max_parallelism": self.max_parallelism,
+            "checkpoint_id": self.checkpoint_id, "materialization_id": self.materialization_id,
+            "boundary": list(self.boundary) if self.boundary is not None else None,
+            "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
+            "states": self.states,
+        }, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "<table marker>") -> TableMarker:
+        """Decode a marker.
+
+        Raises:
+            CorruptObjectError: not a marker of a version this code reads (names ``where``).
+        """
+        try:
+            obj = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptObjectError(where, 0, f"table marker is not JSON: {exc}") from exc
+        version = obj.get("v") if isinstance(obj, dict) else None
+        if version != MARKER_VERSION:
+            raise CorruptObjectError(where, 0, f"table marker version {version!r} is not "
+                                               f"{MARKER_VERSION} (written by another DSTL "
+                                               "version?)")
+        op = obj.get("operator_id")
+        if not isinstance(op, str) or not op:
+            raise CorruptObjectError(where, 0, f"table marker operator_id={op!r}")
+        try:
+            kgs = KeyGroupRange.from_json_obj(obj.get("key_groups"))
+        except UsageError as exc:
+            raise CorruptObjectError(where, 0, f"table marker: {exc}") from exc
+        b = obj.get("boundary")
+        boundary: tuple[str, int] | None = None
+        if b is not None:
+            if (not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str) or not b[0]
+                    or not isinstance(b[1], int) or isinstance(b[1], bool) or b[1] < 0):
+                raise CorruptObjectError(where, 0, f"table marker boundary={b!r} is not "
+                                                   "[segment key, offset]")
+            boundary = (b[0], b[1])
+        states = obj.get("states")
+        if not isinstance(states, dict) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+                and isinstance(v.get("name"), str) for k, v in states.items()):
+            raise CorruptObjectError(where, 0, "table marker states are not {id: metadata}")
+        return cls(op, kgs, _int(obj, "max_parallelism", where, 1),
+                   _int(obj, "checkpoint_id", where, -1), _int(obj, "materialization_id", where),
+                   boundary, _int(obj, "log_bytes", where), _int(obj, "snapshot_bytes", where),
+                   states)
