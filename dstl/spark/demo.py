@@ -131,7 +131,8 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
               f"{int(s['bytes_written']):>9,} {s['materializations']:>13} {s['restores']:>9} "
               f"{s['restore_seconds'] * 1e3:>14.1f}")
     print("(DSTL commit = slowest task's wait for its log to be durable + the driver's manifest; "
-          "objects = log segments + snapshots + 1 manifest; state open = hit/adopt/restore time, "
+          "objects = log segments + snapshots installed + 1 manifest; materialized = snapshots "
+          "installed into the checkpoint; state open = hit/adopt/restore time, "
           "max over tasks)")
     agents: dict[int, dict[str, float]] = {}
     for s in rows:
@@ -141,7 +142,13 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
               f"{int(m.get('agent.ChangelogStorage.numberOfSegments', 0))} segments, "
               f"{m.get('agent.ChangelogStorage.writersPerSegment.mean', 0.0):.2f} writers per "
               f"segment (mean), upload p50 "
-              f"{m.get('agent.ChangelogStorage.uploadLatenciesSeconds.p50', 0.0) * 1e3:.1f} ms")
+              f"{m.get('agent.ChangelogStorage.uploadLatenciesSeconds.p50', 0.0) * 1e3:.1f} ms; "
+              f"{int(m.get('agent.materializer.completed', 0))} snapshots of "
+              f"{int(m.get('agent.materializer.partitions', 0))} partitions "
+              f"({int(m.get('agent.materializer.failed', 0))} failed, last "
+              f"{m.get('agent.materializer.lastDurationMs', 0.0):.0f} ms); restore cache "
+              f"{int(m.get('agent.cache.downloads', 0))} downloads, "
+              f"{int(m.get('agent.cache.hits', 0))} hits")
 
 
 def run(argv: list[str] | None = None) -> int:

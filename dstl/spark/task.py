@@ -328,12 +328,22 @@ def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
                                                          0.0))
 
 
+#: The agent answers materializer requests from memory; beyond this it is taken as hung.
+_AGENT_QUICK_TIMEOUT_S = 60.0
+
+
 def _agent_request(rt: _Runtime, header: dict[str, Any]) -> dict[str, Any]:
-    from dstl.spark.agent import _error_from, store_fields
+    from dstl.spark.agent import AgentUnavailableError, _error_from, store_fields
 
     cfg = rt.cfg
-    reply = rt.agent.request({**header, **store_fields(cfg.state_uri, cfg.storage_options,
-                                                       cfg.dstl_options)}).result(60)
+    fut = rt.agent.request({**header, **store_fields(cfg.state_uri, cfg.storage_options,
+                                                     cfg.dstl_options)})
+    try:
+        reply = fut.result(_AGENT_QUICK_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise AgentUnavailableError(f"the executor agent did not answer {header['op']!r} within "
+                                    f"{_AGENT_QUICK_TIMEOUT_S:g}s (hung?); the task fails and "
+                                    "Spark retries it") from exc
     if not reply.get("ok"):
         raise _error_from(reply)
     return dict(reply)
