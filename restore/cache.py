@@ -93,6 +93,7 @@ from dstl.timer import ThreadTimer, Timer, TimerHandle
 __all__ = [
     "DEFAULT_IDLE_TTL_S",
     "CacheLease",
+    "Lease",
     "LocalFileCache",
     "OnFull",
     "Verify",
@@ -167,11 +168,15 @@ class _LeaseState(enum.Enum):
     INVALIDATED = "invalidated"  # the cache was closed
 
 
-class CacheLease:
+class Lease:
     """A reference to one cached object; read it with :meth:`read`, give it back with
-    :meth:`release` or by leaving the ``with`` block.
+    :meth:`release` or by leaving the ``with`` block. The base of :class:`CacheLease` and of the
+    Spark executor agent's lease (``dstl.spark.agent_cache.AgentLease``): reads of a published
+    file go through the lease's own descriptor (``os.pread``; no shared file position), reads of
+    a *direct* lease (``path is None``) go to the store; a lease is released exactly once.
 
-    Obtained from :meth:`LocalFileCache.lease`, never constructed directly.
+    Subclasses say what releasing means (:meth:`_on_released`) and may count direct reads
+    (:meth:`_direct_read`) or refuse a forked child (:meth:`_check_pid`).
 
     Attributes:
         key: the object key.
@@ -180,10 +185,10 @@ class CacheLease:
         path: the local file, or ``None`` for a direct lease (ranged reads from the store).
     """
 
-    def __init__(self, cache: LocalFileCache, entry: _Entry | None, store: BlobStore,
-                 key: str, size: int, path: str | None) -> None:
-        self._cache = cache
-        self._entry = entry
+    #: How to get a new lease (ends the message of a use after release).
+    _NEW_LEASE = "take a new lease"
+
+    def __init__(self, store: BlobStore, key: str, size: int, path: str | None) -> None:
         self._store = store
         self.key = key
         self.location = store.location
@@ -194,7 +199,7 @@ class CacheLease:
         self._fd: int | None = None
 
     def __repr__(self) -> str:
-        return (f"CacheLease({self.location}/{self.key}, size={self.size}, "
+        return (f"{type(self).__name__}({self.location}/{self.key}, size={self.size}, "
                 f"{'direct' if self.direct else 'file'}, {self._state.value})")
 
     @property
@@ -207,7 +212,7 @@ class CacheLease:
         """Whether the lease was released (or invalidated by closing the cache)."""
         return self._state is not _LeaseState.OPEN
 
-    def __enter__(self) -> CacheLease:
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -232,7 +237,7 @@ class CacheLease:
             CacheError: used in a forked child.
             StorageError: (direct leases) the store read failed.
         """
-        self._cache._check_pid()
+        self._check_pid()
         if offset < 0 or length < 0:
             raise UsageError(f"read of cached {self.location}/{self.key}: bad range "
                              f"offset={offset} length={length} (both must be >= 0)")
@@ -243,8 +248,7 @@ class CacheLease:
                                        f"cached object range (object size {self.size})")
         if self.path is None:
             self._check_open("read")
-            data = self._store.get_range(self.key, offset, length)
-            self._cache._count_direct_read()
+            data = self._direct_read(offset, length)
         else:
             # The lease lock keeps release()/close() from closing the fd under a running pread.
             with self._lock:
@@ -266,15 +270,83 @@ class CacheLease:
         """
         self._release(explicit=True)
 
+    # ------------------------------------------------------------------ hooks
+
+    def _check_pid(self) -> None:
+        """Raise :class:`~dstl.errors.CacheError` in a process that may not use the lease."""
+
+    def _direct_read(self, offset: int, length: int) -> bytes:
+        data: bytes = self._store.get_range(self.key, offset, length)
+        return data
+
+    def _on_released(self, *, explicit: bool) -> None:
+        """The lease went from open to released: give the reference back."""
+
+    def _closed_reason(self) -> str:
+        return "its cache was closed, which invalidated the lease"
+
     # ------------------------------------------------------------------ internals
 
     def _check_open(self, what: str) -> None:
         if self._state is _LeaseState.RELEASED:
             raise LeaseError(f"{what} of cached {self.location}/{self.key} after its lease was "
-                             "released (take a new lease with LocalFileCache.lease)")
+                             f"released ({self._NEW_LEASE})")
         if self._state is _LeaseState.INVALIDATED:
-            raise LeaseError(f"{what} of cached {self.location}/{self.key}: the cache "
-                             f"{self._cache.directory} was closed, which invalidated the lease")
+            raise LeaseError(f"{what} of cached {self.location}/{self.key}: "
+                             f"{self._closed_reason()}")
+
+    def _release(self, *, explicit: bool) -> None:
+        self._check_pid()
+        with self._lock:
+            if self._state is _LeaseState.RELEASED:
+                if explicit:
+                    raise LeaseError(f"lease of cached {self.location}/{self.key} released twice "
+                                     "(release once, or use the lease as a context manager)")
+                return
+            was_open = self._state is _LeaseState.OPEN
+            self._state = _LeaseState.RELEASED
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        if was_open:
+            self._on_released(explicit=explicit)
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            if self._state is _LeaseState.OPEN:
+                self._state = _LeaseState.INVALIDATED
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class CacheLease(Lease):
+    """A lease of one object of a :class:`LocalFileCache` (see :class:`Lease`).
+
+    Obtained from :meth:`LocalFileCache.lease`, never constructed directly.
+    """
+
+    _NEW_LEASE = "take a new lease with LocalFileCache.lease"
+
+    def __init__(self, cache: LocalFileCache, entry: _Entry | None, store: BlobStore,
+                 key: str, size: int, path: str | None) -> None:
+        super().__init__(store, key, size, path)
+        self._cache = cache
+        self._entry = entry
+
+    def _check_pid(self) -> None:
+        self._cache._check_pid()
+
+    def _direct_read(self, offset: int, length: int) -> bytes:
+        data = super()._direct_read(offset, length)
+        self._cache._count_direct_read()
+        return data
+
+    def _on_released(self, *, explicit: bool) -> None:
+        self._cache._on_release(self)
+
+    def _closed_reason(self) -> str:
+        return f"the cache {self._cache.directory} was closed, which invalidated the lease"
 
     def _attach(self) -> None:
         """Open the lease's file descriptor (outside the cache's lock)."""
@@ -292,30 +364,6 @@ class CacheLease:
             raise CacheError(f"cached file {self.path} of {self.location}/{self.key} cannot be "
                              f"opened ({failure}); was the cache directory changed by someone "
                              "else? Give the cache a directory of its own") from failure
-
-    def _release(self, *, explicit: bool) -> None:
-        self._cache._check_pid()
-        with self._lock:
-            if self._state is _LeaseState.RELEASED:
-                if explicit:
-                    raise LeaseError(f"lease of cached {self.location}/{self.key} released twice "
-                                     "(release once, or use the lease as a context manager)")
-                return
-            was_open = self._state is _LeaseState.OPEN
-            self._state = _LeaseState.RELEASED
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        if was_open:
-            self._cache._on_release(self)
-
-    def _invalidate(self) -> None:
-        with self._lock:
-            if self._state is _LeaseState.OPEN:
-                self._state = _LeaseState.INVALIDATED
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
 
 
 def _pread_exact(fd: int, offset: int, length: int) -> bytes:

@@ -59,12 +59,11 @@ from dstl.errors import (
     ConfigError,
     DstlError,
     LeaseError,
-    TruncatedObjectError,
     UsageError,
 )
 from dstl.options import DstlOptions
 from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, store_fields
-from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, LocalFileCache, OnFull, Verify
+from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, Lease, LocalFileCache, OnFull, Verify
 from restore.reader import VERIFIERS
 
 __all__ = ["DEFAULT_LEASE_THREADS", "DEFAULT_LEASE_TIMEOUT_S", "AgentCache", "AgentCacheService",
@@ -312,17 +311,13 @@ class AgentCacheService:
 # --------------------------------------------------------------------------- in a worker
 
 
-class AgentLease:
-    """A worker's lease of one object in the executor agent's cache; read it with :meth:`read`,
-    give it back with :meth:`release` or by leaving the ``with`` block.
+class AgentLease(Lease):
+    """A worker's lease of one object in the executor agent's cache (see
+    :class:`restore.cache.Lease`: same contract as a :class:`~restore.cache.CacheLease`).
 
-    Obtained from :meth:`AgentCache.lease`. Same contract as :class:`~restore.cache.CacheLease`.
+    Obtained from :meth:`AgentCache.lease`.
 
     Attributes:
-        key: the object key.
-        location: the store's location (for messages).
-        size: the object's size in bytes.
-        path: the agent's published file, or ``None`` for a direct lease.
         lease_id: the agent's id of the lease.
 
     Raises:
@@ -331,25 +326,19 @@ class AgentLease:
         CacheError: (constructing) the file cannot be opened for another reason.
     """
 
+    _NEW_LEASE = "take a new lease with AgentCache.lease"
+
     def __init__(self, cache: AgentCache, lease_id: int, store: BlobStore, key: str, size: int,
                  path: str | None) -> None:
+        super().__init__(store, key, size, path)
         self._cache = cache
-        self._store = store
         self.lease_id = lease_id
-        self.key = key
-        self.location = store.location
-        self.size = size
-        self.path = path
-        self._lock = threading.Lock()
-        self._state = "open"  # -> "released", or "invalidated" when the AgentCache is closed
-        self._fd: int | None = None
         if path is None:
             return
         try:
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            self._state = "released"
-            cache._give_back(self, explicit=False)
+            self._release(explicit=False)  # give it back to the agent
             if exc.errno == errno.ENOENT:
                 raise AgentUnavailableError(
                     f"the executor agent's cached file {path} of {self.location}/{key} is gone "
@@ -359,121 +348,14 @@ class AgentLease:
                              f"{self.location}/{key} ({exc}); check the agent directory's "
                              "permissions and the open-file limit") from exc
 
-    def __repr__(self) -> str:
-        return (f"AgentLease({self.location}/{self.key}, id={self.lease_id}, size={self.size}, "
-                f"{'direct' if self.direct else 'file'}, {self._state})")
-
-    @property
-    def direct(self) -> bool:
-        """Whether reads go straight to the store (the object did not fit in the agent's cache)."""
-        return self.path is None
-
-    @property
-    def released(self) -> bool:
-        """Whether the lease was released (or invalidated by closing the :class:`AgentCache`)."""
-        return self._state != "open"
-
-    def __enter__(self) -> AgentLease:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._release(explicit=False)
-
-    def read(self, offset: int, length: int) -> bytes:
-        """Return exactly ``length`` bytes from ``offset``.
-
-        Args:
-            offset: byte offset in the object (>= 0).
-            length: bytes wanted (>= 0).
-
-        Returns:
-            The bytes.
-
-        Raises:
-            LeaseError: the lease was released, or its cache closed.
-            TruncatedObjectError: the object ends before ``offset + length``.
-            UsageError: negative offset or length.
-            CacheError: used in a forked child.
-            StorageError: (direct leases) the store read failed.
-        """
+    def _check_pid(self) -> None:
         self._cache._check_pid()
-        if offset < 0 or length < 0:
-            raise UsageError(f"read of cached {self.location}/{self.key}: bad range "
-                             f"offset={offset} length={length} (both must be >= 0)")
-        if offset + length > self.size:
-            self._check_open("read")
-            got = max(0, self.size - offset)
-            raise TruncatedObjectError(self.key, offset, length, min(got, length),
-                                       f"cached object range (object size {self.size})")
-        if self.path is None:
-            self._check_open("read")
-            data = self._store.get_range(self.key, offset, length)
-        else:
-            # the lock keeps release()/close() from closing the fd under a running pread
-            with self._lock:
-                self._check_open("read")
-                assert self._fd is not None
-                data = _pread_exact(self._fd, offset, length)
-        if len(data) < length:
-            raise TruncatedObjectError(self.key, offset + len(data), length, len(data),
-                                       "cached object range")
-        return data
 
-    def release(self) -> None:
-        """Give the lease back to the agent. After a ``with`` block this is done already.
+    def _on_released(self, *, explicit: bool) -> None:
+        self._cache._give_back(self, explicit=explicit)
 
-        Raises:
-            LeaseError: the lease was already released explicitly, or the agent does not know
-                it.
-            CacheError: called in a forked child.
-        """
-        self._release(explicit=True)
-
-    def _check_open(self, what: str) -> None:
-        if self._state == "released":
-            raise LeaseError(f"{what} of cached {self.location}/{self.key} after its lease was "
-                             "released (take a new lease with AgentCache.lease)")
-        if self._state == "invalidated":
-            raise LeaseError(f"{what} of cached {self.location}/{self.key}: its AgentCache was "
-                             "closed, which invalidated the lease")
-
-    def _release(self, *, explicit: bool) -> None:
-        self._cache._check_pid()
-        with self._lock:
-            if self._state == "released":
-                if explicit:
-                    raise LeaseError(f"lease of cached {self.location}/{self.key} released "
-                                     "twice (release once, or use the lease as a context "
-                                     "manager)")
-                return
-            was_open = self._state == "open"
-            self._state = "released"
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        if was_open:
-            self._cache._give_back(self, explicit=explicit)
-
-    def _invalidate(self) -> None:
-        with self._lock:
-            if self._state == "open":
-                self._state = "invalidated"
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-def _pread_exact(fd: int, offset: int, length: int) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got < length:
-        chunk = os.pread(fd, length - got, offset + got)
-        if not chunk:
-            break  # end of file: the caller reports the truncation
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+    def _closed_reason(self) -> str:
+        return "its AgentCache was closed, which invalidated the lease"
 
 
 class AgentCache:
