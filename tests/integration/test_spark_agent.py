@@ -67,7 +67,7 @@ def _op(processor: type, tmp: Path, latest: dict[str, int], **kw: Any) -> DstlSt
         output_schema="key string, count long", state_uri=str(tmp / "store"),
         partitions=kw.pop("partitions", 2), max_parallelism=32,
         sink=lambda df, b: latest.update({r["key"]: r["count"] for r in df.collect()}),
-        local_dir=str(tmp / "local"), materialization_interval_s=10_000.0, **kw)
+        local_dir=str(tmp / "local"), materialization_interval_s=kw.pop("mat_s", 10_000.0), **kw)
 
 
 def test_agent_group_commits_kills_and_lifecycle(tmp_path: Path) -> None:
@@ -96,10 +96,11 @@ def test_agent_group_commits_kills_and_lifecycle(tmp_path: Path) -> None:
         op.close()
         per_task.close()
 
-        # 2. the agent killed mid-window: the task fails, Spark retries, a new agent starts
+        # 2. the agent killed mid-window (and while it materializes the partitions: interval 0):
+        # the task fails, Spark retries, a new agent starts, restores read through its cache
         latest2: dict[str, int] = {}
         killer = type("KillAgentHere", (KillAgentOnce,), {"flag": str(tmp_path / "killed")})
-        op2 = _op(killer, tmp_path / "c", latest2)
+        op2 = _op(killer, tmp_path / "c", latest2, mat_s=0.0)
         expected2: Counter[str] = Counter()
         for b in range(3):
             keys = [f"u{i % 5}" for i in range(b, b + 30)]
@@ -111,6 +112,7 @@ def test_agent_group_commits_kills_and_lifecycle(tmp_path: Path) -> None:
         for s in op2.batch_stats:
             agent_pids.update(s["agents"])
         assert any(p != killed for p in agent_pids)  # a replacement agent served later batches
+        assert sum(s["materializations"] for s in op2.batch_stats) > 0
         op2.close()
     finally:
         spark.stop()
