@@ -29,10 +29,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import fmt, parser, percentile, summary, write_results  # noqa: E402
-from dstl import ChangelogStorage, DstlOptions, KeyGroupRange  # noqa: E402
-from materializer import BackendOptions, ChangelogKeyedStateBackend  # noqa: E402
-from materializer import ValueStateDescriptor  # noqa: E402
+from bench._common import fmt, parser, percentile, summary, write_results
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
+from materializer import (
+    BackendOptions,
+    ChangelogKeyedStateBackend,
+    ValueStateDescriptor,
+)
 
 MP = 128
 ALL = KeyGroupRange(0, MP - 1)
