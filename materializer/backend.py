@@ -86,7 +86,7 @@ from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_n
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.states import STATE_CLASSES, StateDescriptor, StateShape, _State
-from materializer.table_marker import TableMarker
+from materializer.table_marker import TableMarker, boundary_of
 
 __all__ = ["ChangelogKeyedStateBackend", "snapshot_key"]
 
@@ -507,11 +507,9 @@ class ChangelogKeyedStateBackend:
 
     def table_marker(self, handle: ChangelogStateBackendHandle) -> TableMarker:
         """The marker of this backend's table at checkpoint ``handle`` (this backend's)."""
-        last = next((h.change_sets[-1] for h in reversed(handle.non_materialized)
-                     if h.change_sets), None)
         return TableMarker(self.operator_id, self.key_groups, self.max_parallelism,
                            handle.checkpoint_id, handle.materialization_id,
-                           (last.key, last.offset) if last is not None else None,
+                           boundary_of(handle.non_materialized),
                            handle.non_materialized_size, handle.materialized_size,
                            {str(r.state_id): r.meta for r in self._by_id.values()})
 

@@ -31,12 +31,23 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstl.errors import CorruptObjectError, UsageError
-from dstl.keygroups import KeyGroupRange
+from collections.abc import Iterable
 
-__all__ = ["MARKER_VERSION", "TableMarker"]
+from dstl.errors import CorruptObjectError, UsageError
+from dstl.handle import ChangelogHandle
+from dstl.keygroups import KeyGroupRange
+from materializer.handles import ChangelogStateBackendHandle
+
+__all__ = ["MARKER_VERSION", "TableMarker", "boundary_of"]
 
 MARKER_VERSION = 1
+
+
+def boundary_of(non_materialized: Iterable[ChangelogHandle]) -> tuple[str, int] | None:
+    """``(segment key, offset)`` of the last change set of a checkpoint's log, or ``None``."""
+    last = next((h.change_sets[-1] for h in reversed(tuple(non_materialized))
+                 if h.change_sets), None)
+    return (last.key, last.offset) if last is not None else None
 
 
 def _int(obj: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
@@ -73,6 +84,13 @@ class TableMarker:
     log_bytes: int = 0
     snapshot_bytes: int = 0
     states: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def holds(self, handle: ChangelogStateBackendHandle) -> bool:
+        """Whether the table holds exactly the checkpoint of ``handle``: the same checkpoint and
+        the same last change set. A batch id alone cannot tell two attempts of one batch apart
+        (a re-run, or Spark's speculative second attempt), their change sets can."""
+        return (self.checkpoint_id == handle.checkpoint_id
+                and self.boundary == boundary_of(handle.non_materialized))
 
     def to_bytes(self) -> bytes:
         return json.dumps({

@@ -239,9 +239,11 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
 
     slot = rt.slots.get(partition)
     # An LMDB table is shared on disk by every worker of the executor: this worker's backend is
-    # current only if no other worker has advanced the table since (its version file says so).
+    # current only if no other worker has written the table since (the version file says which
+    # batch the table holds, the table marker which attempt of it).
     if slot is not None and slot.version == inp.base_checkpoint and (
-            cfg.table != "lmdb" or rt.read_version(partition) == inp.base_checkpoint):
+            cfg.table != "lmdb" or (rt.read_version(partition) == inp.base_checkpoint
+                                    and _holds_base(slot.backend, inp, partition))):
         stats["access"] = "hit"
         if inp.base_checkpoint >= 0:
             slot.backend.notify_checkpoint_complete(inp.base_checkpoint)
@@ -262,6 +264,7 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
     same_layout = len(handles) == 1 and handles[0].key_groups == kgs
     t0 = time.monotonic()
     local_version = rt.read_version(partition) if cfg.table == "lmdb" else None
+    backend: ChangelogKeyedStateBackend | None = None
     if not handles:
         # no state yet (first batch, or a partition that never had a checkpoint)
         backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
@@ -269,14 +272,10 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
                                              local_directory=rt.local_dir, clear_local=True)
         stats["access"] = "new"
     elif same_layout and local_version is not None and local_version == inp.base_checkpoint:
-        h = handles[0]
-        backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
-                                             table=cfg.table, options=_backend_options(cfg),
-                                             local_directory=rt.local_dir)
-        backend.install_restored(h.materialized, h.non_materialized, h.materialization_id)
-        _register_states_from(backend, h, rt, inp.base_checkpoint)
-        stats["access"] = "adopt"
-    else:
+        backend = _adopt(rt, op_id, kgs, handles[0])
+        if backend is not None:
+            stats["access"] = "adopt"
+    if backend is None:
         rs = RestoreStats()
         backend = restore_backend(handles, rt.storage, kgs, table=cfg.table,
                                   cache=rt.cache, operator_id=op_id,
@@ -294,26 +293,41 @@ def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]
     return slot
 
 
-def _register_states_from(backend: ChangelogKeyedStateBackend, h: ChangelogStateBackendHandle,
-                          rt: _Runtime, checkpoint_id: int) -> None:
-    """Adopting an on-disk LMDB table: learn its state ids from the table's own marker (written
-    with the checkpoint's state), else from the newest snapshot's metadata (the log after it
-    re-registers states as they are used)."""
+def _marker(backend: ChangelogKeyedStateBackend) -> TableMarker | None:
     raw = backend.tables.read_marker()
-    if raw is not None:
-        marker = TableMarker.from_bytes(raw, where=f"{backend.tables.path} (table marker)")
-        if marker.checkpoint_id == checkpoint_id:
-            for sid, m in marker.states.items():
-                backend.register_restored_state(m, int(sid))
-            return
-    if not h.materialized:
-        return
-    from materializer.state_tables import BlobRangeSource, SnapshotReader
-    ref = h.materialized[0]
-    meta = json.loads(SnapshotReader(BlobRangeSource(rt.storage.store, ref.key),
-                                     key=ref.key).metadata)
-    for sid, m in meta["states"].items():
-        backend.register_restored_state(m, int(sid))
+    return None if raw is None else TableMarker.from_bytes(
+        raw, where=f"{backend.tables.path} (table marker)")
+
+
+def _holds_base(backend: ChangelogKeyedStateBackend, inp: TaskInput, partition: int) -> bool:
+    """Whether the partition's on-disk table holds exactly the base checkpoint."""
+    h = inp.base_handles.get(partition)
+    marker = _marker(backend)
+    return h is not None and marker is not None and marker.holds(
+        ChangelogStateBackendHandle.from_json(h))
+
+
+def _adopt(rt: _Runtime, op_id: str, kgs: KeyGroupRange, h: ChangelogStateBackendHandle
+           ) -> ChangelogKeyedStateBackend | None:
+    """Open the partition's on-disk LMDB table (another worker of this executor wrote it) as
+    checkpoint ``h`` without reading anything from the store — if its marker says it holds
+    exactly ``h``; the state ids come from the marker. ``None``: restore instead."""
+    cfg = rt.cfg
+    backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
+                                         table=cfg.table, options=_backend_options(cfg),
+                                         local_directory=rt.local_dir)
+    try:
+        marker = _marker(backend)
+        if marker is None or not marker.holds(h):
+            backend.close()
+            return None
+        backend.install_restored(h.materialized, h.non_materialized, h.materialization_id)
+        for sid, m in marker.states.items():
+            backend.register_restored_state(m, int(sid))
+        return backend
+    except BaseException:
+        backend.close()
+        raise
 
 
 def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:

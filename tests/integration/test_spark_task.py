@@ -141,3 +141,50 @@ def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Pat
         client.request({"op": "shutdown"}).result(10)
     finally:
         client.close()
+
+
+def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Path) -> None:
+    """The version file names the batch the shared LMDB table holds, the table marker the
+    attempt: when another attempt of the same batch (a re-run, Spark's speculative copy) wrote
+    the table, neither this worker's backend (hit) nor the table (adopt) is used; the task
+    restores the attempt the driver committed."""
+    import dataclasses
+
+    from materializer.table_marker import TableMarker
+
+    cfg = OperatorConfig(
+        name="m", processor=Count, key_column="key", output_columns=("key", "count"),
+        arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
+        partitions=1, max_parallelism=8, table="lmdb",
+        dstl_options=DstlOptions(persist_delay_s=0.0),
+        backend_options=BackendOptions(materialization_interval_s=None,
+                                       materialize_log_ratio=None),
+        materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+
+    def other_attempt_wrote_the_table() -> None:
+        tables = runtime._RUNTIMES[(cfg.state_uri, cfg.name)].slots[0].backend.tables
+        marker = TableMarker.from_bytes(tables.read_marker())
+        tables.write_marker(dataclasses.replace(marker, boundary=("dstl/other-attempt", 0))
+                            .to_bytes())
+
+    try:
+        _, meta0 = _run(cfg, TaskInput(0, -1), ["a", "b"])
+        h0 = {0: json.dumps(meta0["handle"])}
+        # the table as committed: another worker of the executor adopts it without any read
+        runtime._RUNTIMES[(cfg.state_uri, cfg.name)].drop(0)
+        out1, meta1 = _run(cfg, TaskInput(1, 0, h0, (0,)), ["a"])
+        assert meta1["stats"]["access"] == "adopt" and out1 == {"a": 2}
+        h1 = {0: json.dumps(meta1["handle"])}
+        other_attempt_wrote_the_table()
+        out2, meta2 = _run(cfg, TaskInput(2, 1, h1, (0, 1)), ["b"])
+        assert meta2["stats"]["access"] == "restore" and out2 == {"b": 2}  # not a hit
+        h2 = {0: json.dumps(meta2["handle"])}
+        other_attempt_wrote_the_table()
+        runtime._RUNTIMES[(cfg.state_uri, cfg.name)].drop(0)  # another worker's turn
+        out3, meta3 = _run(cfg, TaskInput(3, 2, h2, (1, 2)), ["a", "b"])
+        assert meta3["stats"]["access"] == "restore"  # not an adopt
+        assert out3 == {"a": 3, "b": 3}
+    finally:
+        rt = runtime._RUNTIMES.pop((cfg.state_uri, cfg.name), None)
+        if rt is not None:
+            rt.close()
