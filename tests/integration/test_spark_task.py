@@ -44,17 +44,22 @@ def _run(cfg: OperatorConfig, inp: TaskInput, keys: list[str]
     return out, meta
 
 
-def test_lmdb_hit_requires_the_on_disk_version(tmp_path: Path) -> None:
-    """Another worker of the executor advanced the shared LMDB table: this worker's backend is
-    stale, so a re-run must restore (found by a clean-clone CI run: counts doubled)."""
-    cfg = OperatorConfig(
-        name="t", processor=Count, key_column="key", output_columns=("key", "count"),
+def _lmdb_cfg(tmp_path: Path, name: str) -> OperatorConfig:
+    """One LMDB partition, no agent, no materialization: the state decision alone."""
+    return OperatorConfig(
+        name=name, processor=Count, key_column="key", output_columns=("key", "count"),
         arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
         partitions=1, max_parallelism=8, table="lmdb",
         dstl_options=DstlOptions(persist_delay_s=0.0),
         backend_options=BackendOptions(materialization_interval_s=None,
                                        materialize_log_ratio=None),
         materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+
+
+def test_lmdb_hit_requires_the_on_disk_version(tmp_path: Path) -> None:
+    """Another worker of the executor advanced the shared LMDB table: this worker's backend is
+    stale, so a re-run must restore (found by a clean-clone CI run: counts doubled)."""
+    cfg = _lmdb_cfg(tmp_path, "t")
     try:
         out0, meta0 = _run(cfg, TaskInput(0, -1), ["a", "a", "b"])
         assert out0 == {"a": 2, "b": 1} and meta0["stats"]["access"] == "new"
@@ -152,14 +157,7 @@ def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Pat
 
     from materializer.table_marker import TableMarker
 
-    cfg = OperatorConfig(
-        name="m", processor=Count, key_column="key", output_columns=("key", "count"),
-        arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
-        partitions=1, max_parallelism=8, table="lmdb",
-        dstl_options=DstlOptions(persist_delay_s=0.0),
-        backend_options=BackendOptions(materialization_interval_s=None,
-                                       materialize_log_ratio=None),
-        materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+    cfg = _lmdb_cfg(tmp_path, "m")
 
     def other_attempt_wrote_the_table() -> None:
         tables = runtime._RUNTIMES[(cfg.state_uri, cfg.name)].slots[0].backend.tables
