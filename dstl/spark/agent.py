@@ -29,7 +29,7 @@ and ``cache_stats`` serve the executor's restore cache, which the agent owns
 ``committed`` (sent by a task after it committed its partition's table) registers the partition
 with the agent's materializer (:mod:`dstl.spark.agent_materializer`) and answers with the
 agent's metrics and last log lines; ``materialization`` answers with a partition's newest
-snapshot for the task to install before it checkpoints; ``materialize`` makes one due now.
+snapshot for the task to install before it checkpoints.
 
 *Ownership.* Segments written by the agent hold change sets of many workers, so no worker may
 delete one: worker-side registries do not delete in agent mode; the checkpoint coordinator owns
@@ -313,10 +313,6 @@ class _Agent:
                     elif op == "materialization":
                         reply({"id": rid, "ok": True, **self.materializer.latest(
                             self.storage_key(header), str(header.get("log_id")))})
-                    elif op == "materialize":
-                        self.materializer.request(self.storage_key(header),
-                                                  str(header.get("log_id")))
-                        reply({"id": rid, "ok": True})
                     else:
                         reply({"id": rid, "ok": False, "error_type": "UsageError",
                                "message": f"unknown op {op!r}"})

@@ -134,7 +134,6 @@ class AgentMaterializer:
         self._cond = threading.Condition()
         self._parts: dict[tuple[str, str], _Partition] = {}
         self._stop = False
-        self._busy = False
         self._m = {"started": 0, "completed": 0, "skipped": 0, "failed": 0, "bytes": 0,
                    "entries": 0}
         self._last_duration_ms = -1.0
@@ -183,23 +182,12 @@ class AgentMaterializer:
                     "failed": failed}
 
     def request(self, store_key: str, log_id: str) -> None:
-        """Make a registered partition due now (``materialize_now`` through the agent)."""
+        """Make a registered partition due now (the timer's ``run_once`` for one partition)."""
         with self._cond:
             p = self._parts.get((store_key, log_id))
             if p is not None:
                 p.next_due = self._clock()
                 self._cond.notify_all()
-
-    def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no partition is due and none is being materialized (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._busy or self._due_locked(self._clock()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.5))
-            return True
 
     def metrics(self) -> dict[str, float]:
         with self._cond:
@@ -236,7 +224,6 @@ class AgentMaterializer:
                 if not due or self._stop:
                     return written
                 p = due[0]
-                self._busy = True
                 spec, store, skip = p.spec, p.store, p.done_boundary
                 self._m["started"] += 1
             result: ExternalMaterialization | None = None
@@ -251,7 +238,6 @@ class AgentMaterializer:
             except OSError as exc:  # local file system trouble: count it, keep the agent up
                 error = exc
             with self._cond:
-                self._busy = False
                 now = self._clock()
                 p.next_due = now + (spec.interval_s if spec.interval_s is not None
                                     else float("inf"))
