@@ -28,10 +28,9 @@ strict: the table directory is local, but the marker decides what a snapshot cla
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from collections.abc import Iterable
 
 from dstl.errors import CorruptObjectError, UsageError
 from dstl.handle import ChangelogHandle
