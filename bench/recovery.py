@@ -69,8 +69,7 @@ import zstandard  # noqa: E402
 
 from bench._common import fmt, parser, summary, write_results  # noqa: E402
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for  # noqa: E402
-from dstl.blobstore import BlobStore, ObjectInfo  # noqa: E402
-from dstl.stores import FsspecBlobStore, LocalBlobStore  # noqa: E402
+from dstl.stores import BlobStore, FsspecBlobStore, LocalBlobStore, ObjectInfo  # noqa: E402  # noqa: E402
 from dstl.timer import ManualTimer  # noqa: E402
 from materializer.backend import ChangelogKeyedStateBackend  # noqa: E402
 from materializer.codecs import SafeCodec  # noqa: E402

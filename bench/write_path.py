@@ -32,9 +32,12 @@ import zstandard  # noqa: E402
 
 from bench._common import fmt, parser, percentile, repeat, summary, write_results  # noqa: E402
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange  # noqa: E402
-from dstl.blobstore import MemoryBlobStore  # noqa: E402
 from dstl.segment import CHANGE_LEN, build_change_set, encode_segment  # noqa: E402
-from dstl.stores import FsspecBlobStore, LocalBlobStore  # noqa: E402
+from dstl.stores import (  # noqa: E402
+    FsspecBlobStore,
+    LocalBlobStore,
+    MemoryBlobStore,
+)
 
 KGS = KeyGroupRange(0, 127)
 

@@ -4,7 +4,7 @@ Rules (see STYLE): a message says what happened, where (object key, offset, writ
 expected vs got, and a hint naming the fix. The same facts are attributes, so callers never parse
 messages. Errors that correspond to a builtin also subclass it (``ObjectNotFoundError`` is a
 ``FileNotFoundError``), so generic handlers keep working. Third-party errors are translated in one
-place only: :func:`dstl.blobstore.translate_error`.
+place only: :func:`dstl.stores.base.translate_error`.
 
 Hierarchy::
 

@@ -3,7 +3,7 @@
 A :class:`ChangelogHandle` names the change sets ``[from_sqn, to_sqn)`` of one writer, each as a
 :class:`ChangeSetRef` ``(segment key, offset, length)`` — enough for a ranged read of exactly that
 change set. Handles travel through checkpoint manifests, which are untrusted input: ``from_json``
-validates every field and every object key (:func:`dstl.blobstore.check_key`), so a handle can never
+validates every field and every object key (:func:`dstl.stores.base.check_key`), so a handle can never
 point outside the storage root.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dstl.blobstore import check_key
 from dstl.errors import UsageError
 from dstl.keygroups import KeyGroupRange
+from dstl.stores.base import check_key
 
 __all__ = ["ChangeSetRef", "ChangelogHandle"]
 

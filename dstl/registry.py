@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from dstl.blobstore import BlobStore
 from dstl.metrics import MetricsRegistry
+from dstl.stores.base import BlobStore
 
 __all__ = ["SegmentRegistry"]
 

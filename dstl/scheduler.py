@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dstl.blobstore import BlobStore, translate_error
 from dstl.errors import (
     ClosedError,
     DstlError,
@@ -46,23 +45,20 @@ from dstl.errors import (
     UploadTimeoutError,
 )
 from dstl.handle import ChangeSetRef
+from dstl.layout import segment_key
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
 from dstl.segment import ChangeSet, IndexEntry, encode_segment
+from dstl.stores.base import BlobStore, translate_error
 from dstl.timer import Timer, TimerHandle
 
-__all__ = ["BatchingUploadScheduler", "UploadTask", "segment_key"]
+__all__ = ["BatchingUploadScheduler", "UploadTask"]
 
 logger = logging.getLogger(__name__)
 
 SuccessCallback = Callable[[list[tuple[ChangeSet, ChangeSetRef]]], None]
 FailureCallback = Callable[[list[ChangeSet], BaseException], None]
-
-
-def segment_key(created_ms: int, storage_id: str, upload_no: int, attempt: int) -> str:
-    """Object key of one upload attempt; fixed width, so lexical order is creation order."""
-    return f"dstl/{created_ms:011x}-{storage_id}-{upload_no:08x}-{attempt:02x}.seg"
 
 
 @dataclass(slots=True)

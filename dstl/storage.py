@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from dstl.blobstore import BlobStore
 from dstl.errors import ClosedError, UsageError
 from dstl.keygroups import KeyGroupRange
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
 from dstl.scheduler import BatchingUploadScheduler
+from dstl.stores.base import BlobStore
 from dstl.timer import ThreadTimer, Timer
 from dstl.writer import ChangelogWriter
 
@@ -44,7 +44,7 @@ class ChangelogStorage:
         storage_options: passed to fsspec (e.g. S3 ``key``/``secret``/``client_kwargs``).
         filesystem: an fsspec filesystem instance to use instead of resolving ``base_uri``
             (wrappers that inject faults, count reads or add latency plug in here).
-        store: a ready :class:`~dstl.blobstore.BlobStore` (overrides the three above).
+        store: a ready :class:`~dstl.stores.base.BlobStore` (overrides the three above).
         timer: timer for delays and timeouts (tests pass a ``ManualTimer``).
         uploader: an upload scheduler to use instead of this process's batching scheduler (the
             executor agent's client); segments are then shared beyond this process, so this

@@ -62,6 +62,7 @@ from dstl.errors import (
 )
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange, key_group_for
+from dstl.layout import operator_dir, snapshot_key
 from dstl.metrics import MetricsRegistry
 from dstl.timer import ThreadTimer, Timer, TimerHandle
 from materializer.changes import (
@@ -88,7 +89,7 @@ from materializer.options import BackendOptions
 from materializer.states import STATE_CLASSES, StateDescriptor, StateShape, _State
 from materializer.table_marker import TableMarker, boundary_of
 
-__all__ = ["ChangelogKeyedStateBackend", "snapshot_key"]
+__all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class ChangelogKeyedStateBackend:
             from materializer.lmdb_table import LmdbStateTable
             if local_directory is None:
                 local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
-            env_dir = os.path.join(local_directory, _safe_dirname(operator_id))
+            env_dir = os.path.join(local_directory, operator_dir(operator_id))
             if clear_local:
                 shutil.rmtree(env_dir, ignore_errors=True)  # a restore starts from an empty table
             self._tables = LmdbStateTable(
@@ -786,7 +787,7 @@ class ChangelogKeyedStateBackend:
         self._meta_logged.clear()  # the log after up_to must describe its states again
         log_bytes = self._log_bytes_since_mat
         self._log_bytes_since_mat = 0
-        key = snapshot_key(self.operator_id, mat_id)
+        key = new_snapshot_key(self.operator_id, mat_id)
         encode = self._encode_entry if self._heap else None
 
         def run() -> None:
@@ -912,13 +913,8 @@ class ChangelogKeyedStateBackend:
         logger.info("backend %s closed", self.operator_id)
 
 
-def snapshot_key(operator_id: str, materialization_id: int) -> str:
-    """A new, unique object key for a snapshot of ``operator_id`` (creation-ordered names)."""
-    return (f"snapshots/{_safe_dirname(operator_id)}/"
-            f"{int(time.time() * 1000):011x}-{materialization_id:08x}-{secrets.token_hex(4)}.snap")
-
-
-def _safe_dirname(operator_id: str) -> str:
-    """A directory/object-name component for an operator id (no '/', no '..')."""
-    out = "".join(c if c.isalnum() or c in "-_." else "_" for c in operator_id)
-    return out.strip(".") or "op"
+def new_snapshot_key(operator_id: str, materialization_id: int) -> str:
+    """A new, unique object key for a snapshot of ``operator_id``: now, plus a random nonce
+    (the name itself is :func:`dstl.layout.snapshot_key`'s)."""
+    return snapshot_key(operator_id, materialization_id, int(time.time() * 1000),
+                        secrets.token_hex(4))

@@ -27,7 +27,7 @@ from typing import Any
 
 from dstl.errors import UsageError
 from dstl.keygroups import KeyGroupRange
-from materializer.backend import snapshot_key
+from materializer.backend import new_snapshot_key
 from materializer.handles import SnapshotRef
 from materializer.lmdb_table import LmdbStateTable
 from materializer.table_marker import TableMarker
@@ -65,7 +65,7 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     Args:
         directory: the table's LMDB environment directory.
         key_groups: the table's key-group range (checked against its marker).
-        store: the :class:`~dstl.blobstore.BlobStore` to upload to.
+        store: the :class:`~dstl.stores.base.BlobStore` to upload to.
         zstd_level: zstd level of the snapshot blocks.
         skip_boundary: a boundary already materialized (nothing new: skip).
 
@@ -105,7 +105,7 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     finally:
         table.close()
     data = b"".join(parts)
-    key = snapshot_key(marker.operator_id, mat_id)
+    key = new_snapshot_key(marker.operator_id, mat_id)
     store.put(key, data)
     duration = time.monotonic() - t0
     logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "

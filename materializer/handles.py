@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dstl.blobstore import check_key
 from dstl.errors import UsageError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
+from dstl.stores.base import check_key
 
 __all__ = ["ChangelogStateBackendHandle", "SnapshotRef"]
 

@@ -195,7 +195,7 @@ class BytesSource:
 
 
 class BlobRangeSource:
-    """Ranged reads of one object of a :class:`dstl.blobstore.BlobStore`-like store."""
+    """Ranged reads of one object of a :class:`dstl.stores.base.BlobStore`-like store."""
 
     def __init__(self, store: Any, key: str, size: int | None = None) -> None:
         self._store = store

@@ -73,7 +73,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
-from dstl.blobstore import BlobStore, check_key
 from dstl.errors import (
     CacheError,
     CacheFullError,
@@ -87,6 +86,7 @@ from dstl.errors import (
     TruncatedObjectError,
     UsageError,
 )
+from dstl.stores.base import BlobStore, check_key
 from dstl.stores.local import write_new_file_durably
 from dstl.timer import ThreadTimer, Timer, TimerHandle
 

@@ -27,10 +27,10 @@ from collections.abc import Container, Iterator
 from types import TracebackType
 from typing import Any, Protocol, cast
 
-from dstl.blobstore import BlobStore
 from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import decode_record, decode_segment, iter_body_changes
+from dstl.stores.base import BlobStore
 from restore.cache import LocalFileCache, Verify
 
 __all__ = ["VERIFIERS", "ChangelogReader", "LeaseLike", "LeasingCache", "RecordSource",
@@ -154,7 +154,7 @@ class ChangelogReader:
 
     Args:
         storage: a :class:`~dstl.ChangelogStorage` (or anything with a ``store`` attribute), or a
-            :class:`~dstl.blobstore.BlobStore`.
+            :class:`~dstl.stores.base.BlobStore`.
         cache: a :class:`~restore.cache.LocalFileCache` or any other :class:`LeasingCache`
             (an object with ``lease(store, key, *, verify=None, size_hint=None)``; each segment
             is read whole, once per cache), any :class:`RecordSource`, or ``None`` to read ranges

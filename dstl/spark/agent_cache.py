@@ -52,7 +52,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from dstl.blobstore import BlobStore
 from dstl.errors import (
     CacheError,
     ClosedError,
@@ -63,6 +62,7 @@ from dstl.errors import (
 )
 from dstl.options import DstlOptions
 from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, store_fields
+from dstl.stores.base import BlobStore
 from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, Lease, LocalFileCache, OnFull, Verify
 from restore.reader import VERIFIERS
 

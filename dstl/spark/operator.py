@@ -8,7 +8,7 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
 2. ``mapInArrow`` runs one task per partition (:func:`dstl.spark.task.run_partition`): state in an
    executor-local table, restored from the base checkpoint on a miss, the batch's changes made
    durable before the task returns, one metadata row per task with its backend handle.
-3. The driver's :class:`~dstl.coordinator.CheckpointCoordinator` collects the acknowledgements and
+3. The driver's :class:`~dstl.checkpoint.CheckpointCoordinator` collects the acknowledgements and
    writes the manifest for ``checkpoint_id = batch_id`` (the commit point; a re-run of a batch id
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and
    deletes what no retained checkpoint needs.
@@ -113,7 +113,7 @@ class DstlStatefulOperator:
     def _ensure_ready(self, spark: Any) -> None:
         if self._coordinator is not None:
             return
-        from dstl.coordinator import CheckpointCoordinator
+        from dstl.checkpoint import CheckpointCoordinator
         from dstl.spark.task import META_COLUMN, OperatorConfig
         from dstl.stores import open_store
 

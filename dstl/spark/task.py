@@ -51,6 +51,7 @@ from typing import Any
 
 from dstl.errors import BackendFailedError, CorruptObjectError
 from dstl.keygroups import KeyGroupRange
+from dstl.layout import operator_dir
 from dstl.options import DstlOptions
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
@@ -129,7 +130,7 @@ class _Runtime:
         self.storage = ChangelogStorage(cfg.state_uri, options=cfg.dstl_options,
                                         storage_options=cfg.storage_options, uploader=uploader)
         base = cfg.local_dir or executor_dir
-        self.local_dir = os.path.join(base, "dstl", _safe(cfg.name))
+        self.local_dir = os.path.join(base, "dstl", operator_dir(cfg.name))
         os.makedirs(self.local_dir, exist_ok=True)
         self.cache: Any
         if self.agent is not None:
@@ -197,10 +198,6 @@ def _runtime(cfg: OperatorConfig) -> _Runtime:
         if rt is None or rt.pid != os.getpid():  # never reuse across fork
             rt = _RUNTIMES[key] = _Runtime(cfg)
         return rt
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "op"
 
 
 def _close_quietly(slot: _Slot) -> None:

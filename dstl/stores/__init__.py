@@ -1,4 +1,12 @@
-"""Blob store backends and :func:`open_store`, which picks one from a base URI.
+"""The storage seam and every store behind it, plus :func:`open_store`, which picks one from a
+base URI.
+
+- :mod:`dstl.stores.base` — the :class:`BlobStore` protocol, :class:`ObjectInfo`,
+  :func:`check_key` and the one error-translation place (:func:`translate_error`,
+  :func:`is_retryable`);
+- :mod:`dstl.stores.memory` — :class:`MemoryBlobStore`, the reference implementation;
+- :mod:`dstl.stores.local` — :class:`LocalBlobStore`;
+- :mod:`dstl.stores.fsspec_store` — :class:`FsspecBlobStore`.
 
 =====================  ====================================================================
 ``base_uri``           store
@@ -31,13 +39,15 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from dstl.blobstore import BlobStore, MemoryBlobStore
 from dstl.errors import ConfigError
+from dstl.stores.base import BlobStore, ObjectInfo, check_key, is_retryable, translate_error
 from dstl.stores.fsspec_store import FsspecBlobStore
 from dstl.stores.local import LocalBlobStore
+from dstl.stores.memory import MemoryBlobStore
 
-__all__ = ["SUPPORTED_SCHEMES", "FsspecBlobStore", "LocalBlobStore", "MemoryBlobStore",
-           "open_store"]
+__all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "LocalBlobStore",
+           "MemoryBlobStore", "ObjectInfo", "check_key", "is_retryable", "open_store",
+           "translate_error"]
 
 SUPPORTED_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs")
 _SUPPORTED_TEXT = ("a local path or a URI with one of the schemes "

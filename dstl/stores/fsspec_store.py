@@ -20,7 +20,7 @@ Retries: read-side operations (``get``, ``get_range``, ``head``, ``list``) are r
 :class:`~dstl.errors.TransientStorageError`, up to ``read_attempts`` attempts with a short backoff,
 because their callers (restore, the cache) have no retry loop of their own. Writes and deletes are
 NOT retried here: the upload scheduler owns write retries and counts attempts. Every exception
-passes through :func:`dstl.blobstore.translate_error`.
+passes through :func:`dstl.stores.base.translate_error`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any, TypeVar, cast
 
 import fsspec
 
-from dstl.blobstore import ObjectInfo, check_key, translate_error
 from dstl.errors import (
     AccessDeniedError,
     ClosedError,
@@ -44,6 +43,7 @@ from dstl.errors import (
     TransientStorageError,
     UsageError,
 )
+from dstl.stores.base import ObjectInfo, check_key, translate_error
 
 __all__ = ["DEFAULT_READ_BACKOFF_S", "FsspecBlobStore"]
 
@@ -66,7 +66,7 @@ def _takes_mode(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 class FsspecBlobStore:
-    """A :class:`~dstl.blobstore.BlobStore` over an fsspec filesystem (see the module docstring).
+    """A :class:`~dstl.stores.base.BlobStore` over an fsspec filesystem (see the module docstring).
 
     Args:
         fs: the filesystem. Its credentials stay inside it; they never reach messages or logs.

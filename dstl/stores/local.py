@@ -17,7 +17,7 @@ must not be shared between hosts or pid namespaces (the liveness check sees loca
 Deleting objects leaves empty directories behind on purpose: pruning them would race with a
 concurrent ``put`` that has just created the same directory.
 
-All ``OSError`` s are translated by :func:`dstl.blobstore.translate_error` (``ENOSPC``/``EFBIG`` ->
+All ``OSError`` s are translated by :func:`dstl.stores.base.translate_error` (``ENOSPC``/``EFBIG`` ->
 :class:`~dstl.errors.LocalDiskFullError`, not retried).
 """
 
@@ -32,7 +32,6 @@ import stat
 import threading
 from collections.abc import Iterable, Iterator
 
-from dstl.blobstore import ObjectInfo, check_key, translate_error
 from dstl.errors import (
     AccessDeniedError,
     ClosedError,
@@ -42,6 +41,7 @@ from dstl.errors import (
     UnsafePathError,
     UsageError,
 )
+from dstl.stores.base import ObjectInfo, check_key, translate_error
 
 __all__ = ["LocalBlobStore"]
 
@@ -88,7 +88,7 @@ def write_new_file_durably(path: str, data: bytes, mode: int) -> None:
 
 
 class LocalBlobStore:
-    """A :class:`~dstl.blobstore.BlobStore` on local disk (see the module docstring).
+    """A :class:`~dstl.stores.base.BlobStore` on local disk (see the module docstring).
 
     Thread-safe: operations share no mutable state besides the closed flag.
 

@@ -2,7 +2,7 @@
 
 Backends: MemoryBlobStore (the reference), LocalBlobStore, FsspecBlobStore over fsspec's memory
 and local filesystems, and FsspecBlobStore over s3fs on a moto server (marker ``s3``). The
-semantics are those of the ``dstl.blobstore`` module docstring. LocalBlobStore-specific
+semantics are those of the ``dstl.stores.base`` module docstring. LocalBlobStore-specific
 durability rules (temp files, stale temp cleanup, atomic write-once) follow the suite.
 """
 
@@ -22,9 +22,15 @@ import pytest
 from support import moto_server
 from support.moto_server import s3_storage_options
 
-from dstl.blobstore import BlobStore, MemoryBlobStore, ObjectInfo
 from dstl.errors import ObjectExistsError, ObjectNotFoundError, UnsafePathError
-from dstl.stores import FsspecBlobStore, LocalBlobStore, open_store
+from dstl.stores import (
+    BlobStore,
+    FsspecBlobStore,
+    LocalBlobStore,
+    MemoryBlobStore,
+    ObjectInfo,
+    open_store,
+)
 
 # Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
 # parameters of the same name do not shadow an import.

@@ -22,7 +22,6 @@ from support.faulty_fs import FaultyFileSystem, permanent_error, retryable_error
 from support.segments import make_change_set
 
 from dstl import KeyGroupRange
-from dstl.blobstore import BlobStore, MemoryBlobStore, ObjectInfo
 from dstl.errors import (
     AccessDeniedError,
     CacheFullError,
@@ -32,7 +31,7 @@ from dstl.errors import (
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import encode_segment
-from dstl.stores import FsspecBlobStore
+from dstl.stores import BlobStore, FsspecBlobStore, MemoryBlobStore, ObjectInfo
 from dstl.timer import ManualTimer
 from restore import ChangelogReader, LocalFileCache, verify_segment
 
@@ -248,7 +247,7 @@ def test_a_local_file_damaged_after_download_is_detected_by_the_reader(
 
 _DISK_FULL_SCRIPT = textwrap.dedent("""
     import json, os, resource, signal, sys
-    from dstl.blobstore import MemoryBlobStore
+    from dstl.stores import MemoryBlobStore
     from dstl.errors import CacheFullError
     from dstl.timer import ManualTimer
     from restore import LocalFileCache

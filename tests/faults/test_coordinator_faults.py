@@ -16,10 +16,9 @@ import fsspec
 import pytest
 from support.faulty_fs import FaultyFileSystem, permanent_error, retryable_error
 
-from dstl.coordinator import CheckpointCommitError, CheckpointCoordinator
+from dstl.checkpoint.coordinator import CheckpointCommitError, CheckpointCoordinator
 from dstl.errors import AccessDeniedError, StorageError, TransientStorageError
-from dstl.manifest import manifest_key
-from dstl.scheduler import segment_key
+from dstl.layout import manifest_key, segment_key
 from dstl.stores import FsspecBlobStore
 
 T0_MS = 1_700_000_000_000

@@ -26,14 +26,13 @@ from support import moto_server
 from support.faulty_fs import FaultyFileSystem, permanent_error
 from support.moto_server import s3_storage_options
 
-from dstl.blobstore import is_retryable
 from dstl.errors import (
     AccessDeniedError,
     LocalDiskFullError,
     ObjectExistsError,
     TransientStorageError,
 )
-from dstl.stores import FsspecBlobStore, LocalBlobStore, open_store
+from dstl.stores import FsspecBlobStore, LocalBlobStore, is_retryable, open_store
 
 # Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
 # parameters of the same name do not shadow an import.

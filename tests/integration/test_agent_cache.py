@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
-from dstl.blobstore import BlobStore
 from dstl.errors import (
     ClosedError,
     CorruptObjectError,
@@ -34,6 +33,7 @@ from dstl.errors import (
 from dstl.handle import ChangelogHandle
 from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, ensure_agent
 from dstl.spark.agent_cache import AgentCache, AgentCacheService, AgentLease
+from dstl.stores import BlobStore
 from dstl.timer import ManualTimer
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.options import BackendOptions

@@ -11,9 +11,8 @@ import pytest
 from support import moto_server
 from support.moto_server import s3_storage_options
 
-from dstl.coordinator import CheckpointCoordinator
-from dstl.manifest import manifest_key
-from dstl.scheduler import segment_key
+from dstl.checkpoint.coordinator import CheckpointCoordinator
+from dstl.layout import manifest_key, segment_key
 from dstl.stores import open_store
 
 pytestmark = pytest.mark.s3

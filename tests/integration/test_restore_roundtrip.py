@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
-from dstl.blobstore import MemoryBlobStore
 from dstl.errors import CorruptObjectError, ObjectNotFoundError
+from dstl.stores import MemoryBlobStore
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle
 from materializer.options import BackendOptions

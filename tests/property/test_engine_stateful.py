@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.blobstore import MemoryBlobStore
+from dstl.stores import MemoryBlobStore
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle
 from materializer.options import BackendOptions

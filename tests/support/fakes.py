@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 
-from dstl.blobstore import MemoryBlobStore, ObjectInfo
+from dstl.stores import MemoryBlobStore, ObjectInfo
 
 
 class DelegatingStore:

@@ -13,9 +13,9 @@ import pytest
 from support.fakes import DelegatingStore, ScriptedStore
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
-from dstl.blobstore import MemoryBlobStore
 from dstl.errors import BackendFailedError, KeyGroupError, UsageError
 from dstl.handle import ChangelogHandle
+from dstl.stores import MemoryBlobStore
 from dstl.timer import ManualTimer
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.changes import (

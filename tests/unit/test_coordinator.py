@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from support.fakes import DelegatingStore
 
-from dstl.coordinator import (
+from dstl.checkpoint.coordinator import (
     AbortedCheckpoint,
     CheckpointCoordinator,
     CheckpointListener,
     Completion,
 )
+from dstl.checkpoint.manifest import Manifest, TaskEntry, decode_manifest
 from dstl.errors import (
     ChecksumMismatchError,
     ClosedError,
@@ -30,8 +31,7 @@ from dstl.errors import (
     UnsafePathError,
     UsageError,
 )
-from dstl.manifest import Manifest, TaskEntry, decode_manifest, manifest_key
-from dstl.scheduler import segment_key
+from dstl.layout import manifest_key, segment_key
 
 T0_MS = 1_700_000_000_000
 TASKS = ("op/0", "op/1")
@@ -381,7 +381,7 @@ def test_a_failing_listener_does_not_undo_the_commit(store: RecordingStore, cloc
 
     recorder = Recorder()
     coord = coordinator(store, clock, listeners=[Broken(), recorder])
-    with caplog.at_level(logging.ERROR, logger="dstl.coordinator"):
+    with caplog.at_level(logging.ERROR, logger="dstl.checkpoint.coordinator"):
         assert run_checkpoint(coord, {"t": []})
     assert recorder.events == [("complete", 1, 1)]
     assert "listener bug" in caplog.text

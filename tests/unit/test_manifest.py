@@ -1,4 +1,5 @@
-"""The manifest codec and the retention planner (pure: no store, no clock).
+"""The manifest codec (dstl.checkpoint.manifest), the retention planner (dstl.checkpoint.retention)
+and the manifest names (dstl.layout); all pure: no store, no clock.
 
 Decoding treats a manifest as untrusted input: malformed, unsafe or damaged manifests raise typed
 errors naming the manifest and the field; every single-bit flip is detected. The planner property
@@ -17,6 +18,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dstl.checkpoint.manifest import (
+    CorruptManifestError,
+    Manifest,
+    TaskEntry,
+    UnsafeManifestKeyError,
+    decode_manifest,
+)
+from dstl.checkpoint.retention import CheckpointRefs, plan_retention
 from dstl.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -24,20 +33,13 @@ from dstl.errors import (
     UnsupportedFormatError,
     UsageError,
 )
-from dstl.manifest import (
+from dstl.layout import (
     MAX_CHECKPOINT_ID,
-    CheckpointRefs,
-    CorruptManifestError,
-    Manifest,
-    TaskEntry,
-    UnsafeManifestKeyError,
     created_ms_of,
-    decode_manifest,
     manifest_key,
     parse_manifest_key,
-    plan_retention,
+    segment_key,
 )
-from dstl.scheduler import segment_key
 
 SEG_A = segment_key(0x18F00000000, "a1b2c3d4e5f6", 1, 0)
 SEG_B = segment_key(0x18F00000001, "a1b2c3d4e5f6", 2, 1)
@@ -267,7 +269,7 @@ def test_non_canonical_text_is_detected_even_with_a_valid_crc() -> None:
 
 
 def test_oversized_manifest_is_rejected_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dstl.manifest as manifest_mod
+    import dstl.checkpoint.manifest as manifest_mod
 
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(CorruptObjectError, match="larger than the manifest limit"):

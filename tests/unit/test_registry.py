@@ -7,9 +7,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from dstl.blobstore import MemoryBlobStore
 from dstl.metrics import MetricsRegistry
 from dstl.registry import SegmentRegistry
+from dstl.stores import MemoryBlobStore
 
 
 class _Inline:

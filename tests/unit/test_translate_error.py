@@ -21,7 +21,6 @@ from fsspec.exceptions import FSTimeoutError
 from support import moto_server
 from support.moto_server import DUMMY_SECRET, s3_storage_options
 
-from dstl.blobstore import is_retryable, translate_error
 from dstl.errors import (
     AccessDeniedError,
     DstlError,
@@ -31,6 +30,7 @@ from dstl.errors import (
     StorageError,
     TransientStorageError,
 )
+from dstl.stores import is_retryable, translate_error
 
 # Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
 # parameters of the same name do not shadow an import.

@@ -4,8 +4,10 @@ Theory of operation
 -------------------
 Engine-agnostic (Flink's ``CheckpointCoordinator`` + ``SharedStateRegistry``, seed 004): the
 engine integration (``dstl.spark``) calls it on the driver; it knows only task ids, opaque state
-handles and object keys. The pure parts — the manifest codec and the retention planner — live in
-:mod:`dstl.manifest`; this module adds the store calls, the lock, the clock and the listeners.
+handles and object keys. The pure parts live beside it — the manifest codec in
+:mod:`dstl.checkpoint.manifest`, the retention planner in :mod:`dstl.checkpoint.retention`, the
+object names in :mod:`dstl.layout`; this module adds the store calls, the lock, the clock and the
+listeners.
 
 1. **Trigger.** :meth:`CheckpointCoordinator.trigger` opens a *pending* checkpoint for a set of
    tasks. Ids grow strictly when the coordinator picks them; an explicit id may repeat the last
@@ -21,7 +23,7 @@ handles and object keys. The pure parts — the manifest codec and the retention
    acknowledgements and raises :class:`CheckpointCommitError`;
    :meth:`~CheckpointCoordinator.complete` retries it under the next attempt number (the failed
    put may have landed: write-once names are never reused).
-4. **Retention.** :func:`dstl.manifest.plan_retention` keeps the newest ``retained`` checkpoint
+4. **Retention.** :func:`dstl.checkpoint.retention.plan_retention` keeps the newest ``retained`` checkpoint
    ids and returns the subsumed manifests and the objects no retained or pending checkpoint
    references. They are *doomed*: deleted by :meth:`~CheckpointCoordinator.run_deletions`,
    manifests FIRST and objects only after every doomed manifest is gone, so a crash or a failed
@@ -63,7 +65,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from dstl.blobstore import BlobStore
+from dstl.checkpoint.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    TaskEntry,
+    decode_manifest,
+    validate_id,
+)
+from dstl.checkpoint.retention import plan_retention
 from dstl.errors import (
     ClosedError,
     ConfigError,
@@ -73,21 +82,16 @@ from dstl.errors import (
     StorageError,
     UsageError,
 )
-from dstl.manifest import (
+from dstl.layout import (
     MANIFEST_PREFIX,
     MAX_ATTEMPT,
     MAX_CHECKPOINT_ID,
-    MAX_MANIFEST_BYTES,
     REFERENCE_PREFIXES,
-    Manifest,
-    TaskEntry,
     created_ms_of,
-    decode_manifest,
     parse_manifest_key,
-    plan_retention,
-    validate_id,
 )
 from dstl.metrics import MetricsRegistry
+from dstl.stores.base import BlobStore
 
 __all__ = [
     "DEFAULT_RETAINED",

@@ -1,4 +1,4 @@
-"""Checkpoint manifests and the retention planner — pure values in, values out, no I/O.
+"""The checkpoint manifest codec — pure values in, values out, no I/O.
 
 Theory of operation
 -------------------
@@ -10,7 +10,8 @@ again (Spark re-runs a micro-batch, or a failed manifest put is retried) gets a 
     checkpoints/{checkpoint_id:016x}-{attempt:04x}.manifest      attempt = 1, 2, ...
 
 Names are fixed-width lowercase hex, so lexical order is numeric order: a reader takes the highest
-attempt of the highest checkpoint id (:func:`parse_manifest_key` recognises the names).
+attempt of the highest checkpoint id. The names are made and recognised by :mod:`dstl.layout`
+(:func:`~dstl.layout.manifest_key`, :func:`~dstl.layout.parse_manifest_key`).
 
 **Encoding.** One canonical JSON document (sorted keys, no whitespace, ASCII only, no NaN/Infinity)
 plus a newline::
@@ -28,7 +29,8 @@ JSON (no NaN/Infinity, bounded nesting), format and version (:class:`Unsupported
 CRC (:class:`ChecksumMismatchError`), canonical form (so that *every* altered byte is detected,
 not only those the CRC covers), then every field's type and range and the cross-field rules
 (:class:`CorruptManifestError` naming the field). Every referenced key goes through
-:func:`~dstl.blobstore.check_key` and must lie under ``dstl/`` or ``snapshots/``
+:func:`~dstl.stores.base.check_key` and must lie under ``dstl/`` or ``snapshots/``
+(:data:`dstl.layout.REFERENCE_PREFIXES`)
 (:class:`UnsafeManifestKeyError`), so a manifest can neither point outside the storage root nor
 make the coordinator delete anything but segments and snapshots. All of these are
 :class:`~dstl.errors.CorruptObjectError` s naming the manifest's key.
@@ -37,15 +39,8 @@ Building a manifest from caller values (:meth:`Manifest.build`, :class:`TaskEntr
 same rules but raises :class:`~dstl.errors.UsageError` (:class:`~dstl.errors.UnsafePathError` for
 keys): then it is the caller's mistake, not damaged data.
 
-**Retention** (:func:`plan_retention`) is by checkpoint id, never by wall-clock time. Given the
-retained checkpoints, the key sets of pending (in-flight) checkpoints and a new completion, it
-keeps the newest ``retain`` checkpoint ids (a new attempt of a retained id *replaces* the older
-attempt), and says which manifests to delete (every subsumed one) and which objects to delete:
-exactly those referenced by a subsumed checkpoint (or left over from an earlier plan) that NO
-retained and NO pending checkpoint references. Keys protected only by a pending checkpoint are
-returned as ``deferred_objects`` for the caller to pass back in next time, so nothing unreferenced
-stays once the pending checkpoint is gone (G5). The caller deletes manifests first, then objects:
-a crash in between leaves only orphans, never a manifest naming deleted data.
+What a completion keeps and deletes is decided from the manifests' key sets by
+:mod:`dstl.checkpoint.retention`.
 """
 
 from __future__ import annotations
@@ -54,11 +49,11 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from dstl.blobstore import check_key
+from dstl.checkpoint.retention import CheckpointRefs
 from dstl.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -66,53 +61,39 @@ from dstl.errors import (
     UnsupportedFormatError,
     UsageError,
 )
+from dstl.layout import (
+    MAX_ATTEMPT,
+    MAX_CHECKPOINT_ID,
+    REFERENCE_PREFIXES,
+    manifest_key,
+    parse_manifest_key,
+)
+from dstl.stores.base import check_key
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MANIFEST_PREFIX",
-    "MAX_ATTEMPT",
-    "MAX_CHECKPOINT_ID",
     "MAX_MANIFEST_BYTES",
-    "REFERENCE_PREFIXES",
-    "CheckpointRefs",
     "CheckpointStats",
     "CorruptManifestError",
     "Manifest",
-    "RetentionPlan",
     "TaskEntry",
     "UnsafeManifestKeyError",
-    "created_ms_of",
     "decode_manifest",
     "encode_manifest",
-    "manifest_key",
-    "parse_manifest_key",
-    "plan_retention",
     "validate_id",
 ]
 
-#: Where manifests live (store layout in DESIGN.md).
-MANIFEST_PREFIX = "checkpoints/"
 #: Value of the top-level ``format`` field.
 FORMAT_NAME = "dstl-manifest"
 #: The manifest format this build writes and reads.
 FORMAT_VERSION = 1
-#: Referenced objects must live under one of these: segments and materialized snapshots. Nothing
-#: else in the root (manifests, other applications' files) can be named, and so deleted.
-REFERENCE_PREFIXES: tuple[str, ...] = ("dstl/", "snapshots/")
-#: 16 hex digits in the name.
-MAX_CHECKPOINT_ID = 16**16 - 1
-#: 4 hex digits in the name; attempts start at 1.
-MAX_ATTEMPT = 16**4 - 1
 #: Larger manifests are rejected before parsing (untrusted input must not exhaust memory). A
 #: manifest holds keys and small handles; 10 000 tasks x 100 keys stay well below this.
 MAX_MANIFEST_BYTES = 64 << 20
 #: Ids, task ids and job ids longer than this are rejected (they end up in messages and logs).
 MAX_ID_CHARS = 1024
 
-_MANIFEST_NAME = re.compile(r"checkpoints/([0-9a-f]{16})-([0-9a-f]{4})\.manifest")
-#: Segment and snapshot names start with the creation time in epoch ms, 11 hex digits.
-_CREATED_PREFIX = re.compile(r"([0-9a-f]{11})-")
 _TOP_FIELDS = frozenset({"body", "crc32", "format", "version"})
 _BODY_FIELDS = frozenset({"attempt", "checkpoint_id", "created_ms", "job_id", "stats", "tasks"})
 _TASK_FIELDS = frozenset({"full_size", "incremental_size", "referenced_keys", "state",
@@ -163,39 +144,6 @@ class UnsafeManifestKeyError(CorruptManifestError, UnsafePathError):
             self, f"{key} at offset 0: manifest field {field}: object key {object_key!r} is "
                   f"not allowed: {reason} (manifests may only name keys below dstl/ or "
                   "snapshots/ of the storage root; do not restore from this manifest)")
-
-
-# --------------------------------------------------------------------------- names
-
-
-def manifest_key(checkpoint_id: int, attempt: int) -> str:
-    """The object key of one manifest attempt.
-
-    Raises:
-        UsageError: the id or attempt does not fit the fixed-width name.
-    """
-    _check_int_range(checkpoint_id, 0, MAX_CHECKPOINT_ID, "checkpoint_id", _usage)
-    _check_int_range(attempt, 1, MAX_ATTEMPT, "attempt", _usage)
-    return f"{MANIFEST_PREFIX}{checkpoint_id:016x}-{attempt:04x}.manifest"
-
-
-def parse_manifest_key(key: str) -> tuple[int, int] | None:
-    """``(checkpoint_id, attempt)`` of a manifest key, or ``None`` if ``key`` is not one."""
-    match = _MANIFEST_NAME.fullmatch(key)
-    if match is None:
-        return None
-    attempt = int(match.group(2), 16)
-    return (int(match.group(1), 16), attempt) if attempt >= 1 else None
-
-
-def created_ms_of(key: str) -> int | None:
-    """Creation time (epoch ms) encoded at the start of an object's base name, or ``None``.
-
-    Segments are named ``dstl/{created_ms:011x}-...`` (:func:`dstl.scheduler.segment_key`);
-    snapshots follow the same rule for their base name (``snapshots/.../{created_ms:011x}-...``).
-    """
-    match = _CREATED_PREFIX.match(key.rpartition("/")[2])
-    return None if match is None else int(match.group(1), 16)
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -342,23 +290,6 @@ class CheckpointStats:
         return {"trigger_ms": self.trigger_ms, "duration_ms": self.duration_ms,
                 "ack_latency_ms": dict(self.ack_latency_ms), "full_size": self.full_size,
                 "incremental_size": self.incremental_size}
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRefs:
-    """What the retention planner needs to know about a checkpoint: its name and its keys."""
-
-    checkpoint_id: int
-    attempt: int
-    keys: frozenset[str]
-
-    @property
-    def manifest_key(self) -> str:
-        return manifest_key(self.checkpoint_id, self.attempt)
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return (self.checkpoint_id, self.attempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,80 +537,3 @@ def _decode_body(body: dict[str, Any], key: str, fail: _Fail) -> Manifest:
                                    f"{m.attempt}, the object name says {named[0]} attempt "
                                    f"{named[1]} (copied or renamed?)")
     return m
-
-
-# --------------------------------------------------------------------------- retention planner
-
-
-@dataclass(frozen=True, slots=True)
-class RetentionPlan:
-    """What a completion changes (see :func:`plan_retention`).
-
-    Attributes:
-        retained: the checkpoints to keep, oldest first; the new completion is last.
-        subsumed: checkpoints dropped by this completion, oldest first (including an older
-            attempt of the completed checkpoint id, which the new attempt replaces).
-        delete_manifests: manifest keys to delete — FIRST.
-        delete_objects: object keys to delete after the manifests, sorted: no retained and no
-            pending checkpoint references them.
-        deferred_objects: keys that would be deleted but a pending checkpoint references them;
-            pass them back as ``doomed_objects`` on the next plan.
-    """
-
-    retained: tuple[CheckpointRefs, ...]
-    subsumed: tuple[CheckpointRefs, ...]
-    delete_manifests: tuple[str, ...]
-    delete_objects: tuple[str, ...]
-    deferred_objects: tuple[str, ...]
-
-
-def plan_retention(retained: Sequence[CheckpointRefs], completed: CheckpointRefs, *,
-                   retain: int, pending: Iterable[Collection[str]] = (),
-                   doomed_objects: Iterable[str] = ()) -> RetentionPlan:
-    """Decide what a completed checkpoint subsumes and what may be deleted. Pure.
-
-    Rules: a new attempt of a retained checkpoint id replaces the older attempt; then the newest
-    ``retain`` checkpoint ids stay and the rest are subsumed. An object is deleted iff it is
-    referenced by a subsumed checkpoint or listed in ``doomed_objects``, and by no retained and no
-    pending checkpoint. Time plays no part.
-
-    Args:
-        retained: the currently retained checkpoints (any order).
-        completed: the checkpoint just committed; it must be newer than every retained one
-            (same id with a higher attempt counts as newer).
-        retain: how many checkpoint ids to keep (>= 1).
-        pending: the key sets of in-flight checkpoints (what their tasks acknowledged so far).
-        doomed_objects: keys left over from earlier plans (deferred, or whose deletion failed).
-
-    Returns:
-        The plan.
-
-    Raises:
-        UsageError: ``retain`` < 1, ``completed`` is not newer than every retained checkpoint,
-            or ``retained`` names one checkpoint id twice.
-    """
-    if not isinstance(retain, int) or isinstance(retain, bool) or retain < 1:
-        raise UsageError(f"plan_retention: retain={retain!r} must be an integer >= 1")
-    ids = [r.checkpoint_id for r in retained]
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"plan_retention: retained names a checkpoint id twice: {sorted(ids)}")
-    newest = max((r.order for r in retained), default=None)
-    if newest is not None and completed.order <= newest:
-        raise UsageError(f"plan_retention: completed checkpoint {completed.order} is not newer "
-                         f"than the newest retained checkpoint {newest}")
-    replaced = [r for r in retained if r.checkpoint_id == completed.checkpoint_id]
-    kept = [*sorted((r for r in retained if r.checkpoint_id != completed.checkpoint_id),
-                    key=lambda r: r.order), completed]
-    subsumed = sorted(kept[:-retain] + replaced, key=lambda r: r.order)
-    kept = kept[-retain:]
-    retained_refs = frozenset().union(*(r.keys for r in kept))
-    pending_refs = frozenset().union(*(frozenset(p) for p in pending))
-    candidates = frozenset().union(*(r.keys for r in subsumed)) | frozenset(doomed_objects)
-    unreferenced = candidates - retained_refs
-    return RetentionPlan(
-        retained=tuple(kept),
-        subsumed=tuple(subsumed),
-        delete_manifests=tuple(r.manifest_key for r in subsumed),
-        delete_objects=tuple(sorted(unreferenced - pending_refs)),
-        deferred_objects=tuple(sorted(unreferenced & pending_refs)),
-    )

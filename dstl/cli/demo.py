@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
+from dstl.layout import SEGMENT_PREFIX
 from dstl.options import DstlOptions
 from dstl.storage import ChangelogStorage
 from dstl.writer import ChangelogWriter
@@ -129,7 +130,7 @@ def run(argv: list[str] | None = None) -> int:
             changes += len(got)
         m = storage.metrics()
         lat = sorted(x for b in backends for x in b.latencies_s)
-        segments = list(storage.store.list("dstl/"))
+        segments = list(storage.store.list(SEGMENT_PREFIX))
         checkpoints = len(backends[0].handles)
         print()
         print(f"{'changes appended':<34}{sum(len(b.appended) for b in backends):>14,}")

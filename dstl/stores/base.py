@@ -12,10 +12,11 @@ Six operations, object-store semantics (keys are ``/``-separated relative paths 
 - ``list(prefix)`` — objects whose key starts with ``prefix``, sorted by key.
 - ``delete(keys)`` — idempotent (missing keys are fine).
 
-Implementations: :class:`MemoryBlobStore` (reference, tests), ``LocalBlobStore`` (durable local
-disk: temp file, fsync, atomic publish, directory fsync) and ``FsspecBlobStore`` (S3 via s3fs,
-HDFS via fsspec's Arrow filesystem, memory, or any injected fsspec filesystem) in
-:mod:`dstl.stores`. One contract test suite (``tests/contract``) runs against all of them.
+Implementations (all in :mod:`dstl.stores`): ``MemoryBlobStore`` (:mod:`dstl.stores.memory`,
+reference, tests), ``LocalBlobStore`` (:mod:`dstl.stores.local`: durable local disk: temp file,
+fsync, atomic publish, directory fsync) and ``FsspecBlobStore`` (:mod:`dstl.stores.fsspec_store`:
+S3 via s3fs, HDFS via fsspec's Arrow filesystem, memory, or any injected fsspec filesystem). One
+contract test suite (``tests/contract``) runs against all of them.
 
 Third-party exceptions are translated in exactly one place, :func:`translate_error`, which also
 decides what is retryable (:func:`is_retryable`).
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import posixpath
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -43,7 +43,6 @@ from dstl.errors import (
 
 __all__ = [
     "BlobStore",
-    "MemoryBlobStore",
     "ObjectInfo",
     "check_key",
     "is_retryable",
@@ -249,57 +248,3 @@ def is_retryable(exc: BaseException) -> bool:
         return isinstance(exc, TransientStorageError)
     return isinstance(translate_error(exc, op="?", key=None, location="?"),
                       TransientStorageError)
-
-
-# --------------------------------------------------------------------------- memory store
-
-
-class MemoryBlobStore:
-    """A thread-safe in-memory :class:`BlobStore`; the reference implementation."""
-
-    def __init__(self, location: str = "memory://dstl") -> None:
-        self.location = location
-        self._objects: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    def put(self, key: str, data: bytes) -> None:
-        check_key(key)
-        with self._lock:
-            if key in self._objects:
-                raise ObjectExistsError(f"put {self.location}/{key}: object already exists "
-                                        "(write-once)", key=key)
-            self._objects[key] = bytes(data)
-
-    def get(self, key: str) -> bytes:
-        check_key(key)
-        with self._lock:
-            try:
-                return self._objects[key]
-            except KeyError:
-                raise ObjectNotFoundError(f"get {self.location}/{key}: object not found",
-                                          key=key) from None
-
-    def get_range(self, key: str, offset: int, length: int) -> bytes:
-        if offset < 0 or length < 0:
-            raise ValueError(f"bad range offset={offset} length={length}")
-        return self.get(key)[offset:offset + length]
-
-    def head(self, key: str) -> ObjectInfo | None:
-        check_key(key)
-        with self._lock:
-            data = self._objects.get(key)
-        return None if data is None else ObjectInfo(key, len(data))
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        with self._lock:
-            items = sorted((k, len(v)) for k, v in self._objects.items() if k.startswith(prefix))
-        return iter([ObjectInfo(k, n) for k, n in items])
-
-    def delete(self, keys: Iterable[str]) -> None:
-        keys = [check_key(k) for k in keys]
-        with self._lock:
-            for key in keys:
-                self._objects.pop(key, None)
-
-    def close(self) -> None:
-        """Nothing to release."""
