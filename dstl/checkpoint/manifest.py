@@ -30,9 +30,9 @@ CRC (:class:`ChecksumMismatchError`), canonical form (so that *every* altered by
 not only those the CRC covers), then every field's type and range and the cross-field rules
 (:class:`CorruptManifestError` naming the field). Every referenced key goes through
 :func:`~dstl.stores.base.check_key` and must lie under ``dstl/`` or ``snapshots/``
-(:data:`dstl.layout.REFERENCE_PREFIXES`)
-(:class:`UnsafeManifestKeyError`), so a manifest can neither point outside the storage root nor
-make the coordinator delete anything but segments and snapshots. All of these are
+(:data:`dstl.layout.REFERENCE_PREFIXES`; else :class:`UnsafeManifestKeyError`), so a manifest can
+neither point outside the storage root nor make the coordinator delete anything but segments and
+snapshots. All of these are
 :class:`~dstl.errors.CorruptObjectError` s naming the manifest's key.
 
 Building a manifest from caller values (:meth:`Manifest.build`, :class:`TaskEntry`) applies the
