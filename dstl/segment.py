@@ -11,6 +11,10 @@ wrong record is detected too. A trailer index (log id, sqn, key-group range, off
 count) and a footer with a CRC-32 over the whole object make the object self-describing and let a
 whole-object read verify every byte.
 
+The header, the record framing (length, CRC-32, zstd frame) and the trailer (object CRC, end
+magic) are the envelope every DSTL object shares, in :mod:`dstl.envelope`; this module adds the
+record body, the trailer index and the footer fields before the trailer.
+
 Layout (all integers big-endian; byte tables in ``docs/format.md``)::
 
     header   "DSTL" | u8 kind=1 | u8 version=1 | u16 flags=0                       8 bytes
@@ -34,21 +38,29 @@ never trigger a huge allocation); the record's log id and sqn equal what the han
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import zstandard
-
-from dstl.errors import (
-    ChecksumMismatchError,
-    CorruptObjectError,
-    TruncatedObjectError,
-    UnsupportedFormatError,
-    UsageError,
+from dstl.envelope import (
+    END_MAGIC,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    KIND_SEGMENT,
+    MAGIC,
+    RECORD_HEADER_SIZE,
+    ObjectFormat,
+    check_end_magic,
+    check_header,
+    check_min_size,
+    check_object_crc,
+    encode_header,
+    encode_record,
+    encode_trailer,
+    open_record,
 )
+from dstl.errors import CorruptObjectError, TruncatedObjectError, UsageError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,6 +68,10 @@ __all__ = [
     "FOOTER_SIZE",
     "KIND_SEGMENT",
     "MAGIC",
+    "END_MAGIC",
+    "RECORD_HEADER_SIZE",
+    "MAX_CHANGE_SET_BYTES",
+    "SEGMENT_FORMAT",
     "ChangeSet",
     "IndexEntry",
     "SegmentContents",
@@ -66,19 +82,16 @@ __all__ = [
     "iter_body_changes",
 ]
 
-MAGIC: Final = b"DSTL"
-END_MAGIC: Final = b"LTSD"
-KIND_SEGMENT: Final = 1
-FORMAT_VERSION: Final = 1
-HEADER_SIZE: Final = 8
 FOOTER_SIZE: Final = 24
-RECORD_HEADER_SIZE: Final = 8
 #: Refuse to decompress a change set above this size (a guard against a corrupt but CRC-valid
-#: frame from a foreign writer); the pre-emptive threshold keeps real change sets far below it.
+#: frame from a foreign writer); the pre-emptive threshold keeps real change sets far below it,
+#: and the encoder refuses to write one the decoder would refuse.
 MAX_CHANGE_SET_BYTES: Final = 1 << 31
+#: What the shared envelope (:mod:`dstl.envelope`) expects of a segment.
+SEGMENT_FORMAT: Final = ObjectFormat(
+    KIND_SEGMENT, "segment", MAX_CHANGE_SET_BYTES,
+    "keep DstlOptions.preemptive_persist_threshold_bytes and single payloads far below it")
 
-_HEADER = struct.Struct(">4sBBH")
-_REC = struct.Struct(">II")
 _BODY_HEAD_SQN = struct.Struct(">QI")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -155,28 +168,6 @@ def build_change_set(log_id: str, sqn: int, blocks: Mapping[int, bytes | bytearr
                      kgs[0] if kgs else 0, kgs[-1] if kgs else -1)
 
 
-_local = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    # ZstdCompressor objects are not safe for concurrent use; one per thread and level.
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
-    if cache is None:
-        cache = _local.cctx = {}
-    cctx = cache.get(level)
-    if cctx is None:
-        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True,
-                                                      write_content_size=True)
-    return cctx
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    dctx: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
-    if dctx is None:
-        dctx = _local.dctx = zstandard.ZstdDecompressor()
-    return dctx
-
-
 def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1
                    ) -> tuple[bytes, list[IndexEntry]]:
     """Encode change sets (of any writers) into one segment.
@@ -186,56 +177,43 @@ def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1
         ``(offset, length)`` is what a handle needs for a ranged read.
 
     Raises:
-        UsageError: no change sets (DSTL never writes empty objects).
+        UsageError: no change sets (DSTL never writes empty objects), or a change set above
+            :data:`MAX_CHANGE_SET_BYTES` (the decoder would refuse it).
     """
     if not change_sets:
         raise UsageError("refusing to encode an empty segment (no change sets)")
-    cctx = _compressor(zstd_level)
-    parts: list[bytes] = [_HEADER.pack(MAGIC, KIND_SEGMENT, FORMAT_VERSION, 0)]
+    parts: list[bytes] = [encode_header(SEGMENT_FORMAT)]
     entries: list[IndexEntry] = []
     pos = HEADER_SIZE
     for cs in change_sets:
-        frame = cctx.compress(cs.body)
-        parts.append(_REC.pack(len(frame), zlib.crc32(frame)))
-        parts.append(frame)
-        length = RECORD_HEADER_SIZE + len(frame)
-        entries.append(IndexEntry(cs.log_id, cs.sqn, cs.kg_min, cs.kg_max, pos, length,
+        record = encode_record(cs.body, SEGMENT_FORMAT, zstd_level=zstd_level,
+                               what=f"change set ({cs.log_id!r}, sqn {cs.sqn})")
+        parts.append(record)
+        entries.append(IndexEntry(cs.log_id, cs.sqn, cs.kg_min, cs.kg_max, pos, len(record),
                                   cs.change_count, cs.payload_bytes))
-        pos += length
-    index_parts = [_U32.pack(len(entries))]
-    for e in entries:
-        lid = e.log_id.encode("utf-8")
-        index_parts.append(_U16.pack(len(lid)))
-        index_parts.append(lid)
-        index_parts.append(_INDEX_FIXED.pack(e.sqn, e.kg_min, e.kg_max, e.offset, e.length,
-                                             e.change_count, e.payload_bytes))
-    index = b"".join(index_parts)
+        pos += len(record)
+    index = _encode_index(entries)
     parts.append(index)
     parts.append(_FOOTER_HEAD.pack(pos, len(index), len(entries)))
     crc = 0
     for p in parts:
         crc = zlib.crc32(p, crc)
-    parts.append(_U32.pack(crc))
-    parts.append(END_MAGIC)
+    parts.append(encode_trailer(crc))
     return b"".join(parts), entries
 
 
+def _encode_index(entries: Sequence[IndexEntry]) -> bytes:
+    parts = [_U32.pack(len(entries))]
+    for e in entries:
+        lid = e.log_id.encode("utf-8")
+        parts.append(_U16.pack(len(lid)))
+        parts.append(lid)
+        parts.append(_INDEX_FIXED.pack(e.sqn, e.kg_min, e.kg_max, e.offset, e.length,
+                                       e.change_count, e.payload_bytes))
+    return b"".join(parts)
+
+
 # --------------------------------------------------------------------------- decoding
-
-
-def _check_header(data: bytes | memoryview, key: str) -> None:
-    if len(data) < HEADER_SIZE:
-        raise TruncatedObjectError(key, 0, HEADER_SIZE, len(data), "segment header")
-    magic, kind, version, flags = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise UnsupportedFormatError(key, 0, f"magic {bytes(magic)!r}", "magic b'DSTL'")
-    if kind != KIND_SEGMENT:
-        raise UnsupportedFormatError(key, 4, f"object kind {kind}", f"kind {KIND_SEGMENT} "
-                                                                    "(segment)")
-    if version != FORMAT_VERSION:
-        raise UnsupportedFormatError(key, 5, f"version {version}", f"version {FORMAT_VERSION}")
-    if flags != 0:
-        raise UnsupportedFormatError(key, 6, f"flags {flags:#06x}", "flags 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,25 +226,20 @@ class SegmentContents:
 
 
 def decode_segment(data: bytes | memoryview, key: str = "<segment>") -> SegmentContents:
-    """Verify a whole segment (header, every record, index, footer) and return its index.
+    """Verify a whole segment (header, object CRC, footer, index, every record) and return its
+    index. The object CRC is checked before any structure is parsed.
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and the offset of the first problem.
     """
     mv = memoryview(data)
     n = len(mv)
-    _check_header(mv, key)
-    if n < HEADER_SIZE + FOOTER_SIZE:
-        raise TruncatedObjectError(key, n, HEADER_SIZE + FOOTER_SIZE, n, "segment")
+    check_header(mv, key, SEGMENT_FORMAT)
+    check_min_size(n, HEADER_SIZE + FOOTER_SIZE, key, SEGMENT_FORMAT)
+    check_end_magic(mv, n, key, SEGMENT_FORMAT)
+    check_object_crc(mv, key, SEGMENT_FORMAT)
     foot = n - FOOTER_SIZE
-    if bytes(mv[n - 4:]) != END_MAGIC:
-        raise TruncatedObjectError(key, n - 4, HEADER_SIZE + FOOTER_SIZE, n,
-                                   "segment (end magic missing)")
     index_offset, index_len, count = _FOOTER_HEAD.unpack_from(mv, foot)
-    (stored_crc,) = _U32.unpack_from(mv, foot + 16)
-    actual_crc = zlib.crc32(mv[:foot + 16])
-    if stored_crc != actual_crc:
-        raise ChecksumMismatchError(key, foot + 16, "segment", stored_crc, actual_crc)
     if index_offset < HEADER_SIZE or index_offset + index_len != foot:
         raise CorruptObjectError(key, foot, f"index at {index_offset}+{index_len} does not end at "
                                             f"the footer ({foot})")
@@ -276,8 +249,7 @@ def decode_segment(data: bytes | memoryview, key: str = "<segment>") -> SegmentC
         if e.offset != pos:
             raise CorruptObjectError(key, e.offset, f"index entry for sqn {e.sqn} points at "
                                                     f"{e.offset}, expected {pos}")
-        record = mv[e.offset:e.offset + e.length]
-        body = _verify_record(record, key, e.offset)
+        body = _open_change_set(mv[e.offset:e.offset + e.length], key, e.offset, e.length)
         _check_body_identity(body, key, e.offset, e.log_id, e.sqn)
         pos += e.length
     if pos != index_offset:
@@ -315,28 +287,11 @@ def _decode_index(mv: memoryview, start: int, end: int, count: int, key: str
     return entries
 
 
-def _verify_record(record: bytes | memoryview, key: str, offset: int) -> bytes:
-    """Check a record's length and CRC, then decompress it (zstd verifies its own checksum)."""
-    rec = memoryview(record)
-    if len(rec) < RECORD_HEADER_SIZE:
-        raise TruncatedObjectError(key, offset, RECORD_HEADER_SIZE, len(rec), "record header")
-    frame_len, crc = _REC.unpack_from(rec, 0)
-    if frame_len != len(rec) - RECORD_HEADER_SIZE:
-        raise TruncatedObjectError(key, offset, RECORD_HEADER_SIZE + frame_len, len(rec),
-                                   "change-set record")
-    frame = rec[RECORD_HEADER_SIZE:]
-    actual = zlib.crc32(frame)
-    if actual != crc:
-        raise ChecksumMismatchError(key, offset, "change-set record", crc, actual)
-    try:
-        size = zstandard.frame_content_size(frame)
-        if size < 0 or size > MAX_CHANGE_SET_BYTES:
-            raise CorruptObjectError(key, offset + RECORD_HEADER_SIZE,
-                                     f"zstd frame declares content size {size}")
-        return _decompressor().decompress(frame)
-    except zstandard.ZstdError as exc:
-        raise CorruptObjectError(key, offset + RECORD_HEADER_SIZE,
-                                 f"zstd frame does not decode: {exc}") from exc
+def _open_change_set(record: bytes | memoryview, key: str, offset: int,
+                     expected_length: int | None = None) -> bytes:
+    """Check a record's length and CRC, then decompress it (see :func:`dstl.envelope.open_record`)."""
+    return open_record(record, key=key, offset=offset, fmt=SEGMENT_FORMAT,
+                       what="change-set record", expected_length=expected_length)
 
 
 def _check_body_identity(body: bytes, key: str, offset: int, log_id: str, sqn: int) -> int:
@@ -369,7 +324,7 @@ def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and the offset.
     """
-    body = _verify_record(record, key, offset)
+    body = _open_change_set(record, key, offset)
     _check_body_identity(body, key, offset, log_id, sqn)
     return body
 

@@ -6,7 +6,8 @@ A materialized snapshot of a backend's state tables is one object::
 
     header (8) | metadata block | key-group block ... | index | footer (28)
 
-* The header is the one all DSTL objects share with the log's segment format: magic ``b"DSTL"``,
+* The header, the record framing and the trailer are the envelope all DSTL objects share with
+  the log's segment format (:mod:`dstl.envelope`, which also verifies them): magic ``b"DSTL"``,
   u8 object kind (1 = log segment, 2 = snapshot), u8 format version (1), u16 flags (0; anything
   else is an :class:`~dstl.errors.UnsupportedFormatError`). Integers are big-endian; checksums are
   ``zlib.crc32``.
@@ -26,7 +27,8 @@ A materialized snapshot of a backend's state tables is one object::
   that fetch only the tail), repeats kind/version/flags, and ends with a crc32 over every byte
   before that field and the end magic ``b"LTSD"``.
 
-A reader that has the whole object uses :func:`decode_snapshot` (verifies everything). A ranged
+A reader that has the whole object uses :func:`decode_snapshot` (verifies everything, the object
+crc before any structure is parsed). A ranged
 reader fetches the tail, :func:`decode_footer`, then the index bytes, :func:`decode_index`, then
 only the blocks of its key groups, :func:`decode_block` (each verified by its record crc, its zstd
 content checksum and its key-group field). :class:`SnapshotEncoder` produces the object block by
@@ -46,17 +48,32 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-import zstandard
-
+from dstl.envelope import (  # the envelope shared with segments
+    END_MAGIC,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    KIND_SEGMENT,
+    KIND_SNAPSHOT,
+    MAGIC,
+    RECORD_HEADER_SIZE,
+    ObjectFormat,
+    check_end_magic,
+    check_header,
+    check_kind,
+    check_min_size,
+    check_object_crc,
+    encode_header,
+    encode_record,
+    encode_trailer,
+    open_record,
+)
 from dstl.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
     TruncatedObjectError,
-    UnsupportedFormatError,
     UsageError,
 )
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
-from dstl.segment import END_MAGIC, KIND_SEGMENT, MAGIC  # shared with segments
 
 __all__ = [
     "END_MAGIC",
@@ -70,6 +87,7 @@ __all__ = [
     "MAX_STATE_ID",
     "METADATA_KEY_GROUP",
     "RECORD_HEADER_SIZE",
+    "SNAPSHOT_FORMAT",
     "TAIL_READ_BYTES",
     "IndexEntry",
     "SnapshotContents",
@@ -85,8 +103,6 @@ __all__ = [
     "encode_snapshot",
 ]
 
-KIND_SNAPSHOT: Final = 2
-FORMAT_VERSION: Final = 1
 #: Key group of the metadata block (real key groups are < 2**15).
 METADATA_KEY_GROUP: Final = 0xFFFF
 #: State ids are u16.
@@ -96,20 +112,19 @@ MAX_STATE_ID: Final = 0xFFFF
 MAX_BLOCK_CONTENT_BYTES: Final = 1 << 30
 #: How much of the tail a ranged reader should fetch first: the footer plus, usually, the index.
 TAIL_READ_BYTES: Final = 64 * 1024
+#: What the shared envelope (:mod:`dstl.envelope`) expects of a snapshot.
+SNAPSHOT_FORMAT: Final = ObjectFormat(KIND_SNAPSHOT, "snapshot", MAX_BLOCK_CONTENT_BYTES,
+                                      "raise max_parallelism so key groups are smaller")
 
-_HEADER: Final = struct.Struct(">4sBBH")          # magic, kind, version, flags
-_RECORD: Final = struct.Struct(">II")              # frame length, crc32(frame)
 _BLOCK_PREFIX: Final = struct.Struct(">HI")        # key group, entry count
 _ENTRY_HEAD: Final = struct.Struct(">HI")          # state id, key length
 _U32: Final = struct.Struct(">I")
 _INDEX_HEAD: Final = struct.Struct(">HHI")         # range start, range length, block count
 _INDEX_ENTRY: Final = struct.Struct(">HQII")       # key group, offset, record length, entries
-_FOOTER: Final = struct.Struct(">QIIBBHI4s")       # index off, index len, index crc, kind,
-#                                                    version, flags, object crc, end magic
-HEADER_SIZE: Final = _HEADER.size                  # 8
-RECORD_HEADER_SIZE: Final = _RECORD.size           # 8
+_FOOTER_HEAD: Final = struct.Struct(">QIIBBH")     # index off, index len, index crc, kind,
+#                                                    version, flags; then the envelope's trailer
+_FOOTER: Final = struct.Struct(">QIIBBHI4s")       # the same with the trailer (object crc, magic)
 FOOTER_SIZE: Final = _FOOTER.size                  # 28
-_OBJECT_CRC_FROM_END: Final = 8                    # crc field + end magic
 
 #: One decoded entry: ``(state id, key bytes, namespace bytes, value bytes)``.
 SnapshotEntry = tuple[int, bytes, bytes, bytes]
@@ -187,8 +202,7 @@ class SnapshotEncoder:
             raise UsageError(f"snapshot metadata must be bytes, got {type(metadata).__name__}")
         self._key_groups = key_groups
         self._metadata = bytes(metadata)
-        self._compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True,
-                                                    write_content_size=True)
+        self._zstd_level = zstd_level
         self._offset = 0
         self._crc = 0
         self._index: list[IndexEntry] = []
@@ -207,21 +221,16 @@ class SnapshotEncoder:
         return data
 
     def _record(self, content: bytes, what: str) -> bytes:
-        if len(content) > MAX_BLOCK_CONTENT_BYTES:
-            raise UsageError(f"snapshot block of {what} has {len(content)} bytes, more than "
-                             f"{MAX_BLOCK_CONTENT_BYTES} (raise max_parallelism so key groups "
-                             "are smaller)")
-        frame = self._compressor.compress(content)
-        return _RECORD.pack(len(frame), zlib.crc32(frame)) + frame
+        return encode_record(content, SNAPSHOT_FORMAT, zstd_level=self._zstd_level, what=what)
 
     def start(self) -> bytes:
         """The header and the metadata block."""
         if self._state != "new":
             raise UsageError("SnapshotEncoder.start() called twice")
         self._state = "blocks"
-        header = _HEADER.pack(MAGIC, KIND_SNAPSHOT, FORMAT_VERSION, 0)
+        header = encode_header(SNAPSHOT_FORMAT)
         record = self._record(_BLOCK_PREFIX.pack(METADATA_KEY_GROUP, 0) + self._metadata,
-                              "metadata")
+                              "the metadata block")
         self._index.append(IndexEntry(METADATA_KEY_GROUP, HEADER_SIZE, len(record), 0))
         return self._emit(header + record)
 
@@ -283,10 +292,10 @@ class SnapshotEncoder:
         index = b"".join(parts)
         index_offset = self._offset
         self._emit(index)
-        footer_head = _FOOTER.pack(index_offset, len(index), zlib.crc32(index), KIND_SNAPSHOT,
-                                   FORMAT_VERSION, 0, 0, END_MAGIC)[:-_OBJECT_CRC_FROM_END]
+        footer_head = _FOOTER_HEAD.pack(index_offset, len(index), zlib.crc32(index),
+                                        SNAPSHOT_FORMAT.kind, SNAPSHOT_FORMAT.version, 0)
         self._emit(footer_head)
-        tail = _U32.pack(self._crc) + END_MAGIC
+        tail = encode_trailer(self._crc)
         self._offset += len(tail)
         return index + footer_head + tail
 
@@ -305,26 +314,6 @@ def encode_snapshot(key_groups: KeyGroupRange, metadata: bytes,
 # --------------------------------------------------------------------------- decoding
 
 
-def _check_header(data: bytes | bytearray | memoryview, key: str) -> None:
-    if len(data) < HEADER_SIZE:
-        raise TruncatedObjectError(key, 0, HEADER_SIZE, len(data), "snapshot header")
-    magic, kind, version, flags = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise UnsupportedFormatError(key, 0, f"magic {bytes(magic)!r}", "b'DSTL' objects")
-    _check_kind(key, 4, kind, version, flags)
-
-
-def _check_kind(key: str, offset: int, kind: int, version: int, flags: int) -> None:
-    if kind != KIND_SNAPSHOT:
-        raise UnsupportedFormatError(key, offset, f"object kind {kind}",
-                                     f"kind {KIND_SNAPSHOT} (snapshot)")
-    if version != FORMAT_VERSION:
-        raise UnsupportedFormatError(key, offset + 1, f"snapshot format version {version}",
-                                     f"version {FORMAT_VERSION}")
-    if flags != 0:
-        raise UnsupportedFormatError(key, offset + 2, f"flags 0x{flags:04x}", "flags 0")
-
-
 def decode_footer(tail: bytes | memoryview, object_size: int, *,
                   key: str = "<snapshot>") -> SnapshotFooter:
     """Decode the footer from the last ``len(tail)`` bytes of an object of ``object_size`` bytes.
@@ -336,17 +325,15 @@ def decode_footer(tail: bytes | memoryview, object_size: int, *,
         UnsupportedFormatError: not a v1 snapshot.
         CorruptObjectError: the index location is impossible.
     """
-    min_size = HEADER_SIZE + FOOTER_SIZE
-    if object_size < min_size or len(tail) < FOOTER_SIZE:
-        raise TruncatedObjectError(key, max(object_size - len(tail), 0), min_size,
-                                   min(object_size, len(tail)), "snapshot footer")
+    check_min_size(object_size, HEADER_SIZE + FOOTER_SIZE, key, SNAPSHOT_FORMAT)
+    if len(tail) < FOOTER_SIZE:
+        raise TruncatedObjectError(key, object_size - len(tail), FOOTER_SIZE, len(tail),
+                                   "snapshot footer (the tail read is shorter than the footer)")
+    check_end_magic(tail, object_size, key, SNAPSHOT_FORMAT)
     at = object_size - FOOTER_SIZE
     (index_offset, index_length, index_crc, kind, version, flags, object_crc,
-     end_magic) = _FOOTER.unpack_from(tail, len(tail) - FOOTER_SIZE)
-    if end_magic != END_MAGIC:
-        raise TruncatedObjectError(key, object_size - 4, object_size + 4, object_size,
-                                   "snapshot: end magic b'LTSD' missing, so the footer")
-    _check_kind(key, at + 16, kind, version, flags)
+     _end_magic) = _FOOTER.unpack_from(tail, len(tail) - FOOTER_SIZE)
+    check_kind(key, at + 16, SNAPSHOT_FORMAT, kind, version, flags)
     if index_offset < HEADER_SIZE or index_offset + index_length != at:
         raise CorruptObjectError(key, at, f"footer places the index at [{index_offset}, "
                                           f"{index_offset + index_length}), but it must end "
@@ -378,10 +365,18 @@ def decode_index(index: bytes | memoryview, footer: SnapshotFooter, *,
     kgs = KeyGroupRange(start, start + count_kg - 1)
     entries = [IndexEntry(*_INDEX_ENTRY.unpack_from(index, _INDEX_HEAD.size + i * _INDEX_ENTRY.size))
                for i in range(n)]
+    _check_index_entries(entries, kgs, footer, key)
+    return SnapshotIndex(kgs, entries[0], tuple(entries[1:]))
+
+
+def _check_index_entries(entries: list[IndexEntry], kgs: KeyGroupRange, footer: SnapshotFooter,
+                         key: str) -> None:
+    """The metadata block first, then key groups inside ``kgs`` ascending; records contiguous
+    from the header to the index."""
     expected_offset = HEADER_SIZE
     previous_kg = -1
     for i, e in enumerate(entries):
-        where = at + _INDEX_HEAD.size + i * _INDEX_ENTRY.size
+        where = footer.index_offset + _INDEX_HEAD.size + i * _INDEX_ENTRY.size
         if i == 0:
             if e.key_group != METADATA_KEY_GROUP:
                 raise CorruptObjectError(key, where, "first index entry is not the metadata block")
@@ -397,35 +392,17 @@ def decode_index(index: bytes | memoryview, footer: SnapshotFooter, *,
         if i:
             previous_kg = e.key_group
     if expected_offset != footer.index_offset:
-        raise CorruptObjectError(key, at, f"blocks end at {expected_offset}, index starts at "
-                                          f"{footer.index_offset}")
-    return SnapshotIndex(kgs, entries[0], tuple(entries[1:]))
+        raise CorruptObjectError(key, footer.index_offset,
+                                 f"blocks end at {expected_offset}, index starts at "
+                                 f"{footer.index_offset}")
 
 
 def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str) -> bytes:
     at = entry.offset
-    if len(record) != entry.length:
-        raise TruncatedObjectError(key, at, entry.length, len(record),
-                                   f"block of key group {entry.key_group}")
-    frame_len, crc = _RECORD.unpack_from(record, 0)
-    if frame_len != entry.length - RECORD_HEADER_SIZE:
-        raise CorruptObjectError(key, at, f"block record says frame length {frame_len}, index "
-                                          f"says {entry.length - RECORD_HEADER_SIZE}")
-    frame = bytes(record[RECORD_HEADER_SIZE:])
-    got = zlib.crc32(frame)
-    if got != crc:
-        raise ChecksumMismatchError(key, at, f"block of key group {entry.key_group}", crc, got)
-    try:
-        size = zstandard.frame_content_size(frame)
-        if size < 0 or size > MAX_BLOCK_CONTENT_BYTES:
-            raise CorruptObjectError(key, at + RECORD_HEADER_SIZE,
-                                     f"zstd frame content size {size} is unknown or above "
-                                     f"{MAX_BLOCK_CONTENT_BYTES}")
-        content: bytes = zstandard.ZstdDecompressor().decompress(frame, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise CorruptObjectError(key, at + RECORD_HEADER_SIZE,
-                                 f"zstd frame of key group {entry.key_group} does not decode: "
-                                 f"{exc}") from exc
+    what = ("metadata block" if entry.key_group == METADATA_KEY_GROUP
+            else f"block of key group {entry.key_group}")
+    content = open_record(record, key=key, offset=at, fmt=SNAPSHOT_FORMAT, what=what,
+                          expected_length=entry.length)
     if len(content) < _BLOCK_PREFIX.size:
         raise TruncatedObjectError(key, at, _BLOCK_PREFIX.size, len(content), "block content")
     kg, count = _BLOCK_PREFIX.unpack_from(content, 0)
@@ -492,19 +469,19 @@ def decode_block(record: bytes | memoryview, entry: IndexEntry, *,
 def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>") -> SnapshotContents:
     """Decode and verify a whole snapshot object.
 
-    Verifies, in order: header, footer and end magic, the object crc, the index, every block.
+    Verifies, in order: header, size and end magic, the object crc (before any structure is
+    parsed), the footer, the index, every block.
 
     Raises:
         TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
     """
     view = memoryview(data)
-    _check_header(view, key)
     size = len(view)
-    footer = decode_footer(view[max(size - FOOTER_SIZE, 0):], size, key=key)
-    got = zlib.crc32(view[:size - _OBJECT_CRC_FROM_END])
-    if got != footer.object_crc:
-        raise ChecksumMismatchError(key, size - _OBJECT_CRC_FROM_END, "snapshot object",
-                                    footer.object_crc, got)
+    check_header(view, key, SNAPSHOT_FORMAT)
+    check_min_size(size, HEADER_SIZE + FOOTER_SIZE, key, SNAPSHOT_FORMAT)
+    check_end_magic(view, size, key, SNAPSHOT_FORMAT)
+    check_object_crc(view, key, SNAPSHOT_FORMAT)
+    footer = decode_footer(view[size - FOOTER_SIZE:], size, key=key)
     index = decode_index(view[footer.index_offset:footer.index_offset + footer.index_length],
                          footer, key=key)
     m = index.metadata
