@@ -86,7 +86,7 @@ from materializer.changes import (
 from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_name
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
-from materializer.states import STATE_CLASSES, StateDescriptor, StateShape, _State
+from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
 
 __all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key"]
@@ -118,7 +118,7 @@ class _Registered:
     descriptor: StateDescriptor | None  # None: known from a restore, not yet re-registered
     shape: StateShape
     meta: dict[str, Any]
-    state: _State | None = None
+    state: KeyedState | None = None
 
 
 @dataclass
@@ -323,51 +323,58 @@ class ChangelogKeyedStateBackend:
     def state_names(self) -> list[str]:
         return sorted(self._states)
 
-    # ------------------------------------------------------------------ table + log (states)
+    # ------------------------------------------------------------------ StateAccess (the states)
+    # materializer.states.StateAccess: how the state objects reach the table and the log.
 
-    def _check_read(self) -> None:
+    def before_read(self) -> None:
+        """Run pending work; raise ``UsageError`` when no current key is set."""
         if self._attention:
             self._attend()
         if self._kg < 0:
             raise UsageError(f"backend {self.operator_id!r}: set_current_key() first")
 
-    def _get(self, sid: int, shape: StateShape) -> Any:
+    def read_state(self, sid: int, shape: StateShape) -> Any:
+        """The current key and namespace's value of state ``sid`` (decoded), or ``None``."""
         if self._kg < 0:
-            self._check_read()
+            self.before_read()
         v = self._tables.get(sid, self._kg, self._tk, self._tn)
         if v is None or self._heap:
             return v
         return shape.from_bytes(v)
 
-    def _get_raw(self, sid: int) -> Any:
+    def read_state_raw(self, sid: int) -> Any:
         """The table's stored form (LMDB: bytes) without decoding."""
         if self._kg < 0:
-            self._check_read()
+            self.before_read()
         return self._tables.get(sid, self._kg, self._tk, self._tn)
 
-    def _touch(self) -> None:
+    def before_mutation(self) -> None:
         """Before an in-place mutation of a live heap object: honour flags like a write."""
         if self._attention:
             self._attend()
 
-    def _put(self, sid: int, value: Any) -> None:
+    def write_state(self, sid: int, value: Any) -> None:
+        """Store ``value`` (the table's stored form) for the current key and namespace."""
         if self._attention:
             self._attend()
         if self._kg < 0:
-            self._check_read()
+            self.before_read()
         self._tables.put(sid, self._kg, self._tk, self._tn, value)
 
-    def _put_obj(self, sid: int, shape: StateShape, obj: Any) -> None:
-        self._put(sid, obj if self._heap else shape.to_bytes(obj))
+    def write_state_object(self, sid: int, shape: StateShape, obj: Any) -> None:
+        """Store the heap object ``obj`` (encoded with ``shape`` for LMDB)."""
+        self.write_state(sid, obj if self._heap else shape.to_bytes(obj))
 
-    def _remove(self, sid: int) -> None:
+    def remove_state(self, sid: int) -> None:
+        """Remove the current key and namespace's value of state ``sid``."""
         if self._attention:
             self._attend()
         if self._kg < 0:
-            self._check_read()
+            self.before_read()
         self._tables.remove(sid, self._kg, self._tk, self._tn)
 
-    def _log(self, op: int, sid: int, payload: bytes) -> None:
+    def log_change(self, op: int, sid: int, payload: bytes) -> None:
+        """Append one change record of the current key and namespace to the log."""
         if sid not in self._meta_logged:
             self._log_metadata(sid)
         data = _pack_op_sid(op, sid) + self._kn + payload
@@ -386,31 +393,30 @@ class ChangelogKeyedStateBackend:
             return float("inf")
         return max(self.options.materialize_min_log_bytes, ratio * self._last_snapshot_size)
 
-    def _merge(self, state: _State, target: Any, sources: Iterable[Any],
-               fn: Callable[[Any, Any], Any]) -> None:
+    def merge_state_namespaces(self, sid: int, shape: StateShape, target: Any,
+                               sources: Iterable[Any], fn: Callable[[Any, Any], Any]) -> None:
         """Merge the namespaces ``sources`` into ``target`` for the current key; logged as
         CLEAR of each source and SET_INTERNAL of the target (replay runs no merge function)."""
-        sid, shape = state._sid, state._shape
         saved = self._ns
         try:
             merged = None
             self.set_current_namespace(target)
-            merged = self._get(sid, shape)
+            merged = self.read_state(sid, shape)
             for src in sources:
                 if src == target:
                     continue
                 self.set_current_namespace(src)
-                v = self._get(sid, shape)
+                v = self.read_state(sid, shape)
                 if v is None:
                     continue
                 merged = v if merged is None else fn(merged, v)
-                self._remove(sid)
-                self._log(CLEAR, sid, b"")
+                self.remove_state(sid)
+                self.log_change(CLEAR, sid, b"")
             if merged is not None:
                 self.set_current_namespace(target)
                 encoded = shape.to_bytes(merged)
-                self._put(sid, shape.from_bytes(encoded) if self._heap else encoded)
-                self._log(SET_INTERNAL, sid, encoded)
+                self.write_state(sid, shape.from_bytes(encoded) if self._heap else encoded)
+                self.log_change(SET_INTERNAL, sid, encoded)
         finally:
             self.set_current_namespace(saved)
 

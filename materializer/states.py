@@ -8,6 +8,11 @@ Values returned by reads are the table's own objects for immutable values and co
 mutating a returned container does not change state (and is not logged) — write it back with
 ``update``/``put``.
 
+The states reach their backend only through :class:`StateAccess`: the current key and namespace's
+slot in the state table, and the log. :class:`~materializer.backend.ChangelogKeyedStateBackend`
+implements it with public members; this module does not import the backend (the backend imports
+the states), so the two have no import cycle.
+
 Representation per kind: on the heap a state is a Python object (value, ``list``, ``dict``); in
 LMDB and in snapshots it is bytes: the codec's encoding for value/reducing/aggregating, a framed
 list of encoded elements for lists, and framed (key, value) pairs for maps.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from dstl.errors import UsageError
 from materializer.changes import (
@@ -37,13 +42,12 @@ from materializer.changes import (
 )
 from materializer.codecs import Codec, SafeCodec
 
-if TYPE_CHECKING:
-    from materializer.backend import ChangelogKeyedStateBackend
-
 __all__ = [
+    "STATE_CLASSES",
     "AggregateFunction",
     "AggregatingState",
     "AggregatingStateDescriptor",
+    "KeyedState",
     "ListState",
     "ListStateDescriptor",
     "MapEntry",
@@ -51,7 +55,9 @@ __all__ = [
     "MapStateDescriptor",
     "ReducingState",
     "ReducingStateDescriptor",
+    "StateAccess",
     "StateDescriptor",
+    "StateShape",
     "ValueState",
     "ValueStateDescriptor",
 ]
@@ -201,14 +207,64 @@ class _NamingCodec:
             raise UsageError(f"state {self._state!r}: {exc}") from exc
 
 
-class _State:
-    def __init__(self, backend: ChangelogKeyedStateBackend, state_id: int,
+class StateAccess(Protocol):
+    """What a state needs from its keyed backend: the state table's slot of the current key and
+    namespace, and the log. Implemented by
+    :class:`~materializer.backend.ChangelogKeyedStateBackend`.
+
+    ``sid`` is the state's id in its backend. Values are the table's stored form: the object
+    itself in a heap table, bytes (``shape.to_bytes``) in LMDB; :meth:`read_state` and
+    :meth:`write_state_object` convert with ``shape``.
+    """
+
+    @property
+    def table_kind(self) -> str:
+        """``"heap"`` (objects) or ``"lmdb"`` (bytes); fixed for the backend's lifetime."""
+        ...
+
+    def before_read(self) -> None:
+        """Run pending work and check that a current key is set (raises ``UsageError``)."""
+
+    def before_mutation(self) -> None:
+        """Run pending work before a live heap object is mutated in place (a materialization
+        must not start between reading the object and mutating it)."""
+
+    def read_state(self, sid: int, shape: StateShape) -> Any:
+        """The value of the current key and namespace (decoded), or ``None``."""
+
+    def read_state_raw(self, sid: int) -> Any:
+        """The stored form of the current key and namespace's value, not decoded."""
+
+    def write_state(self, sid: int, value: Any) -> None:
+        """Store ``value`` (already in the table's stored form) for the current key/namespace."""
+
+    def write_state_object(self, sid: int, shape: StateShape, obj: Any) -> None:
+        """Store the heap object ``obj``, encoded with ``shape`` when the table holds bytes."""
+
+    def remove_state(self, sid: int) -> None:
+        """Remove the current key and namespace's value."""
+
+    def log_change(self, op: int, sid: int, payload: bytes) -> None:
+        """Append one change record (op, state, current key and namespace, payload) to the log."""
+
+    def merge_state_namespaces(self, sid: int, shape: StateShape, target: Any,
+                               sources: Iterable[Any], fn: Callable[[Any, Any], Any]) -> None:
+        """Merge the namespaces ``sources`` into ``target`` for the current key, logged as their
+        effects."""
+
+
+class KeyedState:
+    """The base of the state objects: one state of one backend, seen through
+    :class:`StateAccess` at the backend's current key and namespace."""
+
+    def __init__(self, backend: StateAccess, state_id: int,
                  descriptor: StateDescriptor, shape: StateShape) -> None:
         self._b = backend
         self._sid = state_id
         self.descriptor = descriptor
         self._shape = shape
         self._codec: Any = _NamingCodec(shape.codec, descriptor.name)
+        self._heap = backend.table_kind == "heap"  # read once: every mutation branches on it
 
     @property
     def name(self) -> str:
@@ -217,22 +273,22 @@ class _State:
     def clear(self) -> None:
         """Remove the state of the current key and namespace."""
         b = self._b
-        b._remove(self._sid)
-        b._log(CLEAR, self._sid, b"")
+        b.remove_state(self._sid)
+        b.log_change(CLEAR, self._sid, b"")
 
     def _read(self) -> Any:
         """The state for a caller: never the table's own mutable object."""
         b = self._b
-        b._check_read()
-        v = b._get(self._sid, self._shape)
-        return copy_out(v) if b._heap else v
+        b.before_read()
+        v = b.read_state(self._sid, self._shape)
+        return copy_out(v) if self._heap else v
 
     def _live(self) -> Any:
         """The table's object (heap: copy-on-write safe to mutate in place), or a decoded one."""
-        return self._b._get(self._sid, self._shape)
+        return self._b.read_state(self._sid, self._shape)
 
 
-class ValueState(_State):
+class ValueState(KeyedState):
     """A single value per key and namespace."""
 
     def value(self) -> Any:
@@ -247,11 +303,11 @@ class ValueState(_State):
             return
         b = self._b
         vb = self._codec.encode(value)
-        b._put(self._sid, self._shape.stored(value, vb) if b._heap else vb)
-        b._log(SET, self._sid, vb)
+        b.write_state(self._sid, self._shape.stored(value, vb) if self._heap else vb)
+        b.log_change(SET, self._sid, vb)
 
 
-class ListState(_State):
+class ListState(KeyedState):
     """A list per key and namespace."""
 
     def get(self) -> list[Any]:
@@ -261,35 +317,35 @@ class ListState(_State):
 
     def add(self, value: Any) -> None:
         b = self._b
-        b._touch()  # first: a materialization must not start between _live() and the mutation
+        b.before_mutation()  # first: no materialization may start between _live() and the write
         eb = self._codec.encode(value)
-        if b._heap:
+        if self._heap:
             lst = self._live()
             if lst is None:
-                b._put(self._sid, [self._shape.stored(value, eb)])
+                b.write_state(self._sid, [self._shape.stored(value, eb)])
             else:
                 lst.append(self._shape.stored(value, eb))
         else:
-            b._put(self._sid, append_framed(b._get_raw(self._sid), [eb]))
-        b._log(ADD_ELEMENT, self._sid, eb)
+            b.write_state(self._sid, append_framed(b.read_state_raw(self._sid), [eb]))
+        b.log_change(ADD_ELEMENT, self._sid, eb)
 
     def add_all(self, values: Iterable[Any]) -> None:
         values = list(values)
         if not values:
             return
         b = self._b
-        b._touch()
+        b.before_mutation()
         enc = [self._codec.encode(v) for v in values]
-        if b._heap:
+        if self._heap:
             items = [self._shape.stored(v, e) for v, e in zip(values, enc)]
             lst = self._live()
             if lst is None:
-                b._put(self._sid, items)
+                b.write_state(self._sid, items)
             else:
                 lst.extend(items)
         else:
-            b._put(self._sid, append_framed(b._get_raw(self._sid), enc))
-        b._log(ADD, self._sid, frame(enc))
+            b.write_state(self._sid, append_framed(b.read_state_raw(self._sid), enc))
+        b.log_change(ADD, self._sid, frame(enc))
 
     def update(self, values: Iterable[Any]) -> None:
         """Replace the list (empty clears it)."""
@@ -299,13 +355,14 @@ class ListState(_State):
             return
         b = self._b
         enc = [self._codec.encode(v) for v in values]
-        b._put_obj(self._sid, self._shape,
+        b.write_state_object(self._sid, self._shape,
                    [self._shape.stored(v, e) for v, e in zip(values, enc)])
-        b._log(SET_INTERNAL, self._sid, frame(enc))
+        b.log_change(SET_INTERNAL, self._sid, frame(enc))
 
     def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
         """Append the lists of ``sources`` to ``target`` (in order) and clear the sources."""
-        self._b._merge(self, target, sources, lambda a, c: list(a) + list(c))
+        self._b.merge_state_namespaces(self._sid, self._shape, target, sources,
+                                       lambda a, c: list(a) + list(c))
 
 
 class MapEntry:
@@ -343,12 +400,12 @@ class MapIterator(Iterator[MapEntry]):
         self._current = None
 
 
-class MapState(_State):
+class MapState(KeyedState):
     """A map per key and namespace."""
 
     def _map(self) -> dict[Any, Any]:
         """The live (heap) or decoded (LMDB) map; callers copy out what they return."""
-        self._b._check_read()
+        self._b.before_read()
         v = self._live()
         return v if v is not None else {}
 
@@ -360,23 +417,23 @@ class MapState(_State):
 
     def put(self, key: Any, value: Any) -> None:
         b = self._b
-        b._touch()
+        b.before_mutation()
         kb = self._shape.key_codec.encode(key)  # type: ignore[union-attr]
         vb = self._codec.encode(value)
         d = self._live()
         if d is None:
-            b._put_obj(self._sid, self._shape, {key: self._shape.stored(value, vb)})
+            b.write_state_object(self._sid, self._shape, {key: self._shape.stored(value, vb)})
         else:
             d[key] = self._shape.stored(value, vb)
-            if not b._heap:
-                b._put_obj(self._sid, self._shape, d)
-        b._log(ADD_OR_UPDATE_ELEMENT, self._sid, encode_map_entry(kb, vb))
+            if not self._heap:
+                b.write_state_object(self._sid, self._shape, d)
+        b.log_change(ADD_OR_UPDATE_ELEMENT, self._sid, encode_map_entry(kb, vb))
 
     def put_all(self, entries: Mapping[Any, Any]) -> None:
         if not entries:
             return
         b = self._b
-        b._touch()
+        b.before_mutation()
         kc = self._shape.key_codec
         assert kc is not None
         items: list[bytes] = []
@@ -388,26 +445,26 @@ class MapState(_State):
             new[k] = self._shape.stored(v, vb)
         d = self._live()
         if d is None:
-            b._put_obj(self._sid, self._shape, new)
+            b.write_state_object(self._sid, self._shape, new)
         else:
             d.update(new)
-            if not b._heap:
-                b._put_obj(self._sid, self._shape, d)
-        b._log(ADD, self._sid, frame(items))
+            if not self._heap:
+                b.write_state_object(self._sid, self._shape, d)
+        b.log_change(ADD, self._sid, frame(items))
 
     def remove(self, key: Any) -> None:
         b = self._b
-        b._touch()
+        b.before_mutation()
         d = self._live()
         if d is None or key not in d:
             return
         kb = self._shape.key_codec.encode(key)  # type: ignore[union-attr]
         del d[key]
         if not d:
-            b._remove(self._sid)
-        elif not b._heap:
-            b._put_obj(self._sid, self._shape, d)
-        b._log(REMOVE_ELEMENT, self._sid, kb)
+            b.remove_state(self._sid)
+        elif not self._heap:
+            b.write_state_object(self._sid, self._shape, d)
+        b.log_change(REMOVE_ELEMENT, self._sid, kb)
 
     def keys(self) -> list[Any]:
         return copy_out(list(self._map().keys()))  # type: ignore[no-any-return]
@@ -429,7 +486,7 @@ class MapState(_State):
         return MapIterator(self, self.items())
 
 
-class ReducingState(_State):
+class ReducingState(KeyedState):
     """Values folded with the descriptor's reduce function."""
 
     def __init__(self, *args: Any) -> None:
@@ -444,18 +501,18 @@ class ReducingState(_State):
 
     def add(self, value: Any) -> None:
         b = self._b
-        b._touch()
+        b.before_mutation()
         cur = self._live()
         new = value if cur is None else self._fn(copy_out(cur), value)
         nb = self._codec.encode(new)
-        b._put(self._sid, self._shape.stored(new, nb) if b._heap else nb)
-        b._log(SET_INTERNAL, self._sid, nb)  # the result, not the input: replay runs no UDF
+        b.write_state(self._sid, self._shape.stored(new, nb) if self._heap else nb)
+        b.log_change(SET_INTERNAL, self._sid, nb)  # the result, not the input: replay runs no UDF
 
     def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
-        self._b._merge(self, target, sources, self._fn)
+        self._b.merge_state_namespaces(self._sid, self._shape, target, sources, self._fn)
 
 
-class AggregatingState(_State):
+class AggregatingState(KeyedState):
     """An accumulator driven by the descriptor's AggregateFunction."""
 
     def __init__(self, *args: Any) -> None:
@@ -471,19 +528,19 @@ class AggregatingState(_State):
 
     def add(self, value: Any) -> None:
         b = self._b
-        b._touch()
+        b.before_mutation()
         cur = self._live()
         acc = self._agg.add(value, self._agg.create_accumulator() if cur is None
                             else copy_out(cur))
         ab = self._codec.encode(acc)
-        b._put(self._sid, self._shape.stored(acc, ab) if b._heap else ab)
-        b._log(SET_INTERNAL, self._sid, ab)
+        b.write_state(self._sid, self._shape.stored(acc, ab) if self._heap else ab)
+        b.log_change(SET_INTERNAL, self._sid, ab)
 
     def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
-        self._b._merge(self, target, sources, self._agg.merge)
+        self._b.merge_state_namespaces(self._sid, self._shape, target, sources, self._agg.merge)
 
 
-STATE_CLASSES: dict[str, type[_State]] = {
+STATE_CLASSES: dict[str, type[KeyedState]] = {
     "value": ValueState, "list": ListState, "map": MapState, "reducing": ReducingState,
     "aggregating": AggregatingState,
 }

@@ -30,11 +30,6 @@ LOG_CORE_CONTRACT = "the log core never imports"
 #: component. Phase 2 of issue #11 must empty this list; a new cycle, or a known one that grows,
 #: fails the test.
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # materializer.states imports the backend (under TYPE_CHECKING, for the type of the state's
-    # owner) and the backend imports the state classes. Removed in phase 2 by the backend work
-    # (unifying the materialization policy splits backend.py): the states get a narrow host
-    # protocol instead of the backend class.
-    frozenset({"materializer.backend", "materializer.states"}),
     # The agent starts the cache service (import inside a function) and the cache service uses
     # the agent's client and error mapping. Removed in phase 2 by splitting the Spark executor
     # agent (the client and the wire helpers move out of agent.py).
