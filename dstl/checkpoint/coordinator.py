@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from dstl.checkpoint.manifest import (
     MAX_MANIFEST_BYTES,
@@ -72,7 +72,7 @@ from dstl.checkpoint.manifest import (
     decode_manifest,
     validate_id,
 )
-from dstl.checkpoint.retention import plan_retention
+from dstl.checkpoint.retention import ListedObject, OrphanPlan, plan_orphans, plan_retention
 from dstl.errors import (
     ClosedError,
     ConfigError,
@@ -87,7 +87,6 @@ from dstl.layout import (
     MAX_ATTEMPT,
     MAX_CHECKPOINT_ID,
     REFERENCE_PREFIXES,
-    created_ms_of,
     parse_manifest_key,
 )
 from dstl.metrics import MetricsRegistry
@@ -198,6 +197,54 @@ class _Pending:
         return {k for entry, _ in self.acks.values() for k in entry.referenced_keys}
 
 
+def _grace_ms(min_age_s: float) -> int:
+    """``collect_orphans``' grace period in ms, validated."""
+    if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) \
+            or not math.isfinite(min_age_s) or min_age_s < 0:
+        raise UsageError(f"collect_orphans: min_age_s={min_age_s!r} must be a finite number "
+                         ">= 0 (seconds)")
+    return int(min_age_s * 1000)
+
+
+def _task_ids(tasks: Iterable[str]) -> tuple[str, ...]:
+    """The tasks a trigger waits for, validated: at least one, well-formed, unique."""
+    task_ids = tuple(tasks) if not isinstance(tasks, str) else (tasks,)
+    if not task_ids:
+        raise UsageError("trigger: a checkpoint needs at least one task")
+    for t in task_ids:
+        validate_id(t, "task_id")
+    if len(set(task_ids)) != len(task_ids):
+        raise UsageError(f"trigger: task ids repeat in {list(task_ids)[:10]}")
+    return task_ids
+
+
+class _StoredManifest(NamedTuple):
+    """A manifest found in the store; tuples sort by (checkpoint id, attempt)."""
+
+    checkpoint_id: int
+    attempt: int
+    key: str
+    size: int
+
+
+def _list_manifests(store: BlobStore) -> list[_StoredManifest]:
+    """Recovery step 1: the manifests under ``checkpoints/``, newest first; other names there
+    are logged and ignored."""
+    stored: list[_StoredManifest] = []
+    ignored: list[str] = []
+    for info in store.list(MANIFEST_PREFIX):
+        parsed = parse_manifest_key(info.key)
+        if parsed is None:
+            ignored.append(info.key)
+        else:
+            stored.append(_StoredManifest(parsed[0], parsed[1], info.key, info.size))
+    if ignored:
+        logger.warning("recover %s: ignoring %d objects under %s that are not manifests: %s",
+                       store.location, len(ignored), MANIFEST_PREFIX, ignored[:_LOG_KEYS])
+    stored.sort(reverse=True)
+    return stored
+
+
 class CheckpointCoordinator:
     """Driver-side checkpoint coordinator (see the module docstring).
 
@@ -249,8 +296,11 @@ class CheckpointCoordinator:
         self._deleting: set[str] = set()
         self._futures: set[Future[list[str]]] = set()
         self._closed = False
-        m = self._metrics = metrics if metrics is not None else MetricsRegistry(
+        self._metrics = metrics if metrics is not None else MetricsRegistry(
             "CheckpointCoordinator.")
+        self._register_metrics(self._metrics)
+
+    def _register_metrics(self, m: MetricsRegistry) -> None:
         self._c_completed = m.counter("numberOfCompletedCheckpoints")
         self._c_aborted = m.counter("numberOfAbortedCheckpoints")
         self._c_subsumed = m.counter("numberOfSubsumedCheckpoints")
@@ -310,68 +360,76 @@ class CheckpointCoordinator:
         """
         coord = cls(store, job_id=job_id, retained=retained, clock=clock, wall_clock=wall_clock,
                     metrics=metrics, executor=executor, listeners=listeners)
-        named: list[tuple[int, int, str, int]] = []
-        ignored: list[str] = []
-        for info in store.list(MANIFEST_PREFIX):
-            parsed = parse_manifest_key(info.key)
-            if parsed is None:
-                ignored.append(info.key)
-            else:
-                named.append((parsed[0], parsed[1], info.key, info.size))
-        if ignored:
-            logger.warning("recover %s: ignoring %d objects under %s that are not manifests: %s",
-                           store.location, len(ignored), MANIFEST_PREFIX, ignored[:_LOG_KEYS])
-        named.sort(reverse=True)
-        loaded: list[Manifest] = []
-        corrupt: list[str] = []
-        for cid, _attempt, key, size in named:
-            if len(loaded) == retained:
-                break
-            if any(m.checkpoint_id == cid for m in loaded):
-                continue  # a lower attempt of an id we already have: stale
-            try:
-                if size > MAX_MANIFEST_BYTES:
-                    raise CorruptObjectError(key, 0, f"{size} bytes is larger than the manifest "
-                                                     f"limit of {MAX_MANIFEST_BYTES} bytes")
-                m = decode_manifest(store.get(key), key)
-            except CorruptObjectError as exc:
-                if not loaded and not fallback:
-                    exc.add_note(f"recover {store.location}: {key} is the newest manifest; pass "
-                                 "fallback=True to recover from the previous valid checkpoint")
-                    raise
-                logger.warning("recover %s: skipping corrupt manifest %s: %s", store.location,
-                               key, exc)
-                corrupt.append(key)
-                continue
-            if m.job_id != coord._job_id:
-                raise UsageError(f"recover {store.location}: manifest {key} belongs to job "
-                                 f"{m.job_id!r}, not {coord._job_id!r}; open this job's own "
-                                 "state_uri, or pass the job id the store was written with")
-            loaded.append(m)
-        if named and not loaded:
-            raise CorruptObjectError(named[0][2], 0, f"none of the {len(named)} manifests under "
-                                     f"{MANIFEST_PREFIX} is valid (corrupt: "
-                                     f"{corrupt[:_LOG_KEYS]})",
-                                     hint="the checkpoint directory is damaged; nothing can be "
-                                          "restored from it")
-        with coord._lock:
-            coord._retained = loaded[::-1]
-            keep = {m.key for m in loaded}
-            coord._doomed_manifests = {key for _, _, key, _ in named if key not in keep}
-            if named:
-                coord._last_id = named[0][0]
-            for cid, attempt, _, _ in named:
-                coord._attempts[cid] = max(attempt, coord._attempts.get(cid, 0))
-            if loaded:
-                coord._last_completed = loaded[0].checkpoint_id
-                coord._attempts = {c: a for c, a in coord._attempts.items()
-                                   if c >= loaded[0].checkpoint_id}
+        stored = _list_manifests(store)
+        loaded, corrupt = coord._load_newest(stored, fallback=fallback)
+        coord._adopt_recovered(stored, loaded)
         latest = loaded[0] if loaded else None
         logger.info("recovered job %s from %s: latest checkpoint %s (attempt %s), %d retained, "
                     "%d stale manifests doomed, %d corrupt skipped", job_id, store.location,
                     latest.checkpoint_id if latest else None, latest.attempt if latest else None,
                     len(loaded), len(coord._doomed_manifests), len(corrupt))
         return coord
+
+    def _load_newest(self, stored: Sequence[_StoredManifest], *,
+                     fallback: bool) -> tuple[list[Manifest], list[str]]:
+        """Recovery step 2: from the newest manifest down, load the highest valid attempt of
+        each id until ``retained`` ids are known. Returns them newest first, and the keys of the
+        corrupt manifests skipped."""
+        loaded: list[Manifest] = []
+        corrupt: list[str] = []
+        for cid, _attempt, key, size in stored:
+            if len(loaded) == self._retain:
+                break
+            if any(m.checkpoint_id == cid for m in loaded):
+                continue  # a lower attempt of an id we already have: stale
+            try:
+                loaded.append(self._load_manifest(key, size))
+            except CorruptObjectError as exc:
+                if not loaded and not fallback:
+                    exc.add_note(f"recover {self._store.location}: {key} is the newest manifest; "
+                                 "pass fallback=True to recover from the previous valid "
+                                 "checkpoint")
+                    raise
+                logger.warning("recover %s: skipping corrupt manifest %s: %s",
+                               self._store.location, key, exc)
+                corrupt.append(key)
+        if stored and not loaded:
+            raise CorruptObjectError(stored[0].key, 0, f"none of the {len(stored)} manifests "
+                                     f"under {MANIFEST_PREFIX} is valid (corrupt: "
+                                     f"{corrupt[:_LOG_KEYS]})",
+                                     hint="the checkpoint directory is damaged; nothing can be "
+                                          "restored from it")
+        return loaded, corrupt
+
+    def _load_manifest(self, key: str, size: int) -> Manifest:
+        """Read and decode one manifest of this job (size checked before reading)."""
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptObjectError(key, 0, f"{size} bytes is larger than the manifest "
+                                             f"limit of {MAX_MANIFEST_BYTES} bytes")
+        m = decode_manifest(self._store.get(key), key)
+        if m.job_id != self._job_id:
+            raise UsageError(f"recover {self._store.location}: manifest {key} belongs to job "
+                             f"{m.job_id!r}, not {self._job_id!r}; open this job's own "
+                             "state_uri, or pass the job id the store was written with")
+        return m
+
+    def _adopt_recovered(self, stored: Sequence[_StoredManifest],
+                         loaded: Sequence[Manifest]) -> None:
+        """Recovery step 3: the loaded manifests (newest first) become the retained set; every
+        other manifest is doomed; ids and attempts continue above every one found."""
+        with self._lock:
+            self._retained = list(loaded[::-1])
+            keep = {m.key for m in loaded}
+            self._doomed_manifests = {s.key for s in stored if s.key not in keep}
+            if stored:
+                self._last_id = stored[0].checkpoint_id
+            for s in stored:
+                self._attempts[s.checkpoint_id] = max(s.attempt,
+                                                      self._attempts.get(s.checkpoint_id, 0))
+            if loaded:
+                self._last_completed = loaded[0].checkpoint_id
+                self._attempts = {c: a for c, a in self._attempts.items()
+                                  if c >= loaded[0].checkpoint_id}
 
     # ------------------------------------------------------------------ the protocol
 
@@ -392,30 +450,10 @@ class CheckpointCoordinator:
                 completed one or out of range.
             ClosedError: the coordinator is closed.
         """
-        task_ids = tuple(tasks) if not isinstance(tasks, str) else (tasks,)
-        if not task_ids:
-            raise UsageError("trigger: a checkpoint needs at least one task")
-        for t in task_ids:
-            validate_id(t, "task_id")
-        if len(set(task_ids)) != len(task_ids):
-            raise UsageError(f"trigger: task ids repeat in {list(task_ids)[:10]}")
+        task_ids = _task_ids(tasks)
         with self._lock:
             self._check_open()
-            if checkpoint_id is None:
-                cid = self._last_id + 1
-            else:
-                if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool) \
-                        or not 0 <= checkpoint_id <= MAX_CHECKPOINT_ID:
-                    raise UsageError(f"trigger: checkpoint_id={checkpoint_id!r} must be an "
-                                     f"integer in [0, {MAX_CHECKPOINT_ID}]")
-                cid = checkpoint_id
-                if self._last_completed is not None and cid < self._last_completed:
-                    raise UsageError(
-                        f"trigger: checkpoint {cid} is below the last completed checkpoint "
-                        f"{self._last_completed}; ids only grow (a re-run may repeat "
-                        f"{self._last_completed}, or pass checkpoint_id=None)")
-            if cid > MAX_CHECKPOINT_ID:
-                raise UsageError(f"trigger: checkpoint ids are exhausted ({cid})")
+            cid = self._next_id_locked(checkpoint_id)
             aborted = None
             if self._pending is not None:
                 aborted = self._abort_locked(f"superseded by checkpoint {cid}")
@@ -427,6 +465,25 @@ class CheckpointCoordinator:
                     len(task_ids))
         if aborted is not None:
             self._deliver("on_aborted", aborted)
+        return cid
+
+    def _next_id_locked(self, checkpoint_id: int | None) -> int:
+        """The id a trigger opens: the next one, or ``checkpoint_id`` if it may be used."""
+        if checkpoint_id is None:
+            cid = self._last_id + 1
+        else:
+            if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool) \
+                    or not 0 <= checkpoint_id <= MAX_CHECKPOINT_ID:
+                raise UsageError(f"trigger: checkpoint_id={checkpoint_id!r} must be an "
+                                 f"integer in [0, {MAX_CHECKPOINT_ID}]")
+            cid = checkpoint_id
+            if self._last_completed is not None and cid < self._last_completed:
+                raise UsageError(
+                    f"trigger: checkpoint {cid} is below the last completed checkpoint "
+                    f"{self._last_completed}; ids only grow (a re-run may repeat "
+                    f"{self._last_completed}, or pass checkpoint_id=None)")
+        if cid > MAX_CHECKPOINT_ID:
+            raise UsageError(f"trigger: checkpoint ids are exhausted ({cid})")
         return cid
 
     def acknowledge(self, checkpoint_id: int, task_id: str, state: Mapping[str, Any],
@@ -463,17 +520,7 @@ class CheckpointCoordinator:
         with self._lock:
             self._check_open()
             p = self._pending_for(checkpoint_id, "acknowledge")
-            if task_id not in p.tasks:
-                raise UsageError(f"acknowledge: task {task_id!r} is not one of the "
-                                 f"{len(p.tasks)} tasks of checkpoint {checkpoint_id} "
-                                 f"({list(p.tasks)[:10]})")
-            clash = self._deleting.intersection(entry.referenced_keys)
-            if clash:
-                raise UsageError(
-                    f"acknowledge: task {task_id!r} of checkpoint {checkpoint_id} references "
-                    f"{sorted(clash)[:_LOG_KEYS]}, which are being deleted because only "
-                    "subsumed checkpoints referenced them; the task must restore from the "
-                    "latest checkpoint and re-upload instead of reusing subsumed objects")
+            self._check_acknowledgement_locked(p, entry)
             latency_ms = max(0.0, (self._clock() - p.trigger_mono) * 1000.0)
             if task_id in p.acks:
                 logger.info("checkpoint %d: task %s acknowledged again; the new "
@@ -484,6 +531,20 @@ class CheckpointCoordinator:
                 return None
             manifest, subsumed = self._commit_locked(p)
         return self._after_commit(manifest, subsumed)
+
+    def _check_acknowledgement_locked(self, p: _Pending, entry: TaskEntry) -> None:
+        task_id, checkpoint_id = entry.task_id, p.checkpoint_id
+        if task_id not in p.tasks:
+            raise UsageError(f"acknowledge: task {task_id!r} is not one of the "
+                             f"{len(p.tasks)} tasks of checkpoint {checkpoint_id} "
+                             f"({list(p.tasks)[:10]})")
+        clash = self._deleting.intersection(entry.referenced_keys)
+        if clash:
+            raise UsageError(
+                f"acknowledge: task {task_id!r} of checkpoint {checkpoint_id} references "
+                f"{sorted(clash)[:_LOG_KEYS]}, which are being deleted because only "
+                "subsumed checkpoints referenced them; the task must restore from the "
+                "latest checkpoint and re-upload instead of reusing subsumed objects")
 
     def complete(self, checkpoint_id: int) -> Completion:
         """Commit a pending checkpoint whose tasks have all acknowledged.
@@ -615,74 +676,79 @@ class CheckpointCoordinator:
             StorageError: listing failed.
             ClosedError: the coordinator is closed.
         """
-        if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) \
-                or not math.isfinite(min_age_s) or min_age_s < 0:
-            raise UsageError(f"collect_orphans: min_age_s={min_age_s!r} must be a finite number "
-                             ">= 0 (seconds)")
+        grace_ms = _grace_ms(min_age_s)
         now = self._wall_ms() if now_ms is None else int(now_ms)
-        cutoff = now - int(min_age_s * 1000)
         with self._delete_lock:
             with self._lock:
                 self._check_open()
-            listed = [info.key for info in self._store.list(MANIFEST_PREFIX)]
-            with self._lock:
-                keep = {m.key for m in self._retained}
-                if self._pending is not None:
-                    keep.update(self._pending.uncertain_keys)  # doomed when it ends
-                newest = self._retained[-1].checkpoint_id if self._retained else -1
-                stale = set()
-                for k in listed:
-                    parsed = parse_manifest_key(k)
-                    if parsed is None or k in keep:
-                        continue
-                    if parsed[0] > newest and k not in self._doomed_manifests:
-                        raise UsageError(
-                            f"collect_orphans: {self._store.location} holds manifest {k}, newer "
-                            f"than this coordinator's latest checkpoint ({newest}) and unknown "
-                            "to it; nothing was deleted. Open an existing store with "
-                            "CheckpointCoordinator.recover(), and run one coordinator per store")
-                    stale.add(k)
-                self._doomed_manifests |= stale
+            self._doom_stale_manifests()
             deleted = self._run_deletions_locked()
             with self._lock:
                 if self._doomed_manifests:
                     logger.warning("collect_orphans: %d manifests could not be deleted; no "
                                    "objects deleted", len(self._doomed_manifests))
                     return deleted
-            candidates: list[str] = []
-            unnamed: list[str] = []
-            for prefix in REFERENCE_PREFIXES:
-                for info in self._store.list(prefix):
-                    created = created_ms_of(info.key)
-                    if created is None:
-                        unnamed.append(info.key)
-                    elif created <= cutoff:
-                        candidates.append(info.key)
-            if unnamed:
-                logger.warning("collect_orphans: left alone %d objects whose names carry no "
-                               "creation time: %s", len(unnamed), unnamed[:_LOG_KEYS])
+            listed = [ListedObject.of(info.key, info.size)
+                      for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
             with self._lock:
-                orphans = sorted(set(candidates) - self._live_keys_locked())
-                self._deleting.update(orphans)
-            try:
-                if orphans:
-                    self._store.delete(orphans)
-            except (DstlError, OSError) as exc:
-                self._c_delete_failures.inc()
-                logger.warning("collect_orphans: deleting %d orphans failed (retried at the next "
-                               "completion): %s", len(orphans), exc)
-                with self._lock:
-                    self._doomed_objects.update(orphans)
-                return deleted
-            finally:
-                with self._lock:
-                    self._deleting.difference_update(orphans)
+                # Planned and marked under one lock hold: an acknowledgement naming one of
+                # these objects either comes first (and keeps it) or is refused.
+                plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now,
+                                    grace_ms=grace_ms)
+                self._deleting.update(plan.delete)
+            return deleted + self._delete_orphans(plan)
+
+    def _doom_stale_manifests(self) -> None:
+        """Doom every manifest in the store that is neither retained nor a put of the pending
+        checkpoint; refuse (before anything is deleted) when one is newer than the latest
+        retained checkpoint and unknown to this coordinator."""
+        listed = [info.key for info in self._store.list(MANIFEST_PREFIX)]
+        with self._lock:
+            keep = {m.key for m in self._retained}
+            if self._pending is not None:
+                keep.update(self._pending.uncertain_keys)  # doomed when it ends
+            newest = self._retained[-1].checkpoint_id if self._retained else -1
+            stale = set()
+            for k in listed:
+                parsed = parse_manifest_key(k)
+                if parsed is None or k in keep:
+                    continue
+                if parsed[0] > newest and k not in self._doomed_manifests:
+                    raise UsageError(
+                        f"collect_orphans: {self._store.location} holds manifest {k}, newer "
+                        f"than this coordinator's latest checkpoint ({newest}) and unknown "
+                        "to it; nothing was deleted. Open an existing store with "
+                        "CheckpointCoordinator.recover(), and run one coordinator per store")
+                stale.add(k)
+            self._doomed_manifests |= stale
+
+    def _delete_orphans(self, plan: OrphanPlan) -> list[str]:
+        """Delete the orphans ``plan`` selected (already marked as being deleted); on failure
+        doom them for the next completion."""
+        if plan.unnamed:
+            logger.warning("collect_orphans: left alone %d objects whose names carry no "
+                           "creation time: %s", len(plan.unnamed), plan.unnamed[:_LOG_KEYS])
+        orphans = list(plan.delete)
+        try:
+            if orphans:
+                self._store.delete(orphans)
+        except (DstlError, OSError) as exc:
+            self._c_delete_failures.inc()
+            logger.warning("collect_orphans: deleting %d orphans failed (retried at the next "
+                           "completion): %s", len(orphans), exc)
             with self._lock:
-                self._doomed_objects.difference_update(orphans)
-            self._c_orphans.inc(len(orphans))
-            logger.info("collect_orphans: deleted %d orphans older than %.0f s (%d candidates, "
-                        "%d manifests)", len(orphans), min_age_s, len(candidates), len(deleted))
-            return deleted + orphans
+                self._doomed_objects.update(orphans)
+            return []
+        finally:
+            with self._lock:
+                self._deleting.difference_update(orphans)
+        with self._lock:
+            self._doomed_objects.difference_update(orphans)
+        self._c_orphans.inc(len(orphans))
+        logger.info("collect_orphans: deleted %d orphans (%d bytes) created before %d ms; kept "
+                    "%d referenced, %d younger", len(orphans), plan.delete_bytes,
+                    plan.cutoff_ms, len(plan.referenced), len(plan.too_young))
+        return orphans
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -753,18 +819,37 @@ class CheckpointCoordinator:
 
     def _commit_locked(self, p: _Pending) -> tuple[Manifest, tuple[Manifest, ...]]:
         """Write the manifest, then apply the retention plan to the in-memory state."""
+        manifest = self._next_manifest_locked(p)
+        self._put_manifest_locked(p, manifest)
+        # Committed: from here on nothing may fail before the in-memory state matches the store.
+        subsumed = self._apply_retention_locked(p, manifest)
+        self._c_completed.inc()
+        self._c_subsumed.inc(len(subsumed))
+        self._h_duration.update(manifest.stats.duration_ms)
+        logger.info("completed checkpoint %d attempt %d in %.1f ms: %d tasks, full %d B, "
+                    "incremental %d B; subsumed %s; %d objects doomed", manifest.checkpoint_id,
+                    manifest.attempt, manifest.stats.duration_ms, len(manifest.tasks),
+                    manifest.stats.full_size, manifest.stats.incremental_size,
+                    [m.checkpoint_id for m in subsumed], len(self._doomed_objects))
+        return manifest, subsumed
+
+    def _next_manifest_locked(self, p: _Pending) -> Manifest:
+        """The manifest of ``p`` under its next attempt number (used up even if the put fails)."""
         cid = p.checkpoint_id
         attempt = self._attempts.get(cid, 0) + 1
         if attempt > MAX_ATTEMPT:
             raise UsageError(f"checkpoint {cid}: manifest attempts exhausted ({MAX_ATTEMPT})")
         self._attempts[cid] = attempt
-        manifest = Manifest.build(
+        return Manifest.build(
             job_id=self._job_id, checkpoint_id=cid, attempt=attempt,
             created_ms=self._wall_ms(), tasks=[p.acks[t][0] for t in p.tasks],
             trigger_ms=p.trigger_ms,
             duration_ms=max(0.0, (self._clock() - p.trigger_mono) * 1000.0),
             ack_latency_ms={t: p.acks[t][1] for t in p.tasks})
-        key = manifest.key
+
+    def _put_manifest_locked(self, p: _Pending, manifest: Manifest) -> None:
+        """The commit: put the manifest, or raise :class:`CheckpointCommitError`."""
+        cid, key = p.checkpoint_id, manifest.key
         # Until the put is known to have succeeded the object may exist (a "ghost" write): it
         # is doomed if this checkpoint is aborted or committed under a later attempt.
         p.uncertain_keys.append(key)
@@ -785,28 +870,24 @@ class CheckpointCoordinator:
                 f"retry with complete({cid}), or re-run it with trigger(tasks, "
                 f"checkpoint_id={cid})") from exc
         p.uncertain_keys.remove(key)
-        # Committed: from here on nothing may fail before the in-memory state matches the store.
+
+    def _apply_retention_locked(self, p: _Pending, manifest: Manifest) -> tuple[Manifest, ...]:
+        """Make the in-memory state match the store after ``manifest`` committed; returns the
+        subsumed checkpoints."""
         plan = plan_retention([m.refs() for m in self._retained], manifest.refs(),
                               retain=self._retain, doomed_objects=self._doomed_objects)
         by_key = {m.key: m for m in self._retained}
-        by_key[key] = manifest
+        by_key[manifest.key] = manifest
         self._retained = [by_key[r.manifest_key] for r in plan.retained]
         subsumed = tuple(by_key[r.manifest_key] for r in plan.subsumed)
         self._doomed_manifests.update(plan.delete_manifests)
         self._doomed_manifests.update(p.uncertain_keys)  # earlier failed puts of this checkpoint
         self._doomed_objects = set(plan.delete_objects) | set(plan.deferred_objects)
         self._pending = None
+        cid = manifest.checkpoint_id
         self._last_completed = cid
         self._attempts = {c: a for c, a in self._attempts.items() if c >= cid}
-        self._c_completed.inc()
-        self._c_subsumed.inc(len(subsumed))
-        self._h_duration.update(manifest.stats.duration_ms)
-        logger.info("completed checkpoint %d attempt %d in %.1f ms: %d tasks, full %d B, "
-                    "incremental %d B; subsumed %s; %d objects doomed", cid, attempt,
-                    manifest.stats.duration_ms, len(manifest.tasks), manifest.stats.full_size,
-                    manifest.stats.incremental_size, [m.checkpoint_id for m in subsumed],
-                    len(self._doomed_objects))
-        return manifest, subsumed
+        return subsumed
 
     def _after_commit(self, manifest: Manifest,
                       subsumed: tuple[Manifest, ...]) -> Completion:
@@ -842,23 +923,31 @@ class CheckpointCoordinator:
             objects = sorted(self._doomed_objects - self._live_keys_locked())
             if not manifests and not objects:
                 return []
-        deleted: list[str] = []
-        if manifests:
-            try:
-                self._store.delete(manifests)
-            except (DstlError, OSError) as exc:
-                self._c_delete_failures.inc()
-                logger.warning("deleting %d manifests failed; they and %d objects stay doomed "
-                               "for the next completion: %s", len(manifests), len(objects), exc)
-                return deleted
-            with self._lock:
-                self._doomed_manifests.difference_update(manifests)
-            self._c_deleted_manifests.inc(len(manifests))
-            deleted.extend(manifests)
+        if manifests and not self._delete_doomed_manifests(manifests, len(objects)):
+            return []
         if not objects:
-            return deleted
+            return manifests
+        return manifests + self._delete_doomed_objects(objects, manifests)
+
+    def _delete_doomed_manifests(self, manifests: list[str], objects_waiting: int) -> bool:
+        """Deletion step 1; False (logged, the keys stay doomed) if the delete failed."""
+        try:
+            self._store.delete(manifests)
+        except (DstlError, OSError) as exc:
+            self._c_delete_failures.inc()
+            logger.warning("deleting %d manifests failed; they and %d objects stay doomed "
+                           "for the next completion: %s", len(manifests), objects_waiting, exc)
+            return False
         with self._lock:
-            # Between the snapshot above and now an acknowledgement may have named one.
+            self._doomed_manifests.difference_update(manifests)
+        self._c_deleted_manifests.inc(len(manifests))
+        return True
+
+    def _delete_doomed_objects(self, objects: list[str], manifests: list[str]) -> list[str]:
+        """Deletion step 2, after every doomed manifest is gone: the objects still unreferenced;
+        returns those deleted."""
+        with self._lock:
+            # Since the caller took its snapshot an acknowledgement may have named one.
             objects = sorted(set(objects) - self._live_keys_locked())
             self._deleting.update(objects)
         try:
@@ -867,7 +956,7 @@ class CheckpointCoordinator:
             self._c_delete_failures.inc()
             logger.warning("deleting %d unreferenced objects failed; they stay doomed for the "
                            "next completion: %s", len(objects), exc)
-            return deleted
+            return []
         finally:
             with self._lock:
                 self._deleting.difference_update(objects)
@@ -876,7 +965,7 @@ class CheckpointCoordinator:
         self._c_deleted_objects.inc(len(objects))
         logger.info("deleted %d manifests and %d unreferenced objects: %s", len(manifests),
                     len(objects), (manifests + objects)[:_LOG_KEYS])
-        return deleted + objects
+        return objects
 
     def _deliver(self, event: str, value: Manifest | AbortedCheckpoint) -> None:
         with self._lock:

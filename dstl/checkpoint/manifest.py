@@ -437,6 +437,17 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
             referenced key that could escape the root).
     """
     data = bytes(data)
+
+    def fail(f: str, reason: str) -> NoReturn:
+        raise CorruptManifestError(key, f, reason)
+
+    doc = _parse_document(data, key)
+    body = _checked_body(doc, data, key, fail)
+    return _decode_body(body, key, fail)
+
+
+def _parse_document(data: bytes, key: str) -> dict[str, Any]:
+    """Decoding steps 1-4: size limit, UTF-8, JSON, format and version."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptObjectError(key, 0, f"{len(data)} bytes is larger than the manifest limit "
                                          f"of {MAX_MANIFEST_BYTES} bytes")
@@ -449,10 +460,6 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
         raise CorruptObjectError(key, exc.pos, f"not JSON ({exc.msg})") from exc
     except (ValueError, RecursionError) as exc:
         raise CorruptObjectError(key, 0, f"not a valid JSON document ({exc!s:.200})") from exc
-
-    def fail(f: str, reason: str) -> NoReturn:
-        raise CorruptManifestError(key, f, reason)
-
     if not isinstance(doc, dict):
         raise UnsupportedFormatError(key, 0, f"a JSON {type(doc).__name__}",
                                      f"{FORMAT_NAME} v{FORMAT_VERSION}")
@@ -461,6 +468,11 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
         raise UnsupportedFormatError(key, 0, f"{doc.get('format')!r:.40} "
                                              f"v{doc.get('version')!r:.20}",
                                      f"{FORMAT_NAME} v{FORMAT_VERSION}")
+    return doc
+
+
+def _checked_body(doc: dict[str, Any], data: bytes, key: str, fail: _Fail) -> dict[str, Any]:
+    """Decoding steps 5-7: the top-level fields, the CRC over the body, canonical form."""
     _check_fields(doc, _TOP_FIELDS, "", fail)
     body, crc_text = doc["body"], doc["crc32"]
     if not isinstance(crc_text, str) or re.fullmatch(r"[0-9a-f]{8}", crc_text) is None:
@@ -474,7 +486,7 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
     if _canonical(doc) + b"\n" != data:
         raise CorruptObjectError(key, 0, "not in canonical form (altered outside the "
                                          "checksummed body?)")
-    return _decode_body(body, key, fail)
+    return body
 
 
 def _check_fields(obj: dict[str, Any], expected: frozenset[str], where: str,
@@ -492,42 +504,8 @@ def _decode_body(body: dict[str, Any], key: str, fail: _Fail) -> Manifest:
     tasks_raw = body["tasks"]
     if not isinstance(tasks_raw, list):
         fail("body.tasks", f"expected a list, got {type(tasks_raw).__name__}")
-    tasks = []
-    for i, t in enumerate(tasks_raw):
-        where = f"body.tasks[{i}]"
-        if not isinstance(t, dict):
-            fail(where, f"expected an object, got {type(t).__name__}")
-        _check_fields(t, _TASK_FIELDS, where + ".", fail)
-        task_id = _check_id(t["task_id"], where + ".task_id", fail)
-        if not isinstance(t["state"], dict):
-            fail(where + ".state", f"expected an object, got {type(t['state']).__name__}")
-        refs = t["referenced_keys"]
-        if not isinstance(refs, list):
-            fail(where + ".referenced_keys", f"expected a list, got {type(refs).__name__}")
-        keys = tuple(_check_ref(k, f"{where}.referenced_keys[{j}]", manifest=key)
-                     for j, k in enumerate(refs))
-        if list(keys) != sorted(set(keys)):
-            fail(where + ".referenced_keys", "keys are not sorted and unique")
-        tasks.append(TaskEntry(
-            task_id, t["state"], keys,
-            _check_int_range(t["full_size"], 0, None, where + ".full_size", fail),
-            _check_int_range(t["incremental_size"], 0, None, where + ".incremental_size",
-                             fail)))
-    stats_raw = body["stats"]
-    if not isinstance(stats_raw, dict):
-        fail("body.stats", f"expected an object, got {type(stats_raw).__name__}")
-    _check_fields(stats_raw, _STATS_FIELDS, "body.stats.", fail)
-    lat = stats_raw["ack_latency_ms"]
-    if not isinstance(lat, dict):
-        fail("body.stats.ack_latency_ms", f"expected an object, got {type(lat).__name__}")
-    stats = CheckpointStats(
-        _check_int_range(stats_raw["trigger_ms"], 0, None, "body.stats.trigger_ms", fail),
-        _check_number(stats_raw["duration_ms"], "body.stats.duration_ms", fail),
-        {str(k): _check_number(v, f"body.stats.ack_latency_ms[{k!r}]", fail)
-         for k, v in lat.items()},
-        _check_int_range(stats_raw["full_size"], 0, None, "body.stats.full_size", fail),
-        _check_int_range(stats_raw["incremental_size"], 0, None, "body.stats.incremental_size",
-                         fail))
+    tasks = [_decode_task(t, f"body.tasks[{i}]", key, fail) for i, t in enumerate(tasks_raw)]
+    stats = _decode_stats(body["stats"], fail)
     m = Manifest(body["job_id"], body["checkpoint_id"], body["attempt"], body["created_ms"],
                  tuple(tasks), stats)
     _validate(m, lambda f, r: fail(f"body.{f}", r))
@@ -537,3 +515,40 @@ def _decode_body(body: dict[str, Any], key: str, fail: _Fail) -> Manifest:
                                    f"{m.attempt}, the object name says {named[0]} attempt "
                                    f"{named[1]} (copied or renamed?)")
     return m
+
+
+def _decode_task(t: object, where: str, key: str, fail: _Fail) -> TaskEntry:
+    if not isinstance(t, dict):
+        fail(where, f"expected an object, got {type(t).__name__}")
+    _check_fields(t, _TASK_FIELDS, where + ".", fail)
+    task_id = _check_id(t["task_id"], where + ".task_id", fail)
+    if not isinstance(t["state"], dict):
+        fail(where + ".state", f"expected an object, got {type(t['state']).__name__}")
+    refs = t["referenced_keys"]
+    if not isinstance(refs, list):
+        fail(where + ".referenced_keys", f"expected a list, got {type(refs).__name__}")
+    keys = tuple(_check_ref(k, f"{where}.referenced_keys[{j}]", manifest=key)
+                 for j, k in enumerate(refs))
+    if list(keys) != sorted(set(keys)):
+        fail(where + ".referenced_keys", "keys are not sorted and unique")
+    return TaskEntry(
+        task_id, t["state"], keys,
+        _check_int_range(t["full_size"], 0, None, where + ".full_size", fail),
+        _check_int_range(t["incremental_size"], 0, None, where + ".incremental_size", fail))
+
+
+def _decode_stats(stats_raw: object, fail: _Fail) -> CheckpointStats:
+    if not isinstance(stats_raw, dict):
+        fail("body.stats", f"expected an object, got {type(stats_raw).__name__}")
+    _check_fields(stats_raw, _STATS_FIELDS, "body.stats.", fail)
+    lat = stats_raw["ack_latency_ms"]
+    if not isinstance(lat, dict):
+        fail("body.stats.ack_latency_ms", f"expected an object, got {type(lat).__name__}")
+    return CheckpointStats(
+        _check_int_range(stats_raw["trigger_ms"], 0, None, "body.stats.trigger_ms", fail),
+        _check_number(stats_raw["duration_ms"], "body.stats.duration_ms", fail),
+        {str(k): _check_number(v, f"body.stats.ack_latency_ms[{k!r}]", fail)
+         for k, v in lat.items()},
+        _check_int_range(stats_raw["full_size"], 0, None, "body.stats.full_size", fail),
+        _check_int_range(stats_raw["incremental_size"], 0, None, "body.stats.incremental_size",
+                         fail))
