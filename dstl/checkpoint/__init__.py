@@ -3,7 +3,7 @@
 - :mod:`dstl.checkpoint.coordinator` — :class:`CheckpointCoordinator` (runtime: store calls, lock,
   clock, listeners), one per job on the driver;
 - :mod:`dstl.checkpoint.manifest` — the manifest codec (pure);
-- :mod:`dstl.checkpoint.retention` — :func:`plan_retention` (pure).
+- :mod:`dstl.checkpoint.retention` — :func:`plan_retention` and :func:`plan_orphans` (pure).
 
 Object names (manifest keys, the referenceable prefixes, creation times) come from
 :mod:`dstl.layout`. This layer sits above the log core and below the entry points: it imports the
@@ -28,7 +28,14 @@ from dstl.checkpoint.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from dstl.checkpoint.retention import CheckpointRefs, RetentionPlan, plan_retention
+from dstl.checkpoint.retention import (
+    CheckpointRefs,
+    ListedObject,
+    OrphanPlan,
+    RetentionPlan,
+    plan_orphans,
+    plan_retention,
+)
 
 __all__ = [
     "DEFAULT_RETAINED",
@@ -40,11 +47,14 @@ __all__ = [
     "CheckpointStats",
     "Completion",
     "CorruptManifestError",
+    "ListedObject",
     "Manifest",
+    "OrphanPlan",
     "RetentionPlan",
     "TaskEntry",
     "UnsafeManifestKeyError",
     "decode_manifest",
     "encode_manifest",
+    "plan_orphans",
     "plan_retention",
 ]

@@ -5,9 +5,9 @@ Theory of operation
 Engine-agnostic (Flink's ``CheckpointCoordinator`` + ``SharedStateRegistry``, seed 004): the
 engine integration (``dstl.spark``) calls it on the driver; it knows only task ids, opaque state
 handles and object keys. The pure parts live beside it — the manifest codec in
-:mod:`dstl.checkpoint.manifest`, the retention planner in :mod:`dstl.checkpoint.retention`, the
-object names in :mod:`dstl.layout`; this module adds the store calls, the lock, the clock and the
-listeners.
+:mod:`dstl.checkpoint.manifest`, the retention and orphan planners in
+:mod:`dstl.checkpoint.retention`, the object names in :mod:`dstl.layout`; this module adds the
+store calls, the lock, the clock and the listeners.
 
 1. **Trigger.** :meth:`CheckpointCoordinator.trigger` opens a *pending* checkpoint for a set of
    tasks. Ids grow strictly when the coordinator picks them; an explicit id may repeat the last
@@ -42,10 +42,11 @@ listeners.
    other manifest (older attempts, subsumed leftovers, corrupt or ghost ones) for deletion at the
    next completion. Recovery itself writes and deletes nothing.
 7. **Orphans.** Objects no checkpoint ever took over (uploads of aborted batches, crashes between
-   a manifest delete and its objects) are found by :meth:`~CheckpointCoordinator.collect_orphans`:
-   anything under ``dstl/`` or ``snapshots/`` that no retained or pending checkpoint references and
-   whose creation time (from its fixed-width name) is older than a grace period that covers
-   live writers' uploads not yet acknowledged by any checkpoint.
+   a manifest delete and its objects) are deleted by :meth:`~CheckpointCoordinator.collect_orphans`:
+   it lists ``dstl/`` and ``snapshots/``, and :func:`dstl.checkpoint.retention.plan_orphans`
+   selects what no retained or pending checkpoint references and whose creation time (from its
+   fixed-width name) is older than a grace period that covers live writers' uploads not yet
+   acknowledged by any checkpoint. Stale manifests are deleted before any object.
 
 Thread safety: all state sits behind one lock, held for the manifest put too (commits are
 serialised anyway); store deletes and listener calls run outside it.

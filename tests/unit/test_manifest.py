@@ -1,10 +1,8 @@
-"""The manifest codec (dstl.checkpoint.manifest), the retention planner (dstl.checkpoint.retention)
-and the manifest names (dstl.layout); all pure: no store, no clock.
+"""The manifest codec (dstl.checkpoint.manifest) and the manifest names (dstl.layout); all pure:
+no store, no clock. The planners are tested in ``test_retention.py``.
 
 Decoding treats a manifest as untrusted input: malformed, unsafe or damaged manifests raise typed
-errors naming the manifest and the field; every single-bit flip is detected. The planner property
-test checks guarantee G5 on random checkpoint sequences: no deleted object is referenced by a
-retained or pending checkpoint, and nothing referenced only by subsumed checkpoints stays.
+errors naming the manifest and the field; every single-bit flip is detected.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from dstl.checkpoint.manifest import (
     UnsafeManifestKeyError,
     decode_manifest,
 )
-from dstl.checkpoint.retention import CheckpointRefs, plan_retention
 from dstl.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -308,95 +305,3 @@ def test_build_rejects_inconsistent_latencies() -> None:
         Manifest.build(job_id="j", checkpoint_id=1, attempt=1, created_ms=0,
                        tasks=[TaskEntry.of("a", {}, [], 0, 0)], trigger_ms=0, duration_ms=0,
                        ack_latency_ms={"b": 1.0})
-
-
-# --------------------------------------------------------------------------- retention planner
-
-
-def refs(cid: int, keys: set[str], attempt: int = 1) -> CheckpointRefs:
-    return CheckpointRefs(cid, attempt, frozenset(keys))
-
-
-def test_plan_keeps_the_newest_and_deletes_only_unreferenced() -> None:
-    retained = [refs(1, {"dstl/a", "dstl/b"}), refs(2, {"dstl/b", "dstl/c"})]
-    plan = plan_retention(retained, refs(3, {"dstl/c", "dstl/d"}), retain=2,
-                          pending=[{"dstl/a"}])
-    assert [r.checkpoint_id for r in plan.retained] == [2, 3]
-    assert [r.checkpoint_id for r in plan.subsumed] == [1]
-    assert plan.delete_manifests == (manifest_key(1, 1),)
-    assert plan.delete_objects == ()  # b is retained by 2, a is pinned by the pending one
-    assert plan.deferred_objects == ("dstl/a",)
-    nxt = plan_retention(plan.retained, refs(4, {"dstl/d"}), retain=2,
-                         doomed_objects=plan.deferred_objects)
-    assert nxt.delete_objects == ("dstl/a", "dstl/b")
-
-
-def test_plan_new_attempt_replaces_the_old_one() -> None:
-    retained = [refs(1, {"dstl/a"}), refs(2, {"dstl/b", "dstl/x"})]
-    plan = plan_retention(retained, refs(2, {"dstl/b", "dstl/y"}, attempt=2), retain=3)
-    assert [r.order for r in plan.retained] == [(1, 1), (2, 2)]
-    assert [r.order for r in plan.subsumed] == [(2, 1)]
-    assert plan.delete_manifests == (manifest_key(2, 1),)
-    assert plan.delete_objects == ("dstl/x",)
-
-
-@pytest.mark.parametrize("retained,completed,retain", [
-    ([refs(5, set())], refs(4, set()), 2),
-    ([refs(5, set(), attempt=2)], refs(5, set(), attempt=1), 2),
-    ([refs(5, set()), refs(5, set(), attempt=2)], refs(6, set()), 2),
-    ([], refs(1, set()), 0),
-])
-def test_plan_rejects_impossible_inputs(retained: list[CheckpointRefs],
-                                        completed: CheckpointRefs, retain: int) -> None:
-    with pytest.raises(UsageError):
-        plan_retention(retained, completed, retain=retain)
-
-
-@given(st.data())
-def test_planner_never_deletes_a_referenced_key_and_leaves_nothing_unreferenced(
-        data: st.DataObject) -> None:
-    retain = data.draw(st.integers(1, 4), label="retain")
-    steps = data.draw(st.integers(1, 25), label="steps")
-    retained: list[CheckpointRefs] = []
-    carried: tuple[str, ...] = ()
-    stored: set[str] = set()  # objects that exist (referenced at some point, not yet deleted)
-    fresh = iter(f"dstl/{i:06d}" for i in range(10**6))
-    next_id = 0
-    for step in range(steps):
-        usable = sorted({k for r in retained for k in r.keys} | set(carried))
-        new = {next(fresh) for _ in range(data.draw(st.integers(0, 3), label="new keys"))}
-        reused = set(data.draw(st.lists(st.sampled_from(usable), max_size=6), label="reused")
-                     if usable else [])
-        keys = frozenset(new | reused)
-        stored |= new
-        last = step == steps - 1
-        pending = [] if last or not usable else data.draw(st.lists(
-            st.sets(st.sampled_from(usable), max_size=4), max_size=2), label="pending")
-        rerun = data.draw(st.booleans(), label="re-run")
-        if retained and rerun:
-            completed = CheckpointRefs(retained[-1].checkpoint_id, retained[-1].attempt + 1, keys)
-        else:
-            next_id += data.draw(st.integers(1, 3), label="id gap")
-            completed = CheckpointRefs(next_id, 1, keys)
-        plan = plan_retention(retained, completed, retain=retain, pending=pending,
-                              doomed_objects=carried)
-        kept = {k for r in plan.retained for k in r.keys}
-        pinned = {k for p in pending for k in p}
-        deleted = set(plan.delete_objects)
-        # G5, safety: nothing retained or pending is deleted.
-        assert not deleted & kept, deleted & kept
-        assert not deleted & pinned, deleted & pinned
-        # The retained set: newest ids, the completion last, one attempt per id.
-        assert plan.retained[-1] == completed and len(plan.retained) <= retain
-        assert len({r.checkpoint_id for r in plan.retained}) == len(plan.retained)
-        assert sorted(plan.retained + plan.subsumed, key=lambda r: r.order) == \
-            sorted([*retained, completed], key=lambda r: r.order)
-        assert plan.delete_manifests == tuple(r.manifest_key for r in plan.subsumed)
-        stored -= deleted
-        retained, carried = list(plan.retained), plan.deferred_objects
-        # G5, liveness: whatever still exists is retained or carried (pinned) for later.
-        assert stored <= kept | set(carried), stored - kept - set(carried)
-        assert set(carried) <= pinned
-    # With no pending checkpoint at the end, exactly the retained objects remain.
-    assert stored == {k for r in retained for k in r.keys}
-    assert carried == ()
