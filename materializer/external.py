@@ -79,6 +79,35 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         StateError, StorageError: reading the table or uploading failed.
     """
     t0 = time.monotonic()
+    taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary)
+    if taken is None:
+        return None
+    marker, mat_id = taken.marker, taken.materialization_id
+    key = new_snapshot_key(marker.operator_id, mat_id)
+    store.put(key, taken.data)
+    duration = time.monotonic() - t0
+    logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
+                "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,
+                taken.entries, len(taken.data), key, duration * 1e3)
+    return ExternalMaterialization(SnapshotRef(key, len(taken.data), key_groups, mat_id),
+                                   taken.boundary, marker, taken.entries, duration)
+
+
+@dataclass(frozen=True, slots=True)
+class _TakenSnapshot:
+    """A snapshot object's bytes, read from one read transaction of the table."""
+
+    data: bytes
+    marker: TableMarker
+    boundary: tuple[str, int]
+    materialization_id: int
+    entries: int
+
+
+def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
+                   skip_boundary: tuple[str, int] | None) -> _TakenSnapshot | None:
+    """Open the table read-only, read its marker and write its snapshot from one read
+    transaction; ``None`` when there is nothing to materialize."""
     table = LmdbStateTable(directory, key_groups, readonly=True)
     try:
         snap = table.snapshot()
@@ -104,12 +133,4 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
             snap.release()
     finally:
         table.close()
-    data = b"".join(parts)
-    key = new_snapshot_key(marker.operator_id, mat_id)
-    store.put(key, data)
-    duration = time.monotonic() - t0
-    logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
-                "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,
-                written.entries, len(data), key, duration * 1e3)
-    return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id), boundary,
-                                   marker, written.entries, duration)
+    return _TakenSnapshot(b"".join(parts), marker, boundary, mat_id, written.entries)

@@ -159,6 +159,16 @@ class LmdbWriteBatch:
         return self._table.remove(state_id, key_group, key, namespace)
 
 
+def _check_map_sizes(map_size_bytes: int, max_map_size_bytes: int) -> None:
+    for name, value in (("map_size_bytes", map_size_bytes),
+                        ("max_map_size_bytes", max_map_size_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UsageError(f"LmdbStateTable.{name}={value!r} is invalid: expected an int > 0")
+    if max_map_size_bytes < map_size_bytes:
+        raise UsageError(f"LmdbStateTable.max_map_size_bytes={max_map_size_bytes} is below "
+                         f"map_size_bytes={map_size_bytes}")
+
+
 class LmdbStateTable:
     """All states of one backend in one LMDB environment (directory), keyed by state id.
 
@@ -184,13 +194,7 @@ class LmdbStateTable:
                  max_map_size_bytes: int = DEFAULT_MAX_MAP_SIZE_BYTES,
                  sync: bool = False, grow_wait_s: float = DEFAULT_GROW_WAIT_S,
                  readonly: bool = False) -> None:
-        for name, value in (("map_size_bytes", map_size_bytes),
-                            ("max_map_size_bytes", max_map_size_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UsageError(f"LmdbStateTable.{name}={value!r} is invalid: expected an int > 0")
-        if max_map_size_bytes < map_size_bytes:
-            raise UsageError(f"LmdbStateTable.max_map_size_bytes={max_map_size_bytes} is below "
-                             f"map_size_bytes={map_size_bytes}")
+        _check_map_sizes(map_size_bytes, max_map_size_bytes)
         self.path = str(Path(directory))
         self._key_groups = key_groups
         self._kg_start = key_groups.start
@@ -201,23 +205,7 @@ class LmdbStateTable:
         self._forked = False
         self._map_size = map_size_bytes
         self._readonly = readonly
-        if not readonly:
-            Path(self.path).mkdir(parents=True, exist_ok=True)
-        elif not os.path.isfile(os.path.join(self.path, "data.mdb")):
-            raise UsageError(f"LMDB state table {self.path} does not exist (a read-only open "
-                             "needs a table some writer created)")
-        try:
-            self._env: Any = lmdb.open(self.path, map_size=map_size_bytes, subdir=True,
-                                       sync=sync, metasync=sync, readahead=False, lock=True,
-                                       max_dbs=0, readonly=readonly)
-        except lmdb.Error as exc:
-            if "already open" in str(exc):
-                raise UsageError(
-                    f"LMDB environment {self.path} is already open in this process (py-lmdb "
-                    "allows one per process, and a forked child inherits the parent's: share "
-                    "the open LmdbStateTable, or open it in a process that did not inherit it)"
-                ) from exc
-            raise self._translate(exc, "open") from exc
+        self._env: Any = self._open_env(sync=sync, readonly=readonly)
         self._pid = os.getpid()
         self._map_size = int(self._env.info()["map_size"])
         self._max_key = int(self._env.max_key_size())
@@ -231,6 +219,26 @@ class LmdbStateTable:
         _OPEN_TABLES.add(self)
         log.info("opened LMDB state table %s (map %d bytes, max %d)", self.path, self._map_size,
                  self._max_map_size)
+
+    def _open_env(self, *, sync: bool, readonly: bool) -> Any:
+        """The LMDB environment in ``self.path`` (created unless ``readonly``)."""
+        if not readonly:
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+        elif not os.path.isfile(os.path.join(self.path, "data.mdb")):
+            raise UsageError(f"LMDB state table {self.path} does not exist (a read-only open "
+                             "needs a table some writer created)")
+        try:
+            return lmdb.open(self.path, map_size=self._map_size, subdir=True, sync=sync,
+                             metasync=sync, readahead=False, lock=True, max_dbs=0,
+                             readonly=readonly)
+        except lmdb.Error as exc:
+            if "already open" in str(exc):
+                raise UsageError(
+                    f"LMDB environment {self.path} is already open in this process (py-lmdb "
+                    "allows one per process, and a forked child inherits the parent's: share "
+                    "the open LmdbStateTable, or open it in a process that did not inherit it)"
+                ) from exc
+            raise self._translate(exc, "open") from exc
 
     # ------------------------------------------------------------------ properties
 

@@ -74,15 +74,7 @@ def run(argv: list[str] | None = None) -> int:
 
         return spark_demo(argv)
     argv.remove("--log-only")
-    p = argparse.ArgumentParser(prog="dstl demo --log-only", description=__doc__)
-    p.add_argument("--state-uri", default=None,
-                   help="store root (default: a fresh temporary directory)")
-    p.add_argument("--writers", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--checkpoint-interval", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=7)
-    args = p.parse_args(argv)
+    args = _parse_args(argv)
     tmp = None
     uri = args.state_uri
     if uri is None:
@@ -96,61 +88,90 @@ def run(argv: list[str] | None = None) -> int:
         backends = [_Backend(storage.create_writer(
             f"demo-op/{i}", KeyGroupRange.of_operator(MAX_PARALLELISM, args.writers, i)))
             for i in range(args.writers)]
-        errors: list[BaseException] = []
-        groups = [backends[i::args.threads] for i in range(args.threads)]
-        threads = [threading.Thread(target=_drive, name=f"demo-driver-{i}",
-                                    args=(g, args.seconds, args.checkpoint_interval,
-                                          args.seed + i, errors))
-                   for i, g in enumerate(groups)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - t0
-        if errors:
-            raise errors[0]
-
-        # read back: the last handle of every writer covers [0, to) — compare with what was sent
-        reader = ChangelogReader(storage)
-        ok = True
-        changes = 0
-        for b in backends:
-            last = b.handles[-1]
-            got = list(reader.read(last))
-            sent = b.appended[:sum(r.change_count for r in last.change_sets)]
-            # within a change set the log groups changes by key group, order kept per key group
-            expected = []
-            pos = 0
-            for ref in last.change_sets:
-                chunk = sent[pos:pos + ref.change_count]
-                pos += ref.change_count
-                expected.extend(sorted(chunk, key=lambda c: c[0]))
-            ok &= got == expected
-            changes += len(got)
-        m = storage.metrics()
-        lat = sorted(x for b in backends for x in b.latencies_s)
-        segments = list(storage.store.list(SEGMENT_PREFIX))
-        checkpoints = len(backends[0].handles)
-        print()
-        print(f"{'changes appended':<34}{sum(len(b.appended) for b in backends):>14,}")
-        print(f"{'change rate':<34}{sum(len(b.appended) for b in backends) / elapsed:>14,.0f} /s")
-        print(f"{'checkpoints (persist rounds)':<34}{checkpoints:>14,}")
-        print(f"{'segments written':<34}{int(m['ChangelogStorage.numberOfSegments']):>14,}")
-        print(f"{'segments per checkpoint':<34}"
-              f"{m['ChangelogStorage.numberOfSegments'] / max(1, checkpoints):>14.2f}")
-        print(f"{'writers per segment (mean)':<34}"
-              f"{m['ChangelogStorage.writersPerSegment.mean']:>14.2f}")
-        print(f"{'bytes uploaded':<34}{int(m['ChangelogStorage.uploadedBytes']):>14,}")
-        print(f"{'objects in store':<34}{len(segments):>14,}")
-        if lat:
-            p99 = lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))]
-            print(f"{'persist latency p50 / p99':<34}"
-                  f"{statistics.median(lat) * 1e3:>8.1f} / {p99 * 1e3:.1f} ms")
-        print(f"{'read back and compared':<34}{changes:>14,} changes: "
-              f"{'OK' if ok else 'MISMATCH'}")
+        elapsed = _drive_all(backends, args)
+        ok, changes = _read_back(storage, backends)
+        _report(storage, backends, elapsed, ok, changes)
         return 0 if ok else 1
     finally:
         storage.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dstl demo --log-only", description=__doc__)
+    p.add_argument("--state-uri", default=None,
+                   help="store root (default: a fresh temporary directory)")
+    p.add_argument("--writers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--checkpoint-interval", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=7)
+    return p.parse_args(argv)
+
+
+def _drive_all(backends: list[_Backend], args: argparse.Namespace) -> float:
+    """Run the writers on ``args.threads`` threads for ``args.seconds``; returns the elapsed
+    seconds and re-raises the first error of a thread."""
+    errors: list[BaseException] = []
+    groups = [backends[i::args.threads] for i in range(args.threads)]
+    threads = [threading.Thread(target=_drive, name=f"demo-driver-{i}",
+                                args=(g, args.seconds, args.checkpoint_interval,
+                                      args.seed + i, errors))
+               for i, g in enumerate(groups)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.monotonic() - t0
+
+
+def _read_back(storage: ChangelogStorage, backends: list[_Backend]) -> tuple[bool, int]:
+    """Read the last handle of every writer (it covers [0, to)) and compare it with what was
+    appended; returns whether all matched and how many changes were read."""
+    reader = ChangelogReader(storage)
+    ok = True
+    changes = 0
+    for b in backends:
+        last = b.handles[-1]
+        got = list(reader.read(last))
+        sent = b.appended[:sum(r.change_count for r in last.change_sets)]
+        # within a change set the log groups changes by key group, order kept per key group
+        expected = []
+        pos = 0
+        for ref in last.change_sets:
+            chunk = sent[pos:pos + ref.change_count]
+            pos += ref.change_count
+            expected.extend(sorted(chunk, key=lambda c: c[0]))
+        ok &= got == expected
+        changes += len(got)
+    return ok, changes
+
+
+def _report(storage: ChangelogStorage, backends: list[_Backend], elapsed: float, ok: bool,
+            changes: int) -> None:
+    m = storage.metrics()
+    lat = sorted(x for b in backends for x in b.latencies_s)
+    segments = list(storage.store.list(SEGMENT_PREFIX))
+    checkpoints = len(backends[0].handles)
+    appended = sum(len(b.appended) for b in backends)
+    print()
+    print(f"{'changes appended':<34}{appended:>14,}")
+    print(f"{'change rate':<34}{appended / elapsed:>14,.0f} /s")
+    print(f"{'checkpoints (persist rounds)':<34}{checkpoints:>14,}")
+    print(f"{'segments written':<34}{int(m['ChangelogStorage.numberOfSegments']):>14,}")
+    print(f"{'segments per checkpoint':<34}"
+          f"{m['ChangelogStorage.numberOfSegments'] / max(1, checkpoints):>14.2f}")
+    print(f"{'writers per segment (mean)':<34}"
+          f"{m['ChangelogStorage.writersPerSegment.mean']:>14.2f}")
+    print(f"{'bytes uploaded':<34}{int(m['ChangelogStorage.uploadedBytes']):>14,}")
+    print(f"{'objects in store':<34}{len(segments):>14,}")
+    if lat:
+        p99 = lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))]
+        print(f"{'persist latency p50 / p99':<34}"
+              f"{statistics.median(lat) * 1e3:>8.1f} / {p99 * 1e3:.1f} ms")
+    print(f"{'read back and compared':<34}{changes:>14,} changes: "
+          f"{'OK' if ok else 'MISMATCH'}")

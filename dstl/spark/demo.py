@@ -152,18 +152,7 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dstl demo", description=__doc__)
-    p.add_argument("--state-uri", default=None, help="DSTL store (default: a temp directory)")
-    p.add_argument("--storage-options", default=None, help="JSON fsspec options (S3 etc.)")
-    p.add_argument("--files", type=int, default=8, help="micro-batches in all")
-    p.add_argument("--restart-after", type=int, default=4, help="stop after this many batches")
-    p.add_argument("--events", type=int, default=3000, help="events per micro-batch")
-    p.add_argument("--users", type=int, default=500)
-    p.add_argument("--partitions", type=int, default=4)
-    p.add_argument("--table", choices=["lmdb", "heap"], default="lmdb")
-    p.add_argument("--seed", type=int, default=42)
-    args = p.parse_args(argv)
-
+    args = _parse_args(argv)
     work = tempfile.mkdtemp(prefix="dstl-demo-")
     src = os.path.join(work, "clicks")
     ck = os.path.join(work, "spark-checkpoint")
@@ -186,28 +175,52 @@ def run(argv: list[str] | None = None) -> int:
         second = _run_phase("run-2", src, ck, state_uri, storage_options, args.partitions,
                             args.table, final)
         _table(second, "run 2 (a new SparkSession; state restored from the store):")
-
-        clicks: Counter[str] = Counter()
-        pages: dict[str, set[str]] = defaultdict(set)
-        last: dict[str, str] = {}
-        for batch in files:
-            for e in batch:
-                clicks[e["user"]] += 1
-                pages[e["user"]].add(e["page"])
-                last[e["user"]] = e["page"]
-        expected = {u: (clicks[u], len(pages[u]), last[u]) for u in clicks}
-        got = {u: (r["clicks"], r["distinct_pages"], r["last_page"]) for u, r in final.items()}
-        ok = got == expected
+        expected = _expected_results(files)
         objs = sum(s["objects_written"] for s in first + second)
         batches = len(first) + len(second)
-        print(f"\n{len(expected)} users, {sum(clicks.values())} clicks; DSTL wrote {objs} objects "
-              f"in {batches} batches ({objs / max(1, batches):.1f} per batch, "
-              f"{args.partitions} partitions); total {time.monotonic() - t0:.0f}s")
-        print("check against an independent computation:", "OK" if ok else "MISMATCH")
-        if not ok:
-            bad = [u for u in expected if got.get(u) != expected[u]][:5]
-            for u in bad:
-                print(f"  {u}: expected {expected[u]}, got {got.get(u)}", file=sys.stderr)
-        return 0 if ok else 1
+        print(f"\n{len(expected)} users, {sum(c for c, _, _ in expected.values())} clicks; DSTL "
+              f"wrote {objs} objects in {batches} batches ({objs / max(1, batches):.1f} per "
+              f"batch, {args.partitions} partitions); total {time.monotonic() - t0:.0f}s")
+        return 0 if _check(final, expected) else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dstl demo", description=__doc__)
+    p.add_argument("--state-uri", default=None, help="DSTL store (default: a temp directory)")
+    p.add_argument("--storage-options", default=None, help="JSON fsspec options (S3 etc.)")
+    p.add_argument("--files", type=int, default=8, help="micro-batches in all")
+    p.add_argument("--restart-after", type=int, default=4, help="stop after this many batches")
+    p.add_argument("--events", type=int, default=3000, help="events per micro-batch")
+    p.add_argument("--users", type=int, default=500)
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--table", choices=["lmdb", "heap"], default="lmdb")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args(argv)
+
+
+def _expected_results(files: list[list[dict[str, Any]]]) -> dict[str, tuple[int, int, str]]:
+    """Per user (clicks, distinct pages, last page), computed directly from the events."""
+    clicks: Counter[str] = Counter()
+    pages: dict[str, set[str]] = defaultdict(set)
+    last: dict[str, str] = {}
+    for batch in files:
+        for e in batch:
+            clicks[e["user"]] += 1
+            pages[e["user"]].add(e["page"])
+            last[e["user"]] = e["page"]
+    return {u: (clicks[u], len(pages[u]), last[u]) for u in clicks}
+
+
+def _check(final: dict[str, dict[str, Any]],
+           expected: dict[str, tuple[int, int, str]]) -> bool:
+    """Compare the job's final rows with the independent computation; print the verdict."""
+    got = {u: (r["clicks"], r["distinct_pages"], r["last_page"]) for u, r in final.items()}
+    ok = got == expected
+    print("check against an independent computation:", "OK" if ok else "MISMATCH")
+    if not ok:
+        bad = [u for u in expected if got.get(u) != expected[u]][:5]
+        for u in bad:
+            print(f"  {u}: expected {expected[u]}, got {got.get(u)}", file=sys.stderr)
+    return ok

@@ -93,13 +93,24 @@ def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
     if not isinstance(base_uri, str) or not base_uri:
         raise ConfigError("base_uri", base_uri, _SUPPORTED_TEXT, owner="open_store")
     if filesystem is not None:
-        if storage_options:
-            raise ConfigError("storage_options", "<given>", "None when filesystem= is given "
-                              "(configure the filesystem itself)", owner="open_store")
-        injected = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri))
-        return _validated(injected) if validate else injected
+        return _open_injected(filesystem, base_uri, storage_options, validate)
     if "://" not in base_uri:
         return _open_local(base_uri, validate)
+    return _open_url(base_uri, storage_options, validate)
+
+
+def _open_injected(filesystem: fsspec.AbstractFileSystem, base_uri: str,
+                   storage_options: dict[str, Any] | None, validate: bool) -> FsspecBlobStore:
+    if storage_options:
+        raise ConfigError("storage_options", "<given>", "None when filesystem= is given "
+                          "(configure the filesystem itself)", owner="open_store")
+    injected = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri))
+    return _validated(injected) if validate else injected
+
+
+def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
+              validate: bool) -> BlobStore:
+    """A store for a ``scheme://`` URI: the scheme picks it."""
     parts = urllib.parse.urlsplit(base_uri)
     scheme = parts.scheme.lower()
     if parts.username is not None or parts.password is not None:
