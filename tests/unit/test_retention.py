@@ -182,11 +182,11 @@ _created = st.one_of(st.none(), st.integers(NOW_MS - 10 * HOUR_MS, NOW_MS + HOUR
 
 @given(st.data())
 def test_orphan_planner_selects_exactly_the_old_unreferenced_keys(data: st.DataObject) -> None:
-    n = data.draw(st.integers(0, 30), label="objects")
-    keys = [f"{'dstl/' if i % 3 else 'snapshots/op/'}{i:04d}" for i in range(n)]
-    listed = [ListedObject(k, data.draw(st.integers(0, 1 << 20), label="size"),
-                           data.draw(_created, label="created_ms")) for k in keys]
-    referenced = set(data.draw(st.lists(st.sampled_from(keys), max_size=n), label="referenced")
+    drawn = data.draw(st.lists(st.tuples(st.integers(0, 1 << 20), _created), max_size=30),
+                      label="(size, created_ms) per object")
+    keys = [f"{'dstl/' if i % 3 else 'snapshots/op/'}{i:04d}" for i in range(len(drawn))]
+    listed = [ListedObject(k, size, created) for k, (size, created) in zip(keys, drawn)]
+    referenced = set(data.draw(st.lists(st.sampled_from(keys)), label="referenced")
                      if keys else [])
     referenced |= set(data.draw(st.lists(st.sampled_from(["dstl/gone", "snapshots/gone"])),
                                 label="referenced, not listed"))
