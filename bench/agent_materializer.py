@@ -110,7 +110,7 @@ def main() -> int:
         raise RuntimeError("the materializer process did not start")
 
     def in_worker() -> tuple[list[float], float]:
-        fut = b._start_materialization()
+        fut = b.materialization.start()
         if fut is None:
             raise RuntimeError("materialization did not start")
         t = time.perf_counter()

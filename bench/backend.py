@@ -344,7 +344,7 @@ def bench_update_latency(tmp: Tmp, n_entries: int, batch: int, repeats: int) -> 
     batches: list[float] = []
     for _ in range(repeats):
         t = pc()
-        fut = b._start_materialization()
+        fut = b.materialization.start()
         sync_ms.append((pc() - t) * 1e3)
         if fut is None:
             raise RuntimeError("materialization did not start")
@@ -441,7 +441,7 @@ def bench_space(tmp: Tmp, ticks: int, n_keys: int, events: int, window: int, min
             b.set_current_namespace(None)
             h = checkpoint()
             if tick + 1 in points:
-                fut = b._mat_in_flight
+                fut = b.materialization.current
                 if fut is not None:
                     fut.result(60)
                 table = _table_bytes(b)

@@ -10,19 +10,22 @@ Theory of operation
 - **Checkpoint** (:meth:`snapshot`): ``from`` = the sqn up to which the table is materialized,
   ``persist(from, cp)``; the handle = the materialized snapshot objects + the changelog handles
   after them. Only the last flush window is waited for.
-- **Materialization** (:meth:`materialize_now`, or the periodic timer): boundary
+- **Materialization** (:meth:`materialize_now`, or the periodic triggers): boundary
   ``up_to = writer.next_sqn()``; the table snapshot is taken on the owner thread (heap: bump the
   map versions and copy bucket arrays; LMDB: open a read transaction) and written out and uploaded
-  on the ``dstl-materializer`` thread while the owner keeps writing. At most one runs at a time,
-  and none starts until the previous one was confirmed by a completed checkpoint or failed
-  (Flink's guard against discontinuous shared-state dependencies). ``max_failures`` consecutive
-  failures fail the backend: the next call raises :class:`~dstl.errors.BackendFailedError` chained
-  to the cause. Besides the timer (first delay random in ``[0, interval)``, then a fixed delay
-  after each run), a size trigger materializes when the log since the last snapshot exceeds
-  ``materialize_log_ratio`` times the last snapshot's size (Flink triggers only on time, which let
-  sliding-window jobs reach 45x space).
-- **Timer thread vs owner thread.** The heap table has a single writer, so the timer only raises a
-  flag; the owner thread runs the (short) synchronous part at its next state access or checkpoint.
+  on the ``dstl-materializer`` thread while the owner keeps writing. When it is due (a timer with
+  a random first delay, then a fixed delay; a size trigger when the log since the last snapshot
+  outgrows ``materialize_log_ratio`` times it — Flink triggers only on time, which let
+  sliding-window jobs reach 45x space) is :mod:`materializer.policy`'s rule; the timer, the
+  guards (one at a time; none until the previous one is confirmed by a completed checkpoint or
+  failed), the write-batch deferral and the failure count (``max_failures`` consecutive failures
+  fail the backend: the next call raises :class:`~dstl.errors.BackendFailedError` chained to the
+  cause) are :class:`~materializer.manager.MaterializationManager`'s, which also holds the
+  materialized base the checkpoints reference. With ``auto_materialize=False`` the backend
+  never starts one by itself: its owner asks ``materialization.due()`` (the Spark task).
+- **Timer thread vs owner thread.** The heap table has a single writer, so the triggers only raise
+  a flag; the owner thread runs the (short) synchronous part at its next state access or
+  checkpoint.
 - **Truncation.** ``writer.truncate(min(materialized_up_to, subsumed_checkpoint_up_to))``: a change
   set is dropped only when it is materialized and every checkpoint that named it is subsumed.
 - **Materialized elsewhere.** An on-disk (LMDB) table can be materialized by another process (the
@@ -40,19 +43,17 @@ import contextlib
 import json
 import logging
 import os
-import random
 import secrets
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
 
 from dstl.errors import (
-    BackendFailedError,
     ClosedError,
     ConfigError,
     CorruptObjectError,
@@ -60,11 +61,11 @@ from dstl.errors import (
     StateError,
     UsageError,
 )
-from dstl.handle import ChangelogHandle
+from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange, key_group_for
 from dstl.layout import operator_dir, snapshot_key
 from dstl.metrics import MetricsRegistry
-from dstl.timer import ThreadTimer, Timer, TimerHandle
+from dstl.timer import Timer
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -85,7 +86,9 @@ from materializer.changes import (
 )
 from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_name
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
+from materializer.policy import MaterializationRules
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
 
@@ -129,6 +132,47 @@ class _Checkpoint:
     materialization_id: int
 
 
+class _BackendSnapshots:
+    """The backend as the materialization manager's :class:`~materializer.manager.
+    SnapshotSource`."""
+
+    def __init__(self, backend: ChangelogKeyedStateBackend) -> None:
+        self._b = backend
+
+    def log_end(self) -> int:
+        return int(self._b._writer.next_sqn())
+
+    def take_snapshot(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
+        b = self._b
+        snap = b._tables.snapshot()
+        metadata = json.dumps({"operator_id": b.operator_id,
+                               "materialization_id": materialization_id, "up_to": up_to,
+                               "states": {str(r.state_id): r.meta for r in b._by_id.values()}},
+                              sort_keys=True).encode("utf-8")
+        b._meta_logged.clear()  # the log after up_to must describe its states again
+        key = new_snapshot_key(b.operator_id, materialization_id)
+        encode = b._encode_entry if b._heap else None
+        zstd_level, store = b.options.zstd_level, b._store
+
+        def write() -> SnapshotRef:
+            data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level)
+            store.put(key, data)
+            return SnapshotRef(key, len(data), b.key_groups, materialization_id)
+
+        return write
+
+    def base_changed(self) -> None:
+        self._b._maybe_truncate()
+
+
+def _check_layout(table: str, key_groups: KeyGroupRange, max_parallelism: int) -> None:
+    if table not in ("heap", "lmdb"):
+        raise ConfigError("table", table, "'heap' or 'lmdb'", owner="backend")
+    if not isinstance(key_groups, KeyGroupRange) or key_groups.end >= max_parallelism:
+        raise UsageError(f"key groups {key_groups} do not fit max_parallelism "
+                         f"{max_parallelism}")
+
+
 class ChangelogKeyedStateBackend:
     """A keyed state backend whose every change is logged (see the module docstring).
 
@@ -144,6 +188,9 @@ class ChangelogKeyedStateBackend:
             removed on close).
         clear_local: remove an existing LMDB environment of this operator first (restore).
         timer: timer of the periodic materialization (default: a thread of its own).
+        auto_materialize: ``False``: the backend never starts a materialization by itself (no
+            timer, no size trigger); its owner asks ``materialization.due()`` and calls
+            :meth:`materialize_now` (the Spark task, once per batch).
 
     Raises:
         ConfigError: bad table kind or options.
@@ -153,12 +200,9 @@ class ChangelogKeyedStateBackend:
     def __init__(self, storage: Any, operator_id: str, key_groups: KeyGroupRange,
                  max_parallelism: int, table: str = "heap", options: BackendOptions | None = None,
                  *, key_codec: Codec | None = None, local_directory: str | None = None,
-                 timer: Timer | None = None, clear_local: bool = False) -> None:
-        if table not in ("heap", "lmdb"):
-            raise ConfigError("table", table, "'heap' or 'lmdb'", owner="backend")
-        if not isinstance(key_groups, KeyGroupRange) or key_groups.end >= max_parallelism:
-            raise UsageError(f"key groups {key_groups} do not fit max_parallelism "
-                             f"{max_parallelism}")
+                 timer: Timer | None = None, clear_local: bool = False,
+                 auto_materialize: bool = True) -> None:
+        _check_layout(table, key_groups, max_parallelism)
         self.options = options or BackendOptions()
         self.operator_id = operator_id
         self.key_groups = key_groups
@@ -170,25 +214,50 @@ class ChangelogKeyedStateBackend:
         self._key_codec: Codec = key_codec or StrOrBytesKeyCodec()
         self._ns_codec = _NamespaceCodec()
         self._own_dir: str | None = None
-        self._tables: Any
-        if self._heap:
-            from materializer.state_tables import HeapStateTables
-            self._tables = HeapStateTables(key_groups)
-        else:
-            from materializer.lmdb_table import LmdbStateTable
-            if local_directory is None:
-                local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
-            env_dir = os.path.join(local_directory, operator_dir(operator_id))
-            if clear_local:
-                shutil.rmtree(env_dir, ignore_errors=True)  # a restore starts from an empty table
-            self._tables = LmdbStateTable(
-                env_dir, key_groups,
-                map_size_bytes=self.options.lmdb_map_size_bytes,
-                max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
+        self._tables: Any = self._open_tables(local_directory, clear_local)
         self._writer = storage.create_writer(operator_id, key_groups)
         self._metrics = MetricsRegistry(f"ChangelogBackend.{operator_id}.")
-        self._lock = threading.Lock()
-        # current key / namespace
+        self._lock = threading.Lock()  # checkpoint bookkeeping shared with the materializer
+        self._reset_cursor()
+        # states
+        self._states: dict[str, _Registered] = {}
+        self._by_id: dict[int, _Registered] = {}
+        self._meta_logged: set[int] = set()
+        # checkpoints
+        self._last_checkpoint: _Checkpoint | None = None
+        self._checkpoint_up_to: dict[int, tuple[int, int]] = {}  # cp -> (to_sqn, mat id)
+        self._pending_from: dict[int, int] = {}  # in-flight checkpoint -> its from_sqn
+        self._subsumed_up_to: int | None = None
+        #: the log part of the newest checkpoint that this backend's writer produced
+        self.last_delta: ChangelogHandle | None = None
+        self._non_mat_sizes = {"lastFullSizeOfNonMaterialization": 0.0,
+                               "lastIncSizeOfNonMaterialization": 0.0}
+        for name in self._non_mat_sizes:
+            self._metrics.gauge(name, lambda n=name: self._non_mat_sizes[n])  # type: ignore[misc]
+        self._closed = False
+        self._attention = False  # the materialization manager wants the owner thread
+        self._mat = MaterializationManager(
+            operator_id, MaterializationRules.of(self.options), _BackendSnapshots(self),
+            self._metrics, wake=self._wake, timer=timer, automatic=auto_materialize,
+            defer_in_batch=not self._heap)
+        logger.info("backend %s opened: %s table, key groups %s", operator_id, table, key_groups)
+
+    def _open_tables(self, local_directory: str | None, clear_local: bool) -> Any:
+        if self._heap:
+            from materializer.state_tables import HeapStateTables
+            return HeapStateTables(self.key_groups)
+        from materializer.lmdb_table import LmdbStateTable
+        if local_directory is None:
+            local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
+        env_dir = os.path.join(local_directory, operator_dir(self.operator_id))
+        if clear_local:
+            shutil.rmtree(env_dir, ignore_errors=True)  # a restore starts from an empty table
+        return LmdbStateTable(env_dir, self.key_groups,
+                              map_size_bytes=self.options.lmdb_map_size_bytes,
+                              max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
+
+    def _reset_cursor(self) -> None:
+        """No current key; the default namespace."""
         self._key: Any = None
         self._kg = -2
         self._key_b = b""
@@ -197,56 +266,6 @@ class ChangelogKeyedStateBackend:
         self._kn = encode_key_ns(b"", b"")
         self._tk: Any = None
         self._tn: Any = None if self._heap else b""
-        # states
-        self._states: dict[str, _Registered] = {}
-        self._by_id: dict[int, _Registered] = {}
-        self._meta_logged: set[int] = set()
-        # checkpoint / materialization state (guarded by _lock where the async part touches it)
-        self._materialized: tuple[SnapshotRef, ...] = ()
-        self._materialized_to = 0
-        self._restored_non_materialized: tuple[ChangelogHandle, ...] = ()
-        self._materialization_id = 0          # id of the newest completed materialization
-        self._next_materialization_id = 1
-        self._last_confirmed_mat = 0
-        self._last_failed_mat = 0
-        self._mat_in_flight: Future[None] | None = None
-        self._consecutive_failures = 0
-        self._failure: BaseException | None = None
-        self._last_checkpoint: _Checkpoint | None = None
-        self._checkpoint_up_to: dict[int, tuple[int, int]] = {}  # cp -> (to_sqn, mat id)
-        self._pending_from: dict[int, int] = {}  # in-flight checkpoint -> its from_sqn
-        self._subsumed_up_to: int | None = None
-        self._log_bytes_since_mat = 0
-        self._last_snapshot_size = 0
-        #: the log part of the newest checkpoint that this backend's writer produced
-        self.last_delta: ChangelogHandle | None = None
-        self._closed = False
-        self._attention = False
-        self._due = False
-        self._mat_blocked = False  # skipped until the previous one is confirmed
-        self._batch_depth = 0  # open write_batch() contexts
-        # metrics
-        m = self._metrics
-        self._m_started = m.counter("startedMaterialization")
-        self._m_completed = m.counter("completedMaterialization")
-        self._m_failed = m.counter("failedMaterialization")
-        self._m_last_duration = -1.0
-        m.gauge("lastDurationOfMaterialization", lambda: self._m_last_duration)
-        self._sizes = {"lastFullSizeOfMaterialization": 0.0, "lastIncSizeOfMaterialization": 0.0,
-                       "lastFullSizeOfNonMaterialization": 0.0,
-                       "lastIncSizeOfNonMaterialization": 0.0}
-        for name in self._sizes:
-            m.gauge(name, lambda n=name: self._sizes[n])  # type: ignore[misc]
-        m.gauge("logBytesSinceMaterialization", lambda: float(self._log_bytes_since_mat))
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dstl-materializer")
-        self._own_timer = timer is None and self.options.materialization_interval_s is not None
-        self._timer: Timer | None = timer if timer is not None else (
-            ThreadTimer(f"materializer-{operator_id}") if self._own_timer else None)
-        self._timer_handle: TimerHandle | None = None
-        if self._timer is not None and self.options.materialization_interval_s is not None:
-            interval = self.options.materialization_interval_s
-            self._timer_handle = self._timer.schedule(random.uniform(0, interval), self._on_timer)
-        logger.info("backend %s opened: %s table, key groups %s", operator_id, table, key_groups)
 
     # ------------------------------------------------------------------ key / namespace
 
@@ -379,19 +398,11 @@ class ChangelogKeyedStateBackend:
             self._log_metadata(sid)
         data = _pack_op_sid(op, sid) + self._kn + payload
         self._writer.append(self._kg, data)
-        self._log_bytes_since_mat += len(data)
-        if self._log_bytes_since_mat > self._size_trigger_bytes() and not self._mat_blocked:
-            self._due = self._attention = True
+        self._mat.note_log(len(data))
 
     def _log_metadata(self, sid: int) -> None:
         self._writer.append(META_KEY_GROUP, encode_metadata(sid, self._by_id[sid].meta))
         self._meta_logged.add(sid)
-
-    def _size_trigger_bytes(self) -> float:
-        ratio = self.options.materialize_log_ratio
-        if ratio is None:
-            return float("inf")
-        return max(self.options.materialize_min_log_bytes, ratio * self._last_snapshot_size)
 
     def merge_state_namespaces(self, sid: int, shape: StateShape, target: Any,
                                sources: Iterable[Any], fn: Callable[[Any, Any], Any]) -> None:
@@ -504,13 +515,8 @@ class ChangelogKeyedStateBackend:
                          materialization_id: int) -> None:
         """Make the restored parts the base of the next checkpoints (until the first
         materialization): they keep being referenced, as in Flink."""
-        with self._lock:
-            self._materialized = tuple(materialized)
-            self._restored_non_materialized = tuple(non_materialized)
-            self._materialization_id = materialization_id
-            self._next_materialization_id = materialization_id + 1
-            self._last_confirmed_mat = materialization_id  # part of a completed checkpoint
-            self._materialized_to = 0
+        self._mat.restored(MaterializedBase(tuple(materialized), 0, tuple(non_materialized),
+                                            materialization_id))
 
     def table_marker(self, handle: ChangelogStateBackendHandle) -> TableMarker:
         """The marker of this backend's table at checkpoint ``handle`` (this backend's)."""
@@ -547,47 +553,27 @@ class ChangelogKeyedStateBackend:
             The installed reference (its materialization id raised above this backend's current
             one if needed), or ``None`` when it was not installed.
         """
-        key, offset = boundary
-        with self._lock:
-            if any(m.key == ref.key for m in self._materialized):
+        delta = self.last_delta
+        own = delta.change_sets if delta is not None else ()
+
+        def cut(base: MaterializedBase) -> MaterializedBase | None:
+            if any(m.key == ref.key for m in base.snapshots):
                 return None
-            restored = self._restored_non_materialized
-            new_restored: tuple[ChangelogHandle, ...] | None = None
-            new_from = self._materialized_to
-            for i, h in enumerate(restored):
-                j = next((j for j, r in enumerate(h.change_sets)
-                          if r.key == key and r.offset == offset), None)
-                if j is not None:
-                    rest = h.change_sets[j + 1:]
-                    head = (ChangelogHandle(h.log_id, h.key_groups, rest[0].sqn, h.to_sqn, rest),
-                            ) if rest else ()
-                    new_restored = head + restored[i + 1:]
-                    break
-            if new_restored is None:
-                delta = self.last_delta
-                own = next((r for r in (delta.change_sets if delta is not None else ())
-                            if r.key == key and r.offset == offset
-                            and r.sqn >= self._materialized_to), None)
-                if own is None:
-                    return None
-                new_restored, new_from = (), own.sqn + 1
-            mat_id = max(ref.materialization_id, self._materialization_id + 1)
-            if mat_id != ref.materialization_id:
-                ref = SnapshotRef(ref.key, ref.size, ref.key_groups, mat_id)
-            self._materialized = (ref,)
-            self._materialized_to = new_from
-            self._restored_non_materialized = new_restored
-            self._materialization_id = mat_id
-            self._next_materialization_id = max(self._next_materialization_id, mat_id + 1)
-            self._last_snapshot_size = ref.size
-            self._log_bytes_since_mat = 0
-        self._m_completed.inc()
-        self._sizes["lastFullSizeOfMaterialization"] = float(ref.size)
-        self._sizes["lastIncSizeOfMaterialization"] = float(ref.size)
+            rest = _log_after(base, own, boundary)
+            if rest is None:
+                return None
+            mat_id = max(ref.materialization_id, base.materialization_id + 1)
+            return MaterializedBase((SnapshotRef(ref.key, ref.size, ref.key_groups, mat_id),),
+                                    rest[1], rest[0], mat_id)
+
+        new = self._mat.install(cut)
+        if new is None:
+            return None
+        installed = new.snapshots[0]
         logger.info("backend %s: installed materialization %d (%s, %d bytes) at %s@%d",
-                    self.operator_id, mat_id, ref.key, ref.size, key, offset)
-        self._maybe_truncate()
-        return ref
+                    self.operator_id, installed.materialization_id, installed.key,
+                    installed.size, boundary[0], boundary[1])
+        return installed
 
     def _apply(self, kg: int, reg: _Registered, ch: Change) -> None:
         t, shape, sid = self._tables, reg.shape, reg.state_id
@@ -642,11 +628,8 @@ class ChangelogKeyedStateBackend:
         self._check_open()
         if self._attention:
             self._attend()
-        with self._lock:
-            from_sqn = self._materialized_to
-            materialized = self._materialized
-            restored = self._restored_non_materialized
-            mat_id = self._materialization_id
+        base = self._mat.base
+        from_sqn, mat_id = base.up_to, base.materialization_id
         persist = self._writer.persist(from_sqn, checkpoint_id)
         to_sqn = self._writer.next_sqn()
         # the log after this checkpoint describes its states again, so a snapshot taken at this
@@ -666,12 +649,14 @@ class ChangelogKeyedStateBackend:
                 return
             delta = f.result()
             self.last_delta = delta
-            non_mat = restored + ((delta,) if len(delta) else ())
+            non_mat = base.restored_log + ((delta,) if len(delta) else ())
             h = ChangelogStateBackendHandle(self.operator_id, self.key_groups, checkpoint_id,
-                                            mat_id, materialized, non_mat,
+                                            mat_id, base.snapshots, non_mat,
                                             delta.incremental_size, self.max_parallelism)
-            self._sizes["lastFullSizeOfNonMaterialization"] = float(h.non_materialized_size)
-            self._sizes["lastIncSizeOfNonMaterialization"] = float(delta.incremental_size)
+            self._non_mat_sizes["lastFullSizeOfNonMaterialization"] = float(
+                h.non_materialized_size)
+            self._non_mat_sizes["lastIncSizeOfNonMaterialization"] = float(
+                delta.incremental_size)
             out.set_result(h)
 
         persist.add_done_callback(done)
@@ -684,9 +669,8 @@ class ChangelogKeyedStateBackend:
         with self._lock:
             for c in [c for c in self._pending_from if c <= checkpoint_id]:
                 del self._pending_from[c]
-            if entry is not None:
-                self._last_confirmed_mat = max(self._last_confirmed_mat, entry[1])
-                self._mat_blocked = False
+        if entry is not None:
+            self._mat.confirm(entry[1])
         if cp is not None and cp.checkpoint_id == checkpoint_id:
             self._writer.confirm(cp.from_sqn, cp.to_sqn, checkpoint_id)
 
@@ -713,33 +697,30 @@ class ChangelogKeyedStateBackend:
         self._maybe_truncate()
 
     def _maybe_truncate(self) -> None:
+        base = self._mat.base  # only moves forward: an older one truncates less
         with self._lock:
-            if self._subsumed_up_to is None or self._materialization_id == 0:
+            if self._subsumed_up_to is None or base.materialization_id == 0:
                 return
             # Flink's rule, bounded also by checkpoints still in flight: their range must stay
             # until they complete or abort.
-            to = min(self._materialized_to, self._subsumed_up_to,
-                     min(self._pending_from.values(), default=self._materialized_to))
+            to = min(base.up_to, self._subsumed_up_to,
+                     min(self._pending_from.values(), default=base.up_to))
         if to > self._writer.lowest_sqn():
             self._writer.truncate(to)
 
     # ------------------------------------------------------------------ materialization
 
-    def _on_timer(self) -> None:
-        self._due = self._attention = True
+    def _wake(self) -> None:
+        self._attention = True
 
     def _attend(self) -> None:
-        if self._failure is not None:
-            raise BackendFailedError(f"backend {self.operator_id!r} failed: materialization "
-                                     f"failed {self._consecutive_failures} times in a row "
-                                     f"(max_failures={self.options.max_failures}); restore it "
-                                     "from its last completed checkpoint") from self._failure
-        if self._closed:
-            raise ClosedError(f"backend {self.operator_id!r}")
-        if self._due:
-            self._due = False
-            self._attention = False
-            self._start_materialization()
+        self._attention = False
+        self._mat.attend()
+
+    @property
+    def materialization(self) -> MaterializationManager:
+        """This backend's materialization manager (state, triggers, guards)."""
+        return self._mat
 
     def materialize_now(self, timeout_s: float | None = None) -> SnapshotRef | None:
         """Run one materialization to completion (the timer's ``run_once``).
@@ -753,64 +734,7 @@ class ChangelogKeyedStateBackend:
             StorageError: the snapshot could not be uploaded (counted as a failure).
         """
         self._check_open()
-        if self._failure is not None:
-            self._attend()
-        fut = self._start_materialization()
-        if fut is None:
-            return None
-        fut.result(timeout_s)
-        with self._lock:
-            return self._materialized[0] if self._materialized else None
-
-    def _start_materialization(self) -> Future[None] | None:
-        if self._batch_depth and not self._heap:
-            self._due = True  # after the batch commits (see write_batch)
-            return None
-        with self._lock:
-            busy = self._mat_in_flight is not None and not self._mat_in_flight.done()
-            unconfirmed = (self._materialization_id > self._last_confirmed_mat
-                           and self._materialization_id > self._last_failed_mat)
-        if busy or unconfirmed:
-            logger.debug("backend %s: materialization skipped (%s)", self.operator_id,
-                         "one in flight" if busy else "previous not yet confirmed")
-            with self._lock:
-                self._mat_blocked = True  # the size trigger waits for the unblocking event
-            self._reschedule()
-            return None
-        up_to = self._writer.next_sqn()
-        if up_to == self._materialized_to:
-            self._reschedule()
-            return None
-        mat_id = self._next_materialization_id
-        self._next_materialization_id += 1
-        self._m_started.inc()
-        t0 = time.monotonic()
-        snap = self._tables.snapshot()
-        metadata = json.dumps({"operator_id": self.operator_id, "materialization_id": mat_id,
-                               "up_to": up_to,
-                               "states": {str(r.state_id): r.meta for r in self._by_id.values()}},
-                              sort_keys=True).encode("utf-8")
-        self._meta_logged.clear()  # the log after up_to must describe its states again
-        log_bytes = self._log_bytes_since_mat
-        self._log_bytes_since_mat = 0
-        key = new_snapshot_key(self.operator_id, mat_id)
-        encode = self._encode_entry if self._heap else None
-
-        def run() -> None:
-            try:
-                data = snap.to_bytes(metadata=metadata, encode=encode,
-                                     zstd_level=self.options.zstd_level)
-                self._store.put(key, data)
-            except BaseException as exc:
-                self._log_bytes_since_mat += log_bytes  # still not materialized
-                self._materialization_failed(mat_id, exc)
-                raise
-            self._materialization_done(mat_id, up_to, key, len(data), time.monotonic() - t0)
-
-        fut = self._executor.submit(run)
-        with self._lock:
-            self._mat_in_flight = fut
-        return fut
+        return self._mat.run_now(timeout_s)
 
     def _encode_entry(self, sid: int, key: Any, ns: Any, state: Any) -> tuple[bytes, bytes, bytes]:
         return (self._key_codec.encode(key), self._ns_codec.encode(ns),
@@ -821,48 +745,6 @@ class ChangelogKeyedStateBackend:
         """Inverse of the snapshot encoder for the heap table (used by restore)."""
         return (self._key_codec.decode(key), self._ns_codec.decode(ns),
                 self._by_id[sid].shape.from_bytes(value))
-
-    def _materialization_done(self, mat_id: int, up_to: int, key: str, size: int,
-                              duration_s: float) -> None:
-        with self._lock:
-            self._materialized = (SnapshotRef(key, size, self.key_groups, mat_id),)
-            self._materialized_to = up_to
-            self._restored_non_materialized = ()
-            self._materialization_id = mat_id
-            self._consecutive_failures = 0
-            self._last_snapshot_size = size
-            self._mat_blocked = False
-        self._m_completed.inc()
-        self._m_last_duration = duration_s * 1000.0
-        self._sizes["lastFullSizeOfMaterialization"] = float(size)
-        self._sizes["lastIncSizeOfMaterialization"] = float(size)
-        logger.info("backend %s: materialization %d up to sqn %d written to %s (%d bytes, "
-                    "%.1f ms)", self.operator_id, mat_id, up_to, key, size, duration_s * 1e3)
-        self._maybe_truncate()
-        self._reschedule()
-
-    def _materialization_failed(self, mat_id: int, exc: BaseException) -> None:
-        self._m_failed.inc()
-        with self._lock:
-            self._last_failed_mat = max(self._last_failed_mat, mat_id)
-            self._consecutive_failures += 1
-            self._mat_blocked = False
-            fatal = self._consecutive_failures > self.options.max_failures
-            if fatal:
-                self._failure = exc
-                self._attention = True
-        logger.warning("backend %s: materialization %d failed (%d in a row): %s",
-                       self.operator_id, mat_id, self._consecutive_failures, exc)
-        if not fatal:
-            self._reschedule()
-
-    def _reschedule(self) -> None:
-        interval = self.options.materialization_interval_s
-        if self._timer is None or interval is None or self._closed:
-            return
-        if self._timer_handle is not None:
-            self._timer_handle.cancel()
-        self._timer_handle = self._timer.schedule(interval, self._on_timer)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -875,14 +757,12 @@ class ChangelogKeyedStateBackend:
         the batch's uncommitted writes although the log already holds them. It is deferred to
         the first state access after the batch.
         """
-        self._batch_depth += 1
+        self._mat.batch_opened()
         try:
             with self._tables.write_batch():
                 yield
         finally:
-            self._batch_depth -= 1
-            if self._batch_depth == 0 and self._due:
-                self._attention = True
+            self._mat.batch_closed()
 
     def metrics(self) -> dict[str, float]:
         """Materialization counters, last duration, and sizes (Flink's names)."""
@@ -906,17 +786,34 @@ class ChangelogKeyedStateBackend:
         if self._closed:
             return
         self._closed = True
-        if self._timer_handle is not None:
-            self._timer_handle.cancel()
-        if self._own_timer and self._timer is not None:
-            self._timer.close()
-        self._executor.shutdown(wait=True)
+        self._mat.close()
         cp = self._last_checkpoint
         self._writer.truncate_and_close(cp.to_sqn if cp is not None else 0)
         self._tables.close()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         logger.info("backend %s closed", self.operator_id)
+
+
+def _log_after(base: MaterializedBase, own: tuple[ChangeSetRef, ...],
+               boundary: tuple[str, int]) -> tuple[tuple[ChangelogHandle, ...], int] | None:
+    """What is left of a backend's log after the change set at ``boundary`` = ``(segment key,
+    offset)``: the restored handles after it and the sqn its own log is then materialized to —
+    or ``None`` when neither the restored handles nor its own change sets since ``base``
+    (``own``) contain that change set."""
+    key, offset = boundary
+    restored = base.restored_log
+    for i, h in enumerate(restored):
+        j = next((j for j, r in enumerate(h.change_sets) if r.key == key and r.offset == offset),
+                 None)
+        if j is not None:
+            rest = h.change_sets[j + 1:]
+            head = (ChangelogHandle(h.log_id, h.key_groups, rest[0].sqn, h.to_sqn, rest),
+                    ) if rest else ()
+            return head + restored[i + 1:], base.up_to
+    mine = next((r for r in own
+                 if r.key == key and r.offset == offset and r.sqn >= base.up_to), None)
+    return None if mine is None else ((), mine.sqn + 1)
 
 
 def new_snapshot_key(operator_id: str, materialization_id: int) -> str:

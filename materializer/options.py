@@ -19,8 +19,10 @@ _OWNER = "BackendOptions"
 class BackendOptions:
     """Options of one :class:`~materializer.ChangelogKeyedStateBackend`."""
 
-    #: Delay between materializations, fixed delay after each one; the first is random in
-    #: [0, interval) so backends do not materialize together (Flink: 10 min). None: timer off.
+    #: The time trigger (one meaning everywhere, rules in ``materializer/policy.py``): the first
+    #: materialization is due a random delay in [0, interval) after the table starts being
+    #: scheduled (so tables do not materialize together), then this long after each attempt
+    #: ends (Flink: 10 min). 0: due at every check. None: never due by time.
     materialization_interval_s: float | None = 600.0
     #: Also materialize when the log since the last snapshot (uncompressed change bytes) exceeds
     #: this multiple of the last snapshot object's (compressed) size — beyond Flink, whose
@@ -38,11 +40,16 @@ class BackendOptions:
     lmdb_max_map_size_bytes: int = 64 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("materialization_interval_s", "materialize_log_ratio"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v <= 0):
-                raise ConfigError(name, v, "a positive number or None", owner=_OWNER)
+        v = self.materialization_interval_s
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v < 0):
+            raise ConfigError("materialization_interval_s", v, "a number >= 0 or None",
+                              owner=_OWNER)
+        v = self.materialize_log_ratio
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v <= 0):
+            raise ConfigError("materialize_log_ratio", v, "a positive number or None",
+                              owner=_OWNER)
         for name in ("materialize_min_log_bytes", "max_failures", "lmdb_map_size_bytes",
                      "lmdb_max_map_size_bytes"):
             v = getattr(self, name)

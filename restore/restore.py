@@ -93,7 +93,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                     operator_id: str | None = None, max_parallelism: int | None = None,
                     options: BackendOptions | None = None, local_directory: str | None = None,
                     timer: Any = None, allow_pickle: bool = False,
-                    stats: RestoreStats | None = None) -> ChangelogKeyedStateBackend:
+                    stats: RestoreStats | None = None,
+                    auto_materialize: bool = True) -> ChangelogKeyedStateBackend:
     """Restore a keyed backend for ``key_groups`` from checkpoint handles.
 
     Args:
@@ -106,7 +107,7 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
             ``AgentCache``), or ``None`` for direct ranged reads.
         operator_id: the new backend's id (default: the handles' id when they agree).
         max_parallelism: default: from the handles (they must agree).
-        options, local_directory, timer: passed to the backend.
+        options, local_directory, timer, auto_materialize: passed to the backend.
         allow_pickle: allow states whose metadata names the pickle codec (executes code from the
             store on load; only for trusted checkpoints).
         stats: filled with figures of this restore.
@@ -138,7 +139,7 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
     backend = ChangelogKeyedStateBackend(storage, operator_id, key_groups, max_parallelism,
                                          table=table, options=options,
                                          local_directory=local_directory, timer=timer,
-                                         clear_local=True)
+                                         clear_local=True, auto_materialize=auto_materialize)
     try:
         mats: list[SnapshotRef] = []
         nons: list[ChangelogHandle] = []

@@ -274,7 +274,7 @@ def test_checkpoint_handle_round_trips_and_names_its_objects(storage: ChangelogS
 
 
 def ref_up_to(b: ChangelogKeyedStateBackend) -> int:
-    return b._materialized_to
+    return b.materialization.base.up_to
 
 
 def test_materialization_waits_for_confirmation_of_the_previous_one(
@@ -375,7 +375,7 @@ def test_segment_shared_by_two_backends_is_released_only_after_both_truncate() -
         b1.notify_checkpoint_aborted(1)
         b2.notify_checkpoint_aborted(1)
         for b in (b1, b2):
-            b._last_confirmed_mat = 10**9  # no coordinator here: treat materializations as done
+            b.materialization.confirm(10**9)  # no coordinator here: treat materializations as done
         b1.materialize_now(WAIT)
         b1.notify_checkpoint_subsumed(1)
         assert shared[0] in _segment_refs(s)
@@ -435,7 +435,7 @@ def test_a_success_resets_the_failure_count(table: str) -> None:
                 b.materialize_now(WAIT)
         v.update(2)
         assert b.materialize_now(WAIT) is not None
-        assert b._consecutive_failures == 0
+        assert b.materialization.consecutive_failures == 0
         b.close()
 
 
@@ -455,7 +455,7 @@ def test_periodic_timer_first_delay_is_random_then_fixed(storage: ChangelogStora
     timer.advance(first)
     assert timer.pending() == []  # fired: the owner thread runs it at its next access
     v.update(2)                   # ... here
-    b._mat_in_flight.result(WAIT)  # type: ignore[union-attr]
+    b.materialization.current.result(WAIT)  # type: ignore[union-attr]
     assert b.metrics()["ChangelogBackend.op/0.completedMaterialization"] == 1
     assert timer.pending() == [pytest.approx(60.0)]
     b.close()
@@ -470,8 +470,8 @@ def test_size_trigger_materializes_when_the_log_outgrows_the_table(
     b.set_current_key("k")
     for i in range(200):  # one key rewritten: the table stays tiny, the log grows
         v.update(i)
-    assert b._mat_in_flight is not None
-    b._mat_in_flight.result(WAIT)
+    assert b.materialization.current is not None
+    b.materialization.current.result(WAIT)
     assert b.metrics()["ChangelogBackend.op/0.completedMaterialization"] >= 1
     b.close()
 
@@ -559,13 +559,13 @@ def test_lmdb_materialization_never_snapshots_inside_an_open_write_batch(
             b.set_current_key(f"k{i}")
             v.update(i)
             if i == 4:
-                b._on_timer()            # the periodic timer fires mid-batch
+                b.materialization.timer_fired()            # the periodic timer fires mid-batch
         assert b.materialize_now(WAIT) is None  # deferred, not a torn snapshot
-        assert b._mat_in_flight is None
+        assert b.materialization.current is None
     b.set_current_key("k0")               # first access after the batch: it runs now
     v.value()
-    assert b._mat_in_flight is not None
-    b._mat_in_flight.result(WAIT)
+    assert b.materialization.current is not None
+    b.materialization.current.result(WAIT)
     h = b.snapshot(1).result(WAIT)
     assert h.materialized
     b.notify_checkpoint_complete(1)
