@@ -8,7 +8,10 @@ See ``docs/state_tables.md``. Modules:
 - :mod:`materializer.state_tables` — the ``StateTables`` facade, ``HeapStateTables``, snapshot
   write-out and ``SnapshotReader``;
 - :mod:`materializer.snapshot_format` — the snapshot object format v1 (pure codec);
-- :mod:`materializer.backend` — ``ChangelogKeyedStateBackend`` (table + log + materialization);
+- :mod:`materializer.backend` — ``ChangelogKeyedStateBackend`` (table + log + checkpoints);
+- :mod:`materializer.policy` — ``MaterializationPolicy``: when a materialization is due (pure);
+  :mod:`materializer.manager` — ``MaterializationManager``: the runtime around it (timer,
+  guards, materializer thread, the materialized base);
 - :mod:`materializer.states` — descriptors and state objects; :mod:`materializer.changes` — the
   change payload format; :mod:`materializer.codecs` — key/value codecs (safe by default);
 - :mod:`materializer.handles` — ``ChangelogStateBackendHandle``; :mod:`materializer.options`;
