@@ -133,11 +133,12 @@ def agent_socket(spark_local: str, pid: int) -> str | None:
 
 def agent_metrics_and_stop(sock: str, pid: int) -> dict[str, float]:
     from dstl.spark.agent import AgentClient
+    from dstl.spark.agent.protocol import ShutdownRequest
 
     client = AgentClient(sock)
     try:
         m = client.metrics()
-        client.request({"op": "shutdown"}).result(10)
+        client.request(ShutdownRequest()).result(10)
     finally:
         client.close()
     deadline = time.monotonic() + 10

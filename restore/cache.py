@@ -171,7 +171,7 @@ class _LeaseState(enum.Enum):
 class Lease:
     """A reference to one cached object; read it with :meth:`read`, give it back with
     :meth:`release` or by leaving the ``with`` block. The base of :class:`CacheLease` and of the
-    Spark executor agent's lease (``dstl.spark.agent_cache.AgentLease``): reads of a published
+    Spark executor agent's lease (``dstl.spark.agent.cache.AgentLease``): reads of a published
     file go through the lease's own descriptor (``os.pread``; no shared file position), reads of
     a *direct* lease (``path is None``) go to the store; a lease is released exactly once.
 

@@ -49,15 +49,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstl.errors import BackendFailedError, CorruptObjectError
+from dstl.errors import BackendFailedError
 from dstl.keygroups import KeyGroupRange
 from dstl.layout import operator_dir
 from dstl.options import DstlOptions
+from dstl.spark.agent import (
+    AgentCache,
+    AgentClient,
+    AgentUploadScheduler,
+    PartitionSpec,
+    StoreRef,
+    ensure_agent,
+    executor_pid,
+)
+from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.table_marker import TableMarker
+from restore.cache import LocalFileCache
 from restore.restore import RestoreStats, restore_backend
 
 __all__ = ["META_COLUMN", "OperatorConfig", "TaskInput", "run_partition"]
@@ -113,15 +124,9 @@ class _Runtime:
         self.cfg = cfg
         self.pid = os.getpid()
         executor_dir = (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
-        self.agent: Any = None
+        self.agent: AgentClient | None = None
         uploader = None
         if cfg.agent:
-            from dstl.spark.agent import (
-                AgentClient,
-                AgentUploadScheduler,
-                ensure_agent,
-                executor_pid,
-            )
             # the agent lives in the executor's own directory: it goes away with the executor
             path = ensure_agent(os.path.join(executor_dir, "dstl-agent"), executor_pid())
             self.agent = AgentClient(path)
@@ -132,16 +137,13 @@ class _Runtime:
         base = cfg.local_dir or executor_dir
         self.local_dir = os.path.join(base, "dstl", operator_dir(cfg.name))
         os.makedirs(self.local_dir, exist_ok=True)
-        self.cache: Any
+        self.cache: AgentCache | LocalFileCache
         if self.agent is not None:
-            from dstl.spark.agent_cache import AgentCache
-
             # the executor's one cache lives in the agent: an object is downloaded once per
             # executor, and a killed worker leaves no files and no leases behind
             self.cache = AgentCache(self.agent, cfg.state_uri, cfg.storage_options,
                                     cfg.dstl_options)
         else:
-            from restore.cache import LocalFileCache
             self.cache = LocalFileCache(os.path.join(self.local_dir, f"cache-{self.pid}"))
         self.slots: dict[int, _Slot] = {}
         self.lock = threading.Lock()
@@ -343,66 +345,46 @@ def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
 _AGENT_QUICK_TIMEOUT_S = 60.0
 
 
-def _agent_request(rt: _Runtime, header: dict[str, Any]) -> dict[str, Any]:
-    from dstl.spark.agent import AgentUnavailableError, _error_from, store_fields
-
-    cfg = rt.cfg
-    fut = rt.agent.request({**header, **store_fields(cfg.state_uri, cfg.storage_options,
-                                                     cfg.dstl_options)})
-    try:
-        reply = fut.result(_AGENT_QUICK_TIMEOUT_S)
-    except TimeoutError as exc:
-        raise AgentUnavailableError(f"the executor agent did not answer {header['op']!r} within "
-                                    f"{_AGENT_QUICK_TIMEOUT_S:g}s (hung?); the task fails and "
-                                    "Spark retries it") from exc
-    if not reply.get("ok"):
-        raise _error_from(reply)
-    return dict(reply)
+def _store_ref(cfg: OperatorConfig) -> StoreRef:
+    return StoreRef(cfg.state_uri, cfg.storage_options, cfg.dstl_options)
 
 
-def _install_agent_materialization(rt: _Runtime, backend: ChangelogKeyedStateBackend
-                                   ) -> SnapshotRef | None:
+def _install_agent_materialization(agent: AgentClient, cfg: OperatorConfig,
+                                   backend: ChangelogKeyedStateBackend) -> SnapshotRef | None:
     """Install the newest snapshot the agent took of this partition, if the backend's log reaches
     it; returns it when installed.
 
     Raises:
         BackendFailedError: the agent's materializations of this partition failed too often.
     """
-    reply = _agent_request(rt, {"op": "materialization", "log_id": backend.operator_id})
-    if reply.get("failed"):
+    reply = agent.call(MaterializationRequest(_store_ref(cfg), backend.operator_id),
+                       _AGENT_QUICK_TIMEOUT_S)
+    if reply.failed:
         raise BackendFailedError(f"backend {backend.operator_id!r} failed: the executor agent's "
                                  f"materializations of it failed more than max_failures="
-                                 f"{rt.cfg.backend_options.max_failures} times in a row (last: "
-                                 f"{reply['failed']}); see the agent's log, fix the cause and "
+                                 f"{cfg.backend_options.max_failures} times in a row (last: "
+                                 f"{reply.failed}); see the agent's log, fix the cause and "
                                  "restart the query")
-    m = reply.get("materialization")
-    if m is None:
+    if reply.snapshot is None:
         return None
-    try:
-        ref = SnapshotRef.from_json_obj(m["ref"])
-        boundary = (str(m["boundary"][0]), int(m["boundary"][1]))
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise CorruptObjectError("<agent reply>", 0, f"malformed materialization {m!r}") from exc
-    return backend.install_materialization(ref, boundary)
+    return backend.install_materialization(reply.snapshot.ref, reply.snapshot.boundary)
 
 
-def _committed(rt: _Runtime, backend: ChangelogKeyedStateBackend,
-               h: ChangelogStateBackendHandle) -> dict[str, Any]:
+def _committed(agent: AgentClient, cfg: OperatorConfig, backend: ChangelogKeyedStateBackend,
+               h: ChangelogStateBackendHandle) -> tuple[dict[str, float], tuple[str, ...]]:
     """Tell the agent the partition's table is committed (it schedules the partition's next
     materialization); returns the agent's metrics and last log lines."""
-    header: dict[str, Any] = {"op": "committed", "partition": None}
-    if _agent_materializes(rt.cfg):
-        from dstl.spark.agent_materializer import PartitionSpec
-
-        cfg = rt.cfg
+    spec: PartitionSpec | None = None
+    if _agent_materializes(cfg):
         bo = cfg.backend_options
         marker = backend.table_marker(h)
-        header["partition"] = PartitionSpec(
+        spec = PartitionSpec(
             backend.operator_id, backend.tables.path, backend.key_groups,
             cfg.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
             bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
-            marker.snapshot_bytes).to_json_obj()
-    return _agent_request(rt, header)
+            marker.snapshot_bytes)
+    reply = agent.call(CommittedRequest(_store_ref(cfg), spec), _AGENT_QUICK_TIMEOUT_S)
+    return reply.metrics, reply.log_tail
 
 
 def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
@@ -433,17 +415,19 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
                     rows_in += 1
             outputs: list[dict[str, Any]] = []
             materialized: SnapshotRef | None = None
+            materializing_agent = rt.agent if _agent_materializes(cfg) else None
             with backend.write_batch():
                 for key, rows in groups.items():
                     backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
                     outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
                 t1 = time.monotonic()
-                if _agent_materializes(cfg):
-                    materialized = _install_agent_materialization(rt, backend)
+                if materializing_agent is not None:
+                    materialized = _install_agent_materialization(materializing_agent, cfg,
+                                                                  backend)
                     h = backend.snapshot(inp.batch_id).result(timeout=300)
                     # commits with this batch's state: a read transaction sees both or neither
                     backend.write_table_marker(h)
-            if not _agent_materializes(cfg):
+            if materializing_agent is None:
                 if _materialization_due(cfg, slot):
                     materialized = backend.materialize_now(timeout_s=300)
                     if materialized is not None:
@@ -472,9 +456,8 @@ def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
         "agent": None,
     })
     if rt.agent is not None:
-        status = _committed(rt, backend, h)
-        stats["agent"] = status.get("metrics")
-        stats["agent_log"] = status.get("log_tail", [])
+        stats["agent"], log_tail = _committed(rt.agent, cfg, backend, h)
+        stats["agent_log"] = list(log_tail)
     meta = {"partition": partition, "handle": h.to_json_obj(),
             "referenced_keys": h.referenced_keys(), "full_size": h.full_size,
             "incremental_size": h.incremental_size, "stats": stats}

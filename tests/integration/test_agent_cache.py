@@ -31,8 +31,16 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.handle import ChangelogHandle
-from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, ensure_agent
-from dstl.spark.agent_cache import AgentCache, AgentCacheService, AgentLease
+from dstl.spark.agent import (
+    AgentCache,
+    AgentCacheService,
+    AgentClient,
+    AgentLease,
+    AgentUnavailableError,
+    StoreRef,
+    ensure_agent,
+)
+from dstl.spark.agent.protocol import LeaseRequest, ShutdownRequest
 from dstl.stores import BlobStore
 from dstl.timer import ManualTimer
 from materializer.backend import ChangelogKeyedStateBackend
@@ -87,7 +95,7 @@ class Agent:
 
     def stop(self) -> None:
         if self.client is not None and not self.client.broken:
-            self.client.request({"op": "shutdown"}).result(WAIT)
+            self.client.request(ShutdownRequest()).result(WAIT)
         if self.client is not None:
             self.client.close()
         for pid in self.pids:
@@ -280,10 +288,11 @@ def test_verify_functions_are_named_over_the_wire(agent: Agent, store: Store) ->
         with pytest.raises(UsageError, match="VERIFIERS"):
             cache.lease(store.storage.store, store.segments[0], verify=lambda d, k: None)
         assert agent.client is not None
-        reply = agent.client.request({"op": "lease", "uri": store.uri, "key": store.segments[0],
-                                      "verify": "bogus"}).result(WAIT)
-        assert not reply["ok"]
-        err = _error_from(reply)
+        bogus = LeaseRequest(StoreRef(store.uri, None, DstlOptions()), store.segments[0],
+                             "bogus", None)
+        with pytest.raises(UsageError) as refused:  # the agent's reply, raised as its type
+            agent.client.request(bogus).result(WAIT)
+        err = refused.value
         assert isinstance(err, UsageError) and "bogus" in str(err)
         assert cache.stats()["leases_open"] == 0
 
@@ -367,10 +376,11 @@ def test_a_direct_lease_reads_ranges_from_the_workers_store(agent: Agent, store:
     data = store.storage.store.get(key)
     assert agent.client is not None
     with _cache(agent, store) as cache:
-        reply = agent.client.request({"op": "lease", "uri": store.uri, "key": key}).result(WAIT)
-        assert reply["ok"] and reply["size"] == len(data)
+        reply = agent.client.request(LeaseRequest(StoreRef(store.uri, None, DstlOptions()), key,
+                                                  None, None)).result(WAIT)
+        assert reply.size == len(data)  # a failed request raises instead of resolving
         # what the worker makes of a reply without a path (the agent's on_full="direct" mode)
-        direct = AgentLease(cache, reply["lease"], store.storage.store, key, len(data), None)
+        direct = AgentLease(cache, reply.lease, store.storage.store, key, len(data), None)
         assert direct.direct and direct.path is None
         assert direct.read(5, 40) == data[5:45]
         with pytest.raises(TruncatedObjectError):
@@ -410,13 +420,13 @@ def test_a_lease_granted_after_its_connection_ended_is_given_back(tmp_path: Path
         assert svc.stats()["leases_open"] == 0
         # an ordinary connection: leases balance, and a connection's end gives back the rest
         reply = svc.lease(2, store.storage.store, store.segments[0], "segment", None)
-        assert reply["path"] is not None and reply["size"] > 0
+        assert reply.path is not None and reply.size > 0
         svc.lease(2, store.storage.store, store.segments[1], None, None)
-        svc.release(2, reply["lease"])
+        svc.release(2, reply.lease)
         with pytest.raises(LeaseError):
-            svc.release(2, reply["lease"])
+            svc.release(2, reply.lease)
         with pytest.raises(LeaseError):
-            svc.release(3, reply["lease"])
+            svc.release(3, reply.lease)
         assert svc.stats()["leases_open"] == 1
         assert svc.release_connection(2) == 1
         assert svc.stats()["leases_open"] == 0
@@ -429,8 +439,8 @@ def test_a_lease_granted_after_its_connection_ended_is_given_back(tmp_path: Path
     small = AgentCacheService(str(tmp_path / "small"), max_bytes=1, on_full="direct")
     try:
         reply = small.lease(1, store.storage.store, store.segments[0], "segment", None)
-        assert reply["path"] is None
-        assert reply["size"] == len(store.storage.store.get(store.segments[0]))
+        assert reply.path is None
+        assert reply.size == len(store.storage.store.get(store.segments[0]))
         assert small.stats()["direct_leases"] == 1
         assert small.release_connection(1) == 1
         assert small.stats()["leases_open"] == 0

@@ -136,6 +136,7 @@ def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Pat
     """YARN-style deep executor directories exceed the 107-byte socket path limit (found by the
     agent bench: the agent died at start-up and every task waited 30 s)."""
     from dstl.spark.agent import AgentClient, ensure_agent
+    from dstl.spark.agent.protocol import ShutdownRequest
 
     deep = tmp_path / ("d" * 60) / ("e" * 60) / "dstl-agent"
     assert len(str(deep / "agent.sock")) > 107
@@ -143,7 +144,7 @@ def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Pat
     client = AgentClient(path)
     try:
         assert client.metrics()["agent.pid"] > 0
-        client.request({"op": "shutdown"}).result(10)
+        client.request(ShutdownRequest()).result(10)
     finally:
         client.close()
 

@@ -16,8 +16,7 @@ import sys
 
 from dstl import ChangelogStorage
 from dstl.handle import ChangelogHandle
-from dstl.spark.agent import AgentClient
-from dstl.spark.agent_cache import AgentCache
+from dstl.spark.agent import AgentCache, AgentClient
 from restore.reader import ChangelogReader, verify_segment
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.spark.agent_materializer import AgentMaterializer, PartitionSpec
+from dstl.spark.agent import AgentMaterializer, LatestMaterialization, PartitionSpec
 from materializer import BackendOptions, ChangelogKeyedStateBackend, ValueStateDescriptor
 from materializer.lmdb_table import LmdbStateTable
 
@@ -54,12 +54,12 @@ def test_schedule_skip_and_hand_over(tmp_path: Path) -> None:
     clock = Clock()
     m = AgentMaterializer(clock=clock, start=False)
     m.register("s", storage.store, spec)
-    assert m.latest("s", "op/p0") == {"materialization": None, "failed": None}
+    assert m.latest("s", "op/p0") == LatestMaterialization(None, None)
     clock.now += 10.0  # past the random first delay (< interval)
     assert m.run_due() == 1
-    got = m.latest("s", "op/p0")["materialization"]
-    assert got is not None and tuple(got["boundary"]) == spec.boundary
-    assert storage.store.head(got["ref"]["key"]) is not None
+    got = m.latest("s", "op/p0").materialization
+    assert got is not None and tuple(got.boundary) == spec.boundary
+    assert storage.store.head(got.ref.key) is not None
     clock.now += 10.0
     assert m.run_due() == 0  # the boundary has not moved: nothing new
     # the size trigger makes it due at once, but still only with something new
@@ -97,7 +97,7 @@ def test_size_trigger_failures_and_stale(tmp_path: Path) -> None:
     clock.now += 1.0  # retried at the next due time (the new interval)
     m.run_due()
     report = m.latest("s", "op/p0")
-    assert report["failed"] is not None and "marker" in report["failed"]
+    assert report.failed is not None and "marker" in report.failed
     assert m.metrics()["materializer.failed"] == 2
     # partitions not heard of for long moved to another executor: dropped
     clock.now += 120.0

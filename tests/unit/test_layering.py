@@ -29,12 +29,7 @@ LOG_CORE_CONTRACT = "the log core never imports"
 #: Import cycles that exist today, each as the set of modules of one strongly connected
 #: component. Phase 2 of issue #11 must empty this list; a new cycle, or a known one that grows,
 #: fails the test.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # The agent starts the cache service (import inside a function) and the cache service uses
-    # the agent's client and error mapping. Removed in phase 2 by splitting the Spark executor
-    # agent (the client and the wire helpers move out of agent.py).
-    frozenset({"dstl.spark.agent", "dstl.spark.agent_cache"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def test_import_layers_hold() -> None:

@@ -34,7 +34,8 @@ answered in the frame loop. A lease granted after its connection ended is releas
 
 *Failures.* Errors of the agent's cache (``ObjectNotFoundError``, ``CorruptObjectError``,
 ``CacheFullError``, ...) arrive in the worker as the same type with the same message. If the
-agent dies, requests in flight fail with :class:`~dstl.spark.agent.AgentUnavailableError`
+agent dies, requests in flight fail with
+:class:`~dstl.spark.agent.protocol.AgentUnavailableError`
 (retryable: Spark retries the task, and the next worker starts a new agent, whose cache starts
 empty and removes its predecessor's files); a lease whose file is already gone when the worker
 opens it fails the same way. Leases whose file is open keep reading it.
@@ -61,7 +62,15 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.options import DstlOptions
-from dstl.spark.agent import AgentClient, AgentUnavailableError, _error_from, store_fields
+from dstl.spark.agent.client import AgentClient
+from dstl.spark.agent.protocol import (
+    AgentUnavailableError,
+    CacheStatsRequest,
+    LeaseReply,
+    LeaseRequest,
+    ReleaseRequest,
+    StoreRef,
+)
 from dstl.stores.base import BlobStore
 from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, Lease, LocalFileCache, OnFull, Verify
 from restore.reader import VERIFIERS
@@ -145,11 +154,11 @@ class AgentCacheService:
         return f"AgentCacheService({self.cache.directory!r})"
 
     def lease(self, conn_id: int, store: BlobStore, key: str, verify_name: str | None,
-              size_hint: int | None) -> dict[str, Any]:
+              size_hint: int | None) -> LeaseReply:
         """Lease ``key`` of ``store`` for connection ``conn_id`` (blocks while it downloads).
 
         Returns:
-            The reply fields: ``lease`` (id), ``path`` (the published file, ``None`` for a direct
+            The reply: ``lease`` (id), ``path`` (the published file, ``None`` for a direct
             lease) and ``size``.
 
         Raises:
@@ -164,7 +173,7 @@ class AgentCacheService:
         return self._lease_begun(conn_id, lambda: store, key, verify, size_hint)
 
     def submit_lease(self, conn_id: int, open_store: Callable[[], BlobStore], key: str,
-                     verify_name: str | None, size_hint: int | None) -> Future[dict[str, Any]]:
+                     verify_name: str | None, size_hint: int | None) -> Future[LeaseReply]:
         """:meth:`lease` on the service's threads; ``open_store`` runs there too (opening a
         store may talk to it).
 
@@ -291,7 +300,7 @@ class AgentCacheService:
             return None
 
     def _lease_begun(self, conn_id: int, open_store: Callable[[], BlobStore], key: str,
-                     verify: Verify | None, size_hint: int | None) -> dict[str, Any]:
+                     verify: Verify | None, size_hint: int | None) -> LeaseReply:
         try:
             store = open_store()
             lease = self.cache.lease(store, key, verify=verify, size_hint=size_hint)
@@ -305,7 +314,7 @@ class AgentCacheService:
             raise ClosedError(f"connection {conn_id} of the executor agent",
                               "the worker went away before its lease was granted; the lease "
                               "was given back")
-        return {"lease": lease_id, "path": lease.path, "size": lease.size}
+        return LeaseReply(lease_id, lease.path, lease.size)
 
 
 # --------------------------------------------------------------------------- in a worker
@@ -383,7 +392,7 @@ class AgentCache:
             raise ConfigError("timeout_s", timeout_s, "seconds > 0", owner="AgentCache")
         options = options or DstlOptions()
         self._client = client
-        self._store_fields = store_fields(uri, storage_options, options)
+        self._store = StoreRef(uri, storage_options, options)
         self._timeout_s = timeout_s
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -391,7 +400,7 @@ class AgentCache:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"AgentCache({self._client.path!r}, {self._store_fields['uri']!r})"
+        return f"AgentCache({self._client.path!r}, {self._store.uri!r})"
 
     def __enter__(self) -> AgentCache:
         return self
@@ -430,9 +439,8 @@ class AgentCache:
         """
         self._check_pid()
         self._check_open()
-        header = {"op": "lease", **self._store_fields, "key": key,
-                  "verify": _verify_name(verify), "size_hint": size_hint}
-        fut = self._client.request(header)
+        fut = self._client.request(LeaseRequest(self._store, key, _verify_name(verify),
+                                                size_hint))
         try:
             reply = fut.result(self._timeout_s)
         except TimeoutError as exc:
@@ -441,11 +449,7 @@ class AgentCache:
             raise AgentUnavailableError(f"the executor agent did not grant the lease of "
                                         f"{store.location}/{key} within {self._timeout_s}s; "
                                         "the task fails and Spark retries it", key=key) from exc
-        if not reply.get("ok"):
-            raise _error_from(reply)
-        path = reply.get("path")
-        lease = AgentLease(self, int(reply["lease"]), store, key, int(reply["size"]),
-                           str(path) if path is not None else None)
+        lease = AgentLease(self, reply.lease, store, key, reply.size, reply.path)
         with self._lock:
             if not self._closed:
                 self._leases.add(lease)
@@ -462,14 +466,7 @@ class AgentCache:
             CacheError: used in a forked child.
         """
         self._check_pid()
-        try:
-            reply = self._client.request({"op": "cache_stats"}).result(_QUICK_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise AgentUnavailableError(f"the executor agent did not answer cache_stats within "
-                                        f"{_QUICK_TIMEOUT_S}s") from exc
-        if not reply.get("ok"):
-            raise _error_from(reply)
-        return {str(k): int(v) for k, v in dict(reply["stats"]).items()}
+        return self._client.call(CacheStatsRequest(), _QUICK_TIMEOUT_S).stats
 
     def close(self) -> None:
         """Give back every lease still open (later reads raise ``LeaseError``). Idempotent; the
@@ -497,8 +494,7 @@ class AgentCache:
 
     def _send_release(self, lease: AgentLease, *, explicit: bool) -> None:
         try:
-            reply = self._client.request({"op": "release", "lease": lease.lease_id}
-                                         ).result(_QUICK_TIMEOUT_S)
+            self._client.request(ReleaseRequest(lease.lease_id)).result(_QUICK_TIMEOUT_S)
         except AgentUnavailableError as exc:
             # the connection is gone, and with it every lease it held: nothing to give back
             logger.debug("release of %r: agent connection lost (%s)", lease, exc)
@@ -508,24 +504,21 @@ class AgentCache:
                            "lease is given back when this worker's connection ends", lease,
                            _QUICK_TIMEOUT_S)
             return
-        if reply.get("ok"):
-            return
-        err = _error_from(reply)
-        if explicit:
-            raise err
-        logger.warning("release of %r failed in the executor agent: %s", lease, err)
+        except DstlError as err:  # the agent refused it (LeaseError, ClosedError, ...)
+            if explicit:
+                raise
+            logger.warning("release of %r failed in the executor agent: %s", lease, err)
 
-    def _release_late(self, fut: Future[dict[str, Any]]) -> None:
+    def _release_late(self, fut: Future[LeaseReply]) -> None:
         """A lease granted after its requester gave up: give it back (on the client's reader
         thread, so fire and forget)."""
         if fut.exception() is not None:
             return
-        reply = fut.result()
-        if reply.get("ok"):
-            try:
-                self._client.request({"op": "release", "lease": reply["lease"]})
-            except DstlError as exc:
-                logger.debug("late release of lease %s: %s", reply.get("lease"), exc)
+        lease_id = fut.result().lease
+        try:
+            self._client.request(ReleaseRequest(lease_id))
+        except DstlError as exc:
+            logger.debug("late release of lease %s: %s", lease_id, exc)
 
     def _check_open(self) -> None:
         if self._closed:

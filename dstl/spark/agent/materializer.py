@@ -45,9 +45,10 @@ from typing import Any
 
 from dstl.errors import DstlError
 from dstl.keygroups import KeyGroupRange
+from dstl.stores.base import BlobStore
 from materializer.external import ExternalMaterialization, materialize_table_directory
 
-__all__ = ["AgentMaterializer", "PartitionSpec"]
+__all__ = ["AgentMaterializer", "LatestMaterialization", "PartitionSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,24 @@ class PartitionSpec:
             self.min_log_bytes, self.log_ratio * self.snapshot_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class LatestMaterialization:
+    """What :meth:`AgentMaterializer.latest` reports of a partition.
+
+    Attributes:
+        materialization: its newest snapshot (``None``: none yet).
+        failed: the last error, once more than ``max_failures`` materializations of the
+            partition failed in a row; else ``None``.
+    """
+
+    materialization: ExternalMaterialization | None
+    failed: str | None
+
+
 @dataclass
 class _Partition:
     spec: PartitionSpec
-    store: Any
+    store: BlobStore
     next_due: float
     last_seen: float
     done_boundary: tuple[str, int] | None = None
@@ -145,7 +160,7 @@ class AgentMaterializer:
 
     # ------------------------------------------------------------------ worker-facing
 
-    def register(self, store_key: str, store: Any, spec: PartitionSpec) -> None:
+    def register(self, store_key: str, store: BlobStore, spec: PartitionSpec) -> None:
         """A task committed ``spec.log_id``'s table: remember it and (re)schedule."""
         now = self._clock()
         with self._cond:
@@ -163,23 +178,15 @@ class AgentMaterializer:
                 p.next_due = now
             self._cond.notify_all()
 
-    def latest(self, store_key: str, log_id: str) -> dict[str, Any]:
-        """The newest materialization of a partition, for the task to install.
-
-        Returns:
-            ``{"materialization": {"ref": ..., "boundary": [key, offset]} or None,
-            "failed": message or None}`` — ``failed`` once ``max_failures`` consecutive
-            materializations of the partition failed.
-        """
+    def latest(self, store_key: str, log_id: str) -> LatestMaterialization:
+        """The newest materialization of a partition, for the task to install, and the last
+        failure once ``max_failures`` consecutive materializations of the partition failed."""
         with self._cond:
             p = self._parts.get((store_key, log_id))
             if p is None:
-                return {"materialization": None, "failed": None}
-            m = p.latest
+                return LatestMaterialization(None, None)
             failed = p.error if p.failures > p.spec.max_failures else None
-            return {"materialization": None if m is None else {
-                        "ref": m.ref.to_json_obj(), "boundary": list(m.boundary)},
-                    "failed": failed}
+            return LatestMaterialization(p.latest, failed)
 
     def request(self, store_key: str, log_id: str) -> None:
         """Make a registered partition due now (the timer's ``run_once`` for one partition)."""

@@ -1,0 +1,740 @@
+"""The executor agent's wire protocol: frames, one typed message per request and reply, and the
+one error codec every side uses.
+
+Theory of operation
+-------------------
+*Frames.* A frame is ``u32 length | u32 header length | header JSON | body`` (big-endian;
+``length`` counts everything after itself). The header is a JSON object; the body is raw bytes
+(only ``persist`` sends any: the change sets' bodies, back to back). The codec here is pure —
+:func:`encode_frame` and :class:`FrameDecoder` turn values into bytes and bytes into values —
+and :func:`send_frame` / :func:`recv_frame` are the two thin socket wrappers the agent, its
+client and the spawner use.
+
+*Messages.* Every request header carries ``id`` (the client's, echoed in the reply) and ``op``;
+every reply header carries ``id`` and ``ok``. Each op has one request dataclass and one reply
+dataclass (``PersistRequest`` / ``PersistReply``, ...): ``encode()`` gives the header fields (and
+the body), ``decode()`` reads them back. A request knows its reply type
+(:meth:`Request.decode_reply`), so :class:`~dstl.spark.agent.client.AgentClient` returns a typed
+reply per request.
+
+*Untrusted input.* The socket is private to the user (0700 directory, 0600 socket), and the
+agent and its workers run the same DSTL version (the worker starts the agent with its own
+interpreter), so a malformed frame means a bug or a foreign process on the socket — never a
+case to limp on. Decoding checks every field's type and range and raises
+:class:`AgentProtocolError` naming the frame and the field; a frame that cannot be split from
+the stream (bad lengths, a header that is not a JSON object) ends the connection, a message that
+is malformed inside a good frame fails only that request.
+
+*Errors.* A failed request comes back as an :class:`ErrorReply` (``ok: false``): the error's
+type name, message, ``key`` and plain attributes. :func:`encode_error` builds it from an
+exception and :func:`decode_error` raises it again on the other side as the same
+:class:`~dstl.errors.DstlError` type with the same fields — so a worker sees
+``ObjectNotFoundError`` from the agent's cache exactly as from its own. Anything that is not a
+DSTL error arrives as :class:`~dstl.errors.StorageError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from dstl import errors as dstl_errors
+from dstl.errors import DstlError, StorageError, UsageError
+from dstl.handle import ChangeSetRef
+from dstl.options import DstlOptions
+from dstl.segment import ChangeSet
+from dstl.spark.agent.materializer import PartitionSpec
+from materializer.handles import SnapshotRef
+
+__all__ = [
+    "MAX_FRAME_BYTES", "AgentProtocolError", "AgentUnavailableError", "CacheStatsReply",
+    "CacheStatsRequest", "CommittedReply", "CommittedRequest", "ErrorReply", "FrameDecoder",
+    "Header", "LeaseReply", "LeaseRequest", "MaterializationReply", "MaterializationRequest",
+    "MetricsReply", "MetricsRequest", "OfferedSnapshot", "PersistReply", "PersistRequest",
+    "PingReply", "PingRequest", "ReleaseReply", "ReleaseRequest", "Reply", "Request",
+    "ShutdownReply", "ShutdownRequest", "StoreRef", "decode_error", "decode_request",
+    "encode_error", "encode_frame", "recv_frame", "send_frame",
+]
+
+#: A decoded JSON header: untrusted until a message's ``decode`` has checked it.
+Header = dict[str, Any]
+
+_PREFIX = struct.Struct(">II")
+#: The largest frame accepted (``length`` field): a persist carries at most the in-flight limit
+#: of change-set bytes, far below this.
+MAX_FRAME_BYTES = 1 << 31
+
+
+class AgentUnavailableError(StorageError):
+    """The executor agent is not running or died while a request was in flight (retryable:
+    the task fails and Spark retries it, which starts a new agent)."""
+
+
+class AgentProtocolError(UsageError):
+    """A frame or message on the agent's socket is malformed.
+
+    Attributes:
+        frame: which frame (``"frame"``, ``"persist request"``, ``"lease reply"``, ...).
+        detail: what is wrong with it.
+    """
+
+    def __init__(self, frame: str, detail: str) -> None:
+        self.frame = frame
+        self.detail = detail
+        super().__init__(f"malformed {frame} on the executor agent's socket: {detail}; the "
+                         "agent and its workers run the same DSTL version, so this is a bug or "
+                         "a foreign process on the socket (report it; a new executor starts a "
+                         "new agent)")
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def encode_frame(header: Header, body: bytes = b"") -> bytes:
+    """One frame's bytes."""
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return _PREFIX.pack(4 + len(h) + len(body), len(h)) + h + body
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames (sans-I/O: feed bytes, take frames).
+
+    Raises (from :meth:`feed`):
+        AgentProtocolError: a length prefix out of range, or a header that is not a UTF-8 JSON
+            object; the stream cannot be resynchronised after that.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def needed(self) -> int:
+        """Bytes still missing before the next frame is complete (at least 1)."""
+        if len(self._buf) < _PREFIX.size:
+            return _PREFIX.size - len(self._buf)
+        total, _ = self._lengths()
+        return max(1, _PREFIX.size - 4 + total - len(self._buf))
+
+    def feed(self, data: bytes) -> list[tuple[Header, bytes]]:
+        """Add bytes; return the frames completed by them, in order."""
+        self._buf += data
+        frames: list[tuple[Header, bytes]] = []
+        while len(self._buf) >= _PREFIX.size:
+            total, hlen = self._lengths()
+            end = _PREFIX.size - 4 + total
+            if len(self._buf) < end:
+                break
+            payload = bytes(self._buf[_PREFIX.size:end])
+            del self._buf[:end]
+            frames.append((_decode_header(payload[:hlen]), payload[hlen:]))
+        return frames
+
+    def _lengths(self) -> tuple[int, int]:
+        total, hlen = _PREFIX.unpack_from(self._buf)
+        if total < 4 or hlen > total - 4 or total > MAX_FRAME_BYTES:
+            raise AgentProtocolError("frame", f"length {total}, header length {hlen}")
+        return total, hlen
+
+
+def _decode_header(raw: bytes) -> Header:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise AgentProtocolError("frame", f"header is not UTF-8 JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise AgentProtocolError("frame", f"header is a JSON {type(header).__name__}, not an "
+                                          "object")
+    return header
+
+
+def send_frame(sock: socket.socket, header: Header, body: bytes = b"") -> None:
+    """Write one frame (the caller serialises writers of one socket)."""
+    sock.sendall(encode_frame(header, body))
+
+
+def recv_frame(sock: socket.socket) -> tuple[Header, bytes]:
+    """Read one frame.
+
+    Raises:
+        ConnectionError: the peer closed the connection.
+        AgentProtocolError: a malformed frame.
+    """
+    decoder = FrameDecoder()
+    while True:
+        # never read past the frame's end: the next frame stays in the socket for the next call
+        chunk = sock.recv(min(decoder.needed(), 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        frames = decoder.feed(chunk)
+        if frames:
+            return frames[0]
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+class _Fields:
+    """Typed reads of one untrusted header; every failure names the frame and the field."""
+
+    __slots__ = ("frame", "header")
+
+    def __init__(self, header: Header, frame: str) -> None:
+        self.header = header
+        self.frame = frame
+
+    def bad(self, name: str, expected: str) -> AgentProtocolError:
+        got = repr(self.header.get(name, "<missing>"))
+        got = got if len(got) <= 200 else got[:200] + "..."
+        return AgentProtocolError(self.frame, f"field {name!r} is {got}, expected {expected}")
+
+    def get(self, name: str) -> Any:
+        if name not in self.header:
+            raise AgentProtocolError(self.frame, f"field {name!r} is missing")
+        return self.header[name]
+
+    def text(self, name: str) -> str:
+        v = self.get(name)
+        if not isinstance(v, str):
+            raise self.bad(name, "a string")
+        return v
+
+    def opt_text(self, name: str) -> str | None:
+        return None if self.get(name) is None else self.text(name)
+
+    def integer(self, name: str, minimum: int = 0) -> int:
+        v = self.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self.bad(name, f"an integer >= {minimum}")
+        return v
+
+    def opt_integer(self, name: str, minimum: int = 0) -> int | None:
+        return None if self.get(name) is None else self.integer(name, minimum)
+
+    def array(self, name: str) -> list[Any]:
+        v = self.get(name)
+        if not isinstance(v, list):
+            raise self.bad(name, "a list")
+        return v
+
+    def obj(self, name: str) -> dict[str, Any]:
+        v = self.get(name)
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise self.bad(name, "an object")
+        return v
+
+    def opt_obj(self, name: str) -> dict[str, Any] | None:
+        return None if self.get(name) is None else self.obj(name)
+
+    def numbers(self, name: str) -> dict[str, float]:
+        v = self.obj(name)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
+            raise self.bad(name, "an object of numbers")
+        return {k: float(x) for k, x in v.items()}
+
+    def sub(self, name: str, frame: str) -> _Fields:
+        return _Fields(self.obj(name), f"{self.frame}: {frame}")
+
+
+# --------------------------------------------------------------------------- shared parts
+
+
+@dataclass(frozen=True, slots=True)
+class StoreRef:
+    """The store a request names: the agent opens one :class:`~dstl.ChangelogStorage` per
+    distinct store and shares it between persists, leases and materializations."""
+
+    uri: str
+    storage_options: dict[str, Any] | None
+    options: DstlOptions
+
+    def key(self) -> str:
+        """The agent's name of this store (equal stores, equal keys)."""
+        f = self.to_fields()
+        return json.dumps([f["uri"], f["storage_options"], f["options"]], sort_keys=True,
+                          default=str)
+
+    def to_fields(self) -> Header:
+        return {"uri": self.uri, "storage_options": self.storage_options,
+                "options": dataclasses.asdict(self.options)}
+
+    @classmethod
+    def from_fields(cls, f: _Fields) -> StoreRef:
+        uri = f.text("uri")
+        storage_options = f.opt_obj("storage_options")
+        raw = f.obj("options")
+        known = {x.name for x in dataclasses.fields(DstlOptions)}
+        if not set(raw) <= known:
+            raise f.bad("options", f"DstlOptions fields (unknown: {sorted(set(raw) - known)})")
+        try:
+            options = DstlOptions(**raw)
+        except (DstlError, TypeError) as exc:
+            raise AgentProtocolError(f.frame, f"field 'options': {exc}") from exc
+        return cls(uri, storage_options, options)
+
+
+@dataclass(frozen=True, slots=True)
+class OfferedSnapshot:
+    """A snapshot the agent took of a partition: its object and the log position it covers."""
+
+    ref: SnapshotRef
+    boundary: tuple[str, int]
+
+
+# --------------------------------------------------------------------------- message bases
+
+R = TypeVar("R", bound="Reply")
+
+
+class Reply:
+    """A successful reply (``ok: true``); subclasses are dataclasses."""
+
+    __slots__ = ()
+    op: ClassVar[str]
+
+    def encode(self) -> Header:
+        """The header fields (without ``id``)."""
+        return {"ok": True, **self._fields()}
+
+    def _fields(self) -> Header:
+        return {}
+
+
+class Request(Generic[R]):
+    """A request to the agent; subclasses are dataclasses, one per op."""
+
+    __slots__ = ()
+    op: ClassVar[str]
+
+    def encode(self) -> tuple[Header, bytes]:
+        """The header fields (without ``id``) and the body."""
+        return {"op": self.op, **self._fields()}, b""
+
+    def _fields(self) -> Header:
+        return {}
+
+    def decode_reply(self, header: Header) -> R:
+        """This request's successful reply from its (untrusted) header.
+
+        Raises:
+            AgentProtocolError: the reply is malformed.
+        """
+        raise NotImplementedError
+
+
+def _status_fields(f: _Fields) -> tuple[dict[str, float], tuple[str, ...]]:
+    tail = f.array("log_tail")
+    if not all(isinstance(line, str) for line in tail):
+        raise f.bad("log_tail", "a list of strings")
+    return f.numbers("metrics"), tuple(tail)
+
+
+# --------------------------------------------------------------------------- ping, shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class PingReply(Reply):
+    op = "ping"
+    pid: int
+
+    def _fields(self) -> Header:
+        return {"pid": self.pid}
+
+
+@dataclass(frozen=True, slots=True)
+class PingRequest(Request[PingReply]):
+    """Is an agent serving this socket? (The spawner asks.)"""
+
+    op = "ping"
+
+    def decode_reply(self, header: Header) -> PingReply:
+        return PingReply(_Fields(header, "ping reply").integer("pid", 1))
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReply(Reply):
+    op = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownRequest(Request[ShutdownReply]):
+    """Stop the agent (after this reply)."""
+
+    op = "shutdown"
+
+    def decode_reply(self, header: Header) -> ShutdownReply:
+        return ShutdownReply()
+
+
+# --------------------------------------------------------------------------- metrics, committed
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsReply(Reply):
+    """The agent's metrics (``agent.*``) and its last log lines."""
+
+    op = "metrics"
+    metrics: dict[str, float]
+    log_tail: tuple[str, ...]
+
+    def _fields(self) -> Header:
+        return {"metrics": self.metrics, "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsRequest(Request[MetricsReply]):
+    op = "metrics"
+
+    def decode_reply(self, header: Header) -> MetricsReply:
+        return MetricsReply(*_status_fields(_Fields(header, "metrics reply")))
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedReply(Reply):
+    """The agent's metrics and last log lines (the driver shows them with each batch)."""
+
+    op = "committed"
+    metrics: dict[str, float]
+    log_tail: tuple[str, ...]
+
+    def _fields(self) -> Header:
+        return {"metrics": self.metrics, "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedRequest(Request[CommittedReply]):
+    """A task committed its partition's table: for LMDB under the agent, the partition to
+    (re)schedule for materialization; ``None`` for a partition the worker materializes."""
+
+    op = "committed"
+    store: StoreRef
+    partition: PartitionSpec | None
+
+    def _fields(self) -> Header:
+        return {**self.store.to_fields(), "partition": None if self.partition is None
+                else self.partition.to_json_obj()}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> CommittedRequest:
+        f = _Fields(header, "committed request")
+        raw = f.opt_obj("partition")
+        try:
+            spec = None if raw is None else PartitionSpec.from_json_obj(raw)
+        except (KeyError, TypeError, ValueError, IndexError, DstlError) as exc:
+            raise f.bad("partition", f"a partition registration ({exc!r})") from exc
+        return cls(StoreRef.from_fields(f), spec)
+
+    def decode_reply(self, header: Header) -> CommittedReply:
+        return CommittedReply(*_status_fields(_Fields(header, "committed reply")))
+
+
+# --------------------------------------------------------------------------- persist
+
+
+@dataclass(frozen=True, slots=True)
+class PersistReply(Reply):
+    """Where each change set of the request went, in the request's order: ``(segment key,
+    offset, length)`` — sent once the segment is durable."""
+
+    op = "persist"
+    refs: tuple[tuple[str, int, int], ...]
+
+    def _fields(self) -> Header:
+        return {"refs": [list(r) for r in self.refs]}
+
+    def change_set_refs(self, sets: tuple[ChangeSet, ...]) -> list[tuple[ChangeSet, ChangeSetRef]]:
+        """The upload scheduler's success pairs for the request's change sets."""
+        return [(cs, ChangeSetRef(cs.sqn, key, offset, length, cs.change_count,
+                                  cs.payload_bytes))
+                for cs, (key, offset, length) in zip(sets, self.refs, strict=True)]
+
+
+_SET_FIELDS = ("log_id", "sqn", "size", "change_count", "payload_bytes", "kg_min", "kg_max")
+
+
+@dataclass(frozen=True, slots=True)
+class PersistRequest(Request[PersistReply]):
+    """One writer's change sets, for the agent's batching scheduler of ``store``."""
+
+    op = "persist"
+    store: StoreRef
+    change_sets: tuple[ChangeSet, ...]
+
+    def encode(self) -> tuple[Header, bytes]:
+        sets = [{"log_id": cs.log_id, "sqn": cs.sqn, "size": len(cs.body),
+                 "change_count": cs.change_count, "payload_bytes": cs.payload_bytes,
+                 "kg_min": cs.kg_min, "kg_max": cs.kg_max} for cs in self.change_sets]
+        header = {"op": self.op, **self.store.to_fields(), "sets": sets}
+        return header, b"".join(cs.body for cs in self.change_sets)
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> PersistRequest:
+        f = _Fields(header, "persist request")
+        sets: list[ChangeSet] = []
+        pos = 0
+        for i, raw in enumerate(f.array("sets")):
+            if not isinstance(raw, dict):
+                raise f.bad("sets", "a list of objects")
+            m = _Fields(raw, f"persist request: sets[{i}]")
+            n = m.integer("size")
+            sets.append(ChangeSet(m.text("log_id"), m.integer("sqn"), body[pos:pos + n],
+                                  m.integer("change_count"), m.integer("payload_bytes"),
+                                  m.integer("kg_min", -1), m.integer("kg_max", -1)))
+            pos += n
+        if pos != len(body):
+            raise AgentProtocolError("persist request", f"the change sets' sizes add up to "
+                                                        f"{pos} bytes, the body has {len(body)}")
+        return cls(StoreRef.from_fields(f), tuple(sets))
+
+    def decode_reply(self, header: Header) -> PersistReply:
+        f = _Fields(header, "persist reply")
+        refs: list[tuple[str, int, int]] = []
+        for raw in f.array("refs"):
+            if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                            for x in raw[1:])):
+                raise f.bad("refs", "a list of [segment key, offset, length]")
+            refs.append((raw[0], raw[1], raw[2]))
+        if len(refs) != len(self.change_sets):
+            raise f.bad("refs", f"{len(self.change_sets)} references (one per change set)")
+        return PersistReply(tuple(refs))
+
+
+# --------------------------------------------------------------------------- restore cache
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReply(Reply):
+    """A granted lease: its id, the published file (``None``: a direct lease, read from the
+    worker's own store) and the object's size."""
+
+    op = "lease"
+    lease: int
+    path: str | None
+    size: int
+
+    def _fields(self) -> Header:
+        return {"lease": self.lease, "path": self.path, "size": self.size}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest(Request[LeaseReply]):
+    """Lease ``key`` of ``store`` through the agent's restore cache; ``verify`` names a function
+    in :data:`restore.reader.VERIFIERS` (a function cannot cross the socket)."""
+
+    op = "lease"
+    store: StoreRef
+    key: str
+    verify: str | None
+    size_hint: int | None
+
+    def _fields(self) -> Header:
+        return {**self.store.to_fields(), "key": self.key, "verify": self.verify,
+                "size_hint": self.size_hint}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> LeaseRequest:
+        f = _Fields(header, "lease request")
+        return cls(StoreRef.from_fields(f), f.text("key"), f.opt_text("verify"),
+                   f.opt_integer("size_hint"))
+
+    def decode_reply(self, header: Header) -> LeaseReply:
+        f = _Fields(header, "lease reply")
+        return LeaseReply(f.integer("lease", 1), f.opt_text("path"), f.integer("size"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReply(Reply):
+    op = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest(Request[ReleaseReply]):
+    """Give back one lease taken on this connection."""
+
+    op = "release"
+    lease: int
+
+    def _fields(self) -> Header:
+        return {"lease": self.lease}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> ReleaseRequest:
+        return cls(_Fields(header, "release request").integer("lease", 1))
+
+    def decode_reply(self, header: Header) -> ReleaseReply:
+        return ReleaseReply()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStatsReply(Reply):
+    """The agent cache's :meth:`~restore.cache.LocalFileCache.stats`."""
+
+    op = "cache_stats"
+    stats: dict[str, int]
+
+    def _fields(self) -> Header:
+        return {"stats": self.stats}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStatsRequest(Request[CacheStatsReply]):
+    op = "cache_stats"
+
+    def decode_reply(self, header: Header) -> CacheStatsReply:
+        f = _Fields(header, "cache_stats reply")
+        stats = f.obj("stats")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in stats.values()):
+            raise f.bad("stats", "an object of integers")
+        return CacheStatsReply(stats)
+
+
+# --------------------------------------------------------------------------- materialization
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationReply(Reply):
+    """A partition's newest snapshot in the agent (``None``: none yet), and ``failed``: the last
+    error once the partition's materializations failed more than ``max_failures`` times in a
+    row."""
+
+    op = "materialization"
+    snapshot: OfferedSnapshot | None
+    failed: str | None
+
+    def _fields(self) -> Header:
+        s = self.snapshot
+        return {"materialization": None if s is None else {
+                    "ref": s.ref.to_json_obj(), "boundary": list(s.boundary)},
+                "failed": self.failed}
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationRequest(Request[MaterializationReply]):
+    """The newest snapshot the agent took of partition ``log_id`` of ``store``."""
+
+    op = "materialization"
+    store: StoreRef
+    log_id: str
+
+    def _fields(self) -> Header:
+        return {**self.store.to_fields(), "log_id": self.log_id}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> MaterializationRequest:
+        f = _Fields(header, "materialization request")
+        return cls(StoreRef.from_fields(f), f.text("log_id"))
+
+    def decode_reply(self, header: Header) -> MaterializationReply:
+        f = _Fields(header, "materialization reply")
+        failed = f.opt_text("failed")
+        if f.get("materialization") is None:
+            return MaterializationReply(None, failed)
+        m = f.sub("materialization", "materialization")
+        boundary = m.array("boundary")
+        if not (len(boundary) == 2 and isinstance(boundary[0], str)
+                and isinstance(boundary[1], int) and not isinstance(boundary[1], bool)):
+            raise m.bad("boundary", "[segment key, offset]")
+        try:
+            ref = SnapshotRef.from_json_obj(m.get("ref"))
+        except DstlError as exc:
+            raise m.bad("ref", f"a snapshot reference ({exc})") from exc
+        return MaterializationReply(OfferedSnapshot(ref, (boundary[0], boundary[1])), failed)
+
+
+# --------------------------------------------------------------------------- requests by op
+
+
+_NO_FIELDS: dict[str, type[Request[Any]]] = {
+    "ping": PingRequest, "shutdown": ShutdownRequest, "metrics": MetricsRequest,
+    "cache_stats": CacheStatsRequest}
+_WITH_FIELDS: dict[str, Callable[[Header, bytes], Request[Any]]] = {
+    "persist": PersistRequest.decode, "lease": LeaseRequest.decode,
+    "release": ReleaseRequest.decode, "committed": CommittedRequest.decode,
+    "materialization": MaterializationRequest.decode}
+
+
+def decode_request(header: Header, body: bytes) -> Request[Any]:
+    """The request in a frame received by the agent.
+
+    Raises:
+        AgentProtocolError: unknown op, or a malformed request.
+    """
+    op = header.get("op")
+    plain = _NO_FIELDS.get(op) if isinstance(op, str) else None
+    if plain is not None:
+        return plain()
+    decode = _WITH_FIELDS.get(op) if isinstance(op, str) else None
+    if decode is None:
+        raise AgentProtocolError("request", f"unknown op {op!r} (known: "
+                                            f"{sorted({*_NO_FIELDS, *_WITH_FIELDS})})")
+    request: Request[Any] = decode(header, body)
+    return request
+
+
+# --------------------------------------------------------------------------- errors
+
+#: Errors of this package that cross the socket by name (besides those of :mod:`dstl.errors`).
+_OWN_ERRORS: dict[str, type[DstlError]] = {"AgentUnavailableError": AgentUnavailableError,
+                                           "AgentProtocolError": AgentProtocolError}
+_Plain = str | int | float | bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A failed request (``ok: false``); see :func:`encode_error` and :func:`decode_error`."""
+
+    error_type: str
+    message: str
+    key: str | None
+    attrs: dict[str, _Plain]
+
+    def encode(self) -> Header:
+        return {"ok": False, "error_type": self.error_type, "message": self.message,
+                "key": self.key, "attrs": self.attrs}
+
+    @classmethod
+    def decode(cls, header: Header) -> ErrorReply:
+        """Raises: AgentProtocolError: malformed."""
+        f = _Fields(header, "error reply")
+        attrs = f.obj("attrs") if header.get("attrs") is not None else {}
+        plain = {k: v for k, v in attrs.items() if v is None or isinstance(v, (str, int, float))}
+        return cls(f.text("error_type"), f.text("message"), f.opt_text("key"), plain)
+
+
+def encode_error(exc: BaseException) -> ErrorReply:
+    """A failure as a reply that :func:`decode_error` raises again as the same type, with its
+    message and its plain attributes (key, offset, reason, ...)."""
+    if not isinstance(exc, DstlError):
+        return ErrorReply("StorageError", f"{type(exc).__name__}: {exc}", None, {})
+    attrs: dict[str, _Plain] = {k: v for k, v in vars(exc).items()
+                                if v is None or isinstance(v, (str, int, float, bool))}
+    key = getattr(exc, "key", None)
+    return ErrorReply(type(exc).__name__, str(exc), key if isinstance(key, str) else None, attrs)
+
+
+def decode_error(reply: ErrorReply) -> DstlError:
+    """The error an :class:`ErrorReply` stands for: the same DSTL type (a type this version does
+    not know: ``StorageError``), the agent's message prefixed with ``executor agent:``, and the
+    attributes it sent."""
+    found = _OWN_ERRORS.get(reply.error_type) or getattr(dstl_errors, reply.error_type, None)
+    msg = f"executor agent: {reply.message}"
+    if not (isinstance(found, type) and issubclass(found, DstlError)):
+        return StorageError(msg)
+    exc: DstlError
+    if issubclass(found, StorageError):
+        exc = found(msg, key=reply.key)
+    elif issubclass(found, dstl_errors.ClosedError):
+        exc = found(msg)
+    else:
+        # constructors differ (CorruptObjectError takes key, offset, reason): build the error
+        # with the agent's message and the attributes it sent, so callers keep type and fields
+        exc = found.__new__(found)
+        DstlError.__init__(exc, msg)
+        if isinstance(exc, dstl_errors.CorruptObjectError):
+            exc.key, exc.offset, exc.reason = reply.key or "?", 0, msg
+    exc.__dict__.update(reply.attrs)
+    return exc
