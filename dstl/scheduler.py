@@ -26,6 +26,11 @@ Writers hand :class:`UploadTask` s (their change sets plus callbacks) to :meth:`
    per change set) *before* any writer hears of it, then each task's ``on_success`` receives the
    references of its change sets. A change set is therefore acknowledged only after its segment
    is durably stored (G1) and exactly one object holds it (G6).
+
+:class:`UploadScheduler` is what a storage and its writers need of a scheduler; this module's
+:class:`BatchingUploadScheduler` is one, the Spark executor agent's client adapter
+(``dstl.spark``'s ``AgentUploadScheduler``, which hands tasks to the agent's batching scheduler)
+is the other.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dstl.errors import (
     ClosedError,
@@ -53,7 +59,7 @@ from dstl.segment import ChangeSet, IndexEntry, encode_segment
 from dstl.stores.base import BlobStore, translate_error
 from dstl.timer import Timer, TimerHandle
 
-__all__ = ["BatchingUploadScheduler", "UploadTask"]
+__all__ = ["BatchingUploadScheduler", "UploadScheduler", "UploadTask"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,33 @@ class UploadTask:
 
     def __post_init__(self) -> None:
         self.size = sum(cs.size for cs in self.change_sets)
+
+
+class UploadScheduler(Protocol):
+    """What :class:`~dstl.ChangelogStorage` and its writers need of an upload scheduler
+    (``ChangelogStorage(uploader=...)`` takes any).
+
+    A scheduler resolves every task it accepted exactly once: ``task.on_success`` with the
+    references of all its change sets after they are durably stored, or ``task.on_failure``.
+    Callbacks may run on any thread.
+    """
+
+    def upload(self, task: UploadTask) -> None:
+        """Accept ``task`` (an empty one is ignored); may block for capacity (back-pressure).
+
+        Raises:
+            ClosedError: the scheduler is closed.
+            UploadTimeoutError: no capacity in time.
+        """
+
+    def available(self) -> bool:
+        """True when a new task would not block."""
+
+    def wait_available(self, timeout_s: float | None = None) -> bool:
+        """Block until :meth:`available` (or closed, or the timeout); return availability."""
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop accepting tasks; resolve (or fail) those accepted, within a bound."""
 
 
 class BatchingUploadScheduler:

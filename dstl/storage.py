@@ -23,7 +23,7 @@ from dstl.keygroups import KeyGroupRange
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
-from dstl.scheduler import BatchingUploadScheduler
+from dstl.scheduler import BatchingUploadScheduler, UploadScheduler
 from dstl.stores.base import BlobStore
 from dstl.timer import ThreadTimer, Timer
 from dstl.writer import ChangelogWriter
@@ -58,7 +58,7 @@ class ChangelogStorage:
     def __init__(self, base_uri: str = "", options: DstlOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
                  store: BlobStore | None = None, timer: Timer | None = None,
-                 uploader: Any = None) -> None:
+                 uploader: UploadScheduler | None = None) -> None:
         self.options = options or DstlOptions()
         if store is None:
             from dstl.stores import open_store
@@ -71,8 +71,9 @@ class ChangelogStorage:
         self._discard = ThreadPoolExecutor(self.options.discard_threads,
                                            thread_name_prefix="dstl-discard")
         self.registry = SegmentRegistry(store, self._discard, self._metrics)
-        self.scheduler: Any = uploader if uploader is not None else BatchingUploadScheduler(
-            store, self.registry, self.options, self._timer, self._metrics, self.storage_id)
+        self.scheduler: UploadScheduler = (
+            uploader if uploader is not None else BatchingUploadScheduler(
+                store, self.registry, self.options, self._timer, self._metrics, self.storage_id))
         if uploader is not None:
             self.registry.deletes_enabled = False
         self._writers: dict[str, ChangelogWriter] = {}
@@ -119,11 +120,11 @@ class ChangelogStorage:
 
     def available(self) -> bool:
         """False while writers are back-pressured (in-flight bytes at the limit)."""
-        return bool(self.scheduler.available())
+        return self.scheduler.available()
 
     def wait_available(self, timeout_s: float | None = None) -> bool:
         """Block until uploads have capacity again (or the timeout); return availability."""
-        return bool(self.scheduler.wait_available(timeout_s))
+        return self.scheduler.wait_available(timeout_s)
 
     def metrics(self) -> dict[str, float]:
         """Counters, gauges and histogram summaries, with Flink-like ``ChangelogStorage.*`` names."""

@@ -39,15 +39,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dstl.errors import ClosedError, DstlError, KeyGroupError, UsageError, WriterFailedError
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.registry import SegmentRegistry
-from dstl.scheduler import BatchingUploadScheduler, UploadTask
+from dstl.scheduler import UploadScheduler, UploadTask
 from dstl.segment import CHANGE_LEN, ChangeSet, build_change_set
 
 if TYPE_CHECKING:
@@ -76,9 +77,9 @@ class ChangelogWriter:
     """The append-only changelog of one backend. Create with ``ChangelogStorage.create_writer``."""
 
     def __init__(self, log_id: str, key_groups: KeyGroupRange, *,
-                 scheduler: BatchingUploadScheduler | Any, registry: SegmentRegistry,
+                 scheduler: UploadScheduler, registry: SegmentRegistry,
                  preemptive_threshold_bytes: int, metrics: MetricsRegistry,
-                 on_close: object = None) -> None:
+                 on_close: Callable[[ChangelogWriter], None] | None = None) -> None:
         self.log_id = log_id
         self.key_groups = key_groups
         self._kg_start = key_groups.start
@@ -414,7 +415,7 @@ class ChangelogWriter:
         for lst in pending:
             _fail(lst.future, ClosedError(f"changelog writer {self.log_id!r}",
                                           "closed before the persist completed"))
-        if callable(self._on_close):
+        if self._on_close is not None:
             self._on_close(self)
         logger.debug("changelog writer %r closed (released %d change sets)", self.log_id,
                      len(released))
