@@ -89,6 +89,7 @@ from dstl.errors import (
 from dstl.stores.base import BlobStore, check_key
 from dstl.stores.local import write_new_file_durably
 from dstl.timer import ThreadTimer, Timer, TimerHandle
+from restore.leasing import LeasingCache, Verify
 
 __all__ = [
     "DEFAULT_IDLE_TTL_S",
@@ -109,9 +110,6 @@ DEFAULT_IDLE_TTL_S = 600.0
 _CLOSE_WAIT_S = 30.0
 
 OnFull = Literal["raise", "direct"]
-#: ``verify(data, key)`` raises (preferably :class:`~dstl.errors.CorruptObjectError`) when the
-#: downloaded bytes are wrong; its return value is ignored.
-Verify = Callable[[bytes | memoryview, str], object]
 
 _LOCK_NAME = ".dstl-cache.lock"
 #: Published files: ``<sanitised basename>.<16 hex digest of location+key>.<8 hex token>.obj``.
@@ -500,35 +498,15 @@ class LocalFileCache:
                              "None or an integer >= 0")
         ident = (store.location, key)
         while True:
-            owner = False
-            lease: CacheLease | None = None
-            with self._cond:
-                self._check_open()
-                entry = self._entries.get(ident)
-                if entry is None:
-                    entry = _Entry(ident)
-                    self._entries[ident] = entry
-                    owner = True
-                elif entry.state is _State.READY:
-                    lease = self._retain(entry, store)
-                    self._counts["hits"] += 1
-                else:
-                    self._counts["waits"] += 1
-                self._cond.notify_all()
+            entry, owner, lease = self._enter(ident, store)
             if owner:
                 return self._fly(entry, store, key, verify, size_hint)
             if lease is not None:
                 lease._attach()
                 return lease
-            entry.done.wait()
-            if entry.state is _State.FAILED:
-                err = entry.error
-                if isinstance(err, DstlError):
-                    raise err
-                raise CacheError(f"download of {store.location}/{key} failed in another thread "
-                                 f"({err!r})") from err
-            if entry.state is _State.DIRECT:
-                return self._direct_lease(store, key, entry.size)
+            lease = self._await_flight(entry, store, key)
+            if lease is not None:
+                return lease
             # READY (take a lease on the next turn) or already GONE again (download anew)
 
     def stats(self) -> dict[str, int]:
@@ -576,29 +554,15 @@ class LocalFileCache:
             logger.debug("%r: close() in forked child %d ignored (the parent owns the files)",
                          self, os.getpid())
             return
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            leases = list(self._leases)
-            self._leases.clear()
-            entries = list(self._entries.values())
-            self._entries.clear()
-            self._lru.clear()
-            for e in entries:
-                self._cancel_ttl(e)
-            self._cond.notify_all()
+        taken = self._take_everything()
+        if taken is None:
+            return  # closed already
+        leases, entries = taken
         for lease in leases:
             lease._invalidate()
-        loading = [e for e in entries if e.state is _State.LOADING]
-        for e in loading:
-            if not e.done.wait(_CLOSE_WAIT_S):
-                logger.warning("%r: download of %s still running at close; it removes its temp "
-                               "file when it ends", self, e.key)
-        removed = 0
-        for e in entries:
-            if e.state is _State.READY and e.path is not None:
-                removed += _unlink(e.path)
+        self._wait_for_downloads(entries)
+        removed = sum(_unlink(e.path) for e in entries
+                      if e.state is _State.READY and e.path is not None)
         if self._own_timer and self._timer is not None:
             self._timer.close()
         self._unlock(remove=True)
@@ -612,6 +576,28 @@ class LocalFileCache:
         logger.info("restore cache %s closed: %d files deleted, %d downloads (%d bytes), %d hits, "
                     "%d evictions", self.directory, removed, st["downloads"],
                     st["bytes_downloaded"], st["hits"], st["evictions"])
+
+    def _take_everything(self) -> tuple[list[CacheLease], list[_Entry]] | None:
+        """Mark the cache closed and empty its maps (``None``: it was closed already)."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._closed = True
+            leases = list(self._leases)
+            self._leases.clear()
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._lru.clear()
+            for e in entries:
+                self._cancel_ttl(e)
+            self._cond.notify_all()
+        return leases, entries
+
+    def _wait_for_downloads(self, entries: list[_Entry]) -> None:
+        for e in entries:
+            if e.state is _State.LOADING and not e.done.wait(_CLOSE_WAIT_S):
+                logger.warning("%r: download of %s still running at close; it removes its temp "
+                               "file when it ends", self, e.key)
 
     # ------------------------------------------------------------------ start-up
 
@@ -668,6 +654,40 @@ class LocalFileCache:
         os.close(fd)
 
     # ------------------------------------------------------------------ the flight
+
+    def _enter(self, ident: tuple[str, str], store: BlobStore
+               ) -> tuple[_Entry, bool, CacheLease | None]:
+        """Under the map lock: create the entry and own its flight (``True``), lease a READY
+        entry (the lease, to be attached outside the lock), or join a flight in progress."""
+        owner = False
+        lease: CacheLease | None = None
+        with self._cond:
+            self._check_open()
+            entry = self._entries.get(ident)
+            if entry is None:
+                entry = _Entry(ident)
+                self._entries[ident] = entry
+                owner = True
+            elif entry.state is _State.READY:
+                lease = self._retain(entry, store)
+                self._counts["hits"] += 1
+            else:
+                self._counts["waits"] += 1
+            self._cond.notify_all()
+        return entry, owner, lease
+
+    def _await_flight(self, entry: _Entry, store: BlobStore, key: str) -> CacheLease | None:
+        """A waiter's part: the owner's error, a direct lease, or ``None`` (lease anew)."""
+        entry.done.wait()
+        if entry.state is _State.FAILED:
+            err = entry.error
+            if isinstance(err, DstlError):
+                raise err
+            raise CacheError(f"download of {store.location}/{key} failed in another thread "
+                             f"({err!r})") from err
+        if entry.state is _State.DIRECT:
+            return self._direct_lease(store, key, entry.size)
+        return None
 
     def _fly(self, entry: _Entry, store: BlobStore, key: str, verify: Verify | None,
              size_hint: int | None) -> CacheLease:
@@ -974,3 +994,8 @@ def _unlink(path: str) -> int:
     except FileNotFoundError:
         return 0
     return 1
+
+
+#: mypy proves here that the local cache is a :class:`~restore.leasing.LeasingCache` (the seam
+#: ChangelogReader and restore_backend take).
+_LOCAL_CACHE_IS_LEASING: type[LeasingCache] = LocalFileCache

@@ -5,8 +5,8 @@ Without a cache, every change set is fetched with one ranged read of exactly its
 so reading one writer's change sets never downloads other writers' data. Adjacent records of the
 same segment are coalesced into one ranged read.
 
-With a cache (:class:`~restore.cache.LocalFileCache`, or anything else with its ``lease`` method,
-such as the Spark executor agent's ``AgentCache``; wrapped in :class:`SegmentCache`), each segment
+With a cache (any :class:`~restore.leasing.LeasingCache`: :class:`~restore.cache.LocalFileCache`,
+or the Spark executor agent's ``AgentCache``; wrapped in :class:`SegmentCache`), each segment
 is leased whole: the first lease of the cache downloads it and verifies every byte with
 :func:`~dstl.segment.decode_segment`, later leases (of this or any other reader sharing the cache)
 read the local file. All consecutive change sets of a handle in one segment are read under one
@@ -24,24 +24,26 @@ also named: :data:`VERIFIERS` maps ``"segment"`` and ``"snapshot"`` to :func:`ve
 from __future__ import annotations
 
 from collections.abc import Container, Iterator
-from types import TracebackType
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import decode_record, decode_segment, iter_body_changes
 from dstl.stores.base import BlobStore
-from restore.cache import LocalFileCache, Verify
+from restore.leasing import LeasingCache, Verify
 
-__all__ = ["VERIFIERS", "ChangelogReader", "LeaseLike", "LeasingCache", "RecordSource",
-           "SegmentCache", "verify_segment", "verify_snapshot"]
+__all__ = ["VERIFIERS", "ChangelogReader", "RecordSource", "SegmentCache", "StorageLike",
+           "verify_segment", "verify_snapshot"]
 
 #: Coalesce records of one segment into one ranged read while the gap between them is this small.
 _MAX_GAP_BYTES = 64 * 1024
 
 
-class _StorageLike(Protocol):
-    store: BlobStore
+class StorageLike(Protocol):
+    """What a reader needs of a :class:`~dstl.ChangelogStorage`: its store."""
+
+    @property
+    def store(self) -> BlobStore: ...
 
 
 class RecordSource(Protocol):
@@ -68,30 +70,6 @@ class _DirectSource:
             raise TruncatedObjectError(key, start + len(blob), end - start, len(blob),
                                        "ranged read of change-set records")
         return [blob[r.offset - start:r.offset - start + r.length] for r in refs]
-
-
-class LeaseLike(Protocol):
-    """What a cache's ``lease`` returns (:class:`~restore.cache.CacheLease` and the agent's
-    lease): a context manager with the object's ``size`` and exact ranged ``read``."""
-
-    size: int
-
-    def read(self, offset: int, length: int) -> bytes: ...
-
-    def release(self) -> None: ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
-
-
-class LeasingCache(Protocol):
-    """A restore cache: :class:`~restore.cache.LocalFileCache`, or a cache in another process
-    that leases through it (the Spark executor agent's ``AgentCache``)."""
-
-    def lease(self, store: BlobStore, key: str, *, verify: Verify | None = None,
-              size_hint: int | None = None) -> LeaseLike: ...
 
 
 def verify_segment(data: bytes | memoryview, key: str) -> None:
@@ -126,7 +104,8 @@ class SegmentCache:
     """A :class:`RecordSource` that reads segments through a cache's leases.
 
     Args:
-        cache: the process's :class:`LocalFileCache`, or any :class:`LeasingCache`.
+        cache: the process's :class:`~restore.cache.LocalFileCache`, or any
+            :class:`~restore.leasing.LeasingCache`.
         store: the store the segments live in.
     """
 
@@ -155,18 +134,19 @@ class ChangelogReader:
     Args:
         storage: a :class:`~dstl.ChangelogStorage` (or anything with a ``store`` attribute), or a
             :class:`~dstl.stores.base.BlobStore`.
-        cache: a :class:`~restore.cache.LocalFileCache` or any other :class:`LeasingCache`
-            (an object with ``lease(store, key, *, verify=None, size_hint=None)``; each segment
-            is read whole, once per cache), any :class:`RecordSource`, or ``None`` to read ranges
-            directly from the store.
+        cache: a :class:`~restore.cache.LocalFileCache` or any other
+            :class:`~restore.leasing.LeasingCache` (an object with ``lease(store, key, *,
+            verify=None, size_hint=None)``; each segment is read whole, once per cache), any
+            :class:`RecordSource`, or ``None`` to read ranges directly from the store.
 
     Raises:
         UsageError: ``cache`` has neither ``lease`` nor ``read_records``.
     """
 
-    def __init__(self, storage: Any,
-                 cache: LocalFileCache | LeasingCache | RecordSource | None = None) -> None:
-        store = getattr(storage, "store", storage)
+    def __init__(self, storage: StorageLike | BlobStore,
+                 cache: LeasingCache | RecordSource | None = None) -> None:
+        # a storage has a store; a store has none (both are protocols: no isinstance)
+        store = cast(BlobStore, getattr(storage, "store", storage))
         self._source: RecordSource
         if cache is None:
             self._source = _DirectSource(store)

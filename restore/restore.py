@@ -15,8 +15,12 @@ Theory of operation (Flink's ``ChangelogBackendRestoreOperation``, plus what it 
 5. Install the restored snapshot and log handles as the base of the new backend's next
    checkpoints (until its first materialization), as Flink does; its new writer continues.
 
-Strict: a missing or corrupt object is a typed error that names the object, the offset and the
-checkpoint. A restore that fails closes what it opened (no leaked threads or writers).
+Steps 1 and the choice of what to read are a pure planner, :func:`plan_restore` (handles + the new
+range -> :class:`RestorePlan`: which snapshot objects and which changelog handles to read, which
+operator id and parallelism); :func:`restore_backend` builds the backend and executes the plan
+(steps 3-5, the I/O). Strict: a missing or corrupt object is a typed error that names the object,
+the offset and the checkpoint. A restore that fails closes what it opened (no leaked threads or
+writers).
 """
 
 from __future__ import annotations
@@ -24,19 +28,24 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dstl.errors import CorruptObjectError, DstlError, ObjectNotFoundError, UsageError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
+from dstl.storage import ChangelogStorage
+from dstl.stores.base import BlobStore
+from dstl.timer import Timer
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
-from materializer.state_tables import BlobRangeSource, SnapshotReader
+from materializer.state_tables import BlobRangeSource, RangeSource, SnapshotReader
+from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
-__all__ = ["RestoreStats", "restore_backend"]
+__all__ = ["RestorePlan", "RestoreStats", "plan_restore", "restore_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +55,166 @@ class RestoreStats(dict[str, float]):
     seconds per phase."""
 
 
+# --------------------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """What one restore reads, decided from the handles alone (no I/O).
+
+    Attributes:
+        operator_id: the restored backend's id.
+        max_parallelism: the job's number of key groups (the handles' own).
+        key_groups: the restored backend's range.
+        checkpoint: the checkpoint id(s) of the handles, for messages (``"?"`` without handles).
+        snapshots: the snapshot objects to load (each once, only those intersecting
+            ``key_groups``), in handle order.
+        logs: the changelog handles to replay after the snapshots (only those intersecting
+            ``key_groups``), in handle order.
+        materialization_id: the newest materialization among the handles.
+    """
+
+    operator_id: str
+    max_parallelism: int
+    key_groups: KeyGroupRange
+    checkpoint: str
+    snapshots: tuple[SnapshotRef, ...]
+    logs: tuple[ChangelogHandle, ...]
+    materialization_id: int
+
+
+def plan_restore(handles: Sequence[ChangelogStateBackendHandle], key_groups: KeyGroupRange, *,
+                 operator_id: str | None = None,
+                 max_parallelism: int | None = None) -> RestorePlan:
+    """Decide what a restore of ``key_groups`` from ``handles`` reads.
+
+    Args:
+        handles: the backends' handles of one checkpoint (parsed).
+        key_groups: the restored backend's range (rescaling: any range).
+        operator_id: default: the handles' id, when they agree.
+        max_parallelism: default: the handles' value (they must agree).
+
+    Raises:
+        UsageError: the operator id or max parallelism cannot be inferred, or ``max_parallelism``
+            differs from the handles' (key groups cannot be remapped).
+    """
+    snapshots: list[SnapshotRef] = []
+    logs: list[ChangelogHandle] = []
+    seen: set[str] = set()
+    for h in handles:
+        for ref in h.materialized:
+            if ref.key not in seen and len(ref.key_groups.intersection(key_groups)):
+                seen.add(ref.key)
+                snapshots.append(ref)
+        logs.extend(n for n in h.non_materialized if len(n.key_groups.intersection(key_groups)))
+    return RestorePlan(
+        operator_id=_operator_id(handles, operator_id),
+        max_parallelism=_max_parallelism(handles, max_parallelism),
+        key_groups=key_groups,
+        checkpoint=",".join(sorted({str(h.checkpoint_id) for h in handles})) or "?",
+        snapshots=tuple(snapshots), logs=tuple(logs),
+        materialization_id=max((h.materialization_id for h in handles), default=0))
+
+
+def _operator_id(handles: Sequence[ChangelogStateBackendHandle], given: str | None) -> str:
+    if given is not None:
+        return given
+    ids = {h.operator_id for h in handles}
+    if len(ids) != 1:
+        raise UsageError(f"cannot infer operator_id from handles of {sorted(ids)}; pass "
+                         "operator_id=")
+    return ids.pop()
+
+
+def _max_parallelism(handles: Sequence[ChangelogStateBackendHandle], given: int | None) -> int:
+    mps = {h.max_parallelism for h in handles}
+    if given is None:
+        if len(mps) != 1:
+            raise UsageError(f"handles disagree on max_parallelism ({sorted(mps)}); pass "
+                             "max_parallelism=")
+        return mps.pop()
+    if mps and mps != {given}:
+        raise UsageError(f"handles were written with max_parallelism {sorted(mps)}, not "
+                         f"{given}: key groups cannot be remapped")
+    return given
+
+
 def _parse(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
            ) -> list[ChangelogStateBackendHandle]:
-    out = []
-    for h in handles:
-        out.append(h if isinstance(h, ChangelogStateBackendHandle)
-                   else ChangelogStateBackendHandle.from_json(h))
-    return out
+    return [h if isinstance(h, ChangelogStateBackendHandle)
+            else ChangelogStateBackendHandle.from_json(h) for h in handles]
+
+
+# --------------------------------------------------------------------------- executing it
+
+
+def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes],
+                    storage: ChangelogStorage, key_groups: KeyGroupRange, table: str = "heap",
+                    cache: LeasingCache | None = None, *,
+                    operator_id: str | None = None, max_parallelism: int | None = None,
+                    options: BackendOptions | None = None, local_directory: str | None = None,
+                    timer: Timer | None = None, allow_pickle: bool = False,
+                    stats: RestoreStats | None = None,
+                    auto_materialize: bool = True) -> ChangelogKeyedStateBackend:
+    """Restore a keyed backend for ``key_groups`` from checkpoint handles.
+
+    Args:
+        handles: the backends' handles of one checkpoint (objects or their JSON).
+        storage: the process's :class:`~dstl.ChangelogStorage` (the new writer lives there).
+        key_groups: the restored backend's range (rescaling: any range).
+        table: ``"heap"`` or ``"lmdb"`` (independent of the table the checkpoint came from).
+        cache: a :class:`~restore.cache.LocalFileCache` shared by the process's restores (or any
+            :class:`~restore.leasing.LeasingCache`, such as the Spark executor agent's
+            ``AgentCache``), or ``None`` for direct ranged reads.
+        operator_id: the new backend's id (default: the handles' id when they agree).
+        max_parallelism: default: from the handles (they must agree).
+        options, local_directory, timer, auto_materialize: passed to the backend.
+        allow_pickle: allow states whose metadata names the pickle codec (executes code from the
+            store on load; only for trusted checkpoints).
+        stats: filled with figures of this restore.
+
+    Raises:
+        UsageError: malformed handles, or ids/parallelism that cannot be inferred.
+        ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged (the
+            message names the object, the offset and the checkpoint).
+    """
+    plan = plan_restore(_parse(handles), key_groups, operator_id=operator_id,
+                        max_parallelism=max_parallelism)
+    st = stats if stats is not None else RestoreStats()
+    backend = ChangelogKeyedStateBackend(storage, plan.operator_id, key_groups,
+                                         plan.max_parallelism, table=table, options=options,
+                                         local_directory=local_directory, timer=timer,
+                                         clear_local=True, auto_materialize=auto_materialize)
+    try:
+        _execute(plan, backend, storage, cache, allow_pickle, st)
+    except DstlError as exc:
+        backend.close()
+        raise _with_checkpoint(exc, plan.checkpoint) from exc
+    except BaseException:
+        backend.close()
+        raise
+    logger.info("restored backend %s (%s, key groups %s) from checkpoint %s: %d snapshot(s), "
+                "%d entries, %d change sets, %d changes in %.3fs", plan.operator_id, table,
+                key_groups, plan.checkpoint, len(plan.snapshots), st.get("entries", 0),
+                st.get("change_sets", 0), st.get("changes", 0), st["total_seconds"])
+    return backend
+
+
+def _execute(plan: RestorePlan, backend: ChangelogKeyedStateBackend, storage: ChangelogStorage,
+             cache: LeasingCache | None, allow_pickle: bool, st: RestoreStats) -> None:
+    """Load the snapshots, replay the logs, install both as the backend's base."""
+    t0 = time.monotonic()
+    entries = 0
+    for ref in plan.snapshots:
+        entries += _load_snapshot(backend, ref, storage.store, cache, plan.key_groups,
+                                  allow_pickle)
+    st["snapshots"] = len(plan.snapshots)
+    st["entries"] = entries
+    t1 = time.monotonic()
+    _replay(backend, plan.logs, storage, cache, plan.key_groups, allow_pickle, st)
+    t2 = time.monotonic()
+    backend.install_restored(plan.snapshots, plan.logs, plan.materialization_id)
+    st.update({"snapshot_seconds": t1 - t0, "replay_seconds": t2 - t1, "total_seconds": t2 - t0})
 
 
 def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
@@ -73,13 +235,12 @@ def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
 class _CacheRangeSource:
     """A snapshot's bytes through the restore cache (one download per cache)."""
 
-    def __init__(self, cache: Any, store: Any, key: str) -> None:
+    def __init__(self, cache: LeasingCache, store: BlobStore, key: str) -> None:
         # the whole object is verified once (object CRC, every block) before it is cached
-        self._lease = cache.lease(store, key, verify=verify_snapshot)
-        self._key = key
+        self._lease: ObjectLease = cache.lease(store, key, verify=verify_snapshot)
 
     def size(self) -> int:
-        return int(self._lease.size)
+        return self._lease.size
 
     def read(self, offset: int, length: int) -> bytes:
         return bytes(self._lease.read(offset, length))
@@ -88,127 +249,46 @@ class _CacheRangeSource:
         self._lease.release()
 
 
-def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes], storage: Any,
-                    key_groups: KeyGroupRange, table: str = "heap", cache: Any = None, *,
-                    operator_id: str | None = None, max_parallelism: int | None = None,
-                    options: BackendOptions | None = None, local_directory: str | None = None,
-                    timer: Any = None, allow_pickle: bool = False,
-                    stats: RestoreStats | None = None,
-                    auto_materialize: bool = True) -> ChangelogKeyedStateBackend:
-    """Restore a keyed backend for ``key_groups`` from checkpoint handles.
-
-    Args:
-        handles: the backends' handles of one checkpoint (objects or their JSON).
-        storage: the process's :class:`~dstl.ChangelogStorage` (the new writer lives there).
-        key_groups: the restored backend's range (rescaling: any range).
-        table: ``"heap"`` or ``"lmdb"`` (independent of the table the checkpoint came from).
-        cache: a :class:`~restore.cache.LocalFileCache` shared by the process's restores (or any
-            :class:`~restore.reader.LeasingCache`, such as the Spark executor agent's
-            ``AgentCache``), or ``None`` for direct ranged reads.
-        operator_id: the new backend's id (default: the handles' id when they agree).
-        max_parallelism: default: from the handles (they must agree).
-        options, local_directory, timer, auto_materialize: passed to the backend.
-        allow_pickle: allow states whose metadata names the pickle codec (executes code from the
-            store on load; only for trusted checkpoints).
-        stats: filled with figures of this restore.
-
-    Raises:
-        UsageError: malformed handles, or ids/parallelism that cannot be inferred.
-        ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged (the
-            message names the object, the offset and the checkpoint).
-    """
-    hs = _parse(handles)
-    if operator_id is None:
-        ids = {h.operator_id for h in hs}
-        if len(ids) != 1:
-            raise UsageError(f"cannot infer operator_id from handles of {sorted(ids)}; pass "
-                             "operator_id=")
-        operator_id = ids.pop()
-    mps = {h.max_parallelism for h in hs}
-    if max_parallelism is None:
-        if len(mps) != 1:
-            raise UsageError(f"handles disagree on max_parallelism ({sorted(mps)}); pass "
-                             "max_parallelism=")
-        max_parallelism = mps.pop()
-    elif mps and mps != {max_parallelism}:
-        raise UsageError(f"handles were written with max_parallelism {sorted(mps)}, not "
-                         f"{max_parallelism}: key groups cannot be remapped")
-    checkpoint = ",".join(sorted({str(h.checkpoint_id) for h in hs})) or "?"
-    st = stats if stats is not None else RestoreStats()
-    t0 = time.monotonic()
-    backend = ChangelogKeyedStateBackend(storage, operator_id, key_groups, max_parallelism,
-                                         table=table, options=options,
-                                         local_directory=local_directory, timer=timer,
-                                         clear_local=True, auto_materialize=auto_materialize)
+def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, store: BlobStore,
+                   cache: LeasingCache | None, key_groups: KeyGroupRange,
+                   allow_pickle: bool) -> int:
+    """Register the snapshot's states and load its blocks of ``key_groups``; return the entry
+    count."""
+    lease = _CacheRangeSource(cache, store, ref.key) if cache is not None else None
+    source: RangeSource = lease if lease is not None else BlobRangeSource(store, ref.key)
     try:
-        mats: list[SnapshotRef] = []
-        nons: list[ChangelogHandle] = []
-        seen: set[str] = set()
-        for h in hs:
-            for ref in h.materialized:
-                if ref.key not in seen and len(ref.key_groups.intersection(key_groups)):
-                    seen.add(ref.key)
-                    mats.append(ref)
-            nons.extend(n for n in h.non_materialized
-                        if len(n.key_groups.intersection(key_groups)))
-        _load_snapshots(backend, mats, storage.store, cache, key_groups, allow_pickle, st)
-        t1 = time.monotonic()
-        _replay(backend, nons, storage, cache, key_groups, allow_pickle, st)
-        t2 = time.monotonic()
-        backend.install_restored(mats, nons, max((h.materialization_id for h in hs), default=0))
-        st.update({"snapshot_seconds": t1 - t0, "replay_seconds": t2 - t1,
-                   "total_seconds": t2 - t0})
-        logger.info("restored backend %s (%s, key groups %s) from checkpoint %s: %d snapshot(s), "
-                    "%d entries, %d change sets, %d changes in %.3fs", operator_id, table,
-                    key_groups, checkpoint, len(mats), st.get("entries", 0),
-                    st.get("change_sets", 0), st.get("changes", 0), t2 - t0)
-        return backend
-    except DstlError as exc:
-        backend.close()
-        raise _with_checkpoint(exc, checkpoint) from exc
-    except BaseException:
-        backend.close()
-        raise
+        reader = SnapshotReader(source, key=ref.key)
+        remap = {int(sid): backend.register_restored_state(meta, int(sid),
+                                                           allow_pickle=allow_pickle)
+                 for sid, meta in _snapshot_states(reader.metadata, ref.key).items()}
+        entries = 0
+        for kg, block in reader.read(key_groups.intersection(reader.key_groups)):
+            entries += backend.load_snapshot_entries(kg, block, remap)
+        return entries
+    finally:
+        if lease is not None:
+            lease.close()
 
 
-def _load_snapshots(backend: ChangelogKeyedStateBackend, refs: list[SnapshotRef], store: Any,
-                    cache: Any, key_groups: KeyGroupRange, allow_pickle: bool,
-                    st: RestoreStats) -> None:
-    entries = 0
-    for ref in refs:
-        source: Any = _CacheRangeSource(cache, store, ref.key) if cache is not None \
-            else BlobRangeSource(store, ref.key)
-        try:
-            reader = SnapshotReader(source, key=ref.key)
-            try:
-                meta = json.loads(reader.metadata)
-                states = meta["states"]
-                if not isinstance(states, dict):
-                    raise TypeError("states is not an object")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: "
-                                                     f"{exc}") from exc
-            remap = {int(sid): backend.register_restored_state(m, int(sid),
-                                                               allow_pickle=allow_pickle)
-                     for sid, m in states.items()}
-            wanted = key_groups.intersection(reader.key_groups)
-            for kg, block in reader.read(wanted):
-                entries += backend.load_snapshot_entries(kg, block, remap)
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
-    st["snapshots"] = len(refs)
-    st["entries"] = entries
+def _snapshot_states(metadata: bytes, key: str) -> dict[str, Any]:
+    """The ``states`` object of a snapshot's metadata block (state id -> its description)."""
+    try:
+        states = json.loads(metadata)["states"]
+        if not isinstance(states, dict):
+            raise TypeError("states is not an object")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptObjectError(key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
+    return states
 
 
-def _replay(backend: ChangelogKeyedStateBackend, handles: list[ChangelogHandle], storage: Any,
-            cache: Any, key_groups: KeyGroupRange, allow_pickle: bool, st: RestoreStats) -> None:
+def _replay(backend: ChangelogKeyedStateBackend, logs: Sequence[ChangelogHandle],
+            storage: ChangelogStorage, cache: LeasingCache | None, key_groups: KeyGroupRange,
+            allow_pickle: bool, st: RestoreStats) -> None:
     reader = ChangelogReader(storage, cache=cache)
     changes = 0
     sets = 0
     with backend.tables.write_batch():
-        for h in handles:
+        for h in logs:
             remap: dict[int, int] = {}  # each handle's log is self-describing
             for kg, payload in reader.read(h, key_groups=key_groups):
                 backend.apply_change(kg, payload, remap=remap, allow_pickle=allow_pickle)
