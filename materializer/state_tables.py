@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dstl.errors import ClosedError, ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.keygroups import KeyGroupRange
+from dstl.stores.base import BlobStore
 from materializer.cow_map import DEFAULT_CAPACITY
 from materializer.cow_table import CopyOnWriteStateTable, CopyOnWriteStateTableSnapshot
 from materializer.snapshot_format import (
@@ -195,9 +196,9 @@ class BytesSource:
 
 
 class BlobRangeSource:
-    """Ranged reads of one object of a :class:`dstl.stores.base.BlobStore`-like store."""
+    """Ranged reads of one object of a :class:`~dstl.stores.base.BlobStore`."""
 
-    def __init__(self, store: Any, key: str, size: int | None = None) -> None:
+    def __init__(self, store: BlobStore, key: str, size: int | None = None) -> None:
         self._store = store
         self.key = key
         self._size = size
@@ -208,12 +209,11 @@ class BlobRangeSource:
             if info is None:
                 raise ObjectNotFoundError(f"snapshot object {self.key} does not exist",
                                           key=self.key)
-            self._size = int(info.size)
+            self._size = info.size
         return self._size
 
     def read(self, offset: int, length: int) -> bytes:
-        data: bytes = self._store.get_range(self.key, offset, length)
-        return data
+        return self._store.get_range(self.key, offset, length)
 
 
 class SnapshotReader:
