@@ -7,7 +7,8 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
    max_parallelism`` — with ``repartitionById`` (no Python UDF for routing).
 2. ``mapInArrow`` runs one task per partition (:func:`dstl.spark.task.run_partition`): state in an
    executor-local table, restored from the base checkpoint on a miss, the batch's changes made
-   durable before the task returns, one metadata row per task with its backend handle.
+   durable before the task returns, one report row per task
+   (:class:`~dstl.spark.report.TaskReport`) with its backend handle.
 3. The driver's :class:`~dstl.checkpoint.CheckpointCoordinator` collects the acknowledgements and
    writes the manifest for ``checkpoint_id = batch_id`` (the commit point; a re-run of a batch id
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and
@@ -24,11 +25,15 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+from dstl.checkpoint import CheckpointCoordinator, Completion
 from dstl.errors import ConfigError, UsageError
 from dstl.options import DstlOptions
+from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.report import REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.stores.base import BlobStore
 from materializer.options import BackendOptions
 
 __all__ = ["DstlStatefulOperator"]
@@ -101,74 +106,102 @@ class DstlStatefulOperator:
         self.materialization_interval_s = materialization_interval_s
         self.local_dir = local_dir
         self.agent = agent
-        self._store: Any = None
-        self._coordinator: Any = None
-        self._cfg: Any = None
+        self._ready: _Ready | None = None
+        #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics
         self.batch_stats: list[dict[str, Any]] = []
         #: the executor agents' latest log lines, as reported with the last batch
         self.agent_logs: list[str] = []
 
     # ------------------------------------------------------------------ set-up
 
-    def _ensure_ready(self, spark: Any) -> None:
-        if self._coordinator is not None:
-            return
-        from dstl.checkpoint import CheckpointCoordinator
-        from dstl.spark.task import META_COLUMN, OperatorConfig
+    def _ensure_ready(self, spark: Any) -> _Ready:
+        if self._ready is not None:
+            return self._ready
         from dstl.stores import open_store
 
         conf = dict(spark.sparkContext.getConf().getAll())
-        options = self._options or DstlOptions.from_mapping(conf, "spark.dstl.")
-        backend_options = self._backend_options or _backend_options_from(conf)
         # A bad scheme, bucket or credentials fail here, before any batch runs.
-        self._store = open_store(self.state_uri, self.storage_options, validate=True)
-        self._coordinator = CheckpointCoordinator.recover(self._store, self.name,
-                                                          retained=self.retained)
+        store = open_store(self.state_uri, self.storage_options, validate=True)
+        coordinator = CheckpointCoordinator.recover(store, self.name, retained=self.retained)
         out = spark.createDataFrame([], self.output_schema).schema
+        self._ready = _Ready(store, coordinator, self._task_config(conf, out), out)
+        latest = coordinator.latest()
+        logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
+                    store.location, self.table, latest.checkpoint_id if latest else "none")
+        return self._ready
+
+    def _task_config(self, conf: Mapping[str, str], out_schema: Any) -> OperatorConfig:
+        """What every task gets: the settings, and the Arrow schema of its output and report
+        rows."""
         import pyarrow as pa
         from pyspark.sql.pandas.types import to_arrow_schema
 
-        arrow = to_arrow_schema(out)
-        arrow = arrow.append(pa.field(META_COLUMN, pa.string()))
-        self._cfg = OperatorConfig(
+        arrow = to_arrow_schema(out_schema).append(pa.field(REPORT_COLUMN, pa.string()))
+        return OperatorConfig(
             name=self.name, processor=self.processor, key_column=self.key_column,
-            output_columns=tuple(f.name for f in out.fields), arrow_schema=arrow,
+            output_columns=tuple(f.name for f in out_schema.fields), arrow_schema=arrow,
             state_uri=self.state_uri, storage_options=self.storage_options,
             partitions=self.partitions, max_parallelism=self.max_parallelism, table=self.table,
-            dstl_options=options, backend_options=backend_options,
+            dstl_options=self._options or DstlOptions.from_mapping(conf, "spark.dstl."),
+            backend_options=self._backend_options or _backend_options_from(conf),
             materialization_interval_s=self.materialization_interval_s,
             local_dir=self.local_dir, agent=self.agent)
-        self._out_schema = out
-        latest = self._coordinator.latest()
-        logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
-                    self._store.location, self.table,
-                    latest.checkpoint_id if latest else "none")
 
     def validate(self, spark: Any) -> None:
         """Check the store and settings now (``foreach_batch`` does it on the first batch)."""
         self._ensure_ready(spark)
 
     @property
-    def coordinator(self) -> Any:
-        return self._coordinator
+    def coordinator(self) -> CheckpointCoordinator | None:
+        """The driver's checkpoint coordinator (``None`` before the first batch or
+        :meth:`validate`, and after :meth:`close`)."""
+        return self._ready.coordinator if self._ready is not None else None
 
     # ------------------------------------------------------------------ per batch
 
     def foreach_batch(self, df: Any, batch_id: int) -> None:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``)."""
-        from pyspark.sql import functions as F
+        started = time.monotonic()
+        ready = self._ensure_ready(df.sparkSession)
+        key_type = self._key_type(df)
+        task_input = self._task_input(ready.coordinator, batch_id)
+        checkpoint_id = ready.coordinator.trigger([f"p{i}" for i in range(self.partitions)],
+                                       checkpoint_id=batch_id)
+        result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
+        tasks_done = time.monotonic()
+        reports = self._reports(ready.coordinator, checkpoint_id, result)
+        completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
+        acknowledged = time.monotonic()
+        rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
+        times = _BatchTimes(started, tasks_done, acknowledged, time.monotonic())
+        stats = _batch_stats(batch_id, reports, completion, rows_out, times)
+        self.batch_stats.append(stats)
+        self.agent_logs = [line for r in reports for line in r.agent_log][-10:]
+        logger.info("operator %s batch %d: %d rows in, %d out, %d objects, %.3fs",
+                    self.name, batch_id, stats["rows_in"], stats["rows_out"],
+                    stats["objects_written"], stats["batch_seconds"])
 
-        from dstl.spark.task import META_COLUMN, TaskInput, run_partition
+    def _key_type(self, df: Any) -> str:
+        """The key column's Spark type.
 
-        t0 = time.monotonic()
-        spark = df.sparkSession
-        self._ensure_ready(spark)
+        Raises:
+            UsageError: not a type DSTL keys by.
+        """
         key_type = dict(df.dtypes).get(self.key_column)
         if key_type not in _KEY_TYPES:
             raise UsageError(f"key column {self.key_column!r} has type {key_type}; DSTL keys "
                              f"must be one of {', '.join(_KEY_TYPES)} (cast it first)")
-        coord = self._coordinator
-        retained = [m for m in coord.manifests()]
+        return str(key_type)
+
+    def _task_input(self, coordinator: CheckpointCoordinator, batch_id: int) -> TaskInput:
+        """The batch's base: the newest retained checkpoint below ``batch_id``, so a re-run of a
+        batch starts from the same state as its first run.
+
+        Raises:
+            UsageError: every retained checkpoint is at or after ``batch_id`` (the state belongs
+                to another query).
+        """
+        retained = coordinator.manifests()
         base = max((m for m in retained if m.checkpoint_id < batch_id),
                    key=lambda m: m.checkpoint_id, default=None)
         if base is None and any(m.checkpoint_id >= batch_id for m in retained):
@@ -176,87 +209,135 @@ class DstlStatefulOperator:
                              f"{self.state_uri} (oldest retained: "
                              f"{min(m.checkpoint_id for m in retained)}): this state belongs "
                              "to another query or Spark checkpoint; use a fresh state_uri")
-        inp = TaskInput(batch_id=batch_id,
-                        base_checkpoint=base.checkpoint_id if base is not None else -1,
-                        base_handles={int(t.task_id[1:]): json.dumps(t.state)
-                                      for t in base.tasks} if base is not None else {},
-                        retained=tuple(sorted(m.checkpoint_id for m in retained)))
-        tasks = [f"p{i}" for i in range(self.partitions)]
-        cp = coord.trigger(tasks, checkpoint_id=batch_id)
-        cfg = self._cfg
+        return TaskInput(batch_id=batch_id,
+                         base_checkpoint=base.checkpoint_id if base is not None else -1,
+                         base_handles={int(t.task_id[1:]): json.dumps(t.state)
+                                       for t in base.tasks} if base is not None else {},
+                         retained=tuple(sorted(m.checkpoint_id for m in retained)))
+
+    def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
+                   checkpoint_id: int) -> Any:
+        """Route the rows to partitions by key group in the JVM and run one task per partition;
+        the tasks' output and report rows as one Arrow table. A failed job aborts the checkpoint."""
+        from pyspark.sql import functions as F
+
+        from dstl.spark.task import run_partition
+
+        cfg = ready.task_config
         key = f"`{self.key_column}`"
         hashed = key if key_type == "binary" else f"cast({key} as string)"
         pid = F.expr(f"cast((pmod(xxhash64({hashed}), {self.max_parallelism}) * "
                      f"{self.partitions}) div {self.max_parallelism} as int)")
 
         def task(batches: Any) -> Any:
-            return run_partition(cfg, inp, batches)
+            return run_partition(cfg, task_input, batches)
 
-        schema = f"{self._out_schema.simpleString()[7:-1]}, {META_COLUMN} string" \
-            if self._out_schema.fields else f"{META_COLUMN} string"
+        schema = f"{ready.out_schema.simpleString()[7:-1]}, {REPORT_COLUMN} string" \
+            if ready.out_schema.fields else f"{REPORT_COLUMN} string"
         try:
-            result = (df.withColumn("_dstl_pid", pid)
-                      .repartitionById(self.partitions, "_dstl_pid")
-                      .mapInArrow(task, schema)
-                      .toArrow())
+            return (df.withColumn("_dstl_pid", pid)
+                    .repartitionById(self.partitions, "_dstl_pid")
+                    .mapInArrow(task, schema)
+                    .toArrow())
         except BaseException as exc:
-            coord.abort(cp, f"batch {batch_id} failed: {type(exc).__name__}")
+            ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
             raise
-        t1 = time.monotonic()
-        metas = [json.loads(m) for m in result.column(META_COLUMN).to_pylist() if m is not None]
-        seen = {m["partition"] for m in metas}
-        if seen != set(range(self.partitions)):
-            coord.abort(cp, "missing task results")
-            raise UsageError(f"batch {batch_id}: results of partitions "
-                             f"{sorted(set(range(self.partitions)) - seen)} are missing")
-        completion = None
-        for m in metas:
-            completion = coord.acknowledge(cp, f"p{m['partition']}", m["handle"],
-                                           m["referenced_keys"], m["full_size"],
-                                           m["incremental_size"]) or completion
-        t2 = time.monotonic()
+
+    def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int, result: Any
+                 ) -> list[TaskReport]:
+        """One report per partition, validated.
+
+        Raises:
+            UsageError: a partition's report is missing; TaskReportError: one is malformed
+                (either aborts the checkpoint).
+        """
+        try:
+            reports = [TaskReport.from_json(r)
+                       for r in result.column(REPORT_COLUMN).to_pylist() if r is not None]
+        except TaskReportError:
+            coordinator.abort(checkpoint_id, "malformed task report")
+            raise
+        missing = set(range(self.partitions)) - {r.partition for r in reports}
+        if missing:
+            coordinator.abort(checkpoint_id, "missing task results")
+            raise UsageError(f"batch {checkpoint_id}: results of partitions {sorted(missing)} are missing")
+        return reports
+
+    def _deliver(self, ready: _Ready, spark: Any, result: Any, batch_id: int) -> int:
+        """Hand the output rows to the sink; how many there were."""
         import pyarrow.compute as pc
 
-        outputs = result.filter(pc.is_null(result.column(META_COLUMN))).drop_columns(
-            [META_COLUMN])
+        outputs = result.filter(pc.is_null(result.column(REPORT_COLUMN))).drop_columns(
+            [REPORT_COLUMN])
         if self.sink is not None:
-            self.sink(spark.createDataFrame(outputs, schema=self._out_schema), batch_id)
-        t3 = time.monotonic()
-        st = [m["stats"] for m in metas]
-        segments = sorted({k for s in st for k in s["segment_keys"]})
-        agents = {int(s["agent"]["agent.pid"]): s["agent"] for s in st if s.get("agent")}
-        self.agent_logs = [line for s in st for line in s.get("agent_log") or []][-10:]
-        stats = {
-            "batch_id": batch_id, "batch_seconds": t3 - t0, "job_seconds": t1 - t0,
-            "commit_seconds": t2 - t1 + max((s["commit_seconds"] for s in st), default=0.0),
-            "manifest_seconds": t2 - t1,
-            "task_commit_seconds": max((s["commit_seconds"] for s in st), default=0.0),
-            "sink_seconds": t3 - t2,
-            "rows_in": sum(s["rows_in"] for s in st), "rows_out": outputs.num_rows,
-            "segments": len(segments),
-            "materializations": sum(s["materializations"] for s in st),
-            "objects_written": len(segments) + sum(s["materializations"] for s in st) + 1,
-            "bytes_written": sum(s["bytes"] + s["snapshot_bytes"] for s in st),
-            "restores": sum(1 for s in st if s["access"] in ("restore", "rescale")),
-            "restore_seconds": max((s["restore_seconds"] for s in st), default=0.0),
-            "restore_seconds_total": sum(s["restore_seconds"] for s in st),
-            "accesses": sorted(s["access"] for s in st),
-            "deleted": len(completion.deleted) if completion is not None else 0,
-            "agents": agents,
-        }
-        self.batch_stats.append(stats)
-        logger.info("operator %s batch %d: %d rows in, %d out, %d objects, %.3fs",
-                    self.name, batch_id, stats["rows_in"], stats["rows_out"],
-                    stats["objects_written"], stats["batch_seconds"])
+            self.sink(spark.createDataFrame(outputs, schema=ready.out_schema), batch_id)
+        return int(outputs.num_rows)
 
     def close(self) -> None:
         """Stop the coordinator (pending deletions finish) and release the store."""
-        if self._coordinator is not None:
-            self._coordinator.close()
-            self._coordinator = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            ready.coordinator.close()
+            ready.store.close()
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """What the operator opens once, before its first batch."""
+
+    store: BlobStore
+    coordinator: CheckpointCoordinator
+    task_config: OperatorConfig
+    out_schema: Any  # the Spark schema of the output rows
+
+
+@dataclass(frozen=True)
+class _BatchTimes:
+    """Monotonic times of one batch's phases."""
+
+    started: float
+    tasks_done: float  # the job finished: every task committed its partition
+    acknowledged: float  # the manifest is written
+    delivered: float  # the sink returned
+
+
+def _acknowledge(coordinator: CheckpointCoordinator, checkpoint_id: int, reports: list[TaskReport]
+                 ) -> Completion | None:
+    """Acknowledge every partition's handle; the completion (the manifest written) if the last
+    acknowledgement completed the checkpoint."""
+    completion = None
+    for r in reports:
+        h = r.handle
+        completion = coordinator.acknowledge(checkpoint_id, f"p{r.partition}", h.to_json_obj(),
+                                             h.referenced_keys(), h.full_size,
+                                             h.incremental_size) or completion
+    return completion
+
+
+def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completion | None,
+                 rows_out: int, t: _BatchTimes) -> dict[str, Any]:
+    """One entry of :attr:`DstlStatefulOperator.batch_stats`."""
+    segments = sorted({k for r in reports for k in r.segment_keys})
+    snapshots = sum(1 for r in reports if r.snapshot is not None)
+    task_commit = max((r.commit_seconds for r in reports), default=0.0)
+    return {
+        "batch_id": batch_id, "batch_seconds": t.delivered - t.started,
+        "job_seconds": t.tasks_done - t.started,
+        "commit_seconds": t.acknowledged - t.tasks_done + task_commit,
+        "manifest_seconds": t.acknowledged - t.tasks_done, "task_commit_seconds": task_commit,
+        "sink_seconds": t.delivered - t.acknowledged,
+        "rows_in": sum(r.rows_in for r in reports), "rows_out": rows_out,
+        "segments": len(segments), "materializations": snapshots,
+        "objects_written": len(segments) + snapshots + 1,
+        "bytes_written": sum(r.log_bytes + r.snapshot_bytes for r in reports),
+        "restores": sum(1 for r in reports if r.slot.access in ("restore", "rescale")),
+        "restore_seconds": max((r.slot.restore_seconds for r in reports), default=0.0),
+        "restore_seconds_total": sum(r.slot.restore_seconds for r in reports),
+        "accesses": sorted(r.slot.access for r in reports),
+        "deleted": len(completion.deleted) if completion is not None else 0,
+        "agents": {int(r.agent_metrics["agent.pid"]): r.agent_metrics for r in reports
+                   if r.agent_metrics},
+    }
 
 
 def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:

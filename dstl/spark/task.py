@@ -2,334 +2,176 @@
 
 Theory of operation
 -------------------
-A Python worker keeps module-level objects between tasks, but a partition does not stick to a
-worker (reference: spark_state.md §4). So each worker process holds a :class:`_Runtime` per
-operator (one :class:`~dstl.ChangelogStorage`, one restore cache, the partitions it served), and
-each task first makes sure its partition's state is exactly the state after the last committed
-checkpoint (``base``), in one of three ways:
+:func:`run_partition` is the body of one task. Under the worker runtime's lock
+(:mod:`dstl.spark.runtime`: one per worker process and operator) it
 
-1. **hit** — this process served the partition in the base checkpoint and (LMDB) no other worker
-   advanced the shared on-disk table since: its backend is current;
-   tell it the base completed (hands the log over, unblocks materialization).
-2. **adopt** — LMDB only: another worker of this executor served it and the partition's local
-   version file says the on-disk table is at the base: open the table and install the base
-   checkpoint's handle as the log base, without reading anything.
-3. **restore** — anything else (the partition moved, the worker was replaced, a batch is
-   re-run, the version is unknown): clear the local table and restore from the base manifest
-   (snapshot + log replay through the cache).
+1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
+   adopt, restore or new);
+2. groups the task's rows by key and calls the processor once per key, inside one write batch
+   (with LMDB: one write transaction);
+3. checkpoints: ``snapshot(batch_id)`` waits only for the log of this batch to be durable. With
+   LMDB the table marker of the checkpoint (:mod:`materializer.table_marker`) is written into
+   the same transaction, which commits only once the log is durable;
+4. records the batch id the partition's table now holds (the table batch-id file);
 
-Then the task groups its rows by key, calls the processor, checkpoints (``snapshot(batch_id)``:
-waits only for the log of this batch to be durable), writes the partition's version file, and
-returns its output rows plus one metadata row carrying the backend handle for the driver's
-coordinator. With LMDB all of that happens inside one write transaction, which also holds the
-table marker of the checkpoint (:mod:`materializer.table_marker`) and commits only once the log is
-durable. Any failure discards the partition's in-process backend and version, so a retry
-restores: state is never half-applied.
+and then reports the commit to the executor agent, and yields its output rows plus one report
+row (:class:`~dstl.spark.report.TaskReport`) carrying the backend handle for the driver's
+coordinator. Any failure drops the partition's in-process backend and its batch-id file, so a
+retry restores: state is never half-applied.
 
-With the executor agent (the default), a task's change sets go to the agent, which writes the
-change sets of all of the executor's concurrent tasks into one segment per flush window; restores
-read through the agent's cache; and LMDB partitions are materialized by the agent, from a read
-transaction, while workers keep writing: before it checkpoints, a task installs the newest
-snapshot the agent took of its partition (if its log reaches the snapshot's boundary), and after
-it commits, it registers the partition's new marker with the agent. The heap table, and every
-table with ``agent=False``, materializes in the task, synchronously when due; with ``agent=False``
-each task also writes its own segment.
+*Materialization.* With the executor agent (the default) and LMDB, the agent materializes the
+partitions, from a read transaction, while workers keep writing: before it checkpoints, a task
+installs the newest snapshot the agent took of its partition (if its log reaches the snapshot's
+boundary), and after it commits, it registers the partition's new marker with the agent
+(``committed``). The heap table, and every table with ``agent=False``, materializes in the task,
+synchronously when due; with ``agent=False`` each task also writes its own segment.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from dstl.errors import BackendFailedError
-from dstl.keygroups import KeyGroupRange
-from dstl.layout import operator_dir
-from dstl.options import DstlOptions
-from dstl.spark.agent import (
-    AgentCache,
-    AgentClient,
-    AgentUploadScheduler,
-    PartitionSpec,
-    StoreRef,
-    ensure_agent,
-    executor_pid,
-)
+from dstl.handle import ChangeSetRef
+from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
-from dstl.storage import ChangelogStorage
+from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.report import REPORT_COLUMN, SlotAccess, TaskReport
+from dstl.spark.runtime import Slot, WorkerRuntime, runtime_for
+from dstl.spark.slots import acquire
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
-from materializer.options import BackendOptions
-from materializer.table_marker import TableMarker
-from restore.cache import LocalFileCache
-from restore.restore import RestoreStats, restore_backend
 
-__all__ = ["META_COLUMN", "OperatorConfig", "TaskInput", "run_partition"]
+__all__ = ["run_partition"]
 
-logger = logging.getLogger(__name__)
-
-META_COLUMN = "_dstl_meta"
+#: How long a task waits for its checkpoint's log (and an in-task materialization) to be
+#: durable; beyond it the task fails and Spark retries it.
+_CHECKPOINT_TIMEOUT_S = 300.0
+#: The agent answers materializer requests from memory; beyond this it is taken as hung.
+_AGENT_QUICK_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
-class OperatorConfig:
-    """Everything a task needs to know about the operator (shipped with the task closure)."""
+class _BatchRun:
+    """What processing and checkpointing one batch of a partition produced."""
 
-    name: str
-    processor: Any  # the StatefulProcessor class (cloudpickled)
-    key_column: str
-    output_columns: tuple[str, ...]
-    arrow_schema: Any  # pyarrow schema of the output columns + the metadata column
-    state_uri: str
-    storage_options: dict[str, Any] | None
-    partitions: int
-    max_parallelism: int
-    table: str
-    dstl_options: DstlOptions
-    backend_options: BackendOptions
-    materialization_interval_s: float
-    local_dir: str | None = None
-    agent: bool = True
+    outputs: list[dict[str, Any]]
+    rows_in: int
+    keys: int
+    processed_at: float  # monotonic time the processor finished
+    handle: ChangelogStateBackendHandle
+    snapshot: SnapshotRef | None  # taken in the task or installed from the agent
+    new_refs: list[ChangeSetRef]  # this batch's change sets
 
 
-@dataclass(frozen=True)
-class TaskInput:
-    """What changes per micro-batch."""
-
-    batch_id: int
-    base_checkpoint: int  # -1: empty state
-    base_handles: dict[int, str] = field(default_factory=dict)  # partition -> handle JSON
-    retained: tuple[int, ...] = ()
-
-
-@dataclass
-class _Slot:
-    backend: ChangelogKeyedStateBackend
-    processor: Any
-    version: int
-    last_materialized_s: float
-
-
-class _Runtime:
-    """Per process and operator: storage, cache, and the partitions served here."""
-
-    def __init__(self, cfg: OperatorConfig) -> None:
-        self.cfg = cfg
-        self.pid = os.getpid()
-        executor_dir = (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
-        self.agent: AgentClient | None = None
-        uploader = None
-        if cfg.agent:
-            # the agent lives in the executor's own directory: it goes away with the executor
-            path = ensure_agent(os.path.join(executor_dir, "dstl-agent"), executor_pid())
-            self.agent = AgentClient(path)
-            uploader = AgentUploadScheduler(self.agent, cfg.state_uri, cfg.storage_options,
-                                            cfg.dstl_options)
-        self.storage = ChangelogStorage(cfg.state_uri, options=cfg.dstl_options,
-                                        storage_options=cfg.storage_options, uploader=uploader)
-        base = cfg.local_dir or executor_dir
-        self.local_dir = os.path.join(base, "dstl", operator_dir(cfg.name))
-        os.makedirs(self.local_dir, exist_ok=True)
-        self.cache: AgentCache | LocalFileCache
-        if self.agent is not None:
-            # the executor's one cache lives in the agent: an object is downloaded once per
-            # executor, and a killed worker leaves no files and no leases behind
-            self.cache = AgentCache(self.agent, cfg.state_uri, cfg.storage_options,
-                                    cfg.dstl_options)
-        else:
-            self.cache = LocalFileCache(os.path.join(self.local_dir, f"cache-{self.pid}"))
-        self.slots: dict[int, _Slot] = {}
-        self.lock = threading.Lock()
-
-    def version_path(self, partition: int) -> str:
-        return os.path.join(self.local_dir, f"p{partition}.version")
-
-    def read_version(self, partition: int) -> int | None:
+def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
+                  partition: int | None = None) -> Iterator[Any]:
+    """The body of one ``mapInArrow`` task (see the module docstring); ``partition`` defaults
+    to the Spark task's partition id. Yields Arrow record batches: the output rows, then the
+    report row."""
+    partition, attempt = _task_identity(partition)
+    rt = runtime_for(cfg)
+    started = time.monotonic()
+    with rt.lock:
         try:
-            with open(self.version_path(partition)) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-
-    def write_version(self, partition: int, version: int | None) -> None:
-        path = self.version_path(partition)
-        if version is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(version))
-        os.replace(tmp, path)
-
-    def drop(self, partition: int) -> None:
-        slot = self.slots.pop(partition, None)
-        if slot is not None:
-            _close_quietly(slot)
-
-    def close(self) -> None:
-        for partition in list(self.slots):
-            self.drop(partition)
-        self.storage.close()
-        self.cache.close()
-        if self.agent is not None:
-            self.agent.close()
+            slot, access = acquire(rt, partition, task_input)
+            run = _run_batch(rt, slot, task_input.batch_id, batches)
+            slot.checkpoint_id = task_input.batch_id
+            if cfg.table == "lmdb":
+                rt.write_table_batch_id(partition, task_input.batch_id)
+            committed_at = time.monotonic()
+        except BaseException:
+            rt.drop(partition)
+            rt.write_table_batch_id(partition, None)
+            raise
+    agent_metrics: dict[str, float] | None = None
+    agent_log: tuple[str, ...] = ()
+    if rt.agent is not None:
+        agent_metrics, agent_log = _register_commit(rt.agent, cfg, slot.backend, run.handle)
+    report = _report(partition, attempt, access, run, started, committed_at, agent_metrics,
+                     agent_log)
+    yield from _record_batches(cfg, run.outputs, report)
 
 
-_RUNTIMES: dict[tuple[str, str], _Runtime] = {}
-_RUNTIMES_LOCK = threading.Lock()
+def _task_identity(partition: int | None) -> tuple[int, int]:
+    """``(partition, attempt)`` of the running Spark task (partition 0, attempt 0 outside
+    Spark)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if partition is None:
+        partition = ctx.partitionId() if ctx is not None else 0
+    return partition, ctx.attemptNumber() if ctx is not None else 0
 
 
-def _runtime(cfg: OperatorConfig) -> _Runtime:
-    key = (cfg.state_uri, cfg.name)
-    with _RUNTIMES_LOCK:
-        rt = _RUNTIMES.get(key)
-        if rt is not None and rt.pid == os.getpid() and rt.agent is not None and rt.agent.broken:
-            # the agent died: this process's writers can no longer upload; start over (the
-            # partitions restore from their last checkpoint)
-            logger.warning("executor agent connection lost; resetting DSTL runtime %s", key)
-            rt.close()
-            rt = None
-        if rt is None or rt.pid != os.getpid():  # never reuse across fork
-            rt = _RUNTIMES[key] = _Runtime(cfg)
-        return rt
-
-
-def _close_quietly(slot: _Slot) -> None:
-    try:
-        close = getattr(slot.processor, "close", None)
-        if close is not None:
-            close()
-    finally:
-        slot.backend.close()
-
-
-def _agent_materializes(cfg: OperatorConfig) -> bool:
-    """The executor agent materializes LMDB partitions (a heap lives in one worker's memory)."""
-    return cfg.agent and cfg.table == "lmdb"
-
-
-def _backend_options(cfg: OperatorConfig) -> BackendOptions:
-    if _agent_materializes(cfg):  # no timer, no size trigger: the agent decides
-        return cfg.backend_options.replace(materialization_interval_s=None,
-                                           materialize_log_ratio=None)
-    return cfg.backend_options
-
-
-def _key_groups(cfg: OperatorConfig, partition: int) -> KeyGroupRange:
-    return KeyGroupRange.of_operator(cfg.max_parallelism, cfg.partitions, partition)
-
-
-def _operator_id(cfg: OperatorConfig, partition: int) -> str:
-    return f"{cfg.name}/p{partition}"
-
-
-def _acquire(rt: _Runtime, partition: int, inp: TaskInput, stats: dict[str, Any]) -> _Slot:
-    """The partition's backend, at exactly the base checkpoint's state."""
+def _run_batch(rt: WorkerRuntime, slot: Slot, batch_id: int, batches: Iterable[Any]
+               ) -> _BatchRun:
+    """Process the task's rows and checkpoint them as ``batch_id`` (steps 2 and 3)."""
     cfg = rt.cfg
-    from dstl.spark.processor import StatefulProcessorHandle
-
-    slot = rt.slots.get(partition)
-    # An LMDB table is shared on disk by every worker of the executor: this worker's backend is
-    # current only if no other worker has written the table since (the version file says which
-    # batch the table holds, the table marker which attempt of it).
-    if slot is not None and slot.version == inp.base_checkpoint and (
-            cfg.table != "lmdb" or (rt.read_version(partition) == inp.base_checkpoint
-                                    and _holds_base(slot.backend, inp, partition))):
-        stats["access"] = "hit"
-        if inp.base_checkpoint >= 0:
-            slot.backend.notify_checkpoint_complete(inp.base_checkpoint)
-            if inp.retained:
-                # checkpoints the coordinator no longer retains: their log may be truncated
-                old = [c for c in slot.backend.checkpoint_ids() if c < min(inp.retained)]
-                if old:
-                    slot.backend.notify_checkpoint_subsumed(max(old))
-        return slot
-    rt.drop(partition)
-    kgs = _key_groups(cfg, partition)
-    op_id = _operator_id(cfg, partition)
-    # every base handle whose key groups meet ours (several or partial ones after a change of
-    # `partitions`: rescaling)
-    handles = [h for h in (ChangelogStateBackendHandle.from_json(j)
-                           for j in inp.base_handles.values())
-               if len(h.key_groups.intersection(kgs))]
-    same_layout = len(handles) == 1 and handles[0].key_groups == kgs
-    t0 = time.monotonic()
-    local_version = rt.read_version(partition) if cfg.table == "lmdb" else None
-    backend: ChangelogKeyedStateBackend | None = None
-    if not handles:
-        # no state yet (first batch, or a partition that never had a checkpoint)
-        backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
-                                             table=cfg.table, options=_backend_options(cfg),
-                                             local_directory=rt.local_dir, clear_local=True)
-        stats["access"] = "new"
-    elif same_layout and local_version is not None and local_version == inp.base_checkpoint:
-        backend = _adopt(rt, op_id, kgs, handles[0])
-        if backend is not None:
-            stats["access"] = "adopt"
-    if backend is None:
-        rs = RestoreStats()
-        backend = restore_backend(handles, rt.storage, kgs, table=cfg.table,
-                                  cache=rt.cache, operator_id=op_id,
-                                  max_parallelism=cfg.max_parallelism,
-                                  options=_backend_options(cfg), local_directory=rt.local_dir,
-                                  stats=rs)
-        stats["access"] = "restore" if same_layout else "rescale"
-        stats["restore_changes"] = rs.get("changes", 0)
-        stats["restore_entries"] = rs.get("entries", 0)
-    stats["restore_seconds"] = time.monotonic() - t0
-    processor = cfg.processor()
-    processor.init(StatefulProcessorHandle(backend))
-    slot = _Slot(backend, processor, inp.base_checkpoint, time.monotonic())
-    rt.slots[partition] = slot
-    return slot
+    backend = slot.backend
+    first_sqn = backend.writer.next_sqn()
+    groups, rows_in = _group_rows(batches, cfg.key_column)
+    materializing_agent = rt.agent if cfg.agent_materializes else None
+    with backend.write_batch():
+        outputs = _process(slot, groups)
+        processed_at = time.monotonic()
+        checkpointed: tuple[ChangelogStateBackendHandle, SnapshotRef | None] | None = None
+        if materializing_agent is not None:
+            snapshot = _install_agent_snapshot(materializing_agent, cfg, backend)
+            # commits with this batch's state: a read transaction sees both or neither
+            checkpointed = _checkpoint(backend, batch_id, write_marker=True), snapshot
+    if checkpointed is None:
+        snapshot = _materialize_if_due(cfg, slot)
+        # LMDB: the marker lets another worker adopt the table without reads
+        checkpointed = _checkpoint(backend, batch_id, write_marker=cfg.table == "lmdb"), snapshot
+    handle, snapshot = checkpointed
+    return _BatchRun(outputs, rows_in, len(groups), processed_at, handle, snapshot,
+                     _refs_since(backend, first_sqn))
 
 
-def _marker(backend: ChangelogKeyedStateBackend) -> TableMarker | None:
-    raw = backend.tables.read_marker()
-    return None if raw is None else TableMarker.from_bytes(
-        raw, where=f"{backend.tables.path} (table marker)")
+def _group_rows(batches: Iterable[Any], key_column: str
+                ) -> tuple[dict[Any, list[dict[str, Any]]], int]:
+    """The task's rows by key, in arrival order; and how many rows there were."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    rows_in = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            groups.setdefault(row[key_column], []).append(row)
+            rows_in += 1
+    return groups, rows_in
 
 
-def _holds_base(backend: ChangelogKeyedStateBackend, inp: TaskInput, partition: int) -> bool:
-    """Whether the partition's on-disk table holds exactly the base checkpoint."""
-    h = inp.base_handles.get(partition)
-    marker = _marker(backend)
-    return h is not None and marker is not None and marker.holds(
-        ChangelogStateBackendHandle.from_json(h))
+def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Call the processor once per key, with the backend's current key set to it."""
+    outputs: list[dict[str, Any]] = []
+    for key, rows in groups.items():
+        slot.backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
+        outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
+    return outputs
 
 
-def _adopt(rt: _Runtime, op_id: str, kgs: KeyGroupRange, h: ChangelogStateBackendHandle
-           ) -> ChangelogKeyedStateBackend | None:
-    """Open the partition's on-disk LMDB table (another worker of this executor wrote it) as
-    checkpoint ``h`` without reading anything from the store — if its marker says it holds
-    exactly ``h``; the state ids come from the marker. ``None``: restore instead."""
-    cfg = rt.cfg
-    backend = ChangelogKeyedStateBackend(rt.storage, op_id, kgs, cfg.max_parallelism,
-                                         table=cfg.table, options=_backend_options(cfg),
-                                         local_directory=rt.local_dir)
-    try:
-        marker = _marker(backend)
-        if marker is None or not marker.holds(h):
-            backend.close()
-            return None
-        backend.install_restored(h.materialized, h.non_materialized, h.materialization_id)
-        for sid, m in marker.states.items():
-            backend.register_restored_state(m, int(sid))
-        return backend
-    except BaseException:
-        backend.close()
-        raise
+def _checkpoint(backend: ChangelogKeyedStateBackend, batch_id: int, *, write_marker: bool
+                ) -> ChangelogStateBackendHandle:
+    handle = backend.snapshot(batch_id).result(timeout=_CHECKPOINT_TIMEOUT_S)
+    if write_marker:
+        backend.write_table_marker(handle)
+    return handle
 
 
-def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
+def _refs_since(backend: ChangelogKeyedStateBackend, first_sqn: int) -> list[ChangeSetRef]:
+    """The change sets of the last checkpoint from ``first_sqn`` on (this batch's)."""
+    delta = backend.last_delta
+    return [r for r in (delta.change_sets if delta is not None else ()) if r.sqn >= first_sqn]
+
+
+# --------------------------------------------------------------------------- materialization
+
+
+def _materialization_due(cfg: OperatorConfig, slot: Slot) -> bool:
     if time.monotonic() - slot.last_materialized_s >= cfg.materialization_interval_s:
         return True
     m = slot.backend.metrics()
@@ -341,16 +183,22 @@ def _materialization_due(cfg: OperatorConfig, slot: _Slot) -> bool:
                                                          0.0))
 
 
-#: The agent answers materializer requests from memory; beyond this it is taken as hung.
-_AGENT_QUICK_TIMEOUT_S = 60.0
+def _materialize_if_due(cfg: OperatorConfig, slot: Slot) -> SnapshotRef | None:
+    """Materialize in the task when due (heap, or ``agent=False``); the new snapshot, if any."""
+    if not _materialization_due(cfg, slot):
+        return None
+    snapshot = slot.backend.materialize_now(timeout_s=_CHECKPOINT_TIMEOUT_S)
+    if snapshot is not None:
+        slot.last_materialized_s = time.monotonic()
+    return snapshot
 
 
 def _store_ref(cfg: OperatorConfig) -> StoreRef:
     return StoreRef(cfg.state_uri, cfg.storage_options, cfg.dstl_options)
 
 
-def _install_agent_materialization(agent: AgentClient, cfg: OperatorConfig,
-                                   backend: ChangelogKeyedStateBackend) -> SnapshotRef | None:
+def _install_agent_snapshot(agent: AgentClient, cfg: OperatorConfig,
+                            backend: ChangelogKeyedStateBackend) -> SnapshotRef | None:
     """Install the newest snapshot the agent took of this partition, if the backend's log reaches
     it; returns it when installed.
 
@@ -370,14 +218,15 @@ def _install_agent_materialization(agent: AgentClient, cfg: OperatorConfig,
     return backend.install_materialization(reply.snapshot.ref, reply.snapshot.boundary)
 
 
-def _committed(agent: AgentClient, cfg: OperatorConfig, backend: ChangelogKeyedStateBackend,
-               h: ChangelogStateBackendHandle) -> tuple[dict[str, float], tuple[str, ...]]:
-    """Tell the agent the partition's table is committed (it schedules the partition's next
-    materialization); returns the agent's metrics and last log lines."""
+def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: ChangelogKeyedStateBackend,
+                     handle: ChangelogStateBackendHandle
+                     ) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Tell the agent the partition's table is committed (for LMDB it schedules the partition's
+    next materialization); returns the agent's metrics and last log lines."""
     spec: PartitionSpec | None = None
-    if _agent_materializes(cfg):
+    if cfg.agent_materializes:
         bo = cfg.backend_options
-        marker = backend.table_marker(h)
+        marker = backend.table_marker(handle)
         spec = PartitionSpec(
             backend.operator_id, backend.tables.path, backend.key_groups,
             cfg.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
@@ -387,85 +236,33 @@ def _committed(agent: AgentClient, cfg: OperatorConfig, backend: ChangelogKeyedS
     return reply.metrics, reply.log_tail
 
 
-def run_partition(cfg: OperatorConfig, inp: TaskInput, batches: Iterator[Any],
-                  partition: int | None = None) -> Iterator[Any]:
-    """The body of one ``mapInArrow`` task (see the module docstring); ``partition`` defaults
-    to the Spark task's partition id."""
-    import pyarrow as pa
-    from pyspark import TaskContext
+# --------------------------------------------------------------------------- report
 
-    ctx = TaskContext.get()
-    if partition is None:
-        partition = ctx.partitionId() if ctx is not None else 0
-    attempt = ctx.attemptNumber() if ctx is not None else 0
-    rt = _runtime(cfg)
-    stats: dict[str, Any] = {"partition": partition, "attempt": attempt, "pid": os.getpid(),
-                             "restore_seconds": 0.0}
-    t0 = time.monotonic()
-    with rt.lock:
-        try:
-            slot = _acquire(rt, partition, inp, stats)
-            backend = slot.backend
-            sqn0 = backend.writer.next_sqn()
-            groups: dict[Any, list[dict[str, Any]]] = {}
-            rows_in = 0
-            for batch in batches:
-                for row in batch.to_pylist():
-                    groups.setdefault(row[cfg.key_column], []).append(row)
-                    rows_in += 1
-            outputs: list[dict[str, Any]] = []
-            materialized: SnapshotRef | None = None
-            materializing_agent = rt.agent if _agent_materializes(cfg) else None
-            with backend.write_batch():
-                for key, rows in groups.items():
-                    backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
-                    outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
-                t1 = time.monotonic()
-                if materializing_agent is not None:
-                    materialized = _install_agent_materialization(materializing_agent, cfg,
-                                                                  backend)
-                    h = backend.snapshot(inp.batch_id).result(timeout=300)
-                    # commits with this batch's state: a read transaction sees both or neither
-                    backend.write_table_marker(h)
-            if materializing_agent is None:
-                if _materialization_due(cfg, slot):
-                    materialized = backend.materialize_now(timeout_s=300)
-                    if materialized is not None:
-                        slot.last_materialized_s = time.monotonic()
-                h = backend.snapshot(inp.batch_id).result(timeout=300)
-                if cfg.table == "lmdb":
-                    backend.write_table_marker(h)  # lets another worker adopt without reads
-            slot.version = inp.batch_id
-            if cfg.table == "lmdb":
-                rt.write_version(partition, inp.batch_id)
-            t2 = time.monotonic()
-        except BaseException:
-            rt.drop(partition)
-            rt.write_version(partition, None)
-            raise
-    # the segments this task's change sets went to (shared with other tasks under the agent)
-    delta = backend.last_delta
-    new_refs = [r for r in (delta.change_sets if delta is not None else ()) if r.sqn >= sqn0]
-    stats.update({
-        "rows_in": rows_in, "rows_out": len(outputs), "keys": len(groups),
-        "process_seconds": t1 - t0, "commit_seconds": t2 - t1,
-        "segment_keys": sorted({r.key for r in new_refs}),
-        "bytes": sum(r.length for r in new_refs),
-        "materializations": int(materialized is not None),
-        "snapshot_bytes": materialized.size if materialized is not None else 0,
-        "agent": None,
-    })
-    if rt.agent is not None:
-        stats["agent"], log_tail = _committed(rt.agent, cfg, backend, h)
-        stats["agent_log"] = list(log_tail)
-    meta = {"partition": partition, "handle": h.to_json_obj(),
-            "referenced_keys": h.referenced_keys(), "full_size": h.full_size,
-            "incremental_size": h.incremental_size, "stats": stats}
+
+def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, started: float,
+            committed_at: float, agent_metrics: dict[str, float] | None,
+            agent_log: tuple[str, ...]) -> TaskReport:
+    return TaskReport(
+        partition=partition, attempt=attempt, pid=os.getpid(), handle=run.handle, slot=access,
+        rows_in=run.rows_in, rows_out=len(run.outputs), keys=run.keys,
+        process_seconds=run.processed_at - started,
+        commit_seconds=committed_at - run.processed_at,
+        # the segments this task's change sets went to (shared with other tasks under the agent)
+        segment_keys=tuple(sorted({r.key for r in run.new_refs})),
+        log_bytes=sum(r.length for r in run.new_refs), snapshot=run.snapshot,
+        agent_metrics=agent_metrics, agent_log=agent_log)
+
+
+def _record_batches(cfg: OperatorConfig, outputs: list[dict[str, Any]], report: TaskReport
+                    ) -> Iterator[Any]:
+    """The output rows (report column null), then the report row (every other column null)."""
+    import pyarrow as pa
+
     names = list(cfg.output_columns)
-    cols: dict[str, list[Any]] = {n: [o.get(n) for o in outputs] for n in names}
-    cols[META_COLUMN] = [None] * len(outputs)
     if outputs:
+        cols: dict[str, list[Any]] = {n: [o.get(n) for o in outputs] for n in names}
+        cols[REPORT_COLUMN] = [None] * len(outputs)
         yield pa.RecordBatch.from_pydict(cols, schema=cfg.arrow_schema)
-    meta_cols: dict[str, list[Any]] = {n: [None] for n in names}
-    meta_cols[META_COLUMN] = [json.dumps(meta)]
-    yield pa.RecordBatch.from_pydict(meta_cols, schema=cfg.arrow_schema)
+    report_cols: dict[str, list[Any]] = {n: [None] for n in names}
+    report_cols[REPORT_COLUMN] = [report.to_json()]
+    yield pa.RecordBatch.from_pydict(report_cols, schema=cfg.arrow_schema)

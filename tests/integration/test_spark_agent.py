@@ -48,12 +48,12 @@ class KillAgentOnce(Count):
                           ) -> Iterator[dict[str, Any]]:
         from pyspark import TaskContext
 
-        from dstl.spark import task as runtime
+        from dstl.spark.runtime import runtimes
 
         ctx = TaskContext.get()
         if ctx is not None and ctx.partitionId() == 0 and ctx.attemptNumber() == 0 \
                 and self.flag and not os.path.exists(self.flag):
-            for rt in runtime._RUNTIMES.values():
+            for rt in runtimes():
                 if rt.agent is not None:
                     pid = int(rt.agent.metrics()["agent.pid"])
                     Path(self.flag).write_text(str(pid))

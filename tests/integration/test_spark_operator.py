@@ -165,8 +165,8 @@ def test_agent_materializes_partitions_and_restores_through_its_cache(
     assert any(t.state["materialized"] for t in last.tasks)
     # every partition loses its local table: the next batch restores, through the agent cache
     local = tmp_path / "local" / "dstl" / "count"
-    for version_file in local.glob("p*.version"):
-        version_file.unlink()
+    for batch_id_file in local.glob("p*.batch-id"):
+        batch_id_file.unlink()
     keys = [f"m{i % 11}" for i in range(30)]
     op.foreach_batch(_batch(spark, keys), batch_id)
     expected.update(keys)

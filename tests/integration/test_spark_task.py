@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,10 @@ import pyarrow as pa
 
 from dstl import DstlOptions
 from dstl.spark import StatefulProcessor
-from dstl.spark import task as runtime
-from dstl.spark.task import META_COLUMN, OperatorConfig, TaskInput, run_partition
+from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.report import REPORT_COLUMN, TaskReport
+from dstl.spark.runtime import WorkerRuntime, close_runtime, runtime_of
+from dstl.spark.task import run_partition
 from materializer.options import BackendOptions
 
 
@@ -27,21 +28,18 @@ class Count(StatefulProcessor):
         yield {"key": key, "count": c}
 
 
-SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (META_COLUMN, pa.string())])
+SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (REPORT_COLUMN, pa.string())])
 
 
 def _run(cfg: OperatorConfig, inp: TaskInput, keys: list[str]
-         ) -> tuple[dict[str, int], dict[str, Any]]:
-    batches = [pa.RecordBatch.from_pydict({"key": keys})]
-    out: dict[str, int] = {}
-    meta: dict[str, Any] = {}
-    for rb in run_partition(cfg, inp, iter(batches)):
-        for row in rb.to_pylist():
-            if row[META_COLUMN] is None:
-                out[row["key"]] = row["count"]
-            else:
-                meta = json.loads(row[META_COLUMN])
-    return out, meta
+         ) -> tuple[dict[str, int], TaskReport]:
+    return _run_p(cfg, inp, keys, None)
+
+
+def _runtime(cfg: OperatorConfig) -> WorkerRuntime:
+    rt = runtime_of(cfg)
+    assert rt is not None, "no task of this operator ran in this process"
+    return rt
 
 
 def _lmdb_cfg(tmp_path: Path, name: str) -> OperatorConfig:
@@ -56,27 +54,24 @@ def _lmdb_cfg(tmp_path: Path, name: str) -> OperatorConfig:
         materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
 
 
-def test_lmdb_hit_requires_the_on_disk_version(tmp_path: Path) -> None:
+def test_lmdb_hit_requires_the_on_disk_batch_id(tmp_path: Path) -> None:
     """Another worker of the executor advanced the shared LMDB table: this worker's backend is
     stale, so a re-run must restore (found by a clean-clone CI run: counts doubled)."""
     cfg = _lmdb_cfg(tmp_path, "t")
     try:
-        out0, meta0 = _run(cfg, TaskInput(0, -1), ["a", "a", "b"])
-        assert out0 == {"a": 2, "b": 1} and meta0["stats"]["access"] == "new"
-        base = {0: json.dumps(meta0["handle"])}
-        out1, meta1 = _run(cfg, TaskInput(1, 0, base, (0,)), ["a"])
-        assert out1 == {"a": 3} and meta1["stats"]["access"] == "hit"
+        out0, report0 = _run(cfg, TaskInput(0, -1), ["a", "a", "b"])
+        assert out0 == {"a": 2, "b": 1} and report0.slot.access == "new"
+        base = {0: report0.handle.to_json()}
+        out1, report1 = _run(cfg, TaskInput(1, 0, base, (0,)), ["a"])
+        assert out1 == {"a": 3} and report1.slot.access == "hit"
         # another worker then processed batch 2 on the shared table (it says so on disk) ...
-        rt = runtime._RUNTIMES[(cfg.state_uri, cfg.name)]
-        rt.write_version(0, 2)
+        _runtime(cfg).write_table_batch_id(0, 2)
         # ... and Spark re-runs batch 2 here, from checkpoint 1: this backend must not be used
-        out2, meta2 = _run(cfg, TaskInput(2, 1, {0: json.dumps(meta1["handle"])}, (0, 1)), ["b"])
-        assert meta2["stats"]["access"] == "restore"
+        out2, report2 = _run(cfg, TaskInput(2, 1, {0: report1.handle.to_json()}, (0, 1)), ["b"])
+        assert report2.slot.access == "restore"
         assert out2 == {"b": 2}
     finally:
-        rt = runtime._RUNTIMES.pop((cfg.state_uri, cfg.name), None)
-        if rt is not None:
-            rt.close()
+        close_runtime(cfg)
 
 
 def test_changing_partitions_restores_from_every_intersecting_handle(tmp_path: Path) -> None:
@@ -100,36 +95,33 @@ def test_changing_partitions_restores_from_every_intersecting_handle(tmp_path: P
     try:
         for p in (0, 1):
             mine = [k for k in keys if key_group_for(k.encode(), 8) * 2 // 8 == p]
-            out, meta = _run_p(two, TaskInput(0, -1), mine, p)
+            out, report = _run_p(two, TaskInput(0, -1), mine, p)
             assert set(out) == set(mine)
-            base[p] = json.dumps(meta["handle"])
+            base[p] = report.handle.to_json()
     finally:
-        rt = runtime._RUNTIMES.pop((two.state_uri, two.name), None)
-        if rt is not None:
-            rt.close()
+        close_runtime(two)
     one = cfg(1)
     try:
-        out, meta = _run_p(one, TaskInput(1, 0, base, (0,)), keys, 0)
-        assert meta["stats"]["access"] == "rescale"
+        out, report = _run_p(one, TaskInput(1, 0, base, (0,)), keys, 0)
+        assert report.slot.access == "rescale"
         assert out == {k: 2 for k in keys}
     finally:
-        rt = runtime._RUNTIMES.pop((one.state_uri, one.name), None)
-        if rt is not None:
-            rt.close()
+        close_runtime(one)
 
 
-def _run_p(cfg: OperatorConfig, inp: TaskInput, keys: list[str], partition: int
-           ) -> tuple[dict[str, int], dict[str, Any]]:
+def _run_p(cfg: OperatorConfig, inp: TaskInput, keys: list[str], partition: int | None
+           ) -> tuple[dict[str, int], TaskReport]:
     out: dict[str, int] = {}
-    meta: dict[str, Any] = {}
+    reports: list[TaskReport] = []
     for rb in run_partition(cfg, inp, iter([pa.RecordBatch.from_pydict({"key": keys})]),
                             partition=partition):
         for row in rb.to_pylist():
-            if row[META_COLUMN] is None:
+            if row[REPORT_COLUMN] is None:
                 out[row["key"]] = row["count"]
             else:
-                meta = json.loads(row[META_COLUMN])
-    return out, meta
+                reports.append(TaskReport.from_json(row[REPORT_COLUMN]))
+    assert len(reports) == 1, "one report row per task"
+    return out, reports[0]
 
 
 def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Path) -> None:
@@ -150,7 +142,7 @@ def test_agent_starts_under_a_directory_too_long_for_a_unix_socket(tmp_path: Pat
 
 
 def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Path) -> None:
-    """The version file names the batch the shared LMDB table holds, the table marker the
+    """The batch-id file names the batch the shared LMDB table holds, the table marker the
     attempt: when another attempt of the same batch (a re-run, Spark's speculative copy) wrote
     the table, neither this worker's backend (hit) nor the table (adopt) is used; the task
     restores the attempt the driver committed."""
@@ -161,29 +153,27 @@ def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Pat
     cfg = _lmdb_cfg(tmp_path, "m")
 
     def other_attempt_wrote_the_table() -> None:
-        tables = runtime._RUNTIMES[(cfg.state_uri, cfg.name)].slots[0].backend.tables
+        tables = _runtime(cfg).slots[0].backend.tables
         marker = TableMarker.from_bytes(tables.read_marker())
         tables.write_marker(dataclasses.replace(marker, boundary=("dstl/other-attempt", 0))
                             .to_bytes())
 
     try:
-        _, meta0 = _run(cfg, TaskInput(0, -1), ["a", "b"])
-        h0 = {0: json.dumps(meta0["handle"])}
+        _, report0 = _run(cfg, TaskInput(0, -1), ["a", "b"])
+        h0 = {0: report0.handle.to_json()}
         # the table as committed: another worker of the executor adopts it without any read
-        runtime._RUNTIMES[(cfg.state_uri, cfg.name)].drop(0)
-        out1, meta1 = _run(cfg, TaskInput(1, 0, h0, (0,)), ["a"])
-        assert meta1["stats"]["access"] == "adopt" and out1 == {"a": 2}
-        h1 = {0: json.dumps(meta1["handle"])}
+        _runtime(cfg).drop(0)
+        out1, report1 = _run(cfg, TaskInput(1, 0, h0, (0,)), ["a"])
+        assert report1.slot.access == "adopt" and out1 == {"a": 2}
+        h1 = {0: report1.handle.to_json()}
         other_attempt_wrote_the_table()
-        out2, meta2 = _run(cfg, TaskInput(2, 1, h1, (0, 1)), ["b"])
-        assert meta2["stats"]["access"] == "restore" and out2 == {"b": 2}  # not a hit
-        h2 = {0: json.dumps(meta2["handle"])}
+        out2, report2 = _run(cfg, TaskInput(2, 1, h1, (0, 1)), ["b"])
+        assert report2.slot.access == "restore" and out2 == {"b": 2}  # not a hit
+        h2 = {0: report2.handle.to_json()}
         other_attempt_wrote_the_table()
-        runtime._RUNTIMES[(cfg.state_uri, cfg.name)].drop(0)  # another worker's turn
-        out3, meta3 = _run(cfg, TaskInput(3, 2, h2, (1, 2)), ["a", "b"])
-        assert meta3["stats"]["access"] == "restore"  # not an adopt
+        _runtime(cfg).drop(0)  # another worker's turn
+        out3, report3 = _run(cfg, TaskInput(3, 2, h2, (1, 2)), ["a", "b"])
+        assert report3.slot.access == "restore"  # not an adopt
         assert out3 == {"a": 3, "b": 3}
     finally:
-        rt = runtime._RUNTIMES.pop((cfg.state_uri, cfg.name), None)
-        if rt is not None:
-            rt.close()
+        close_runtime(cfg)

@@ -49,6 +49,7 @@ from dstl.handle import ChangeSetRef
 from dstl.options import DstlOptions
 from dstl.segment import ChangeSet
 from dstl.spark.agent.materializer import PartitionSpec
+from dstl.spark.fields import Fields
 from materializer.handles import SnapshotRef
 
 __all__ = [
@@ -177,66 +178,9 @@ def recv_frame(sock: socket.socket) -> tuple[Header, bytes]:
 # --------------------------------------------------------------------------- field checks
 
 
-class _Fields:
+def _fields(obj: Header, frame: str) -> Fields:
     """Typed reads of one untrusted header; every failure names the frame and the field."""
-
-    __slots__ = ("frame", "header")
-
-    def __init__(self, header: Header, frame: str) -> None:
-        self.header = header
-        self.frame = frame
-
-    def bad(self, name: str, expected: str) -> AgentProtocolError:
-        got = repr(self.header.get(name, "<missing>"))
-        got = got if len(got) <= 200 else got[:200] + "..."
-        return AgentProtocolError(self.frame, f"field {name!r} is {got}, expected {expected}")
-
-    def get(self, name: str) -> Any:
-        if name not in self.header:
-            raise AgentProtocolError(self.frame, f"field {name!r} is missing")
-        return self.header[name]
-
-    def text(self, name: str) -> str:
-        v = self.get(name)
-        if not isinstance(v, str):
-            raise self.bad(name, "a string")
-        return v
-
-    def opt_text(self, name: str) -> str | None:
-        return None if self.get(name) is None else self.text(name)
-
-    def integer(self, name: str, minimum: int = 0) -> int:
-        v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise self.bad(name, f"an integer >= {minimum}")
-        return v
-
-    def opt_integer(self, name: str, minimum: int = 0) -> int | None:
-        return None if self.get(name) is None else self.integer(name, minimum)
-
-    def array(self, name: str) -> list[Any]:
-        v = self.get(name)
-        if not isinstance(v, list):
-            raise self.bad(name, "a list")
-        return v
-
-    def obj(self, name: str) -> dict[str, Any]:
-        v = self.get(name)
-        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-            raise self.bad(name, "an object")
-        return v
-
-    def opt_obj(self, name: str) -> dict[str, Any] | None:
-        return None if self.get(name) is None else self.obj(name)
-
-    def numbers(self, name: str) -> dict[str, float]:
-        v = self.obj(name)
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
-            raise self.bad(name, "an object of numbers")
-        return {k: float(x) for k, x in v.items()}
-
-    def sub(self, name: str, frame: str) -> _Fields:
-        return _Fields(self.obj(name), f"{self.frame}: {frame}")
+    return Fields(obj, frame, AgentProtocolError)
 
 
 # --------------------------------------------------------------------------- shared parts
@@ -262,17 +206,17 @@ class StoreRef:
                 "options": dataclasses.asdict(self.options)}
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> StoreRef:
+    def from_fields(cls, f: Fields) -> StoreRef:
         uri = f.text("uri")
-        storage_options = f.opt_obj("storage_options")
-        raw = f.obj("options")
+        storage_options = f.opt_mapping("storage_options")
+        raw = f.mapping("options")
         known = {x.name for x in dataclasses.fields(DstlOptions)}
         if not set(raw) <= known:
             raise f.bad("options", f"DstlOptions fields (unknown: {sorted(set(raw) - known)})")
         try:
             options = DstlOptions(**raw)
         except (DstlError, TypeError) as exc:
-            raise AgentProtocolError(f.frame, f"field 'options': {exc}") from exc
+            raise AgentProtocolError(f.where, f"field 'options': {exc}") from exc
         return cls(uri, storage_options, options)
 
 
@@ -325,11 +269,8 @@ class Request(Generic[R]):
         raise NotImplementedError
 
 
-def _status_fields(f: _Fields) -> tuple[dict[str, float], tuple[str, ...]]:
-    tail = f.array("log_tail")
-    if not all(isinstance(line, str) for line in tail):
-        raise f.bad("log_tail", "a list of strings")
-    return f.numbers("metrics"), tuple(tail)
+def _status_fields(f: Fields) -> tuple[dict[str, float], tuple[str, ...]]:
+    return f.numbers("metrics"), f.texts("log_tail")
 
 
 # --------------------------------------------------------------------------- ping, shutdown
@@ -351,7 +292,7 @@ class PingRequest(Request[PingReply]):
     op = "ping"
 
     def decode_reply(self, header: Header) -> PingReply:
-        return PingReply(_Fields(header, "ping reply").integer("pid", 1))
+        return PingReply(_fields(header, "ping reply").integer("pid", 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +330,7 @@ class MetricsRequest(Request[MetricsReply]):
     op = "metrics"
 
     def decode_reply(self, header: Header) -> MetricsReply:
-        return MetricsReply(*_status_fields(_Fields(header, "metrics reply")))
+        return MetricsReply(*_status_fields(_fields(header, "metrics reply")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,8 +360,8 @@ class CommittedRequest(Request[CommittedReply]):
 
     @classmethod
     def decode(cls, header: Header, body: bytes) -> CommittedRequest:
-        f = _Fields(header, "committed request")
-        raw = f.opt_obj("partition")
+        f = _fields(header, "committed request")
+        raw = f.opt_mapping("partition")
         try:
             spec = None if raw is None else PartitionSpec.from_json_obj(raw)
         except (KeyError, TypeError, ValueError, IndexError, DstlError) as exc:
@@ -428,7 +369,7 @@ class CommittedRequest(Request[CommittedReply]):
         return cls(StoreRef.from_fields(f), spec)
 
     def decode_reply(self, header: Header) -> CommittedReply:
-        return CommittedReply(*_status_fields(_Fields(header, "committed reply")))
+        return CommittedReply(*_status_fields(_fields(header, "committed reply")))
 
 
 # --------------------------------------------------------------------------- persist
@@ -472,13 +413,13 @@ class PersistRequest(Request[PersistReply]):
 
     @classmethod
     def decode(cls, header: Header, body: bytes) -> PersistRequest:
-        f = _Fields(header, "persist request")
+        f = _fields(header, "persist request")
         sets: list[ChangeSet] = []
         pos = 0
         for i, raw in enumerate(f.array("sets")):
             if not isinstance(raw, dict):
                 raise f.bad("sets", "a list of objects")
-            m = _Fields(raw, f"persist request: sets[{i}]")
+            m = _fields(raw, f"persist request: sets[{i}]")
             n = m.integer("size")
             sets.append(ChangeSet(m.text("log_id"), m.integer("sqn"), body[pos:pos + n],
                                   m.integer("change_count"), m.integer("payload_bytes"),
@@ -490,7 +431,7 @@ class PersistRequest(Request[PersistReply]):
         return cls(StoreRef.from_fields(f), tuple(sets))
 
     def decode_reply(self, header: Header) -> PersistReply:
-        f = _Fields(header, "persist reply")
+        f = _fields(header, "persist reply")
         refs: list[tuple[str, int, int]] = []
         for raw in f.array("refs"):
             if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
@@ -537,12 +478,12 @@ class LeaseRequest(Request[LeaseReply]):
 
     @classmethod
     def decode(cls, header: Header, body: bytes) -> LeaseRequest:
-        f = _Fields(header, "lease request")
+        f = _fields(header, "lease request")
         return cls(StoreRef.from_fields(f), f.text("key"), f.opt_text("verify"),
                    f.opt_integer("size_hint"))
 
     def decode_reply(self, header: Header) -> LeaseReply:
-        f = _Fields(header, "lease reply")
+        f = _fields(header, "lease reply")
         return LeaseReply(f.integer("lease", 1), f.opt_text("path"), f.integer("size"))
 
 
@@ -563,7 +504,7 @@ class ReleaseRequest(Request[ReleaseReply]):
 
     @classmethod
     def decode(cls, header: Header, body: bytes) -> ReleaseRequest:
-        return cls(_Fields(header, "release request").integer("lease", 1))
+        return cls(_fields(header, "release request").integer("lease", 1))
 
     def decode_reply(self, header: Header) -> ReleaseReply:
         return ReleaseReply()
@@ -585,8 +526,8 @@ class CacheStatsRequest(Request[CacheStatsReply]):
     op = "cache_stats"
 
     def decode_reply(self, header: Header) -> CacheStatsReply:
-        f = _Fields(header, "cache_stats reply")
-        stats = f.obj("stats")
+        f = _fields(header, "cache_stats reply")
+        stats = f.mapping("stats")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in stats.values()):
             raise f.bad("stats", "an object of integers")
         return CacheStatsReply(stats)
@@ -625,11 +566,11 @@ class MaterializationRequest(Request[MaterializationReply]):
 
     @classmethod
     def decode(cls, header: Header, body: bytes) -> MaterializationRequest:
-        f = _Fields(header, "materialization request")
+        f = _fields(header, "materialization request")
         return cls(StoreRef.from_fields(f), f.text("log_id"))
 
     def decode_reply(self, header: Header) -> MaterializationReply:
-        f = _Fields(header, "materialization reply")
+        f = _fields(header, "materialization reply")
         failed = f.opt_text("failed")
         if f.get("materialization") is None:
             return MaterializationReply(None, failed)
@@ -699,8 +640,8 @@ class ErrorReply:
     @classmethod
     def decode(cls, header: Header) -> ErrorReply:
         """Raises: AgentProtocolError: malformed."""
-        f = _Fields(header, "error reply")
-        attrs = f.obj("attrs") if header.get("attrs") is not None else {}
+        f = _fields(header, "error reply")
+        attrs = f.mapping("attrs") if header.get("attrs") is not None else {}
         plain = {k: v for k, v in attrs.items() if v is None or isinstance(v, (str, int, float))}
         return cls(f.text("error_type"), f.text("message"), f.opt_text("key"), plain)
 

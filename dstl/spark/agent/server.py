@@ -110,8 +110,8 @@ class AgentServer:
         self.storages: dict[str, ChangelogStorage] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.requests = 0
-        self.connections = 0
+        self.requests_served = 0
+        self.connections_accepted = 0
         self.cache_service: AgentCacheService | None = None  # see restore_cache()
         self.materializer = AgentMaterializer()
         self.conn_ids = itertools.count(1)  # names a connection's cache leases; never reused
@@ -160,7 +160,7 @@ class AgentServer:
                     conn, _ = srv.accept()
                 except TimeoutError:
                     continue
-                self.connections += 1
+                self.connections_accepted += 1
                 threading.Thread(target=self._connection, args=(conn,),
                                  name="dstl-agent-conn", daemon=True).start()
         finally:
@@ -182,8 +182,8 @@ class AgentServer:
         """``agent.*``: the agent's own counters, its storages' metrics summed, its cache's
         stats and its materializer's counters."""
         out: dict[str, float] = {"agent.pid": float(os.getpid()),
-                                 "agent.requests": float(self.requests),
-                                 "agent.connections": float(self.connections)}
+                                 "agent.requests": float(self.requests_served),
+                                 "agent.connections": float(self.connections_accepted)}
         for st in list(self.storages.values()):
             for k, v in st.metrics().items():
                 out[f"agent.{k}"] = out.get(f"agent.{k}", 0.0) + v
@@ -239,7 +239,7 @@ class AgentServer:
                     if isinstance(exc, AgentProtocolError):
                         logger.warning("connection %d dropped: %s", conn_id, exc)
                     return
-                self.requests += 1
+                self.requests_served += 1
                 respond = responder(header.get("id"))
                 try:
                     self._dispatch(conn_id, decode_request(header, body), respond)

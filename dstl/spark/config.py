@@ -1,0 +1,78 @@
+"""What the driver ships to every task of the Spark operator: the operator's configuration
+(:class:`OperatorConfig`, fixed for the query) and the micro-batch's input (:class:`TaskInput`),
+plus the per-partition names and options derived from them.
+
+Both are plain frozen dataclasses: they travel to the executors inside the ``mapInArrow``
+closure (cloudpickle), and every module of the executor side reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstl.keygroups import KeyGroupRange
+from dstl.options import DstlOptions
+from materializer.options import BackendOptions
+
+__all__ = ["OperatorConfig", "TaskInput"]
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything a task needs to know about the operator (shipped with the task closure)."""
+
+    name: str
+    processor: Any  # the StatefulProcessor class (cloudpickled)
+    key_column: str
+    output_columns: tuple[str, ...]
+    arrow_schema: Any  # pyarrow schema of the output columns + the report column
+    state_uri: str
+    storage_options: dict[str, Any] | None
+    partitions: int
+    max_parallelism: int
+    table: str
+    dstl_options: DstlOptions
+    backend_options: BackendOptions
+    materialization_interval_s: float
+    local_dir: str | None = None
+    agent: bool = True
+
+    @property
+    def agent_materializes(self) -> bool:
+        """The executor agent materializes LMDB partitions (a heap lives in one worker's
+        memory, so the task materializes it)."""
+        return self.agent and self.table == "lmdb"
+
+    def task_backend_options(self) -> BackendOptions:
+        """The backend options of a partition's backend in a task."""
+        if self.agent_materializes:  # no timer, no size trigger: the agent decides
+            return self.backend_options.replace(materialization_interval_s=None,
+                                                materialize_log_ratio=None)
+        return self.backend_options
+
+    def key_groups(self, partition: int) -> KeyGroupRange:
+        """The key groups of ``partition`` (Flink's operator-index rule)."""
+        return KeyGroupRange.of_operator(self.max_parallelism, self.partitions, partition)
+
+    def operator_id(self, partition: int) -> str:
+        """The backend's operator id (log id) of ``partition``."""
+        return f"{self.name}/p{partition}"
+
+
+@dataclass(frozen=True)
+class TaskInput:
+    """What changes per micro-batch.
+
+    Attributes:
+        batch_id: the micro-batch, also the checkpoint id the task writes.
+        base_checkpoint: the checkpoint the batch starts from (-1: empty state).
+        base_handles: partition -> the base checkpoint's backend handle (JSON) of that
+            partition.
+        retained: the checkpoint ids the coordinator still retains.
+    """
+
+    batch_id: int
+    base_checkpoint: int
+    base_handles: dict[int, str] = field(default_factory=dict)
+    retained: tuple[int, ...] = ()

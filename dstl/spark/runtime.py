@@ -1,0 +1,200 @@
+"""A Python worker's DSTL runtime: per worker process and operator, the storage, the restore
+cache, the executor agent connection, and the partitions this worker served.
+
+Theory of operation
+-------------------
+A Python worker keeps module-level objects between tasks, but a partition does not stick to a
+worker (reference: spark_state.md §4). So each worker process holds one :class:`WorkerRuntime`
+per operator (:func:`runtime_for`), built on the first task and kept until the process exits,
+is forked (never reused across a fork), or loses its agent (the runtime is closed and built
+again; its partitions restore from their last checkpoint).
+
+A :class:`Slot` is one partition this worker served: its backend, its processor, and the
+checkpoint the backend's state is at. With LMDB the partition's table is on the executor's disk
+and shared by all its workers, so the runtime also keeps, per partition, the *table batch-id
+file* ``<operator dir>/p<N>.batch-id``: the batch id (= checkpoint id) whose commit the on-disk
+table holds, written with ``os.replace`` after each task and removed when a task fails. Together
+with the table marker (which attempt of that batch) it tells a worker whether the table is at
+the base checkpoint (:mod:`dstl.spark.slots`).
+
+With the executor agent (``agent=True``), the runtime's storage uploads through the agent
+(:class:`~dstl.spark.agent.AgentUploadScheduler`) and restores read through the agent's cache
+(:class:`~dstl.spark.agent.AgentCache`); without it, the storage has its own scheduler and the
+process its own :class:`~restore.cache.LocalFileCache` in ``<operator dir>/cache-<pid>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from dstl.layout import operator_dir
+from dstl.spark.agent import (
+    AgentCache,
+    AgentClient,
+    AgentUploadScheduler,
+    ensure_agent,
+    executor_pid,
+)
+from dstl.spark.config import OperatorConfig
+from dstl.spark.processor import StatefulProcessor
+from dstl.storage import ChangelogStorage
+from materializer.backend import ChangelogKeyedStateBackend
+from restore.cache import LocalFileCache
+
+__all__ = ["Slot", "WorkerRuntime", "close_runtime", "runtime_for", "runtime_of", "runtimes"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Slot:
+    """A partition this worker serves.
+
+    Attributes:
+        backend: the partition's backend.
+        processor: the user's processor instance, initialised on ``backend``.
+        checkpoint_id: the checkpoint (batch id) the backend's state is at.
+        last_materialized_s: monotonic time of the backend's last materialization in the task.
+    """
+
+    backend: ChangelogKeyedStateBackend
+    processor: StatefulProcessor
+    checkpoint_id: int
+    last_materialized_s: float
+
+    def close(self) -> None:
+        """Close the processor (its optional hook), then the backend, even if the hook fails."""
+        try:
+            close = getattr(self.processor, "close", None)  # duck-typed processors may lack it
+            if close is not None:
+                close()
+        finally:
+            self.backend.close()
+
+
+def _executor_dir() -> str:
+    """The executor's local directory: the first ``SPARK_LOCAL_DIRS`` entry, else the temp dir."""
+    return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
+
+
+class WorkerRuntime:
+    """Per worker process and operator: storage, cache, agent client, and the partitions served
+    here (see the module docstring)."""
+
+    def __init__(self, cfg: OperatorConfig) -> None:
+        self.cfg = cfg
+        self.pid = os.getpid()
+        executor_dir = _executor_dir()
+        self.agent: AgentClient | None = None
+        uploader = None
+        if cfg.agent:
+            # the agent lives in the executor's own directory: it goes away with the executor
+            path = ensure_agent(os.path.join(executor_dir, "dstl-agent"), executor_pid())
+            self.agent = AgentClient(path)
+            uploader = AgentUploadScheduler(self.agent, cfg.state_uri, cfg.storage_options,
+                                            cfg.dstl_options)
+        self.storage = ChangelogStorage(cfg.state_uri, options=cfg.dstl_options,
+                                        storage_options=cfg.storage_options, uploader=uploader)
+        #: ``<local_dir>/dstl/<operator>``: the partitions' tables and batch-id files
+        self.operator_dir = os.path.join(cfg.local_dir or executor_dir, "dstl",
+                                         operator_dir(cfg.name))
+        os.makedirs(self.operator_dir, exist_ok=True)
+        self.cache: AgentCache | LocalFileCache
+        if self.agent is not None:
+            # the executor's one cache lives in the agent: an object is downloaded once per
+            # executor, and a killed worker leaves no files and no leases behind
+            self.cache = AgentCache(self.agent, cfg.state_uri, cfg.storage_options,
+                                    cfg.dstl_options)
+        else:
+            self.cache = LocalFileCache(os.path.join(self.operator_dir, f"cache-{self.pid}"))
+        self.slots: dict[int, Slot] = {}
+        self.lock = threading.Lock()
+
+    def table_batch_id_path(self, partition: int) -> str:
+        """``<operator dir>/p<N>.batch-id``: the batch id the partition's on-disk table holds."""
+        return os.path.join(self.operator_dir, f"p{partition}.batch-id")
+
+    def read_table_batch_id(self, partition: int) -> int | None:
+        """The batch id the partition's on-disk table holds (``None``: unknown)."""
+        try:
+            with open(self.table_batch_id_path(partition)) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def write_table_batch_id(self, partition: int, batch_id: int | None) -> None:
+        """Record the batch id the partition's table holds now (``None``: unknown, remove)."""
+        path = self.table_batch_id_path(partition)
+        if batch_id is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(batch_id))
+        os.replace(tmp, path)
+
+    def drop(self, partition: int) -> None:
+        """Forget the partition's slot (closing its backend); the next task gets it again."""
+        slot = self.slots.pop(partition, None)
+        if slot is not None:
+            slot.close()
+
+    def close(self) -> None:
+        for partition in list(self.slots):
+            self.drop(partition)
+        self.storage.close()
+        self.cache.close()
+        if self.agent is not None:
+            self.agent.close()
+
+
+_RUNTIMES: dict[tuple[str, str], WorkerRuntime] = {}
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def _key(cfg: OperatorConfig) -> tuple[str, str]:
+    return (cfg.state_uri, cfg.name)
+
+
+def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
+    """This process's runtime of the operator, built on first use, after a fork, and after the
+    executor agent was lost."""
+    key = _key(cfg)
+    with _RUNTIMES_LOCK:
+        rt = _RUNTIMES.get(key)
+        if rt is not None and rt.pid == os.getpid() and rt.agent is not None and rt.agent.broken:
+            # the agent died: this process's writers can no longer upload; start over (the
+            # partitions restore from their last checkpoint)
+            logger.warning("executor agent connection lost; resetting DSTL runtime %s", key)
+            rt.close()
+            rt = None
+        if rt is None or rt.pid != os.getpid():  # never reuse across fork
+            rt = _RUNTIMES[key] = WorkerRuntime(cfg)
+        return rt
+
+
+def runtime_of(cfg: OperatorConfig) -> WorkerRuntime | None:
+    """This process's runtime of the operator, if one was built here."""
+    with _RUNTIMES_LOCK:
+        rt = _RUNTIMES.get(_key(cfg))
+    return rt if rt is not None and rt.pid == os.getpid() else None
+
+
+def runtimes() -> list[WorkerRuntime]:
+    """This process's runtimes, one per operator it ran."""
+    with _RUNTIMES_LOCK:
+        return [rt for rt in _RUNTIMES.values() if rt.pid == os.getpid()]
+
+
+def close_runtime(cfg: OperatorConfig) -> None:
+    """Close and forget this process's runtime of the operator (if any)."""
+    with _RUNTIMES_LOCK:
+        rt = _RUNTIMES.pop(_key(cfg), None)
+    if rt is not None and rt.pid == os.getpid():
+        rt.close()
