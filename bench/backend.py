@@ -18,7 +18,7 @@ Figures, each against its baseline measured in the same run:
    segments written per checkpoint.
 3. Update latency (per update, timed in batches of 100 so the timer costs little) while a heap
    table of 1 M entries (quick: 200 k) is materialized on the backend's background thread
-   (started with the backend's own ``_start_materialization``; waited for at the end) vs the same
+   (started with the backend's ``materialization.start()``; waited for at the end) vs the same
    number of batches without a materialization, alternating in one run. Goal: p99 <= 2x.
 4. Space: (materialized snapshot bytes + log bytes since the last materialization, i.e. the
    checkpoint handle's ``full_size`` = ``lastFullSizeOfMaterialization`` +
