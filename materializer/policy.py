@@ -143,28 +143,36 @@ class MaterializationPolicy:
         """Log bytes since the last snapshot beyond which the size trigger fires (rule 3)."""
         return self.rules.size_threshold(self.snapshot_bytes)
 
-    def size_due(self, log_bytes: float) -> bool:
-        return log_bytes > self.size_threshold
+    def size_due(self, log_bytes: float, snapshot_bytes: int | None = None) -> bool:
+        """Whether ``log_bytes`` since the last snapshot fire the size trigger.
 
-    def due_at(self, log_bytes: float) -> float:
+        ``snapshot_bytes``: the size of the snapshot the log is counted from, when the owner
+        measures from another one than the last recorded here (the executor agent counts the log
+        of the worker's checkpoint, which starts at the snapshot that checkpoint references).
+        """
+        size = self.snapshot_bytes if snapshot_bytes is None else snapshot_bytes
+        return log_bytes > self.rules.size_threshold(size)
+
+    def due_at(self, log_bytes: float, snapshot_bytes: int | None = None) -> float:
         """When the table is due given ``log_bytes`` since its last snapshot (``-inf``: the
         size trigger says now; ``inf``: never, or failed)."""
         if self.has_failed:
             return math.inf
-        return -math.inf if self.size_due(log_bytes) else self.next_due
+        return -math.inf if self.size_due(log_bytes, snapshot_bytes) else self.next_due
 
-    def due(self, now: float, log_bytes: float) -> bool:
+    def due(self, now: float, log_bytes: float, snapshot_bytes: int | None = None) -> bool:
         """Whether an attempt is due at ``now`` (by time or size; never once failed)."""
-        return not self.has_failed and now >= self.due_at(log_bytes)
+        return not self.has_failed and now >= self.due_at(log_bytes, snapshot_bytes)
 
     def has_new(self, boundary: Hashable | None) -> bool:
         """Whether a log ending at ``boundary`` holds anything the last snapshot does not
         (rule 4; ``None``: no log at all)."""
         return boundary is not None and boundary != self.boundary
 
-    def should_start(self, now: float, log_bytes: float, boundary: Hashable | None) -> bool:
+    def should_start(self, now: float, log_bytes: float, boundary: Hashable | None,
+                     snapshot_bytes: int | None = None) -> bool:
         """Due and something new: an attempt should start now (the owner's guard aside)."""
-        return self.due(now, log_bytes) and self.has_new(boundary)
+        return self.due(now, log_bytes, snapshot_bytes) and self.has_new(boundary)
 
     # ------------------------------------------------------------------ outcomes (rules 2, 5, 6)
 

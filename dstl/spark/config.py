@@ -33,8 +33,7 @@ class OperatorConfig:
     max_parallelism: int
     table: str
     dstl_options: DstlOptions
-    backend_options: BackendOptions
-    materialization_interval_s: float
+    backend_options: BackendOptions  # its materialization_interval_s is the operator's
     local_dir: str | None = None
     agent: bool = True
 
@@ -43,13 +42,6 @@ class OperatorConfig:
         """The executor agent materializes LMDB partitions (a heap lives in one worker's
         memory, so the task materializes it)."""
         return self.agent and self.table == "lmdb"
-
-    def task_backend_options(self) -> BackendOptions:
-        """The backend options of a partition's backend in a task."""
-        if self.agent_materializes:  # no timer, no size trigger: the agent decides
-            return self.backend_options.replace(materialization_interval_s=None,
-                                                materialize_log_ratio=None)
-        return self.backend_options
 
     def key_groups(self, partition: int) -> KeyGroupRange:
         """The key groups of ``partition`` (Flink's operator-index rule)."""

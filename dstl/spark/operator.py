@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -63,8 +64,14 @@ class DstlStatefulOperator:
         backend_options: :class:`~materializer.BackendOptions`; default: Spark conf
             ``spark.dstl.backend.<field>``, else the defaults.
         retained: completed checkpoints kept (>= 2: a re-run of a batch needs the one before).
-        materialization_interval_s: a partition materializes at most this often (and when its
-            log outgrows its snapshot, see ``BackendOptions.materialize_log_ratio``).
+        materialization_interval_s: the ``BackendOptions.materialization_interval_s`` of this
+            operator's backends — one setting, one meaning (``materializer/policy.py``): a
+            partition's first materialization is due a random delay in ``[0, interval)`` after
+            a worker (or the executor agent) takes it over, then ``interval`` after each
+            attempt; ``0``: at every batch; ``None``: never by time (the size trigger,
+            ``BackendOptions.materialize_log_ratio``, still applies). It replaces the value in
+            ``backend_options``/``spark.dstl.backend.materialization_interval_s``, which must
+            agree with it when set.
         local_dir: executor-local directory for tables and caches (default: SPARK_LOCAL_DIRS).
         agent: group-commit the segments of all tasks of an executor in one executor agent
             process (one object per executor per flush window); ``False``: each task writes its
@@ -77,7 +84,7 @@ class DstlStatefulOperator:
                  storage_options: Mapping[str, Any] | None = None,
                  options: DstlOptions | None = None,
                  backend_options: BackendOptions | None = None, retained: int = 3,
-                 materialization_interval_s: float = 60.0, local_dir: str | None = None,
+                 materialization_interval_s: float | None = 60.0, local_dir: str | None = None,
                  agent: bool = True) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError("name", name, "a non-empty string without '/'",
@@ -90,6 +97,7 @@ class DstlStatefulOperator:
         if not isinstance(retained, int) or retained < 2:
             raise ConfigError("retained", retained, ">= 2 (a re-run batch restores from the "
                               "checkpoint before it)", owner="DstlStatefulOperator")
+        _check_interval(materialization_interval_s)
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -143,8 +151,8 @@ class DstlStatefulOperator:
             state_uri=self.state_uri, storage_options=self.storage_options,
             partitions=self.partitions, max_parallelism=self.max_parallelism, table=self.table,
             dstl_options=self._options or DstlOptions.from_mapping(conf, "spark.dstl."),
-            backend_options=self._backend_options or _backend_options_from(conf),
-            materialization_interval_s=self.materialization_interval_s,
+            backend_options=_with_interval(self._backend_options, conf,
+                                           self.materialization_interval_s),
             local_dir=self.local_dir, agent=self.agent)
 
     def validate(self, spark: Any) -> None:
@@ -338,6 +346,38 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
         "agents": {int(r.agent_metrics["agent.pid"]): r.agent_metrics for r in reports
                    if r.agent_metrics},
     }
+
+
+_INTERVAL_KEY = "spark.dstl.backend.materialization_interval_s"
+
+
+def _check_interval(v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                          or not math.isfinite(v) or v < 0):
+        raise ConfigError("materialization_interval_s", v, "a number of seconds >= 0, or None",
+                          owner="DstlStatefulOperator")
+
+
+def _with_interval(explicit: BackendOptions | None, conf: Mapping[str, str],
+                   interval: float | None) -> BackendOptions:
+    """The operator's backend options (``explicit``, else from ``conf``) with the operator's
+    ``materialization_interval_s`` — the interval's one setting under Spark.
+
+    Raises:
+        ConfigError: the interval is also set there (a non-default ``backend_options`` value, or
+            the conf key) to another value.
+    """
+    opts = explicit or _backend_options_from(conf)
+    given = opts.materialization_interval_s
+    set_there = (given != BackendOptions().materialization_interval_s if explicit is not None
+                 else _INTERVAL_KEY in conf)
+    if set_there and given != interval:
+        raise ConfigError("materialization_interval_s", given,
+                          f"the operator's materialization_interval_s ({interval!r}), which is "
+                          "the interval of its backends: set it there only",
+                          owner="DstlStatefulOperator.backend_options" if explicit is not None
+                          else "spark.dstl.backend")
+    return opts.replace(materialization_interval_s=interval)
 
 
 def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:

@@ -59,13 +59,11 @@ class Slot:
         backend: the partition's backend.
         processor: the user's processor instance, initialised on ``backend``.
         checkpoint_id: the checkpoint (batch id) the backend's state is at.
-        last_materialized_s: monotonic time of the backend's last materialization in the task.
     """
 
     backend: ChangelogKeyedStateBackend
     processor: StatefulProcessor
     checkpoint_id: int
-    last_materialized_s: float
 
     def close(self) -> None:
         """Close the processor (its optional hook), then the backend, even if the hook fails."""

@@ -54,7 +54,7 @@ def acquire(rt: WorkerRuntime, partition: int, task_input: TaskInput
     access = dataclasses.replace(access, restore_seconds=time.monotonic() - started)
     processor = rt.cfg.processor()
     processor.init(StatefulProcessorHandle(backend))
-    slot = Slot(backend, processor, task_input.base_checkpoint, time.monotonic())
+    slot = Slot(backend, processor, task_input.base_checkpoint)
     rt.slots[partition] = slot
     return slot, access
 
@@ -97,8 +97,8 @@ def _open_at_base(rt: WorkerRuntime, partition: int, task_input: TaskInput
     if not handles:  # no state yet (first batch, or a partition that never had a checkpoint)
         return ChangelogKeyedStateBackend(
             rt.storage, operator_id, key_groups, cfg.max_parallelism, table=cfg.table,
-            options=cfg.task_backend_options(), local_directory=rt.operator_dir,
-            clear_local=True), SlotAccess("new")
+            options=cfg.backend_options, local_directory=rt.operator_dir,
+            clear_local=True, auto_materialize=False), SlotAccess("new")
     same_layout = len(handles) == 1 and handles[0].key_groups == key_groups
     if (same_layout and cfg.table == "lmdb"
             and rt.read_table_batch_id(partition) == task_input.base_checkpoint):
@@ -108,8 +108,8 @@ def _open_at_base(rt: WorkerRuntime, partition: int, task_input: TaskInput
     stats = RestoreStats()
     backend = restore_backend(handles, rt.storage, key_groups, table=cfg.table, cache=rt.cache,
                               operator_id=operator_id, max_parallelism=cfg.max_parallelism,
-                              options=cfg.task_backend_options(),
-                              local_directory=rt.operator_dir, stats=stats)
+                              options=cfg.backend_options, local_directory=rt.operator_dir,
+                              stats=stats, auto_materialize=False)
     return backend, SlotAccess("restore" if same_layout else "rescale",
                                restored_changes=int(stats.get("changes", 0)),
                                restored_entries=int(stats.get("entries", 0)))
@@ -138,8 +138,9 @@ def _adopt(rt: WorkerRuntime, operator_id: str, key_groups: KeyGroupRange,
     cfg = rt.cfg
     backend = ChangelogKeyedStateBackend(rt.storage, operator_id, key_groups,
                                          cfg.max_parallelism, table=cfg.table,
-                                         options=cfg.task_backend_options(),
-                                         local_directory=rt.operator_dir)
+                                         options=cfg.backend_options,
+                                         local_directory=rt.operator_dir,
+                                         auto_materialize=False)
     try:
         marker = _marker(backend)
         if marker is None or not marker.holds(h):

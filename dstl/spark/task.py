@@ -24,7 +24,9 @@ partitions, from a read transaction, while workers keep writing: before it check
 installs the newest snapshot the agent took of its partition (if its log reaches the snapshot's
 boundary), and after it commits, it registers the partition's new marker with the agent
 (``committed``). The heap table, and every table with ``agent=False``, materializes in the task,
-synchronously when due; with ``agent=False`` each task also writes its own segment.
+synchronously, when the backend's policy says it is due (:mod:`materializer.policy`; the task's
+backends start nothing by themselves: ``auto_materialize=False``); with ``agent=False`` each task
+also writes its own segment.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, batch_id: int, batches: Iterable[A
             # commits with this batch's state: a read transaction sees both or neither
             checkpointed = _checkpoint(backend, batch_id, write_marker=True), snapshot
     if checkpointed is None:
-        snapshot = _materialize_if_due(cfg, slot)
+        snapshot = _materialize_if_due(slot)
         # LMDB: the marker lets another worker adopt the table without reads
         checkpointed = _checkpoint(backend, batch_id, write_marker=cfg.table == "lmdb"), snapshot
     handle, snapshot = checkpointed
@@ -171,26 +173,13 @@ def _refs_since(backend: ChangelogKeyedStateBackend, first_sqn: int) -> list[Cha
 # --------------------------------------------------------------------------- materialization
 
 
-def _materialization_due(cfg: OperatorConfig, slot: Slot) -> bool:
-    if time.monotonic() - slot.last_materialized_s >= cfg.materialization_interval_s:
-        return True
-    m = slot.backend.metrics()
-    prefix = f"ChangelogBackend.{slot.backend.operator_id}."
-    log = m.get(prefix + "logBytesSinceMaterialization", 0.0)
-    ratio = cfg.backend_options.materialize_log_ratio
-    return ratio is not None and log > max(cfg.backend_options.materialize_min_log_bytes,
-                                           ratio * m.get(prefix + "lastFullSizeOfMaterialization",
-                                                         0.0))
-
-
-def _materialize_if_due(cfg: OperatorConfig, slot: Slot) -> SnapshotRef | None:
-    """Materialize in the task when due (heap, or ``agent=False``); the new snapshot, if any."""
-    if not _materialization_due(cfg, slot):
+def _materialize_if_due(slot: Slot) -> SnapshotRef | None:
+    """Materialize in the task when the backend's policy says it is due (heap, or
+    ``agent=False``; the task's backends are polled, they start nothing by themselves); the new
+    snapshot, if any."""
+    if not slot.backend.materialization.due():
         return None
-    snapshot = slot.backend.materialize_now(timeout_s=_CHECKPOINT_TIMEOUT_S)
-    if snapshot is not None:
-        slot.last_materialized_s = time.monotonic()
-    return snapshot
+    return slot.backend.materialize_now(timeout_s=_CHECKPOINT_TIMEOUT_S)
 
 
 def _store_ref(cfg: OperatorConfig) -> StoreRef:
@@ -229,7 +218,7 @@ def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: Changelog
         marker = backend.table_marker(handle)
         spec = PartitionSpec(
             backend.operator_id, backend.tables.path, backend.key_groups,
-            cfg.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
+            bo.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
             bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
             marker.snapshot_bytes)
     reply = agent.call(CommittedRequest(_store_ref(cfg), spec), _AGENT_QUICK_TIMEOUT_S)

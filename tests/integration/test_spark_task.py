@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from dstl import DstlOptions
 from dstl.spark import StatefulProcessor
@@ -51,7 +53,7 @@ def _lmdb_cfg(tmp_path: Path, name: str) -> OperatorConfig:
         dstl_options=DstlOptions(persist_delay_s=0.0),
         backend_options=BackendOptions(materialization_interval_s=None,
                                        materialize_log_ratio=None),
-        materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+        local_dir=str(tmp_path / "local"), agent=False)
 
 
 def test_lmdb_hit_requires_the_on_disk_batch_id(tmp_path: Path) -> None:
@@ -87,7 +89,7 @@ def test_changing_partitions_restores_from_every_intersecting_handle(tmp_path: P
             dstl_options=DstlOptions(persist_delay_s=0.0),
             backend_options=BackendOptions(materialization_interval_s=None,
                                            materialize_log_ratio=None),
-            materialization_interval_s=1e9, local_dir=str(tmp_path / "local"), agent=False)
+            local_dir=str(tmp_path / "local"), agent=False)
 
     keys = [f"user-{i}" for i in range(20)]
     two = cfg(2)
@@ -177,3 +179,69 @@ def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Pat
         assert out3 == {"a": 3, "b": 3}
     finally:
         close_runtime(cfg)
+
+
+def _heap_cfg(tmp_path: Path, name: str, backend_options: BackendOptions) -> OperatorConfig:
+    return OperatorConfig(
+        name=name, processor=Count, key_column="key", output_columns=("key", "count"),
+        arrow_schema=SCHEMA, state_uri=str(tmp_path / "store"), storage_options=None,
+        partitions=1, max_parallelism=8, table="heap",
+        dstl_options=DstlOptions(persist_delay_s=0.0), backend_options=backend_options,
+        local_dir=str(tmp_path / "local"), agent=False)
+
+
+def _snapshots_per_batch(cfg: OperatorConfig, key_batches: list[list[str]]) -> list[int]:
+    """Run consecutive batches of one partition (each based on the previous); how many
+    snapshots each took."""
+    taken: list[int] = []
+    base: dict[int, str] = {}
+    try:
+        for batch_id, keys in enumerate(key_batches):
+            inp = TaskInput(batch_id, batch_id - 1, base, tuple(range(batch_id)))
+            _, report = _run(cfg, inp, keys)
+            base = {0: report.handle.to_json()}
+            taken.append(int(report.snapshot is not None))
+            threads = [t.name for t in threading.enumerate()]
+            # the task decides: its backends run no timer thread of their own
+            assert not [n for n in threads if n.startswith("dstl-timer-materializer")], threads
+    finally:
+        close_runtime(cfg)
+    return taken
+
+
+def test_the_task_materializes_when_the_backends_policy_says_so(tmp_path: Path) -> None:
+    """Without the agent the task asks its backend's policy once per batch: interval 0 is every
+    batch; the size trigger is the backend's (log since the last snapshot vs its size)."""
+    every = _heap_cfg(tmp_path, "every", BackendOptions(materialization_interval_s=0.0,
+                                                        materialize_log_ratio=None))
+    assert _snapshots_per_batch(every, [["a"], ["a", "b"], ["b"]]) == [1, 1, 1]
+    never = _heap_cfg(tmp_path, "never", BackendOptions(materialization_interval_s=None,
+                                                        materialize_log_ratio=None))
+    assert _snapshots_per_batch(never, [["a"], ["b"]]) == [0, 0]
+    by_size = _heap_cfg(tmp_path, "size", BackendOptions(
+        materialization_interval_s=None, materialize_log_ratio=1.0, materialize_min_log_bytes=1))
+    # batch 0: log > 1 byte (no snapshot yet); batch 1: one change, less than the snapshot;
+    # batch 2: 400 keys' changes outgrow the snapshot of one key
+    assert _snapshots_per_batch(by_size, [["a"], ["a"], [f"k{i}" for i in range(400)]]) == [
+        1, 0, 1]
+
+
+def test_the_operators_interval_is_its_backends_one_setting() -> None:
+    from dstl.errors import ConfigError
+    from dstl.spark.operator import DstlStatefulOperator, _with_interval
+
+    assert _with_interval(None, {}, 5.0).materialization_interval_s == 5.0
+    assert _with_interval(BackendOptions(max_failures=1), {}, None) == BackendOptions(
+        max_failures=1, materialization_interval_s=None)
+    conf = {"spark.dstl.backend.materialization_interval_s": "5",
+            "spark.dstl.backend.max_failures": "1"}
+    assert _with_interval(None, conf, 5.0) == BackendOptions(materialization_interval_s=5.0,
+                                                             max_failures=1)
+    with pytest.raises(ConfigError, match="operator's materialization_interval_s"):
+        _with_interval(None, conf, 60.0)  # the conf says otherwise
+    with pytest.raises(ConfigError, match="operator's materialization_interval_s"):
+        _with_interval(BackendOptions(materialization_interval_s=30.0), {}, 60.0)
+    with pytest.raises(ConfigError, match="materialization_interval_s"):
+        DstlStatefulOperator(name="x", processor=Count, key_column="key",
+                             output_schema="key string", state_uri="/tmp/x",
+                             materialization_interval_s=-1.0)

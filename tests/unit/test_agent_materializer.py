@@ -112,3 +112,39 @@ def test_spec_round_trip() -> None:
     assert PartitionSpec.from_json_obj(spec.to_json_obj()) == spec
     with pytest.raises(KeyError):
         PartitionSpec.from_json_obj({"log_id": "x"})
+
+
+def test_schedule_is_the_policys_first_delay_then_nothing_new_stays_due(tmp_path: Path) -> None:
+    """The agent's partitions follow materializer.policy: first due at the drawn delay, then
+    the interval after an attempt; an unchanged boundary is not attempted and does not move the
+    schedule, so the partition runs as soon as its next commit registers a new boundary."""
+    storage, _env, spec = _table_with_checkpoints(tmp_path, 2)
+    clock = Clock()
+    draws: list[tuple[float, float]] = []
+
+    def uniform(a: float, b: float) -> float:
+        draws.append((a, b))
+        return 4.0
+
+    m = AgentMaterializer(clock=clock, start=False, uniform=uniform)
+    m.register("s", storage.store, spec)
+    assert draws == [(0.0, 10.0)]
+    clock.now += 3.9
+    assert m.run_due() == 0
+    clock.now += 0.1
+    assert m.run_due() == 1
+    clock.now += 50.0  # past the interval (not stale yet), but nothing new: no attempt
+    assert m.run_due() == 0 and m.metrics()["materializer.started"] == 1
+    # the boundary moves (here: a marker the table does not hold, so the attempt writes
+    # nothing): due at once, then again only an interval after that attempt
+    m.register("s", storage.store, dataclasses.replace(spec, boundary=("dstl/next", 0)))
+    m.run_due()
+    assert m.metrics()["materializer.started"] == 2
+    clock.now += 9.9
+    m.run_due()
+    assert m.metrics()["materializer.started"] == 2
+    clock.now += 0.1
+    m.run_due()
+    assert m.metrics()["materializer.started"] == 3
+    m.close()
+    storage.close()

@@ -9,11 +9,13 @@ agent: where its table lives, its store, its options, and the new marker's bound
 Partitions not registered again within ``stale_after_s`` (they moved to another executor) are
 dropped.
 
-*Schedule* (per partition, Flink's, plus DSTL's size trigger): the first materialization is due
-a random delay in ``[0, interval)`` after the partition is first seen, then a fixed delay after
-each run; it is due at once when the log since the snapshot outgrows ``log_ratio`` times the
-snapshot (stored bytes on both sides, at least ``min_log_bytes``). A partition whose boundary has
-not moved since its last materialization is skipped (nothing new).
+*Schedule.* One :class:`~materializer.policy.MaterializationPolicy` per partition decides, with
+the rules every materializing runtime uses: the first materialization is due a random delay in
+``[0, interval)`` after the partition is first seen, then ``interval`` after each attempt (one
+that found its table missing or unchanged included); it is due at once when the log since the
+checkpoint's snapshot outgrows ``log_ratio`` times that snapshot (here stored bytes on both
+sides — the marker's sizes — at least ``min_log_bytes``). A partition whose boundary has not
+moved since its last materialization is not attempted, and stays due until it moves.
 
 *Run.* One thread (``dstl-agent-materializer``) materializes due partitions one at a time with
 :func:`~materializer.external.materialize_table_directory` — a read-only LMDB open and one read
@@ -35,18 +37,20 @@ backend). A table that is not there (a worker is restoring it right now) is not 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dstl.errors import DstlError
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
 from materializer.external import ExternalMaterialization, materialize_table_directory
+from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
 
 __all__ = ["AgentMaterializer", "LatestMaterialization", "PartitionSpec"]
 
@@ -104,9 +108,11 @@ class PartitionSpec:
                 "boundary": list(self.boundary) if self.boundary else None,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes}
 
-    def size_triggered(self) -> bool:
-        return self.log_ratio is not None and self.log_bytes > max(
-            self.min_log_bytes, self.log_ratio * self.snapshot_bytes)
+    @property
+    def rules(self) -> MaterializationRules:
+        """The partition's materialization rules (the worker's ``BackendOptions``)."""
+        return MaterializationRules(self.interval_s, self.log_ratio, self.min_log_bytes,
+                                    self.max_failures)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +133,16 @@ class LatestMaterialization:
 class _Partition:
     spec: PartitionSpec
     store: BlobStore
-    next_due: float
+    policy: MaterializationPolicy  # its boundary: that of ``latest``
     last_seen: float
-    done_boundary: tuple[str, int] | None = None
     latest: ExternalMaterialization | None = None
-    failures: int = 0
     error: str | None = None
-    counts: dict[str, int] = field(default_factory=dict)
+
+    def due_at(self) -> float:
+        """When it is due (``inf``: never: nothing new since ``latest``, or failed for good)."""
+        if not self.policy.has_new(self.spec.boundary):
+            return math.inf
+        return self.policy.due_at(self.spec.log_bytes, self.spec.snapshot_bytes)
 
 
 class AgentMaterializer:
@@ -142,10 +151,13 @@ class AgentMaterializer:
     Args:
         clock: monotonic seconds (tests pass their own).
         start: start the background thread (tests drive :meth:`run_due` themselves).
+        uniform: random source of the partitions' first delays.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, start: bool = True,
+                 uniform: Uniform = random.uniform) -> None:
         self._clock = clock
+        self._uniform = uniform
         self._cond = threading.Condition()
         self._parts: dict[tuple[str, str], _Partition] = {}
         self._stop = False
@@ -167,15 +179,14 @@ class AgentMaterializer:
             ident = (store_key, spec.log_id)
             p = self._parts.get(ident)
             if p is None or p.spec.env_path != spec.env_path:
-                interval = spec.interval_s
-                first = now + random.uniform(0, interval) if interval is not None else float("inf")
-                p = self._parts[ident] = _Partition(spec, store, first, now)
+                policy = MaterializationPolicy(spec.rules, uniform=self._uniform)
+                first = policy.start(now)
+                p = self._parts[ident] = _Partition(spec, store, policy, now)
                 logger.info("materializer: partition %s registered (%s; first due in %.1fs)",
                             spec.log_id, spec.env_path, max(0.0, first - now))
             else:
                 p.spec, p.store, p.last_seen = spec, store, now
-            if spec.size_triggered() and spec.boundary != p.done_boundary:
-                p.next_due = now
+                p.policy.rules = spec.rules
             self._cond.notify_all()
 
     def latest(self, store_key: str, log_id: str) -> LatestMaterialization:
@@ -185,7 +196,7 @@ class AgentMaterializer:
             p = self._parts.get((store_key, log_id))
             if p is None:
                 return LatestMaterialization(None, None)
-            failed = p.error if p.failures > p.spec.max_failures else None
+            failed = p.error if p.policy.has_failed else None
             return LatestMaterialization(p.latest, failed)
 
     def request(self, store_key: str, log_id: str) -> None:
@@ -193,7 +204,7 @@ class AgentMaterializer:
         with self._cond:
             p = self._parts.get((store_key, log_id))
             if p is not None:
-                p.next_due = self._clock()
+                p.policy.request(self._clock())
                 self._cond.notify_all()
 
     def metrics(self) -> dict[str, float]:
@@ -212,14 +223,14 @@ class AgentMaterializer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _due_locked(self, now: float) -> list[_Partition]:
+    def _next_due_locked(self, now: float) -> _Partition | None:
         stale = [k for k, p in self._parts.items() if now - p.last_seen > max(
             _MIN_STALE_S, _STALE_INTERVALS * (p.spec.interval_s or 0.0))]
         for k in stale:
             logger.info("materializer: partition %s not seen for a while; dropped", k[1])
             del self._parts[k]
-        return sorted((p for p in self._parts.values() if p.next_due <= now and _eligible(p)),
-                      key=lambda p: p.next_due)
+        return min((p for p in self._parts.values() if p.due_at() <= now),
+                   key=_Partition.due_at, default=None)
 
     def run_due(self) -> int:
         """Materialize every partition that is due now, one at a time; returns how many were
@@ -227,44 +238,39 @@ class AgentMaterializer:
         written = 0
         while True:
             with self._cond:
-                due = self._due_locked(self._clock())
-                if not due or self._stop:
+                p = self._next_due_locked(self._clock())
+                if p is None or self._stop:
                     return written
-                p = due[0]
-                spec, store, skip = p.spec, p.store, p.done_boundary
+                spec, store = p.spec, p.store
+                skip = None if p.latest is None else p.latest.boundary
                 self._m["started"] += 1
-            result: ExternalMaterialization | None = None
-            error: BaseException | None = None
-            try:
-                if os.path.isdir(spec.env_path):
-                    result = materialize_table_directory(spec.env_path, spec.key_groups, store,
-                                                         zstd_level=spec.zstd_level,
-                                                         skip_boundary=skip)
-            except DstlError as exc:
-                error = exc
-            except OSError as exc:  # local file system trouble: count it, keep the agent up
-                error = exc
+            result, error = _attempt(spec, store, skip)
             with self._cond:
-                now = self._clock()
-                p.next_due = now + (spec.interval_s if spec.interval_s is not None
-                                    else float("inf"))
-                if error is not None:
-                    p.failures += 1
-                    p.error = f"{type(error).__name__}: {error}"
-                    self._m["failed"] += 1
-                    logger.warning("materializer: partition %s failed (%d in a row): %s",
-                                   spec.log_id, p.failures, p.error)
-                elif result is None:
-                    self._m["skipped"] += 1
-                else:
-                    p.latest, p.done_boundary = result, result.boundary
-                    p.failures, p.error = 0, None
-                    self._m["completed"] += 1
-                    self._m["bytes"] += result.ref.size
-                    self._m["entries"] += result.entries
-                    self._last_duration_ms = result.duration_s * 1e3
-                    written += 1
+                written += self._record_locked(p, result, error)
                 self._cond.notify_all()
+
+    def _record_locked(self, p: _Partition, result: ExternalMaterialization | None,
+                       error: BaseException | None) -> int:
+        """Record an attempt's outcome in the partition's policy; returns 1 if it wrote one."""
+        now = self._clock()
+        if error is not None:
+            p.policy.record_failure(now)
+            p.error = f"{type(error).__name__}: {error}"
+            self._m["failed"] += 1
+            logger.warning("materializer: partition %s failed (%d in a row): %s",
+                           p.spec.log_id, p.policy.consecutive_failures, p.error)
+            return 0
+        if result is None:
+            p.policy.record_empty(now)
+            self._m["skipped"] += 1
+            return 0
+        p.policy.record_success(now, result.boundary, result.ref.size)
+        p.latest, p.error = result, None
+        self._m["completed"] += 1
+        self._m["bytes"] += result.ref.size
+        self._m["entries"] += result.entries
+        self._last_duration_ms = result.duration_s * 1e3
+        return 1
 
     def _loop(self) -> None:
         while True:
@@ -272,15 +278,25 @@ class AgentMaterializer:
                 if self._stop:
                     return
                 now = self._clock()
-                pending = [p.next_due for p in self._parts.values() if _eligible(p)]
-                wait = min(pending, default=now + 5.0) - now
+                due = min((p.due_at() for p in self._parts.values()), default=math.inf)
+                wait = min(due, now + 5.0) - now
                 if wait > 0:
                     self._cond.wait(min(wait, 5.0))
                     continue
             self.run_due()
 
 
-def _eligible(p: _Partition) -> bool:
-    """Something new to materialize, and not failed for good."""
-    return (p.spec.boundary is not None and p.spec.boundary != p.done_boundary
-            and p.failures <= p.spec.max_failures)
+def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
+             ) -> tuple[ExternalMaterialization | None, BaseException | None]:
+    """One materialization of a partition's table: ``(result or None, error or None)``; a
+    table that is not there (being restored right now) gives neither."""
+    try:
+        if os.path.isdir(spec.env_path):
+            return materialize_table_directory(spec.env_path, spec.key_groups, store,
+                                               zstd_level=spec.zstd_level,
+                                               skip_boundary=skip), None
+    except DstlError as exc:
+        return None, exc
+    except OSError as exc:  # local file system trouble: count it, keep the agent up
+        return None, exc
+    return None, None

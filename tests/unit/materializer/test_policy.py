@@ -185,3 +185,14 @@ def test_policy_follows_its_rules_under_any_event_sequence(
             for log in (0, n, 2 * n + 1):
                 assert p.due(t, log) == (not failed and (t >= due_time or log > threshold))
         assert p.has_new(b) == (b != boundary) and not p.has_new(None)
+
+
+def test_owner_may_count_the_log_from_another_snapshot_size() -> None:
+    """The agent measures the log of the worker's checkpoint, which starts at the snapshot that
+    checkpoint references, not at the agent's own newest one."""
+    p = MaterializationPolicy(RULES, uniform=fixed(59.0))
+    p.start(0.0)
+    p.record_success(1.0, boundary=("k", 1), snapshot_bytes=5000)  # threshold 10,000
+    assert not p.size_due(3000) and p.size_due(3000, snapshot_bytes=1000)
+    assert p.due(2.0, 3000, snapshot_bytes=1000) and not p.due(2.0, 3000)
+    assert p.should_start(2.0, 3000, ("k", 2), snapshot_bytes=1000)
