@@ -15,11 +15,21 @@ broken: every request in flight and every later one fails with
 :class:`~dstl.spark.agent.protocol.AgentUnavailableError` (retryable: the task fails, Spark
 retries it, and the next worker starts a new agent). Nothing acknowledged is lost, because the
 agent answers a persist only once its segment is durable.
+
+*A death between two tasks.* :attr:`AgentClient.broken` does not wait for the reader thread to
+notice: it also asks the kernel (a zero-timeout ``poll``) whether the agent's end is closed. A
+worker checks it before it reuses its runtime for a task, so a task never starts on the
+connection of an agent that died after the previous task (it starts a new agent and restores
+instead of failing at its first send). Nothing is ever sent again on a new connection: a request
+that reached a dead agent may have had effects (a ``persist`` may have uploaded its segment; a
+``committed`` registered a partition), and the writer has already failed that upload, so only a
+whole new task attempt — from the base checkpoint, Spark's retry — is safe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 from concurrent.futures import Future
@@ -45,6 +55,8 @@ R = TypeVar("R", bound=Reply)
 
 #: How long a worker waits for a quick request (metrics) before taking the agent as hung.
 DEFAULT_QUICK_TIMEOUT_S = 10.0
+#: Poll events that mean the agent's end is gone (a reply waiting to be read is POLLIN only).
+_PEER_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL | select.POLLRDHUP
 
 
 class AgentClient:
@@ -73,8 +85,23 @@ class AgentClient:
 
     @property
     def broken(self) -> bool:
-        """Whether the connection is lost (for good)."""
-        return self._broken is not None
+        """Whether the connection is lost (for good): the reader thread saw it end, a send
+        failed, or the kernel already reports the agent's end closed.
+
+        The last check is what a worker asks before it reuses its runtime for a task
+        (:func:`dstl.spark.runtime.runtime_for`): the reader thread may not have run since the
+        agent died (it also runs the callbacks of the futures it resolves), and a task that
+        started on such a connection would fail at its first send ("Broken pipe").
+        """
+        if self._broken is not None:
+            return True
+        if not self._peer_closed():
+            return False
+        with self._lock:
+            if self._broken is None:
+                # sticky; the reader thread fails the requests in flight once it reads the end
+                self._broken = ConnectionResetError("the executor agent closed the connection")
+        return True
 
     def request(self, message: Request[R]) -> Future[R]:
         """Send ``message``; the future resolves to its reply, or fails with the error the agent
@@ -131,6 +158,17 @@ class AgentClient:
         self._reader.join(timeout=5)
 
     # ------------------------------------------------------------------ internals
+
+    def _peer_closed(self) -> bool:
+        """Whether the kernel reports the agent's end of the socket closed (or in error); a
+        zero-timeout poll, which reads nothing (replies in flight stay for the reader thread)."""
+        fd = self._sock.fileno()
+        if fd < 0:  # closed by close()
+            return True
+        poller = select.poll()
+        # POLLHUP and POLLERR are always reported; POLLRDHUP (Linux) is the peer's close alone
+        poller.register(fd, select.POLLRDHUP)
+        return any(events & _PEER_GONE for _, events in poller.poll(0))
 
     def _read(self) -> None:
         try:
