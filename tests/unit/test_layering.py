@@ -1,8 +1,10 @@
 """The package layering is a checked rule.
 
 - import-linter (``[tool.importlinter]`` in pyproject.toml, also run by ``make lint``): the layers
-  dstl <- materializer <- restore, the log core never importing the layers above it, and
-  dstl.checkpoint never importing dstl.spark, dstl.cli, materializer or restore;
+  dstl <- materializer <- restore, the log core never importing the layers above it,
+  dstl.checkpoint never importing dstl.spark, dstl.cli, materializer or restore, materializer
+  and restore never importing dstl.spark, dstl.cli or dstl.checkpoint, and dstl.spark never
+  importing dstl.cli; all five contracts are still configured (none can be dropped quietly);
 - the log-core contract names every log-core module (a new core module cannot escape it);
 - no import cycle between modules beyond the known ones, which phase 2 of issue #11 removes. The
   import graph is grimp's (import-linter's own), which sees imports inside functions and under
@@ -25,6 +27,14 @@ PACKAGES = ("dstl", "materializer", "restore")
 #: Not log core: the layers above it, and the ``python -m dstl`` entry point.
 NOT_CORE = ("dstl.spark", "dstl.cli", "dstl.checkpoint", "dstl.__main__")
 LOG_CORE_CONTRACT = "the log core never imports"
+#: Every contract of pyproject.toml, by the start of its name.
+CONTRACTS = (
+    "dstl <- materializer <- restore",
+    LOG_CORE_CONTRACT,
+    "dstl.checkpoint never imports dstl.spark, dstl.cli, materializer or restore",
+    "materializer and restore never import dstl.spark, dstl.cli or dstl.checkpoint",
+    "dstl.spark never imports dstl.cli",
+)
 
 #: Import cycles that exist today, each as the set of modules of one strongly connected
 #: component. Phase 2 of issue #11 must empty this list; a new cycle, or a known one that grows,
@@ -36,7 +46,20 @@ def test_import_layers_hold() -> None:
     exe = Path(sys.executable).parent / "lint-imports"
     out = subprocess.run([str(exe)], cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "0 broken" in out.stdout
+    assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in out.stdout, out.stdout
+
+
+def _contracts() -> list[dict[str, object]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
+    contracts: list[dict[str, object]] = config["tool"]["importlinter"]["contracts"]
+    return contracts
+
+
+def test_every_contract_is_configured() -> None:
+    names = [str(c["name"]) for c in _contracts()]
+    missing = [p for p in CONTRACTS if not any(n.startswith(p) for n in names)]
+    assert not missing, f"import contracts missing from pyproject.toml: {missing}"
+    assert len(names) == len(CONTRACTS), f"a contract not listed in CONTRACTS: {names}"
 
 
 def _graph() -> grimp.ImportGraph:
@@ -48,11 +71,11 @@ def _is_within(module: str, package: str) -> bool:
 
 
 def test_the_log_core_contract_names_every_core_module() -> None:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
-    contracts = [c for c in config["tool"]["importlinter"]["contracts"]
-                 if c["name"].startswith(LOG_CORE_CONTRACT)]
+    contracts = [c for c in _contracts() if str(c["name"]).startswith(LOG_CORE_CONTRACT)]
     assert len(contracts) == 1, "the log-core contract is missing from pyproject.toml"
-    listed = set(contracts[0]["source_modules"])
+    source_modules = contracts[0]["source_modules"]
+    assert isinstance(source_modules, list)
+    listed = set(source_modules)
     core = {m for m in _graph().modules
             if _is_within(m, "dstl") and not any(_is_within(m, p) for p in NOT_CORE)}
     assert listed == core, (f"add to the log-core contract: {sorted(core - listed)}; "
