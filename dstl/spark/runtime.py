@@ -162,7 +162,9 @@ def _key(cfg: OperatorConfig) -> tuple[str, str]:
 
 def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
     """This process's runtime of the operator, built on first use, after a fork, and after the
-    executor agent was lost."""
+    executor agent was lost — also when the agent died after the previous task and the client's
+    reader thread has not noticed yet (:attr:`AgentClient.broken` asks the kernel), so a task
+    never starts on a dead connection."""
     key = _key(cfg)
     with _RUNTIMES_LOCK:
         rt = _RUNTIMES.get(key)
