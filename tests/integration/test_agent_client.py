@@ -39,21 +39,25 @@ WAIT = 10.0
 HOLD_S = 1.5
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, whose files the kernel has closed, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _kill(pid: int) -> None:
+    """SIGKILL the agent (a child of this process: ``ensure_agent`` started it here) and wait
+    until the kernel has torn it down completely, so its sockets are closed.
+
+    A zombie thread-group leader is not enough: under load the agent's other threads may still
+    be exiting and its file table, with the sockets, still open (seen: ``/proc/<pid>/stat`` said
+    ``Z`` while the connection was alive). ``waitpid`` reports the leader only once every thread
+    has exited."""
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + WAIT
-    while _alive(pid):  # another process's exit: there is no event to wait on
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:  # already reaped (subprocess reaps children it lost track of)
+            if not os.path.exists(f"/proc/{pid}"):
+                return
         assert time.monotonic() < deadline, f"agent {pid} survived SIGKILL"
-        time.sleep(0.01)
+        time.sleep(0.01)  # another process's exit: there is no event to wait on
 
 
 class ReaderHold:
