@@ -10,7 +10,8 @@ Hierarchy::
 
     DstlError
     ├── UsageError(ValueError)             the caller did something the API forbids
-    │   ├── ConfigError                    an option is out of range; names field and value
+    │   ├── ConfigError                    an option is out of range; names field, value and fix
+    │   │   └── ConfigTypeError(TypeError) an option has the wrong type
     │   ├── KeyGroupError                  key group outside the owner's range
     │   └── UnsafePathError                an object key would escape the storage root
     ├── ClosedError(RuntimeError)          use after close
@@ -47,6 +48,7 @@ __all__ = [
     "ChecksumMismatchError",
     "ClosedError",
     "ConfigError",
+    "ConfigTypeError",
     "CorruptObjectError",
     "DstlError",
     "KeyGroupError",
@@ -80,19 +82,41 @@ class UsageError(DstlError, ValueError):
 
 
 class ConfigError(UsageError):
-    """An option has a value outside its allowed range.
+    """An option or constructor argument has a value outside its allowed range.
 
     Attributes:
         field: the option's name.
         value: the rejected value.
-        expected: what would have been accepted.
+        expected: what would have been accepted (type and range).
+        owner: the class or function the option belongs to.
+        fix: how to correct it (may be empty).
     """
 
-    def __init__(self, field: str, value: Any, expected: str, *, owner: str = "DstlOptions"):
+    def __init__(self, field: str, value: Any, expected: str, *, owner: str = "DstlOptions",
+                 fix: str = ""):
         self.field = field
         self.value = value
         self.expected = expected
-        super().__init__(f"{owner}.{field}={value!r} is invalid: expected {expected}")
+        self.owner = owner
+        self.fix = fix
+        shown = _short_repr(value)
+        super().__init__(f"{owner}.{field}={shown} is invalid: expected {expected}"
+                         + (f"; {fix}" if fix else ""))
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An option or constructor argument has the wrong type (also a :class:`TypeError`, so
+    generic handlers of wrong types keep working)."""
+
+
+def _short_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a huge or hostile value must not flood a
+    message); a ``repr`` that raises is replaced by the type name."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - any broken __repr__: the type still identifies it
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class KeyGroupError(UsageError):

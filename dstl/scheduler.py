@@ -224,7 +224,7 @@ class BatchingUploadScheduler:
             self._upload_no += 1
             up = _SegmentUpload(self, tasks, self._upload_no)
             self._uploads.add(up)
-        up.start()
+        up.run_step(up.start)
 
     def _finished(self, up: _SegmentUpload) -> None:
         with self._cond:
@@ -276,12 +276,44 @@ class _SegmentUpload:
         self._running: dict[int, TimerHandle | None] = {}
         self._timed_out: set[int] = set()
         self._done = False
+        self._resolved = False  # the tasks' callbacks were (or are being) called
         self._last_error: BaseException | None = None
         self._t0 = time.monotonic()
 
     def start(self) -> None:
         self.s.m_batch.update(len(self.tasks))
         self._start_attempt()
+
+    def run_step(self, step: Callable[[], None]) -> None:
+        """Run one step of this upload (on the caller's, a timer's or an upload thread).
+
+        Whatever the step raises fails the upload's tasks with a typed error, unless they are
+        resolved already: a step that dies must never leave a persist future unresolved (the
+        timer thread and the pool only log, or keep, what a callback raises).
+        """
+        try:
+            step()
+        except BaseException as exc:
+            self._crash(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _guarded(self, step: Callable[[], None]) -> Callable[[], None]:
+        """``step`` wrapped by :meth:`run_step`, for the timer and the pool."""
+        return lambda: self.run_step(step)
+
+    def _crash(self, exc: BaseException) -> None:
+        with self._lock:
+            self._done = True
+        failure = UploadFailedError(
+            f"segment upload #{self.upload_no} to {self.s._store.location} failed internally "
+            f"after {self._attempts} attempt(s): {type(exc).__name__}: {exc} (the change sets "
+            "are not acknowledged; the writer fails and restores from its last checkpoint)",
+            attempts=self._attempts, elapsed_s=time.monotonic() - self._t0)
+        failure.__cause__ = exc
+        if not self._fail(failure):
+            logger.exception("segment upload #%d: a step failed after its tasks were resolved",
+                             self.upload_no, exc_info=exc)
 
     def _start_attempt(self) -> None:
         with self._lock:
@@ -292,13 +324,13 @@ class _SegmentUpload:
             self._running[n] = None
         key = segment_key(self.created_ms, self.s._storage_id, self.upload_no, n)
         handle = self.s._timer.schedule(self.s._opts.upload_timeout_s,
-                                        lambda: self._on_timeout(n))
+                                        self._guarded(lambda: self._on_timeout(n)))
         with self._lock:
             if n in self._running:
                 self._running[n] = handle
         self.s.m_requests.inc()
         try:
-            self.s._pool.submit(self._attempt, n, key)
+            self.s._pool.submit(self.run_step, lambda: self._attempt(n, key))
         except RuntimeError as exc:  # pool shut down (storage closed)
             handle.cancel()
             self._attempt_failed(n, key, ClosedError("changelog storage", str(exc)))
@@ -375,7 +407,8 @@ class _SegmentUpload:
         if more and self.s._opts.upload_retry_delay_s == 0:
             self._start_attempt()
         elif more:
-            self.s._timer.schedule(self.s._opts.upload_retry_delay_s, self._start_attempt)
+            self.s._timer.schedule(self.s._opts.upload_retry_delay_s,
+                                   self._guarded(self._start_attempt))
         elif give_up:
             what = "failed with a non-retryable error" if not retryable else "all failed"
             failure = UploadFailedError(
@@ -419,15 +452,29 @@ class _SegmentUpload:
                 pairs.append((cs, ChangeSetRef(cs.sqn, key, e.offset, e.length, cs.change_count,
                                                cs.payload_bytes)))
             results.append(pairs)
+        if not self._claim_resolution():
+            return
         s._finished(self)
         for t, pairs in zip(self.tasks, results):
             _call(t.on_success, pairs)
 
-    def _fail(self, err: BaseException) -> None:
+    def _claim_resolution(self) -> bool:
+        """True for the one caller that may resolve the tasks (success or failure)."""
+        with self._lock:
+            if self._resolved:
+                return False
+            self._resolved = True
+            return True
+
+    def _fail(self, err: BaseException) -> bool:
+        """Fail every task with ``err``; False if the tasks were resolved already."""
+        if not self._claim_resolution():
+            return False
         self.s.m_failed_segments.inc()
         self.s._finished(self)
         for t in self.tasks:
             _call(t.on_failure, t.change_sets, err)
+        return True
 
     def abandon(self, err: BaseException) -> None:
         with self._lock:

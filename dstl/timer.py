@@ -5,6 +5,18 @@ need "run this in t seconds unless cancelled". :class:`ThreadTimer` does it with
 per storage; :class:`ManualTimer` fires callbacks only when a test calls :meth:`ManualTimer.advance`,
 so tests of delays and timeouts are deterministic and never sleep (Flink's
 ``ManuallyTriggeredScheduledExecutorService``).
+
+Robustness: the timer thread must outlive anything scheduled on it, since every delay, timeout
+and retry of its storage runs there — a dead timer thread leaves futures that never resolve.
+
+- A delay is a number (:func:`_deadline`); a negative one means "now", and NaN — a caller's bug
+  that ``max(0, nan)`` would silently turn into "now" — is refused.
+- The thread never waits longer than :data:`MAX_WAIT_S` at a time: a far deadline (``inf``, or
+  a delay beyond ``threading.TIMEOUT_MAX``) is reached by waking up and waiting again, instead of
+  an ``OverflowError`` in ``Condition.wait`` that would end the thread.
+- A callback that raises is logged and the thread goes on. Callbacks that own futures catch
+  their own failures and fail those futures (the upload scheduler does), because only they know
+  which futures a failure affects.
 """
 
 from __future__ import annotations
@@ -12,14 +24,21 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
-__all__ = ["ManualTimer", "ThreadTimer", "Timer", "TimerHandle"]
+from dstl.checks import check_protocol
+from dstl.errors import UsageError
+
+__all__ = ["ManualTimer", "ThreadTimer", "Timer", "TimerHandle", "check_timer"]
 
 logger = logging.getLogger(__name__)
+
+#: Longest single wait of the timer thread (far below ``threading.TIMEOUT_MAX`` everywhere).
+MAX_WAIT_S = 3600.0
 
 
 class TimerHandle:
@@ -42,6 +61,29 @@ class Timer(Protocol):
     def now(self) -> float: ...
 
     def close(self) -> None: ...
+
+
+def check_timer(value: Any, field: str, owner: str) -> Timer | None:
+    """``value`` if it is ``None`` or has the :class:`Timer` methods.
+
+    Raises:
+        ConfigTypeError: it has not.
+    """
+    if value is None:
+        return None
+    return cast(Timer, check_protocol(value, field, owner, ("schedule", "now", "close"),
+                                      "None or a dstl.timer.Timer (ThreadTimer, ManualTimer)"))
+
+
+def _deadline(now: float, delay_s: float) -> float:
+    """The deadline of a callback due ``delay_s`` after ``now``.
+
+    Raises:
+        UsageError: ``delay_s`` is not a number, or NaN.
+    """
+    if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or math.isnan(delay_s):
+        raise UsageError(f"timer delay must be a number of seconds, got {delay_s!r}")
+    return now + max(0.0, float(delay_s))
 
 
 def _run(fn: Callable[[], None]) -> None:
@@ -68,7 +110,7 @@ class ThreadTimer:
         return time.monotonic()
 
     def schedule(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
-        h = TimerHandle(self.now() + max(0.0, delay_s), fn)
+        h = TimerHandle(_deadline(self.now(), delay_s), fn)
         with self._cond:
             if self._closed:
                 h.cancel()
@@ -88,7 +130,9 @@ class ThreadTimer:
                         if wait <= 0:
                             _, _, h = heapq.heappop(self._heap)
                             break
-                        self._cond.wait(wait)
+                        # bounded: a far deadline is reached by waiting again, never by
+                        # one wait too long for the platform (OverflowError kills the thread)
+                        self._cond.wait(min(wait, MAX_WAIT_S))
                     else:
                         self._cond.wait()
             if not h.cancelled:
@@ -116,7 +160,7 @@ class ManualTimer:
         return self._now
 
     def schedule(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
-        h = TimerHandle(self._now + max(0.0, delay_s), fn)
+        h = TimerHandle(_deadline(self._now, delay_s), fn)
         with self._lock:
             heapq.heappush(self._heap, (h.deadline, next(self._seq), h))
             self._lock.notify_all()
