@@ -18,6 +18,7 @@ from typing import Final
 
 import xxhash
 
+from dstl.checks import check_int
 from dstl.errors import ConfigError, UsageError
 
 __all__ = [
@@ -38,11 +39,9 @@ _TWO_63: Final = 1 << 63
 _TWO_64: Final = 1 << 64
 
 
-def _check_max_parallelism(max_parallelism: int) -> None:
-    if (not isinstance(max_parallelism, int) or isinstance(max_parallelism, bool)
-            or not 1 <= max_parallelism <= MAX_PARALLELISM_LIMIT):
-        raise ConfigError("max_parallelism", max_parallelism,
-                          f"an int in [1, {MAX_PARALLELISM_LIMIT}]", owner="key groups")
+def _check_max_parallelism(max_parallelism: int, owner: str = "key groups") -> None:
+    check_int(max_parallelism, "max_parallelism", owner, lo=1, hi=MAX_PARALLELISM_LIMIT,
+              fix="the number of key groups, fixed for the life of the state")
 
 
 def key_group_for(key_bytes: bytes, max_parallelism: int) -> int:
@@ -72,9 +71,12 @@ def key_group_for(key_bytes: bytes, max_parallelism: int) -> int:
 
 def operator_index_for_key_group(key_group: int, max_parallelism: int, parallelism: int) -> int:
     """Index of the operator instance (Spark partition) that owns ``key_group`` (Flink's rule)."""
-    _check_max_parallelism(max_parallelism)
-    if not 0 <= key_group < max_parallelism:
-        raise UsageError(f"key group {key_group} is outside [0, {max_parallelism})")
+    owner = "operator_index_for_key_group"
+    _check_max_parallelism(max_parallelism, owner)
+    check_int(parallelism, "parallelism", owner, lo=1, hi=max_parallelism)
+    if not isinstance(key_group, int) or isinstance(key_group, bool) \
+            or not 0 <= key_group < max_parallelism:
+        raise UsageError(f"key group {key_group!r} is outside [0, {max_parallelism})")
     return key_group * parallelism // max_parallelism
 
 
@@ -89,21 +91,24 @@ class KeyGroupRange:
     end: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.start, int) or not isinstance(self.end, int):
-            raise UsageError(f"KeyGroupRange bounds must be ints, got {self.start!r}, {self.end!r}")
-        if self.start < 0 or self.end < self.start - 1 or self.end >= MAX_PARALLELISM_LIMIT:
-            raise UsageError(f"KeyGroupRange({self.start}, {self.end}) is invalid: need "
-                             f"0 <= start <= end + 1 and end < {MAX_PARALLELISM_LIMIT}")
+        owner = "KeyGroupRange"
+        check_int(self.start, "start", owner, lo=0, hi=MAX_PARALLELISM_LIMIT,
+                  fix="key groups are ints in [0, max_parallelism)")
+        check_int(self.end, "end", owner, lo=-1, hi=MAX_PARALLELISM_LIMIT - 1,
+                  fix="key groups are ints in [0, max_parallelism)")
+        if self.end < self.start - 1:
+            raise ConfigError("end", self.end, f">= start - 1 ({self.start - 1})", owner=owner,
+                              fix="the range is inclusive: [start, end], end = start - 1 is "
+                                  "empty")
 
     @classmethod
     def of_operator(cls, max_parallelism: int, parallelism: int, index: int) -> KeyGroupRange:
         """Flink's assignment of key groups to operator instance ``index`` of ``parallelism``."""
-        _check_max_parallelism(max_parallelism)
-        if not 1 <= parallelism <= max_parallelism:
-            raise ConfigError("parallelism", parallelism, f"in [1, {max_parallelism}]",
-                              owner="key groups")
-        if not 0 <= index < parallelism:
-            raise UsageError(f"operator index {index} is outside [0, {parallelism})")
+        owner = "KeyGroupRange.of_operator"
+        _check_max_parallelism(max_parallelism, owner)
+        check_int(parallelism, "parallelism", owner, lo=1, hi=max_parallelism,
+                  fix="at most max_parallelism operator instances (one key group each)")
+        check_int(index, "index", owner, lo=0, hi=parallelism - 1)
         start = (index * max_parallelism + parallelism - 1) // parallelism
         end = ((index + 1) * max_parallelism - 1) // parallelism
         return cls(start, end)

@@ -9,11 +9,11 @@ is the one string-parsing entry point (used for Spark conf keys ``spark.dstl.*``
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from dstl.checks import MAX_INT64, check_int, check_number
 from dstl.errors import ConfigError
 
 __all__ = ["KiB", "MiB", "DstlOptions"]
@@ -25,15 +25,21 @@ MiB: Final = 1024 * 1024
 MAX_CHANGE_SET_TARGET_BYTES: Final = 1024 * MiB
 
 
-def _positive(field: str, value: Any, *, allow_zero: bool = False, kind: type = float) -> None:
-    ok_types: tuple[type, ...] = (int, float) if kind is float else (int,)
-    if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise ConfigError(field, value, f"a {kind.__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(field, value, "a finite number")
-    number = float(value)  # type: ignore[arg-type]  # checked above: int or float
-    if number < 0 or (number == 0 and not allow_zero):
-        raise ConfigError(field, value, ">= 0" if allow_zero else "> 0")
+#: Upper bounds of the duration options. Beyond them a setting only stalls the job (a persist
+#: that waits an hour to batch, an upload attempt given a day), and far beyond them a wait
+#: overflows a lock timeout and kills the thread that waits (see ``dstl.checks``).
+#: A Spark task waits at most 300 s for its checkpoint: a persist that waits longer for its batch
+#: could never complete one.
+MAX_PERSIST_DELAY_S: Final = 300.0
+MAX_BACK_PRESSURE_TIMEOUT_S: Final = 86_400.0
+MAX_UPLOAD_TIMEOUT_S: Final = 3_600.0
+MAX_UPLOAD_RETRY_DELAY_S: Final = 600.0
+#: Upper bound of the thread-count options (threads per storage, i.e. per process).
+MAX_THREADS: Final = 256
+#: The attempt number is two hex digits of a segment's object name.
+MAX_UPLOAD_ATTEMPTS: Final = 255
+
+_OWNER = "DstlOptions"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,31 +75,7 @@ class DstlOptions:
     discard_threads: int = 1
 
     def __post_init__(self) -> None:
-        _positive("persist_delay_s", self.persist_delay_s, allow_zero=True)
-        _positive("persist_size_threshold_bytes", self.persist_size_threshold_bytes, kind=int)
-        _positive("preemptive_persist_threshold_bytes", self.preemptive_persist_threshold_bytes,
-                  kind=int)
-        _positive("max_in_flight_bytes", self.max_in_flight_bytes, kind=int)
-        _positive("back_pressure_timeout_s", self.back_pressure_timeout_s)
-        _positive("upload_threads", self.upload_threads, kind=int)
-        _positive("upload_timeout_s", self.upload_timeout_s)
-        _positive("upload_max_attempts", self.upload_max_attempts, kind=int)
-        if self.upload_max_attempts > 255:  # the attempt is two hex digits of the object name
-            raise ConfigError("upload_max_attempts", self.upload_max_attempts, "<= 255")
-        if self.preemptive_persist_threshold_bytes > MAX_CHANGE_SET_TARGET_BYTES:
-            raise ConfigError("preemptive_persist_threshold_bytes",
-                              self.preemptive_persist_threshold_bytes,
-                              f"<= {MAX_CHANGE_SET_TARGET_BYTES} (a change set must stay below "
-                              "the 2 GiB that one record may hold)")
-        _positive("upload_retry_delay_s", self.upload_retry_delay_s, allow_zero=True)
-        _positive("discard_threads", self.discard_threads, kind=int)
-        if (isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int)
-                or not -7 <= self.zstd_level <= 22):
-            raise ConfigError("zstd_level", self.zstd_level, "an int in [-7, 22]")
-        if self.persist_size_threshold_bytes > self.max_in_flight_bytes:
-            raise ConfigError("persist_size_threshold_bytes", self.persist_size_threshold_bytes,
-                              f"<= max_in_flight_bytes ({self.max_in_flight_bytes}), or a batch "
-                              "could never be sent")
+        _validate(self)
 
     def replace(self, **changes: Any) -> DstlOptions:
         """A copy with some fields changed (validated again)."""
@@ -125,3 +107,40 @@ class DstlOptions:
                 raise ConfigError(name, raw, f"a {type(default).__name__}",
                                   owner=prefix.rstrip(".")) from exc
         return cls(**kwargs)
+
+
+def _validate(o: DstlOptions) -> None:
+    """Every field's type and range, then the cross-field rule (the one place they live)."""
+    _seconds(o, "persist_delay_s", lo=0.0, hi=MAX_PERSIST_DELAY_S,
+             fix="in seconds: a persist waits this long for other writers' change sets to "
+                 "join its segment - default 0.010 = 10 ms")
+    _int(o, "persist_size_threshold_bytes", lo=1)
+    _int(o, "preemptive_persist_threshold_bytes", lo=1, hi=MAX_CHANGE_SET_TARGET_BYTES,
+         fix="a change set must stay below the 2 GiB that one record may hold")
+    _int(o, "max_in_flight_bytes", lo=1)
+    _seconds(o, "back_pressure_timeout_s", lo=0.0, hi=MAX_BACK_PRESSURE_TIMEOUT_S, lo_open=True,
+             fix="a writer blocked this long for upload capacity fails with UploadTimeoutError")
+    _int(o, "upload_threads", lo=1, hi=MAX_THREADS)
+    _seconds(o, "upload_timeout_s", lo=0.0, hi=MAX_UPLOAD_TIMEOUT_S, lo_open=True,
+             fix="after this long a concurrent attempt starts")
+    _int(o, "upload_max_attempts", lo=1, hi=MAX_UPLOAD_ATTEMPTS,
+         fix="the attempt is two hex digits of the object name")
+    _seconds(o, "upload_retry_delay_s", lo=0.0, hi=MAX_UPLOAD_RETRY_DELAY_S)
+    _int(o, "zstd_level", lo=-7, hi=22)
+    _int(o, "discard_threads", lo=1, hi=MAX_THREADS)
+    if o.persist_size_threshold_bytes > o.max_in_flight_bytes:
+        raise ConfigError("persist_size_threshold_bytes", o.persist_size_threshold_bytes,
+                          f"<= max_in_flight_bytes ({o.max_in_flight_bytes})", owner=_OWNER,
+                          fix="else a batch could never be sent: lower it or raise "
+                          "max_in_flight_bytes")
+
+
+def _int(o: DstlOptions, name: str, *, lo: int, hi: int = MAX_INT64, fix: str = "") -> None:
+    object.__setattr__(o, name, check_int(getattr(o, name), name, _OWNER, lo=lo, hi=hi, fix=fix))
+
+
+def _seconds(o: DstlOptions, name: str, *, lo: float, hi: float, lo_open: bool = False,
+             fix: str = "") -> None:
+    """A duration option, stored as a float (the frozen instance keeps the normalised value)."""
+    object.__setattr__(o, name, check_number(getattr(o, name), name, _OWNER, lo=lo, hi=hi,
+                                             lo_open=lo_open, unit="seconds", fix=fix))

@@ -18,14 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from dstl.errors import ClosedError, UsageError
+from dstl.checks import check_instance, check_mapping, check_protocol
+from dstl.errors import ClosedError, ConfigError, UsageError
 from dstl.keygroups import KeyGroupRange
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
 from dstl.scheduler import BatchingUploadScheduler, UploadScheduler
-from dstl.stores.base import BlobStore
-from dstl.timer import ThreadTimer, Timer
+from dstl.stores.base import BlobStore, check_store
+from dstl.timer import ThreadTimer, Timer, check_timer
 from dstl.writer import ChangelogWriter
 
 __all__ = ["ChangelogStorage"]
@@ -59,7 +60,8 @@ class ChangelogStorage:
                  storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
                  store: BlobStore | None = None, timer: Timer | None = None,
                  uploader: UploadScheduler | None = None) -> None:
-        self.options = options or DstlOptions()
+        self.options = _check_arguments(base_uri, options, storage_options, filesystem, store,
+                                        timer, uploader)
         if store is None:
             from dstl.stores import open_store
             store = open_store(base_uri, dict(storage_options or {}), filesystem)
@@ -166,3 +168,31 @@ class ChangelogStorage:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _check_arguments(base_uri: object, options: object, storage_options: object,
+                     filesystem: object, store: object, timer: object,
+                     uploader: object) -> DstlOptions:
+    """The constructor's arguments, checked (one place); returns the options to use. The URI
+    itself is checked by :func:`~dstl.stores.open_store`.
+
+    Raises:
+        ConfigError: a wrong type (ConfigTypeError) or a contradiction.
+    """
+    owner = "ChangelogStorage"
+    if options is not None:
+        check_instance(options, "options", owner, DstlOptions,
+                       fix="pass dstl.DstlOptions(...) or None for the defaults")
+    check_mapping(storage_options, "storage_options", owner)
+    if store is not None:
+        check_store(store, "store", owner)
+        if base_uri or storage_options or filesystem is not None:
+            raise ConfigError("store", "<given>", "no base_uri, storage_options or filesystem "
+                              "together with store", owner=owner,
+                              fix="store= replaces them: pass one way to reach the storage")
+    check_timer(timer, "timer", owner)
+    if uploader is not None:
+        check_protocol(uploader, "uploader", owner,
+                       ("upload", "available", "wait_available", "close"),
+                       "None or a dstl.scheduler.UploadScheduler")
+    return options if isinstance(options, DstlOptions) else DstlOptions()

@@ -53,6 +53,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
 
+from dstl.checks import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_optional_path,
+    check_protocol,
+    check_str,
+)
 from dstl.errors import (
     ClosedError,
     ConfigError,
@@ -62,10 +71,11 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
-from dstl.keygroups import META_KEY_GROUP, KeyGroupRange, key_group_for
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, META_KEY_GROUP, KeyGroupRange, key_group_for
 from dstl.layout import operator_dir, snapshot_key
 from dstl.metrics import MetricsRegistry
-from dstl.timer import Timer
+from dstl.stores.base import check_store
+from dstl.timer import Timer, check_timer
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -84,7 +94,13 @@ from materializer.changes import (
     iter_framed,
     iter_pairs,
 )
-from materializer.codecs import Codec, SafeCodec, StrOrBytesKeyCodec, codec_by_name
+from materializer.codecs import (
+    Codec,
+    SafeCodec,
+    StrOrBytesKeyCodec,
+    check_codec,
+    codec_by_name,
+)
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
@@ -165,12 +181,54 @@ class _BackendSnapshots:
         self._b._maybe_truncate()
 
 
-def _check_layout(table: str, key_groups: KeyGroupRange, max_parallelism: int) -> None:
-    if table not in ("heap", "lmdb"):
-        raise ConfigError("table", table, "'heap' or 'lmdb'", owner="backend")
-    if not isinstance(key_groups, KeyGroupRange) or key_groups.end >= max_parallelism:
-        raise UsageError(f"key groups {key_groups} do not fit max_parallelism "
-                         f"{max_parallelism}")
+def check_layout(key_groups: object, max_parallelism: object, owner: str,
+                 table: object = "heap") -> None:
+    """The table kind, key groups and max parallelism of a backend (shared with
+    ``restore_backend``).
+
+    Raises:
+        ConfigError: a wrong type (ConfigTypeError) or value; key groups beyond
+            ``max_parallelism`` blame ``key_groups``.
+    """
+    check_choice(table, "table", owner, ("heap", "lmdb"))
+    check_instance(key_groups, "key_groups", owner, KeyGroupRange,
+                   fix="e.g. dstl.KeyGroupRange.of_operator(max_parallelism, parallelism, index)")
+    check_int(max_parallelism, "max_parallelism", owner, lo=1, hi=MAX_PARALLELISM_LIMIT)
+    assert isinstance(key_groups, KeyGroupRange) and isinstance(max_parallelism, int)
+    if key_groups.end >= max_parallelism:
+        raise ConfigError("key_groups", str(key_groups), f"a range within [0, "
+                          f"{max_parallelism - 1}] (max_parallelism={max_parallelism})",
+                          owner=owner)
+
+
+def _check_arguments(storage: object, operator_id: object, key_groups: object,
+                     max_parallelism: object, table: object, options: object,
+                     key_codec: object, local_directory: object, timer: object,
+                     clear_local: object, auto_materialize: object) -> BackendOptions:
+    """The constructor's arguments, checked before anything is opened (one place); returns the
+    options to use."""
+    owner = "ChangelogKeyedStateBackend"
+    check_storage(storage, "storage", owner)
+    check_str(operator_id, "operator_id", owner, fix="unique per backend in its storage and "
+              "stable across restarts")
+    check_layout(key_groups, max_parallelism, owner, table)
+    if options is not None:
+        check_instance(options, "options", owner, BackendOptions)
+    check_codec(key_codec, "key_codec", owner)
+    check_optional_path(local_directory, "local_directory", owner)
+    check_timer(timer, "timer", owner)
+    check_bool(clear_local, "clear_local", owner)
+    check_bool(auto_materialize, "auto_materialize", owner)
+    return options if isinstance(options, BackendOptions) else BackendOptions()
+
+
+def check_storage(storage: object, field: str, owner: str) -> None:
+    """A :class:`~dstl.ChangelogStorage` (or one shaped like it: a ``store`` and
+    ``create_writer``)."""
+    check_protocol(storage, field, owner, ("create_writer",),
+                   "a dstl.ChangelogStorage", fix="create one per process: "
+                   "dstl.ChangelogStorage(uri)")
+    check_store(getattr(storage, "store", None), f"{field}.store", owner)
 
 
 class ChangelogKeyedStateBackend:
@@ -202,8 +260,9 @@ class ChangelogKeyedStateBackend:
                  *, key_codec: Codec | None = None, local_directory: str | None = None,
                  timer: Timer | None = None, clear_local: bool = False,
                  auto_materialize: bool = True) -> None:
-        _check_layout(table, key_groups, max_parallelism)
-        self.options = options or BackendOptions()
+        self.options = _check_arguments(storage, operator_id, key_groups, max_parallelism,
+                                        table, options, key_codec, local_directory, timer,
+                                        clear_local, auto_materialize)
         self.operator_id = operator_id
         self.key_groups = key_groups
         self.max_parallelism = max_parallelism

@@ -23,7 +23,8 @@ import io
 import pickle
 from typing import Any, Final, Protocol, runtime_checkable
 
-from dstl.errors import CorruptObjectError, UsageError
+from dstl.checks import check_protocol
+from dstl.errors import ConfigTypeError, CorruptObjectError, UsageError
 
 __all__ = [
     "BytesCodec",
@@ -57,6 +58,23 @@ class KeyCodec(Protocol):
     def encode(self, key: Any) -> bytes: ...
 
     def decode(self, data: bytes) -> Any: ...
+
+
+def check_codec(value: object, field: str, owner: str) -> None:
+    """``value`` is ``None`` or a :class:`Codec` (a ``str`` name, ``encode`` and ``decode``).
+
+    Raises:
+        ConfigTypeError: it is not.
+    """
+    if value is None:
+        return
+    expected = "None or a codec with a str name, encode and decode (e.g. SafeCodec())"
+    if isinstance(value, type):
+        raise ConfigTypeError(field, value, expected, owner=owner,
+                              fix="pass an instance, not the class")
+    check_protocol(value, field, owner, ("encode", "decode"), expected)
+    if not isinstance(getattr(value, "name", None), str):
+        raise ConfigTypeError(field, value, expected + " (the name is missing)", owner=owner)
 
 
 class StrOrBytesKeyCodec:

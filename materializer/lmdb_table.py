@@ -55,8 +55,17 @@ from typing import Any, Final
 
 import lmdb
 
+from dstl.checks import (
+    check_bool,
+    check_instance,
+    check_int,
+    check_number,
+    check_optional_path,
+)
 from dstl.errors import (
     ClosedError,
+    ConfigError,
+    ConfigTypeError,
     KeyGroupError,
     LocalDiskFullError,
     StateError,
@@ -65,6 +74,7 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.keygroups import KeyGroupRange
+from materializer.options import MAX_LMDB_MAP_SIZE_BYTES, MIN_LMDB_MAP_SIZE_BYTES
 from materializer.snapshot_format import SnapshotEntry
 from materializer.state_tables import (
     DecodeFn,
@@ -159,14 +169,28 @@ class LmdbWriteBatch:
         return self._table.remove(state_id, key_group, key, namespace)
 
 
-def _check_map_sizes(map_size_bytes: int, max_map_size_bytes: int) -> None:
-    for name, value in (("map_size_bytes", map_size_bytes),
-                        ("max_map_size_bytes", max_map_size_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"LmdbStateTable.{name}={value!r} is invalid: expected an int > 0")
+def _check_arguments(directory: object, key_groups: object, map_size_bytes: object,
+                     max_map_size_bytes: object, sync: object, grow_wait_s: object,
+                     readonly: object) -> str:
+    """The constructor's arguments, checked before LMDB is touched (one place); returns the
+    directory as a string. The size bounds are ``BackendOptions``'."""
+    owner = "LmdbStateTable"
+    path = check_optional_path(directory, "directory", owner)
+    if path is None:
+        raise ConfigTypeError("directory", directory, "a non-empty path", owner=owner)
+    check_instance(key_groups, "key_groups", owner, KeyGroupRange)
+    check_int(map_size_bytes, "map_size_bytes", owner, lo=MIN_LMDB_MAP_SIZE_BYTES,
+              hi=MAX_LMDB_MAP_SIZE_BYTES)
+    check_int(max_map_size_bytes, "max_map_size_bytes", owner, lo=MIN_LMDB_MAP_SIZE_BYTES,
+              hi=MAX_LMDB_MAP_SIZE_BYTES)
+    assert isinstance(map_size_bytes, int) and isinstance(max_map_size_bytes, int)
     if max_map_size_bytes < map_size_bytes:
-        raise UsageError(f"LmdbStateTable.max_map_size_bytes={max_map_size_bytes} is below "
-                         f"map_size_bytes={map_size_bytes}")
+        raise ConfigError("max_map_size_bytes", max_map_size_bytes,
+                          f">= map_size_bytes ({map_size_bytes})", owner=owner)
+    check_bool(sync, "sync", owner)
+    check_number(grow_wait_s, "grow_wait_s", owner, lo=0.0, hi=3600.0, unit="seconds")
+    check_bool(readonly, "readonly", owner)
+    return str(Path(path))
 
 
 class LmdbStateTable:
@@ -185,7 +209,8 @@ class LmdbStateTable:
             it cannot stall the writer; writes raise ``UsageError``.
 
     Raises:
-        ConfigError-like UsageError: sizes are not positive or ``map > max``.
+        ConfigError: an argument out of range (sizes 1 MiB ... 64 TiB, ``map <= max``);
+            ConfigTypeError: one of the wrong type.
         UnsupportedFormatError: the directory holds another key layout version.
     """
 
@@ -194,8 +219,8 @@ class LmdbStateTable:
                  max_map_size_bytes: int = DEFAULT_MAX_MAP_SIZE_BYTES,
                  sync: bool = False, grow_wait_s: float = DEFAULT_GROW_WAIT_S,
                  readonly: bool = False) -> None:
-        _check_map_sizes(map_size_bytes, max_map_size_bytes)
-        self.path = str(Path(directory))
+        self.path = _check_arguments(directory, key_groups, map_size_bytes, max_map_size_bytes,
+                                     sync, grow_wait_s, readonly)
         self._key_groups = key_groups
         self._kg_start = key_groups.start
         self._kg_end = key_groups.end

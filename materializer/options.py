@@ -4,15 +4,26 @@ reason for its default, in ``docs/configuration.md``."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
+from dstl.checks import MAX_INT64, check_int, check_number
 from dstl.errors import ConfigError
 
 __all__ = ["BackendOptions"]
 
 _OWNER = "BackendOptions"
+#: Longest time trigger: a week (None turns the time trigger off). Far longer values only
+#: postpone, and beyond ``threading.TIMEOUT_MAX`` they would kill the timer thread.
+MAX_MATERIALIZATION_INTERVAL_S: Final = 7 * 86_400.0
+#: Largest log/snapshot ratio that still means something (None turns the size trigger off).
+MAX_LOG_RATIO: Final = 1e6
+#: Consecutive failures tolerated at most.
+MAX_FAILURES: Final = 1_000_000
+#: Smallest LMDB map: a few pages of LMDB's own metadata fit.
+MIN_LMDB_MAP_SIZE_BYTES: Final = 1 << 20
+#: Largest LMDB map (64 TiB): the map is reserved address space, and x86-64 user space is 128 TiB.
+MAX_LMDB_MAP_SIZE_BYTES: Final = 1 << 46
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,28 +51,37 @@ class BackendOptions:
     lmdb_max_map_size_bytes: int = 64 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        v = self.materialization_interval_s
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v) or v < 0):
-            raise ConfigError("materialization_interval_s", v, "a number >= 0 or None",
-                              owner=_OWNER)
-        v = self.materialize_log_ratio
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v) or v <= 0):
-            raise ConfigError("materialize_log_ratio", v, "a positive number or None",
-                              owner=_OWNER)
-        for name in ("materialize_min_log_bytes", "max_failures", "lmdb_map_size_bytes",
-                     "lmdb_max_map_size_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(name, v, "a non-negative int", owner=_OWNER)
-        if isinstance(self.zstd_level, bool) or not isinstance(self.zstd_level, int) \
-                or not -7 <= self.zstd_level <= 22:
-            raise ConfigError("zstd_level", self.zstd_level, "an int in [-7, 22]", owner=_OWNER)
-        if self.lmdb_max_map_size_bytes < self.lmdb_map_size_bytes:
-            raise ConfigError("lmdb_max_map_size_bytes", self.lmdb_max_map_size_bytes,
-                              f">= lmdb_map_size_bytes ({self.lmdb_map_size_bytes})",
-                              owner=_OWNER)
+        _validate(self)
 
     def replace(self, **changes: Any) -> BackendOptions:
         return dataclasses.replace(self, **changes)
+
+
+def _validate(o: BackendOptions) -> None:
+    """Every field's type and range, then the cross-field rule (the one place they live)."""
+    if o.materialization_interval_s is not None:
+        _number(o, "materialization_interval_s", lo=0.0, hi=MAX_MATERIALIZATION_INTERVAL_S,
+                unit="seconds", fix="use None to materialize by size only")
+    if o.materialize_log_ratio is not None:
+        _number(o, "materialize_log_ratio", lo=0.0, hi=MAX_LOG_RATIO, lo_open=True,
+                fix="use None to turn the size trigger off")
+    _int(o, "materialize_min_log_bytes", lo=0)
+    _int(o, "max_failures", lo=0, hi=MAX_FAILURES)
+    _int(o, "zstd_level", lo=-7, hi=22)
+    _int(o, "lmdb_map_size_bytes", lo=MIN_LMDB_MAP_SIZE_BYTES, hi=MAX_LMDB_MAP_SIZE_BYTES)
+    _int(o, "lmdb_max_map_size_bytes", lo=MIN_LMDB_MAP_SIZE_BYTES, hi=MAX_LMDB_MAP_SIZE_BYTES)
+    if o.lmdb_max_map_size_bytes < o.lmdb_map_size_bytes:
+        raise ConfigError("lmdb_max_map_size_bytes", o.lmdb_max_map_size_bytes,
+                          f">= lmdb_map_size_bytes ({o.lmdb_map_size_bytes})", owner=_OWNER,
+                          fix="the map grows from lmdb_map_size_bytes up to this limit")
+
+
+def _int(o: BackendOptions, name: str, *, lo: int, hi: int = MAX_INT64) -> None:
+    object.__setattr__(o, name, check_int(getattr(o, name), name, _OWNER, lo=lo, hi=hi))
+
+
+def _number(o: BackendOptions, name: str, *, lo: float, hi: float, lo_open: bool = False,
+            unit: str = "", fix: str = "") -> None:
+    """A number option, stored as a float (the frozen instance keeps the normalised value)."""
+    object.__setattr__(o, name, check_number(getattr(o, name), name, _OWNER, lo=lo, hi=hi,
+                                             lo_open=lo_open, unit=unit, fix=fix))

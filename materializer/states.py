@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from dstl.checks import check_callable, check_protocol, check_str
 from dstl.errors import UsageError
 from materializer.changes import (
     ADD,
@@ -40,7 +41,7 @@ from materializer.changes import (
     iter_framed,
     iter_pairs,
 )
-from materializer.codecs import Codec, SafeCodec
+from materializer.codecs import Codec, SafeCodec, check_codec
 
 __all__ = [
     "STATE_CLASSES",
@@ -91,13 +92,31 @@ class AggregateFunction(Protocol):
     def merge(self, a: Any, b: Any) -> Any: ...
 
 
+#: Longest state name (state metadata carries it in every log and snapshot).
+MAX_STATE_NAME_CHARS: Final = 255
+
+
 @dataclass(frozen=True)
 class StateDescriptor:
-    """Base of all descriptors: a name and an optional value codec (default: the safe codec)."""
+    """Base of all descriptors: a name and an optional value codec (default: the safe codec).
+
+    Raises:
+        ConfigError: a bad name or codec (ConfigTypeError: a wrong type), at construction.
+    """
 
     name: str
     serializer: Codec | None = None
     kind: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        """Every descriptor's arguments (subclasses add theirs)."""
+        owner = type(self).__name__
+        check_str(self.name, "name", owner, max_chars=MAX_STATE_NAME_CHARS,
+                  fix="the state's name, unique within its backend")
+        check_codec(self.serializer, "serializer", owner)
 
     def codec(self) -> Codec:
         return self.serializer if self.serializer is not None else SafeCodec()
@@ -120,6 +139,10 @@ class MapStateDescriptor(StateDescriptor):
     key_serializer: Codec | None = None
     kind: str = field(default="map", init=False)
 
+    def _check(self) -> None:
+        super()._check()
+        check_codec(self.key_serializer, "key_serializer", type(self).__name__)
+
     def key_codec(self) -> Codec:
         return self.key_serializer if self.key_serializer is not None else SafeCodec()
 
@@ -134,6 +157,12 @@ class ReducingStateDescriptor(StateDescriptor):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "reduce_fn", reduce_fn)
+        self._check()
+
+    def _check(self) -> None:
+        super()._check()
+        check_callable(self.reduce_fn, "reduce_fn", type(self).__name__, args=2,
+                       fix="reduce_fn(accumulated, new) returns the new value")
 
 
 @dataclass(frozen=True)
@@ -146,6 +175,14 @@ class AggregatingStateDescriptor(StateDescriptor):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "agg", agg)
+        self._check()
+
+    def _check(self) -> None:
+        super()._check()
+        check_protocol(self.agg, "agg", type(self).__name__,
+                       ("create_accumulator", "add", "get_result"),
+                       "an AggregateFunction (create_accumulator, add, get_result; merge for "
+                       "namespace merges)")
 
 
 # --------------------------------------------------------------------------- state shapes

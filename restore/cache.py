@@ -62,7 +62,6 @@ import fcntl
 import functools
 import hashlib
 import logging
-import math
 import os
 import re
 import secrets
@@ -71,13 +70,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, cast
 
+from dstl.checks import check_choice, check_int, check_number, check_optional_path
 from dstl.errors import (
     CacheError,
     CacheFullError,
     ClosedError,
-    ConfigError,
+    ConfigTypeError,
     CorruptObjectError,
     DstlError,
     LeaseError,
@@ -88,7 +88,7 @@ from dstl.errors import (
 )
 from dstl.stores.base import BlobStore, check_key
 from dstl.stores.local import write_new_file_durably
-from dstl.timer import ThreadTimer, Timer, TimerHandle
+from dstl.timer import ThreadTimer, Timer, TimerHandle, check_timer
 from restore.leasing import LeasingCache, Verify
 
 __all__ = [
@@ -106,6 +106,8 @@ logger = logging.getLogger(__name__)
 #: restores of one recovery (all backends of a process restore at about the same time), short
 #: enough that a cache does not keep a recovery's segments on disk for the job's lifetime.
 DEFAULT_IDLE_TTL_S = 600.0
+#: Longest idle TTL (a week): longer only keeps files; far longer would overflow the timer.
+MAX_IDLE_TTL_S = 7 * 86_400.0
 #: How long ``close()`` waits for downloads in flight to finish and clean up their temp files.
 _CLOSE_WAIT_S = 30.0
 
@@ -376,6 +378,28 @@ def _pread_exact(fd: int, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def _checked_arguments(directory: object, idle_ttl_s: object, max_bytes: object,
+                       timer: object, on_full: object) -> tuple[str, float, int | None, OnFull]:
+    """The constructor's arguments, checked (one place): ``(absolute directory, idle TTL,
+    byte budget, on_full)``.
+
+    Raises:
+        ConfigError: a value out of range (ConfigTypeError: a wrong type).
+    """
+    owner = "LocalFileCache"
+    path = check_optional_path(directory, "directory", owner)
+    if path is None:
+        raise ConfigTypeError("directory", directory, "a non-empty path (str or os.PathLike)",
+                              owner=owner)
+    ttl = check_number(idle_ttl_s, "idle_ttl_s", owner, lo=0.0, hi=MAX_IDLE_TTL_S,
+                       unit="seconds", fix="how long an unused file stays cached")
+    budget = None if max_bytes is None else check_int(
+        max_bytes, "max_bytes", owner, lo=1, fix="use None for no budget")
+    check_timer(timer, "timer", owner)
+    mode = check_choice(on_full, "on_full", owner, ("raise", "direct"))
+    return os.path.abspath(path), ttl, budget, cast(OnFull, mode)
+
+
 class LocalFileCache:
     """A per-process cache of whole objects on local disk (see the module docstring).
 
@@ -404,20 +428,8 @@ class LocalFileCache:
     def __init__(self, directory: str | os.PathLike[str], idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
                  max_bytes: int | None = None, *, timer: Timer | None = None,
                  on_full: OnFull = "raise") -> None:
-        if isinstance(idle_ttl_s, bool) or not isinstance(idle_ttl_s, (int, float)) \
-                or not math.isfinite(idle_ttl_s) or idle_ttl_s < 0:
-            raise ConfigError("idle_ttl_s", idle_ttl_s, "a finite number of seconds >= 0",
-                              owner="LocalFileCache")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                      or max_bytes <= 0):
-            raise ConfigError("max_bytes", max_bytes, "None (no budget) or an integer > 0",
-                              owner="LocalFileCache")
-        if on_full not in ("raise", "direct"):
-            raise ConfigError("on_full", on_full, "'raise' or 'direct'", owner="LocalFileCache")
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.idle_ttl_s = float(idle_ttl_s)
-        self.max_bytes = max_bytes
-        self.on_full: OnFull = on_full
+        self.directory, self.idle_ttl_s, self.max_bytes, self.on_full = _checked_arguments(
+            directory, idle_ttl_s, max_bytes, timer, on_full)
         self._pid = os.getpid()
         self._timer: Timer | None = timer
         self._own_timer = timer is None

@@ -32,13 +32,27 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dstl.errors import CorruptObjectError, DstlError, ObjectNotFoundError, UsageError
+from dstl.checks import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_optional_path,
+    check_protocol,
+    check_str,
+)
+from dstl.errors import (
+    ConfigTypeError,
+    CorruptObjectError,
+    DstlError,
+    ObjectNotFoundError,
+    UsageError,
+)
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
 from dstl.storage import ChangelogStorage
 from dstl.stores.base import BlobStore
-from dstl.timer import Timer
-from materializer.backend import ChangelogKeyedStateBackend
+from dstl.timer import Timer, check_timer
+from materializer.backend import ChangelogKeyedStateBackend, check_layout, check_storage
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.state_tables import BlobRangeSource, RangeSource, SnapshotReader
@@ -178,6 +192,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
         ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged (the
             message names the object, the offset and the checkpoint).
     """
+    _check_arguments(handles, storage, key_groups, table, cache, operator_id, max_parallelism,
+                     options, local_directory, timer, allow_pickle, stats, auto_materialize)
     plan = plan_restore(_parse(handles), key_groups, operator_id=operator_id,
                         max_parallelism=max_parallelism)
     st = stats if stats is not None else RestoreStats()
@@ -198,6 +214,40 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                 key_groups, plan.checkpoint, len(plan.snapshots), st.get("entries", 0),
                 st.get("change_sets", 0), st.get("changes", 0), st["total_seconds"])
     return backend
+
+
+def _check_arguments(handles: object, storage: object, key_groups: object, table: object,
+                     cache: object, operator_id: object, max_parallelism: object,
+                     options: object, local_directory: object, timer: object,
+                     allow_pickle: object, stats: object, auto_materialize: object) -> None:
+    """The arguments of :func:`restore_backend`, checked before anything is read (one place).
+
+    Raises:
+        ConfigError: a wrong value (ConfigTypeError: a wrong type).
+    """
+    owner = "restore_backend"
+    if isinstance(handles, (str, bytes, bytearray)) or not isinstance(handles, Iterable):
+        raise ConfigTypeError("handles", handles, "a list of handles (objects or their JSON), "
+                              "one per backend of the checkpoint", owner=owner,
+                              fix="wrap a single handle in a list: [handle]")
+    check_storage(storage, "storage", owner)
+    check_choice(table, "table", owner, ("heap", "lmdb"))
+    check_instance(key_groups, "key_groups", owner, KeyGroupRange)
+    if cache is not None:
+        check_protocol(cache, "cache", owner, ("lease",),
+                       "None or a restore.LeasingCache (e.g. restore.LocalFileCache)")
+    if operator_id is not None:
+        check_str(operator_id, "operator_id", owner)
+    if max_parallelism is not None:
+        check_layout(key_groups, max_parallelism, owner, table)
+    if options is not None:
+        check_instance(options, "options", owner, BackendOptions)
+    check_optional_path(local_directory, "local_directory", owner)
+    check_timer(timer, "timer", owner)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    if stats is not None:
+        check_instance(stats, "stats", owner, dict, fix="pass a restore.RestoreStats()")
+    check_bool(auto_materialize, "auto_materialize", owner)
 
 
 def _execute(plan: RestorePlan, backend: ChangelogKeyedStateBackend, storage: ChangelogStorage,

@@ -67,16 +67,26 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from dstl.checkpoint.manifest import (
+    MAX_ID_CHARS,
     MAX_MANIFEST_BYTES,
+    MAX_RETAINED,
     Manifest,
     TaskEntry,
     decode_manifest,
     validate_id,
 )
 from dstl.checkpoint.retention import ListedObject, OrphanPlan, plan_orphans, plan_retention
+from dstl.checks import (
+    check_bool,
+    check_callable,
+    check_instance,
+    check_int,
+    check_protocol,
+    check_str,
+)
 from dstl.errors import (
     ClosedError,
-    ConfigError,
+    ConfigTypeError,
     CorruptObjectError,
     DstlError,
     ObjectExistsError,
@@ -91,7 +101,7 @@ from dstl.layout import (
     parse_manifest_key,
 )
 from dstl.metrics import MetricsRegistry
-from dstl.stores.base import BlobStore
+from dstl.stores.base import BlobStore, check_store
 
 __all__ = [
     "DEFAULT_RETAINED",
@@ -246,6 +256,42 @@ def _list_manifests(store: BlobStore) -> list[_StoredManifest]:
     return stored
 
 
+def _check_arguments(store: object, job_id: object, retained: object, clock: object,
+                     wall_clock: object, metrics: object, executor: object,
+                     listeners: object) -> list[CheckpointListener]:
+    """The constructor's arguments, checked (one place); returns the listeners as a list.
+
+    Raises:
+        ConfigError: a value out of range (ConfigTypeError: a wrong type).
+    """
+    owner = "CheckpointCoordinator"
+    check_store(store, "store", owner)
+    check_str(job_id, "job_id", owner, max_chars=MAX_ID_CHARS,
+              fix="the job (operator) name; it is written into every manifest")
+    check_int(retained, "retained", owner, lo=1, hi=MAX_RETAINED,
+              fix="completed checkpoints kept; >= 2 if batches may be re-run")
+    check_callable(clock, "clock", owner, args=0, fix="monotonic seconds, e.g. time.monotonic")
+    check_callable(wall_clock, "wall_clock", owner, args=0, fix="epoch seconds, e.g. time.time")
+    if metrics is not None:
+        check_instance(metrics, "metrics", owner, MetricsRegistry)
+    if executor is not None:
+        check_protocol(executor, "executor", owner, ("submit",),
+                       "None or a concurrent.futures.Executor")
+    if isinstance(listeners, (str, bytes)) or not isinstance(listeners, Iterable):
+        raise ConfigTypeError("listeners", listeners, "an iterable of CheckpointListener",
+                              owner=owner)
+    out = list(listeners)
+    for i, listener in enumerate(out):
+        _check_listener(listener, f"listeners[{i}]")
+    return out
+
+
+def _check_listener(listener: object, field: str) -> None:
+    check_protocol(listener, field, "CheckpointCoordinator",
+                   ("on_complete", "on_subsumed", "on_aborted"),
+                   "a dstl.checkpoint.CheckpointListener", fix="subclass CheckpointListener")
+
+
 class CheckpointCoordinator:
     """Driver-side checkpoint coordinator (see the module docstring).
 
@@ -274,16 +320,14 @@ class CheckpointCoordinator:
                  metrics: MetricsRegistry | None = None,
                  executor: Executor | None = None,
                  listeners: Iterable[CheckpointListener] = ()) -> None:
-        if not isinstance(retained, int) or isinstance(retained, bool) or retained < 1:
-            raise ConfigError("retained", retained, "an integer >= 1 (>= 2 if batches may be "
-                              "re-run)", owner="CheckpointCoordinator")
+        self._listeners: list[CheckpointListener] = _check_arguments(
+            store, job_id, retained, clock, wall_clock, metrics, executor, listeners)
         self._store = store
-        self._job_id = validate_id(job_id, "job_id")
+        self._job_id = job_id
         self._retain = retained
         self._clock = clock
         self._wall = wall_clock
         self._executor = executor
-        self._listeners: list[CheckpointListener] = list(listeners)
         self._lock = threading.Lock()
         self._delete_lock = threading.Lock()  # one deletion pass at a time
         self._retained: list[Manifest] = []  # oldest first
@@ -359,6 +403,7 @@ class CheckpointCoordinator:
             UsageError: the manifests belong to another job id.
             StorageError: the store could not be listed or read.
         """
+        check_bool(fallback, "fallback", "CheckpointCoordinator")
         coord = cls(store, job_id=job_id, retained=retained, clock=clock, wall_clock=wall_clock,
                     metrics=metrics, executor=executor, listeners=listeners)
         stored = _list_manifests(store)
@@ -625,7 +670,12 @@ class CheckpointCoordinator:
         return self._metrics.snapshot()
 
     def add_listener(self, listener: CheckpointListener) -> None:
-        """Deliver future notifications to ``listener`` too."""
+        """Deliver future notifications to ``listener`` too.
+
+        Raises:
+            ConfigTypeError: ``listener`` lacks a notification method.
+        """
+        _check_listener(listener, "listener")
         with self._lock:
             self._listeners.append(listener)
 
@@ -650,7 +700,8 @@ class CheckpointCoordinator:
         with self._delete_lock:
             return self._run_deletions_locked()
 
-    def collect_orphans(self, min_age_s: float, now_ms: int | None = None) -> list[str]:
+    def collect_orphans(self, min_age_s: float, now_ms: int | None = None, *,
+                        dry_run: bool = False) -> list[str]:
         """Delete objects no checkpoint references (orphans), after a grace period.
 
         First every stale manifest (in ``checkpoints/`` but neither retained nor a put of the
@@ -665,9 +716,11 @@ class CheckpointCoordinator:
                 upload to the acknowledgement that first references it (a few checkpoint
                 intervals) plus the clock skew between executors and the driver.
             now_ms: the current epoch time in ms (default: the wall clock).
+            dry_run: decide the same way but delete nothing and change nothing; the keys that
+                would be deleted are returned (``dstl gc --dry-run``).
 
         Returns:
-            The keys deleted (manifests, then objects).
+            The keys deleted (manifests, then objects); with ``dry_run``, those that would be.
 
         Raises:
             UsageError: ``min_age_s`` is negative or not finite, or the store holds a manifest
@@ -678,7 +731,10 @@ class CheckpointCoordinator:
             ClosedError: the coordinator is closed.
         """
         grace_ms = _grace_ms(min_age_s)
+        check_bool(dry_run, "dry_run", "CheckpointCoordinator.collect_orphans")
         now = self._wall_ms() if now_ms is None else int(now_ms)
+        if dry_run:
+            return self._plan_collection(grace_ms, now)
         with self._delete_lock:
             with self._lock:
                 self._check_open()
@@ -699,8 +755,29 @@ class CheckpointCoordinator:
                 self._deleting.update(plan.delete)
             return deleted + self._delete_orphans(plan)
 
+    def _plan_collection(self, grace_ms: int, now_ms: int) -> list[str]:
+        """What :meth:`collect_orphans` would delete now — the stale and doomed manifests, then
+        the orphans — with nothing deleted or changed."""
+        with self._delete_lock:
+            with self._lock:
+                self._check_open()
+            stale = self._stale_manifests()
+            listed = [ListedObject.of(info.key, info.size)
+                      for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
+            with self._lock:
+                manifests = sorted(self._doomed_manifests | stale)
+                plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now_ms,
+                                    grace_ms=grace_ms)
+        return manifests + list(plan.delete)
+
     def _doom_stale_manifests(self) -> None:
-        """Doom every manifest in the store that is neither retained nor a put of the pending
+        """Doom every stale manifest (see :meth:`_stale_manifests`)."""
+        stale = self._stale_manifests()
+        with self._lock:
+            self._doomed_manifests |= stale
+
+    def _stale_manifests(self) -> set[str]:
+        """Every manifest in the store that is neither retained nor a put of the pending
         checkpoint; refuse (before anything is deleted) when one is newer than the latest
         retained checkpoint and unknown to this coordinator."""
         listed = [info.key for info in self._store.list(MANIFEST_PREFIX)]
@@ -721,7 +798,7 @@ class CheckpointCoordinator:
                         "to it; nothing was deleted. Open an existing store with "
                         "CheckpointCoordinator.recover(), and run one coordinator per store")
                 stale.add(k)
-            self._doomed_manifests |= stale
+        return stale
 
     def _delete_orphans(self, plan: OrphanPlan) -> list[str]:
         """Delete the orphans ``plan`` selected (already marked as being deleted); on failure
@@ -846,7 +923,7 @@ class CheckpointCoordinator:
             created_ms=self._wall_ms(), tasks=[p.acks[t][0] for t in p.tasks],
             trigger_ms=p.trigger_ms,
             duration_ms=max(0.0, (self._clock() - p.trigger_mono) * 1000.0),
-            ack_latency_ms={t: p.acks[t][1] for t in p.tasks})
+            ack_latency_ms={t: p.acks[t][1] for t in p.tasks}, retained=self._retain)
 
     def _put_manifest_locked(self, p: _Pending, manifest: Manifest) -> None:
         """The commit: put the manifest, or raise :class:`CheckpointCommitError`."""

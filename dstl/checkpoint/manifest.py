@@ -16,13 +16,19 @@ attempt of the highest checkpoint id. The names are made and recognised by :mod:
 **Encoding.** One canonical JSON document (sorted keys, no whitespace, ASCII only, no NaN/Infinity)
 plus a newline::
 
-    {"body":{...},"crc32":"<8 lowercase hex>","format":"dstl-manifest","version":1}
+    {"body":{...},"crc32":"<8 lowercase hex>","format":"dstl-manifest","version":2}
 
 ``crc32`` is CRC-32 over the canonical JSON encoding of ``body``. The body holds the job id,
-checkpoint id, attempt, creation time, one entry per task (task id, its opaque JSON state handle,
+checkpoint id, attempt, creation time, the job's retention (how many checkpoints its coordinator
+keeps — ``dstl gc`` never keeps fewer), one entry per task (task id, its opaque JSON state handle,
 the object keys it references, full and incremental size) and the checkpoint statistics (trigger
 time, duration, per-task acknowledgement latency, total sizes). See ``docs/coordinator.md`` for
 the field table.
+
+**Versions.** Version 2 added ``body.retained``. Version-1 manifests (written before it) stay
+readable: their retention is ``None``, "unknown", and ``dstl gc`` is conservative with them. A
+manifest is encoded in the version its fields need (2, or 1 when it records no retention), so
+decoding and encoding round-trip; this build writes only version 2.
 
 **Decoding is strict** — a checkpoint directory is untrusted input. In order: size limit, UTF-8,
 JSON (no NaN/Infinity, bounded nesting), format and version (:class:`UnsupportedFormatError`), the
@@ -74,6 +80,8 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
+    "MAX_RETAINED",
+    "READ_VERSIONS",
     "CheckpointStats",
     "CorruptManifestError",
     "Manifest",
@@ -86,16 +94,24 @@ __all__ = [
 
 #: Value of the top-level ``format`` field.
 FORMAT_NAME = "dstl-manifest"
-#: The manifest format this build writes and reads.
-FORMAT_VERSION = 1
+#: The manifest format this build writes (a manifest without a recorded retention, decoded
+#: from version 1, is written back as version 1).
+FORMAT_VERSION = 2
+#: The manifest formats this build reads. Version 2 added ``body.retained``.
+READ_VERSIONS = (1, 2)
+#: Largest retention (checkpoints kept) a manifest may record; recovery reads that many.
+MAX_RETAINED = 1000
 #: Larger manifests are rejected before parsing (untrusted input must not exhaust memory). A
 #: manifest holds keys and small handles; 10 000 tasks x 100 keys stay well below this.
 MAX_MANIFEST_BYTES = 64 << 20
 #: Ids, task ids and job ids longer than this are rejected (they end up in messages and logs).
 MAX_ID_CHARS = 1024
 
+_READABLE = f"{FORMAT_NAME} " + ", ".join(f"v{v}" for v in READ_VERSIONS)
 _TOP_FIELDS = frozenset({"body", "crc32", "format", "version"})
-_BODY_FIELDS = frozenset({"attempt", "checkpoint_id", "created_ms", "job_id", "stats", "tasks"})
+_BODY_FIELDS_V1 = frozenset({"attempt", "checkpoint_id", "created_ms", "job_id", "stats",
+                             "tasks"})
+_BODY_FIELDS = {1: _BODY_FIELDS_V1, 2: _BODY_FIELDS_V1 | {"retained"}}
 _TASK_FIELDS = frozenset({"full_size", "incremental_size", "referenced_keys", "state",
                           "task_id"})
 _STATS_FIELDS = frozenset({"ack_latency_ms", "duration_ms", "full_size", "incremental_size",
@@ -306,6 +322,9 @@ class Manifest:
     created_ms: int
     tasks: tuple[TaskEntry, ...]
     stats: CheckpointStats
+    #: How many checkpoints the job retained when it committed this one (its coordinator's
+    #: ``retained``); ``None``: not recorded (a version-1 manifest). ``dstl gc`` reads it.
+    retained: int | None = None
     referenced_keys: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -315,7 +334,7 @@ class Manifest:
     @classmethod
     def build(cls, *, job_id: str, checkpoint_id: int, attempt: int, created_ms: int,
               tasks: Sequence[TaskEntry], trigger_ms: int, duration_ms: float,
-              ack_latency_ms: Mapping[str, float]) -> Manifest:
+              ack_latency_ms: Mapping[str, float], retained: int) -> Manifest:
         """Validate and build a manifest; the stats' sizes are the sums over ``tasks``.
 
         Args:
@@ -327,6 +346,7 @@ class Manifest:
             trigger_ms: wall-clock trigger time, epoch ms.
             duration_ms: trigger to commit.
             ack_latency_ms: per task id, trigger to acknowledgement; same task ids as ``tasks``.
+            retained: the job's retention (checkpoints kept), 1..``MAX_RETAINED``.
 
         Returns:
             The manifest.
@@ -339,7 +359,9 @@ class Manifest:
                                 {k: round(float(v), 3) for k, v in ack_latency_ms.items()},
                                 sum(t.full_size for t in tasks),
                                 sum(t.incremental_size for t in tasks))
-        m = cls(job_id, checkpoint_id, attempt, created_ms, tuple(tasks), stats)
+        m = cls(job_id, checkpoint_id, attempt, created_ms, tuple(tasks), stats, retained)
+        if retained is None:
+            _usage("retained", "the job's retention is required (an integer >= 1)")
         _validate(m, _usage)
         return m
 
@@ -363,12 +385,21 @@ class Manifest:
                 return t
         raise KeyError(task_id)
 
+    @property
+    def version(self) -> int:
+        """The format version this manifest encodes as: 2, or 1 without a recorded
+        retention."""
+        return 1 if self.retained is None else FORMAT_VERSION
+
     def to_json_obj(self) -> dict[str, Any]:
         """The body (what the CRC covers)."""
-        return {"job_id": self.job_id, "checkpoint_id": self.checkpoint_id,
+        body = {"job_id": self.job_id, "checkpoint_id": self.checkpoint_id,
                 "attempt": self.attempt, "created_ms": self.created_ms,
                 "tasks": [t.to_json_obj() for t in self.tasks],
                 "stats": self.stats.to_json_obj()}
+        if self.retained is not None:
+            body["retained"] = self.retained
+        return body
 
     def encode(self) -> bytes:
         """See :func:`encode_manifest`."""
@@ -381,6 +412,8 @@ def _validate(m: Manifest, fail: _Fail) -> None:
     _check_int_range(m.checkpoint_id, 0, MAX_CHECKPOINT_ID, "checkpoint_id", fail)
     _check_int_range(m.attempt, 1, MAX_ATTEMPT, "attempt", fail)
     _check_int_range(m.created_ms, 0, None, "created_ms", fail)
+    if m.retained is not None:
+        _check_int_range(m.retained, 1, MAX_RETAINED, "retained", fail)
     if not m.tasks:
         fail("tasks", "a checkpoint has at least one task")
     ids = [t.task_id for t in m.tasks]
@@ -409,7 +442,7 @@ def encode_manifest(m: Manifest) -> bytes:
     """Encode ``m`` as canonical JSON with a CRC-32 over the body (module docstring)."""
     body = m.to_json_obj()
     crc = zlib.crc32(_canonical(body))
-    return _canonical({"format": FORMAT_NAME, "version": FORMAT_VERSION, "crc32": f"{crc:08x}",
+    return _canonical({"format": FORMAT_NAME, "version": m.version, "crc32": f"{crc:08x}",
                        "body": body}) + b"\n"
 
 
@@ -443,7 +476,7 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
 
     doc = _parse_document(data, key)
     body = _checked_body(doc, data, key, fail)
-    return _decode_body(body, key, fail)
+    return _decode_body(body, doc["version"], key, fail)
 
 
 def _parse_document(data: bytes, key: str) -> dict[str, Any]:
@@ -461,13 +494,12 @@ def _parse_document(data: bytes, key: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         raise CorruptObjectError(key, 0, f"not a valid JSON document ({exc!s:.200})") from exc
     if not isinstance(doc, dict):
-        raise UnsupportedFormatError(key, 0, f"a JSON {type(doc).__name__}",
-                                     f"{FORMAT_NAME} v{FORMAT_VERSION}")
-    if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION \
-            or isinstance(doc.get("version"), bool):
-        raise UnsupportedFormatError(key, 0, f"{doc.get('format')!r:.40} "
-                                             f"v{doc.get('version')!r:.20}",
-                                     f"{FORMAT_NAME} v{FORMAT_VERSION}")
+        raise UnsupportedFormatError(key, 0, f"a JSON {type(doc).__name__}", _READABLE)
+    version = doc.get("version")
+    if doc.get("format") != FORMAT_NAME or isinstance(version, bool) \
+            or version not in READ_VERSIONS:
+        raise UnsupportedFormatError(key, 0, f"{doc.get('format')!r:.40} v{version!r:.20}",
+                                     _READABLE)
     return doc
 
 
@@ -490,24 +522,27 @@ def _checked_body(doc: dict[str, Any], data: bytes, key: str, fail: _Fail) -> di
 
 
 def _check_fields(obj: dict[str, Any], expected: frozenset[str], where: str,
-                  fail: _Fail) -> None:
+                  fail: _Fail, version: int = FORMAT_VERSION) -> None:
     missing, extra = sorted(expected - set(obj)), sorted(set(obj) - expected)
     if missing:
         fail(f"{where}{missing[0]}", "missing")
     if extra:
-        fail(f"{where}{extra[0]:.80}", f"unknown field (format v{FORMAT_VERSION} has only "
+        fail(f"{where}{extra[0]:.80}", f"unknown field (format v{version} has only "
                                        f"{sorted(expected)})")
 
 
-def _decode_body(body: dict[str, Any], key: str, fail: _Fail) -> Manifest:
-    _check_fields(body, _BODY_FIELDS, "body.", fail)
+def _decode_body(body: dict[str, Any], version: int, key: str, fail: _Fail) -> Manifest:
+    _check_fields(body, _BODY_FIELDS[version], "body.", fail, version)
     tasks_raw = body["tasks"]
     if not isinstance(tasks_raw, list):
         fail("body.tasks", f"expected a list, got {type(tasks_raw).__name__}")
     tasks = [_decode_task(t, f"body.tasks[{i}]", key, fail) for i, t in enumerate(tasks_raw)]
     stats = _decode_stats(body["stats"], fail)
+    # v1 records no retention: None ("unknown"); in v2 it is required (checked by _validate)
     m = Manifest(body["job_id"], body["checkpoint_id"], body["attempt"], body["created_ms"],
-                 tuple(tasks), stats)
+                 tuple(tasks), stats, body.get("retained"))
+    if version >= 2 and m.retained is None:
+        fail("body.retained", "expected an integer, got null")
     _validate(m, lambda f, r: fail(f"body.{f}", r))
     named = parse_manifest_key(key)
     if named is not None and named != (m.checkpoint_id, m.attempt):

@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstl.keygroups import KeyGroupRange
+from dstl.checks import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_mapping,
+    check_optional_path,
+    check_str,
+)
+from dstl.errors import ConfigTypeError
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
 from dstl.options import DstlOptions
 from materializer.options import BackendOptions
 
@@ -37,6 +47,9 @@ class OperatorConfig:
     local_dir: str | None = None
     agent: bool = True
 
+    def __post_init__(self) -> None:
+        _check(self)
+
     @property
     def agent_materializes(self) -> bool:
         """The executor agent materializes LMDB partitions (a heap lives in one worker's
@@ -50,6 +63,31 @@ class OperatorConfig:
     def operator_id(self, partition: int) -> str:
         """The backend's operator id (log id) of ``partition``."""
         return f"{self.name}/p{partition}"
+
+
+def _check(c: OperatorConfig) -> None:
+    """The fields' types and ranges (one place). ``DstlStatefulOperator`` checked the user's
+    arguments already with the same rules; this keeps a config built by hand (tests, tools)
+    from reaching the executors malformed."""
+    owner = "OperatorConfig"
+    check_str(c.name, "name", owner, forbidden="/")
+    if not isinstance(c.processor, type):
+        raise ConfigTypeError("processor", c.processor, "a StatefulProcessor subclass",
+                              owner=owner)
+    check_str(c.key_column, "key_column", owner, forbidden="`")
+    if not isinstance(c.output_columns, tuple) or not all(
+            isinstance(n, str) for n in c.output_columns):
+        raise ConfigTypeError("output_columns", c.output_columns, "a tuple of column names",
+                              owner=owner)
+    check_str(c.state_uri, "state_uri", owner)
+    check_mapping(c.storage_options, "storage_options", owner)
+    check_int(c.max_parallelism, "max_parallelism", owner, lo=1, hi=MAX_PARALLELISM_LIMIT)
+    check_int(c.partitions, "partitions", owner, lo=1, hi=c.max_parallelism)
+    check_choice(c.table, "table", owner, ("lmdb", "heap"))
+    check_instance(c.dstl_options, "dstl_options", owner, DstlOptions)
+    check_instance(c.backend_options, "backend_options", owner, BackendOptions)
+    check_optional_path(c.local_dir, "local_dir", owner)
+    check_bool(c.agent, "agent", owner)
 
 
 @dataclass(frozen=True)

@@ -21,21 +21,37 @@ the same state as the first run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator, Completion
-from dstl.errors import ConfigError, UsageError
+from dstl.checkpoint.manifest import MAX_RETAINED
+from dstl.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_mapping,
+    check_number,
+    check_optional_path,
+    check_str,
+)
+from dstl.errors import ConfigError, ConfigTypeError, UsageError
+from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
 from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.processor import StatefulProcessor
 from dstl.spark.report import REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.stores import check_store_uri
 from dstl.stores.base import BlobStore
-from materializer.options import BackendOptions
+from materializer.options import MAX_MATERIALIZATION_INTERVAL_S, BackendOptions
 
 __all__ = ["DstlStatefulOperator"]
 
@@ -86,18 +102,13 @@ class DstlStatefulOperator:
                  backend_options: BackendOptions | None = None, retained: int = 3,
                  materialization_interval_s: float | None = 60.0, local_dir: str | None = None,
                  agent: bool = True) -> None:
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ConfigError("name", name, "a non-empty string without '/'",
-                              owner="DstlStatefulOperator")
-        if table not in ("lmdb", "heap"):
-            raise ConfigError("table", table, "'lmdb' or 'heap'", owner="DstlStatefulOperator")
-        if not isinstance(partitions, int) or not 1 <= partitions <= max_parallelism:
-            raise ConfigError("partitions", partitions, f"an int in [1, max_parallelism="
-                              f"{max_parallelism}]", owner="DstlStatefulOperator")
-        if not isinstance(retained, int) or retained < 2:
-            raise ConfigError("retained", retained, ">= 2 (a re-run batch restores from the "
-                              "checkpoint before it)", owner="DstlStatefulOperator")
-        _check_interval(materialization_interval_s)
+        _check_arguments(name=name, processor=processor, key_column=key_column,
+                         output_schema=output_schema, state_uri=state_uri,
+                         partitions=partitions, max_parallelism=max_parallelism, table=table,
+                         sink=sink, storage_options=storage_options, options=options,
+                         backend_options=backend_options, retained=retained,
+                         materialization_interval_s=materialization_interval_s,
+                         local_dir=local_dir, agent=agent)
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -111,8 +122,9 @@ class DstlStatefulOperator:
         self._options = options
         self._backend_options = backend_options
         self.retained = retained
-        self.materialization_interval_s = materialization_interval_s
-        self.local_dir = local_dir
+        self.materialization_interval_s = (None if materialization_interval_s is None
+                                           else float(materialization_interval_s))
+        self.local_dir = check_optional_path(local_dir, "local_dir", _OWNER)
         self.agent = agent
         self._ready: _Ready | None = None
         #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics
@@ -131,7 +143,7 @@ class DstlStatefulOperator:
         # A bad scheme, bucket or credentials fail here, before any batch runs.
         store = open_store(self.state_uri, self.storage_options, validate=True)
         coordinator = CheckpointCoordinator.recover(store, self.name, retained=self.retained)
-        out = spark.createDataFrame([], self.output_schema).schema
+        out = _spark_schema(spark, self.output_schema)
         self._ready = _Ready(store, coordinator, self._task_config(conf, out), out)
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
@@ -351,13 +363,6 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
 _INTERVAL_KEY = "spark.dstl.backend.materialization_interval_s"
 
 
-def _check_interval(v: Any) -> None:
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                          or not math.isfinite(v) or v < 0):
-        raise ConfigError("materialization_interval_s", v, "a number of seconds >= 0, or None",
-                          owner="DstlStatefulOperator")
-
-
 def _with_interval(explicit: BackendOptions | None, conf: Mapping[str, str],
                    interval: float | None) -> BackendOptions:
     """The operator's backend options (``explicit``, else from ``conf``) with the operator's
@@ -401,3 +406,167 @@ def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:
         except ValueError as exc:
             raise ConfigError(name, raw, "a number or 'none'", owner="spark.dstl.backend") from exc
     return BackendOptions(**kwargs)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+_OWNER = "DstlStatefulOperator"
+#: Columns the operator adds to the input (routing) or output (task reports).
+_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid")
+
+
+def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schema: Any,
+                     state_uri: Any, partitions: Any, max_parallelism: Any, table: Any,
+                     sink: Any, storage_options: Any, options: Any, backend_options: Any,
+                     retained: Any, materialization_interval_s: Any, local_dir: Any,
+                     agent: Any) -> None:
+    """Every constructor argument, checked on the driver before Spark is touched (one place).
+
+    Raises:
+        ConfigError: naming the argument, the value, the accepted range and the fix
+            (ConfigTypeError: a wrong type).
+    """
+    check_str(name, "name", _OWNER, forbidden="/",
+              fix="the operator's name: the job id of its checkpoints and the prefix of its "
+                  "partitions' ids")
+    _check_processor(processor)
+    check_str(key_column, "key_column", _OWNER, forbidden="`",
+              fix="the name of the grouping column of the input")
+    if key_column in _RESERVED_COLUMNS:
+        raise ConfigError("key_column", key_column, f"a column not named {_RESERVED_COLUMNS}",
+                          owner=_OWNER, fix="DSTL adds these columns; rename the key column")
+    _check_output_schema(output_schema)
+    check_store_uri(state_uri, check_mapping(storage_options, "storage_options", _OWNER),
+                    owner=_OWNER, field="state_uri")
+    check_int(max_parallelism, "max_parallelism", _OWNER, lo=1, hi=MAX_PARALLELISM_LIMIT,
+              fix="the number of key groups, fixed for the life of the state")
+    check_int(partitions, "partitions", _OWNER, lo=1, hi=max_parallelism,
+              fix="at most max_parallelism partitions (each owns at least one key group)")
+    check_choice(table, "table", _OWNER, ("lmdb", "heap"))
+    if sink is not None:
+        check_callable(sink, "sink", _OWNER, args=2, fix="sink(out_df, batch_id)")
+    if options is not None:
+        check_instance(options, "options", _OWNER, DstlOptions)
+    if backend_options is not None:
+        check_instance(backend_options, "backend_options", _OWNER, BackendOptions)
+    check_int(retained, "retained", _OWNER, lo=2, hi=MAX_RETAINED,
+              fix="a re-run batch restores from the checkpoint before it, so keep >= 2")
+    _check_interval(materialization_interval_s, backend_options)
+    check_optional_path(local_dir, "local_dir", _OWNER)
+    check_bool(agent, "agent", _OWNER)
+
+
+def _check_processor(processor: Any) -> None:
+    """A concrete :class:`StatefulProcessor` subclass, instantiable without arguments (each
+    partition makes its own instance)."""
+    expected = "a StatefulProcessor subclass (the class, not an instance)"
+    if isinstance(processor, StatefulProcessor):
+        raise ConfigTypeError("processor", processor, expected, owner=_OWNER,
+                              fix=f"pass {type(processor).__name__}, the class: every "
+                                  "partition makes its own instance")
+    if not isinstance(processor, type) or not issubclass(processor, StatefulProcessor):
+        raise ConfigTypeError("processor", processor, expected, owner=_OWNER,
+                              fix="subclass dstl.spark.StatefulProcessor")
+    if inspect.isabstract(processor):
+        raise ConfigError("processor", processor, expected + " that implements "
+                          "handle_input_rows", owner=_OWNER)
+    try:
+        inspect.signature(processor).bind()
+    except TypeError as exc:
+        raise ConfigError("processor", processor, expected + " whose constructor takes no "
+                          f"arguments ({exc})", owner=_OWNER,
+                          fix="set state up in init(handle), not in __init__") from None
+    except ValueError:
+        pass  # no introspectable signature: instantiation will tell
+
+
+def _check_output_schema(output_schema: Any) -> None:
+    """A DDL string whose structure is sound (Spark parses it fully at :meth:`validate` or the
+    first batch) or a ``StructType``; column names unique and not reserved."""
+    if isinstance(output_schema, str):
+        names = ddl_column_names(output_schema)
+    elif type(output_schema).__name__ == "StructType" and hasattr(output_schema, "fields"):
+        names = [f.name for f in output_schema.fields]
+    else:
+        raise ConfigTypeError("output_schema", output_schema, "a DDL string ('key string, "
+                              "count long') or a pyspark StructType", owner=_OWNER)
+    folded = [n.lower() for n in names]  # Spark compares column names case-insensitively
+    dup = sorted({n for n in names if folded.count(n.lower()) > 1})
+    reserved = sorted(n for n in names if n.lower() in _RESERVED_COLUMNS)
+    if dup or reserved:
+        raise ConfigError("output_schema", output_schema, "unique column names, none of "
+                          f"{_RESERVED_COLUMNS}", owner=_OWNER,
+                          fix=f"rename {dup or reserved}")
+
+
+def _check_interval(interval: Any, backend_options: BackendOptions | None) -> None:
+    """The interval's range; and, when ``backend_options`` are given, that they agree with it
+    (checked again with the Spark conf at the first batch)."""
+    if interval is not None:
+        check_number(interval, "materialization_interval_s", _OWNER, lo=0.0,
+                     hi=MAX_MATERIALIZATION_INTERVAL_S, unit="seconds",
+                     fix="use None to materialize by size only")
+    if backend_options is not None:
+        _with_interval(backend_options, {}, interval)
+
+
+def ddl_column_names(ddl: str) -> list[str]:
+    """The column names of a DDL schema (``"key string, count long"``, ``"a: int"``,
+    ``"`odd name` map<string, int> NOT NULL"``), after a structural check that needs no Spark:
+    balanced brackets and quotes, and every field a name followed by a type.
+
+    Raises:
+        ConfigError: the string is not such a schema (names the field that is not).
+    """
+    fields_ = _split_top_level(ddl)
+    if not ddl.strip() or fields_ is None:
+        raise ConfigError("output_schema", ddl, "a DDL schema such as 'key string, count "
+                          "long' (balanced <>, () and quotes)", owner=_OWNER)
+    names = []
+    for text in fields_:
+        m = _DDL_FIELD.fullmatch(text.strip())
+        if m is None:
+            raise ConfigError("output_schema", ddl, "a DDL schema such as 'key string, count "
+                              f"long' (every field a name and a type; not {text.strip()!r})",
+                              owner=_OWNER)
+        names.append(m.group("quoted") if m.group("quoted") is not None else m.group("plain"))
+    return names
+
+
+#: One field of a DDL schema: a name (plain, or in backticks), ``:`` or blanks, a type.
+_DDL_FIELD = re.compile(r"(?:`(?P<quoted>[^`]+)`|(?P<plain>[A-Za-z0-9_]+))\s*(?::\s*|\s+)"
+                        r"[A-Za-z].*", re.DOTALL)
+
+
+def _split_top_level(ddl: str) -> list[str] | None:
+    """``ddl`` split at the commas outside brackets and quotes; ``None`` if unbalanced."""
+    parts: list[str] = []
+    quote, start = "", 0
+    pairs = {"<": ">", "(": ")"}
+    stack: list[str] = []
+    for i, c in enumerate(ddl):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"`":
+            quote = c
+        elif c in pairs:
+            stack.append(pairs[c])
+        elif c in ">)":
+            if not stack or stack.pop() != c:
+                return None
+        elif c == "," and not stack:
+            parts.append(ddl[start:i])
+            start = i + 1
+    if quote or stack:
+        return None
+    parts.append(ddl[start:])
+    return parts
+
+
+def _spark_schema(spark: Any, output_schema: Any) -> Any:
+    """The Spark schema of the output rows; a schema Spark cannot parse is a ConfigError."""
+    try:
+        return spark.createDataFrame([], output_schema).schema
+    except Exception as exc:
+        raise ConfigError("output_schema", output_schema, "a DDL string or StructType that "
+                          "Spark parses", owner=_OWNER, fix=f"{exc!s:.300}") from exc

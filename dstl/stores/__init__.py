@@ -34,22 +34,39 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import fsspec
 
-from dstl.errors import ConfigError
-from dstl.stores.base import BlobStore, ObjectInfo, check_key, is_retryable, translate_error
+from dstl.checks import check_bool, check_instance, check_int, check_mapping
+from dstl.errors import ConfigError, ConfigTypeError
+from dstl.stores.base import (
+    BlobStore,
+    ObjectInfo,
+    check_key,
+    check_store,
+    is_retryable,
+    translate_error,
+)
 from dstl.stores.fsspec_store import FsspecBlobStore
 from dstl.stores.local import LocalBlobStore
 from dstl.stores.memory import MemoryBlobStore
 
 __all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "LocalBlobStore",
-           "MemoryBlobStore", "ObjectInfo", "check_key", "is_retryable", "open_store",
-           "translate_error"]
+           "MemoryBlobStore", "ObjectInfo", "check_key", "check_store", "check_store_uri",
+           "is_retryable", "open_store", "translate_error"]
 
 SUPPORTED_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs")
+#: RFC 3986 scheme syntax.
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+#: A "path" starting like a URI scheme of two or more characters (one letter would be a
+#: Windows drive, ``C:``).
+_SCHEME_PREFIX_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+#: Bucket names: S3's rules plus the legacy characters (uppercase, ``_``) some stores allow.
+_BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _SUPPORTED_TEXT = ("a local path or a URI with one of the schemes "
                    + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES))
 
@@ -90,13 +107,120 @@ def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
         AccessDeniedError: (with ``validate``) missing or wrong credentials, no such bucket, or
             a directory that cannot be written. The message names the bucket/path and the fix.
     """
-    if not isinstance(base_uri, str) or not base_uri:
-        raise ConfigError("base_uri", base_uri, _SUPPORTED_TEXT, owner="open_store")
+    owner = "open_store"
+    storage_options = check_mapping(storage_options, "storage_options", owner)
+    check_bool(validate, "validate", owner)
     if filesystem is not None:
-        return _open_injected(filesystem, base_uri, storage_options, validate)
-    if "://" not in base_uri:
-        return _open_local(base_uri, validate)
-    return _open_url(base_uri, storage_options, validate)
+        check_instance(filesystem, "filesystem", owner, fsspec.AbstractFileSystem,
+                       fix="pass an fsspec filesystem instance, or None to build one from "
+                           "the URI")
+        return _open_injected(filesystem, _uri_text(base_uri, owner), storage_options, validate)
+    uri = check_store_uri(base_uri, storage_options, owner=owner)
+    if "://" not in uri:
+        return _open_local(uri, validate)
+    return _open_url(uri, storage_options, validate)
+
+
+def check_store_uri(base_uri: object, storage_options: Mapping[str, Any] | None = None, *,
+                    owner: str = "open_store", field: str = "base_uri") -> str:
+    """``base_uri`` as a string if its form is one :func:`open_store` accepts — checked without
+    touching any store (the Spark operator checks its ``state_uri`` on the driver this way) —
+    and ``storage_options`` are given only to a store that takes them (``s3://``, ``hdfs://``).
+
+    A plain path is a local directory. Anything that starts like a URI scheme (``s3:``,
+    ``file:``, ``ftp:``) must be a complete ``scheme://`` URI of a supported scheme: ``s3:/typo``
+    or ``s3:bucket`` would otherwise become a local directory named ``s3:``, silently.
+
+    Raises:
+        ConfigError: the form is wrong; the message names the supported forms and the fix
+            (ConfigTypeError: not a string or path).
+    """
+    uri = _uri_text(base_uri, owner, field)
+    if "://" not in uri:
+        _check_not_a_broken_uri(uri, owner, field)
+        _no_storage_options(storage_options, "a local path", owner)
+        return uri
+    scheme_text = uri.split("://", 1)[0]
+    scheme = scheme_text.lower()
+    if _SCHEME_RE.fullmatch(scheme_text) is None or scheme not in SUPPORTED_SCHEMES:
+        raise ConfigError(field, _redact(uri), _SUPPORTED_TEXT, owner=owner,
+                          fix=f"{scheme_text!r:.40} is not a supported scheme")
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(field, _redact(uri), "a URI without user info", owner=owner,
+                          fix="pass credentials in storage_options")
+    if parts.query or parts.fragment or uri.endswith(("?", "#")):
+        raise ConfigError(field, _redact(uri), f"{scheme}://... without '?' or '#'",
+                          owner=owner, fix="options go in storage_options, not in the URI")
+    _check_uri_location(scheme, parts, uri, owner, field)
+    if scheme in ("file", "memory"):
+        _no_storage_options(storage_options, f"a {scheme}:// URI", owner)
+    return uri
+
+
+def _uri_text(base_uri: object, owner: str, field: str = "base_uri") -> str:
+    """``base_uri`` (a ``str`` or ``os.PathLike``) as a string: non-empty, no control characters
+    or surrounding whitespace."""
+    expected = "a local path (str or os.PathLike) or " + _SUPPORTED_TEXT.removeprefix(
+        "a local path or ")
+    if isinstance(base_uri, os.PathLike):
+        base_uri = os.fspath(base_uri)
+    if not isinstance(base_uri, str):
+        raise ConfigTypeError(field, base_uri, expected, owner=owner)
+    if (not base_uri or base_uri != base_uri.strip()
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in base_uri)):
+        raise ConfigError(field, _redact(base_uri), expected + ", without control characters "
+                          "or surrounding whitespace", owner=owner)
+    return base_uri
+
+
+def _check_not_a_broken_uri(path: str, owner: str, field: str) -> None:
+    """Refuse a "path" that starts like a URI scheme (``s3:/typo/app``, ``s3:bucket``,
+    ``file:/x``, ``ftp:host``): a local directory of that name is never what was meant."""
+    m = _SCHEME_PREFIX_RE.match(path)
+    if m is None:
+        return
+    scheme, rest = m.group(1), path[m.end():]
+    if scheme.lower() in SUPPORTED_SCHEMES:
+        tail = rest.lstrip("/")
+        hint = (f"did you mean file:///{tail}, or the plain path /{tail}?"
+                if scheme.lower() == "file" else f"did you mean {scheme.lower()}://{tail}?")
+    else:
+        hint = f"{scheme!r:.40} is not a supported scheme."
+    raise ConfigError(field, _redact(path), _SUPPORTED_TEXT, owner=owner,
+                      fix=f"{hint} A local directory whose name has a colon is written "
+                          f"./{path}")
+
+
+def _check_uri_location(scheme: str, parts: urllib.parse.SplitResult, uri: str, owner: str,
+                        field: str) -> None:
+    """The host and path rules of each scheme."""
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ConfigError(field, uri, "file:///absolute/path (no host)", owner=owner)
+    elif scheme in ("s3", "s3a"):
+        if _BUCKET_RE.fullmatch(parts.netloc) is None:
+            raise ConfigError(field, _redact(uri), f"{scheme}://bucket/prefix with a bucket "
+                              "name of letters, digits, '.', '-' and '_'", owner=owner)
+        segments = parts.path.strip("/").split("/") if parts.path.strip("/") else []
+        if any(seg in ("", ".", "..") for seg in segments):
+            raise ConfigError(field, _redact(uri), f"{scheme}://bucket/prefix without empty, "
+                              "'.' or '..' path segments", owner=owner)
+    elif scheme == "hdfs":
+        try:
+            parts.port  # noqa: B018 - parsing the port is the check
+        except ValueError as exc:
+            raise ConfigError(field, uri, "hdfs://host:port/path with a numeric port",
+                              owner=owner) from exc
+
+
+def _no_storage_options(storage_options: Mapping[str, Any] | None, what: str,
+                        owner: str) -> None:
+    if storage_options:
+        raise ConfigError("storage_options", f"<{len(storage_options)} options>",
+                          f"None or empty for {what}", owner=owner,
+                          fix="storage_options configure s3:// and hdfs:// stores; was the "
+                              "URI meant to be one?")
 
 
 def _open_injected(filesystem: fsspec.AbstractFileSystem, base_uri: str,
@@ -113,13 +237,7 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
     """A store for a ``scheme://`` URI: the scheme picks it."""
     parts = urllib.parse.urlsplit(base_uri)
     scheme = parts.scheme.lower()
-    if parts.username is not None or parts.password is not None:
-        raise ConfigError("base_uri", _redact(base_uri), "a URI without user info; pass "
-                          "credentials in storage_options", owner="open_store")
     if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ConfigError("base_uri", base_uri, "file:///absolute/path (no host)",
-                              owner="open_store")
         return _open_local(urllib.parse.unquote(parts.path), validate)
     store: FsspecBlobStore
     if scheme == "memory":
@@ -127,10 +245,8 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
                                 location=base_uri.rstrip("/"))
     elif scheme in ("s3", "s3a"):
         store = _open_s3(scheme, parts, storage_options)
-    elif scheme == "hdfs":
-        store = _open_hdfs(parts, storage_options)
     else:
-        raise ConfigError("base_uri", _redact(base_uri), _SUPPORTED_TEXT, owner="open_store")
+        store = _open_hdfs(parts, storage_options)
     return _validated(store) if validate else store
 
 
@@ -152,7 +268,9 @@ def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
     prefix = parts.path.strip("/")
     root = f"{bucket}/{prefix}" if prefix else bucket
     opts = dict(storage_options or {})
-    retries = int(opts.pop("retries", S3_DEFAULT_RETRIES))  # s3fs attribute, not an init arg
+    # s3fs attribute, not an init arg
+    retries = check_int(opts.pop("retries", S3_DEFAULT_RETRIES), "storage_options['retries']",
+                        "open_store", lo=1, hi=100, fix="s3fs's own attempts per call")
     # Copied deeply because botocore rewrites config_kwargs["retries"] in place and the
     # caller's dict must stay as it was (the rest may hold objects such as a session).
     config_kwargs = copy.deepcopy(opts.get("config_kwargs") or {})

@@ -32,6 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from dstl.errors import (
     AccessDeniedError,
+    ConfigTypeError,
     DstlError,
     LocalDiskFullError,
     ObjectExistsError,
@@ -45,6 +46,7 @@ __all__ = [
     "BlobStore",
     "ObjectInfo",
     "check_key",
+    "check_store",
     "is_retryable",
     "translate_error",
 ]
@@ -78,6 +80,19 @@ class BlobStore(Protocol):
     def delete(self, keys: Iterable[str]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def check_store(value: object, field: str, owner: str) -> BlobStore:
+    """``value`` if it is a :class:`BlobStore` (has ``location`` and the seven methods).
+
+    Raises:
+        ConfigTypeError: it is not; the message names ``owner.field``.
+    """
+    if not isinstance(value, BlobStore):
+        raise ConfigTypeError(field, value, "a dstl.stores.BlobStore (location, put, get, "
+                              "get_range, head, list, delete, close)", owner=owner,
+                              fix="open one with dstl.stores.open_store(uri)")
+    return value
 
 
 def check_key(key: object) -> str:

@@ -447,7 +447,7 @@ def test_recover_dooms_stale_manifests_and_keeps_the_highest_attempt(
     # attempt 1 of a re-run.
     old = Manifest.build(job_id="job", checkpoint_id=0, attempt=1, created_ms=0,
                          tasks=m2.tasks, trigger_ms=0, duration_ms=0,
-                         ack_latency_ms={"t": 0.0})
+                         ack_latency_ms={"t": 0.0}, retained=3)
     store.put(old.key, old.encode())
     run_checkpoint(coord, {"t": [b, c]}, checkpoint_id=2)
     store.inner.put(m2.key, m2.encode())  # attempt 1 of checkpoint 2 is back
@@ -555,7 +555,7 @@ def test_orphan_collection_deletes_stale_manifests_first(store: RecordingStore,
     # A manifest the coordinator does not retain (say, left by a crash) that names a.
     ghost = Manifest.build(job_id="job", checkpoint_id=0, attempt=1, created_ms=0,
                            tasks=[TaskEntry.of("t", {}, [a], 0, 0)], trigger_ms=0,
-                           duration_ms=0, ack_latency_ms={"t": 0.0})
+                           duration_ms=0, ack_latency_ms={"t": 0.0}, retained=3)
     store.put(ghost.key, ghost.encode())
     store.log.clear()
     deleted = coord.collect_orphans(min_age_s=0, now_ms=T0_MS)

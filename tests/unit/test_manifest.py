@@ -51,13 +51,14 @@ def make_manifest(checkpoint_id: int = 7, attempt: int = 1) -> Manifest:
     ]
     return Manifest.build(job_id="job-1", checkpoint_id=checkpoint_id, attempt=attempt,
                           created_ms=1_700_000_000_123, tasks=tasks, trigger_ms=1_700_000_000_000,
-                          duration_ms=123.4567, ack_latency_ms={"count/0": 5.0, "count/1": 99.5})
+                          duration_ms=123.4567, ack_latency_ms={"count/0": 5.0, "count/1": 99.5},
+                          retained=3)
 
 
-def resign(body: dict[str, Any]) -> bytes:
+def resign(body: dict[str, Any], version: int = 2) -> bytes:
     """A well-formed, correctly checksummed manifest around ``body`` (an attacker's forgery)."""
     canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    doc = {"format": "dstl-manifest", "version": 1, "crc32": f"{zlib.crc32(canon):08x}",
+    doc = {"format": "dstl-manifest", "version": version, "crc32": f"{zlib.crc32(canon):08x}",
            "body": body}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
@@ -231,7 +232,7 @@ def test_body_must_match_the_object_name() -> None:
     (b"\xff\xfe{}", CorruptObjectError),
     (b"{not json", CorruptObjectError),
     (b"[]", UnsupportedFormatError),
-    (b'{"format":"dstl-manifest","version":2}', UnsupportedFormatError),
+    (b'{"format":"dstl-manifest","version":3}', UnsupportedFormatError),
     (b'{"format":"dstl-manifest","version":true}', UnsupportedFormatError),
     (b'{"format":"zarr","version":1}', UnsupportedFormatError),
     (b'{"body":{},"crc32":NaN,"format":"dstl-manifest","version":1}', CorruptObjectError),
@@ -304,4 +305,57 @@ def test_build_rejects_inconsistent_latencies() -> None:
     with pytest.raises(UsageError, match="ack_latency_ms"):
         Manifest.build(job_id="j", checkpoint_id=1, attempt=1, created_ms=0,
                        tasks=[TaskEntry.of("a", {}, [], 0, 0)], trigger_ms=0, duration_ms=0,
-                       ack_latency_ms={"b": 1.0})
+                       ack_latency_ms={"b": 1.0}, retained=3)
+
+
+# --------------------------------------------------------------------------- retention (v2)
+
+
+def test_a_manifest_records_the_jobs_retention() -> None:
+    m = make_manifest()
+    assert m.retained == 3 and m.version == 2
+    doc = json.loads(m.encode())
+    assert doc["version"] == 2 and doc["body"]["retained"] == 3
+    assert decode_manifest(m.encode(), m.key) == m
+
+
+def test_version_1_manifests_stay_readable_with_an_unknown_retention() -> None:
+    body = body_of(make_manifest())
+    del body["retained"]
+    data = resign(body, version=1)
+    m = decode_manifest(data, manifest_key(7, 1))
+    assert m.retained is None and m.version == 1
+    assert m.encode() == data  # a v1 manifest round-trips as v1
+    assert m.tasks == make_manifest().tasks
+
+
+@pytest.mark.parametrize(("version", "retained", "reason"), [
+    (2, None, "missing"), (2, 0, "out of range"), (2, 1001, "out of range"),
+    (2, True, "expected an integer"), (2, "3", "expected an integer"), (2, 2.0, "integer"),
+    (1, 3, "unknown field"),
+])
+def test_a_bad_recorded_retention_is_a_corrupt_manifest(version: int, retained: object,
+                                                        reason: str) -> None:
+    body = body_of(make_manifest())
+    if retained is None:
+        del body["retained"]
+    else:
+        body["retained"] = retained
+    with pytest.raises(CorruptManifestError) as info:
+        decode_manifest(resign(body, version), manifest_key(7, 1))
+    assert info.value.field == "body.retained" and reason in str(info.value)
+
+
+def test_a_null_retention_in_version_2_is_refused() -> None:
+    body = body_of(make_manifest())
+    body["retained"] = None
+    with pytest.raises(CorruptManifestError, match=r"body\.retained"):
+        decode_manifest(resign(body, 2), manifest_key(7, 1))
+
+
+@pytest.mark.parametrize("retained", [0, -1, 1001, True])
+def test_building_a_manifest_needs_a_valid_retention(retained: int) -> None:
+    with pytest.raises(UsageError, match="retained"):
+        Manifest.build(job_id="j", checkpoint_id=1, attempt=1, created_ms=0,
+                       tasks=[TaskEntry.of("t", {}, [], 0, 0)], trigger_ms=0, duration_ms=0,
+                       ack_latency_ms={"t": 0.0}, retained=retained)

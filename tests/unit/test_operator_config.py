@@ -1,0 +1,160 @@
+"""``DstlStatefulOperator`` checks every argument on the driver, at construction, without
+starting Spark (issue #12, item 9).
+
+Before, ``processor=None``, ``sink=5``, ``state_uri='s3:/typo/app'`` (a local directory named
+``s3:``) and ``'ftp://...'`` were accepted and failed — or silently did the wrong thing — at the
+first batch, on the executors; ``max_parallelism=0`` blamed ``partitions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dstl import DstlOptions
+from dstl.errors import ConfigError
+from dstl.spark import DstlStatefulOperator, StatefulProcessor
+from materializer import BackendOptions
+
+
+class Count(StatefulProcessor):
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        yield {"key": key, "count": sum(1 for _ in rows)}
+
+
+class Abstract(StatefulProcessor):
+    """Does not implement handle_input_rows."""
+
+
+class NeedsArgs(Count):
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+
+class NotAProcessor:
+    def handle_input_rows(self, key: Any, rows: Any) -> Any:
+        return iter(())
+
+
+def _sink(df: Any, batch_id: int) -> None:
+    pass
+
+
+def _good(tmp_path: Path) -> dict[str, Any]:
+    return dict(name="count", processor=Count, key_column="key",
+                output_schema="key string, count long", state_uri=str(tmp_path / "state"),
+                partitions=4, max_parallelism=128, sink=_sink)
+
+
+TYPE, RANGE = "type", "range"
+BAD: list[tuple[str, Any, str]] = [
+    ("name", "", RANGE),
+    ("name", "a/b", RANGE),
+    ("name", 5, TYPE),
+    ("processor", None, TYPE),  # accepted before
+    ("processor", 5, TYPE),  # accepted before
+    ("processor", Count(), TYPE),  # accepted before: an instance, not the class
+    ("processor", NotAProcessor, TYPE),  # accepted before
+    ("processor", Abstract, RANGE),  # accepted before
+    ("processor", NeedsArgs, RANGE),  # accepted before
+    ("key_column", "", RANGE),  # accepted before
+    ("key_column", 5, TYPE),  # accepted before
+    ("key_column", "a`b", RANGE),  # accepted before: broke the routing SQL
+    ("key_column", "_dstl_pid", RANGE),  # accepted before: the routing column replaced it
+    ("output_schema", 5, TYPE),  # accepted before
+    ("output_schema", "", RANGE),  # accepted before
+    ("output_schema", "key string,", RANGE),  # accepted before
+    ("output_schema", "key", RANGE),  # accepted before
+    ("output_schema", "key string, count array<long", RANGE),  # accepted before
+    ("output_schema", "key string, KEY long", RANGE),  # accepted before
+    ("output_schema", "key string, _dstl_report string", RANGE),  # accepted before
+    ("state_uri", "s3:/typo/app", RANGE),  # accepted before (a local directory 's3:')
+    ("state_uri", "ftp://host/app", RANGE),  # accepted before
+    ("state_uri", "s3://bucket/app?x=1", RANGE),  # accepted before
+    ("state_uri", "", RANGE),  # accepted before
+    ("state_uri", None, TYPE),  # accepted before
+    ("partitions", 0, RANGE),
+    ("partitions", 129, RANGE),
+    ("partitions", True, TYPE),  # accepted before
+    ("partitions", 2.0, TYPE),
+    ("max_parallelism", 0, RANGE),  # blamed partitions before
+    ("max_parallelism", 32769, RANGE),  # accepted before
+    ("max_parallelism", True, TYPE),  # blamed partitions before
+    ("max_parallelism", "128", TYPE),  # raw TypeError before
+    ("table", "disk", RANGE),
+    ("table", None, TYPE),
+    ("sink", 5, TYPE),  # accepted before
+    ("sink", lambda df: None, TYPE),  # accepted before: the wrong arity
+    ("storage_options", 5, TYPE),  # accepted before
+    ("storage_options", {1: "x"}, TYPE),  # accepted before
+    ("options", 5, TYPE),  # accepted before
+    ("options", BackendOptions(), TYPE),  # accepted before: the wrong options class
+    ("backend_options", DstlOptions(), TYPE),  # accepted before
+    ("retained", 1, RANGE),
+    ("retained", True, TYPE),  # a bool was 1: refused, but as a range error
+    ("retained", "3", TYPE),
+    ("materialization_interval_s", -1.0, RANGE),
+    ("materialization_interval_s", 1e10, RANGE),  # accepted before
+    ("materialization_interval_s", "60", TYPE),
+    ("local_dir", 5, TYPE),  # accepted before
+    ("local_dir", "", RANGE),  # accepted before
+    ("agent", "no", TYPE),  # accepted before: "no" is truthy
+    ("agent", 0, TYPE),  # accepted before
+]
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), BAD)
+def test_bad_arguments_are_refused_at_construction(tmp_path: Path, field: str, value: Any,
+                                                   kind: str) -> None:
+    args = {**_good(tmp_path), field: value}
+    with pytest.raises(ConfigError) as info:
+        DstlStatefulOperator(**args)
+    err = info.value
+    assert err.field == field, f"blamed {err.field!r}, not {field!r}: {err}"
+    assert f"DstlStatefulOperator.{field}=" in str(err)
+    if kind == TYPE:
+        assert isinstance(err, TypeError), repr(err)
+    assert not (tmp_path / "state").exists()  # nothing was opened
+
+
+def test_storage_options_for_a_local_state_uri_are_refused(tmp_path: Path) -> None:
+    args = {**_good(tmp_path), "storage_options": {"secret": "hidden"}}
+    with pytest.raises(ConfigError, match="storage_options") as info:
+        DstlStatefulOperator(**args)
+    assert "hidden" not in str(info.value)
+
+
+def test_backend_options_that_disagree_with_the_interval_are_refused_at_once(
+        tmp_path: Path) -> None:
+    args = {**_good(tmp_path), "backend_options": BackendOptions(materialization_interval_s=5.0),
+            "materialization_interval_s": 60.0}
+    with pytest.raises(ConfigError, match="materialization_interval_s"):
+        DstlStatefulOperator(**args)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("output_schema", "`odd name` map<string, int> NOT NULL, c decimal(10,2) COMMENT 'a, b'"),
+    ("output_schema", "key: string, count: long"),
+    ("state_uri", "s3://bucket/app"), ("state_uri", "memory://x"),
+    ("partitions", 128), ("max_parallelism", 32768), ("sink", None), ("sink", print),
+    ("materialization_interval_s", None), ("materialization_interval_s", 0),
+    ("retained", 2), ("agent", False), ("table", "heap"),
+])
+def test_good_arguments_are_accepted(tmp_path: Path, field: str, value: Any) -> None:
+    op = DstlStatefulOperator(**{**_good(tmp_path), field: value})
+    assert getattr(op, field) == value
+    op.close()
+
+
+def test_an_output_struct_type_is_accepted(tmp_path: Path) -> None:
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    schema = StructType([StructField("key", StringType()), StructField("count", LongType())])
+    DstlStatefulOperator(**{**_good(tmp_path), "output_schema": schema}).close()
+    dup = StructType([StructField("key", StringType()), StructField("Key", LongType())])
+    with pytest.raises(ConfigError, match="output_schema"):
+        DstlStatefulOperator(**{**_good(tmp_path), "output_schema": dup})
