@@ -56,7 +56,7 @@ class ChangelogStorage:
         AccessDeniedError: the bucket does not exist or the credentials do not work.
     """
 
-    def __init__(self, base_uri: str = "", options: DstlOptions | None = None,
+    def __init__(self, base_uri: str | os.PathLike[str] = "", options: DstlOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
                  store: BlobStore | None = None, timer: Timer | None = None,
                  uploader: UploadScheduler | None = None) -> None:

@@ -81,14 +81,15 @@ S3_DEFAULT_CONFIG_KWARGS: dict[str, Any] = {
 }
 
 
-def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
+def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
                filesystem: fsspec.AbstractFileSystem | None = None, *,
                validate: bool = True) -> BlobStore:
     """Open the blob store for ``base_uri``.
 
     Args:
-        base_uri: a local path, or a ``file://``, ``memory://``, ``s3://``/``s3a://`` or
-            ``hdfs://`` URI; with ``filesystem``, a path (or URL) that filesystem understands.
+        base_uri: a local path (``str`` or ``os.PathLike``), or a ``file://``, ``memory://``,
+            ``s3://``/``s3a://`` or ``hdfs://`` URI (form rules: :func:`check_store_uri`);
+            with ``filesystem``, a path (or URL) that filesystem understands.
         storage_options: passed to the fsspec filesystem (for S3: ``key``, ``secret``,
             ``token``, ``profile``, ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``,
             and ``retries`` for s3fs's own loop). Not copied into messages or logs.
@@ -102,8 +103,9 @@ def open_store(base_uri: str, storage_options: dict[str, Any] | None = None,
         The store.
 
     Raises:
-        ConfigError: unsupported scheme, malformed URI, credentials embedded in the URI, or
-            ``storage_options`` given together with ``filesystem``.
+        ConfigError: unsupported scheme, malformed URI (also ``s3:/x``-like "paths"),
+            credentials embedded in the URI, ``storage_options`` for a store that takes none
+            or together with ``filesystem``; ConfigTypeError: an argument of the wrong type.
         AccessDeniedError: (with ``validate``) missing or wrong credentials, no such bucket, or
             a directory that cannot be written. The message names the bucket/path and the fix.
     """
