@@ -8,11 +8,14 @@
 - the log-core contract names every log-core module (a new core module cannot escape it);
 - no import cycle between modules beyond the known ones, which phase 2 of issue #11 removes. The
   import graph is grimp's (import-linter's own), which sees imports inside functions and under
-  ``TYPE_CHECKING`` too.
+  ``TYPE_CHECKING`` too;
+- the package map of docs/architecture.md has a row for every module of the tree, and none for a
+  module that is gone (a newcomer finds every component in one hop).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -168,3 +171,14 @@ def test_no_import_cycles_beyond_the_known_ones() -> None:
                      "cycles phase 2 of issue #11 removes):\n" + "\n".join(report))
     gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
     assert not gone, f"cycle(s) {gone} no longer exist: remove them from KNOWN_CYCLES"
+
+
+def test_the_architecture_map_lists_every_module() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text("utf-8")
+    start, end = doc.index("## Package map"), doc.index("## Dependencies between packages")
+    listed = set(re.findall(r"^\| `((?:dstl|materializer|restore)/[\w/]+\.py)`",
+                            doc[start:end], re.M))
+    tree = {p.relative_to(ROOT).as_posix() for pkg in PACKAGES
+            for p in (ROOT / pkg).rglob("*.py")}
+    assert listed == tree, ("docs/architecture.md, package map: add a row for "
+                            f"{sorted(tree - listed)}; remove the row of {sorted(listed - tree)}")
