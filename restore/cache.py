@@ -356,11 +356,16 @@ class CacheLease(Lease):
             if self._state is not _LeaseState.OPEN:
                 raise ClosedError(f"LocalFileCache({self._cache.directory!r})")
             try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                # O_NOFOLLOW: a cached file replaced by a link is refused, never followed.
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as exc:
                 failure = exc
         if failure is not None:
             self._release(explicit=False)  # give the count back (apache/flink#27969)
+            if failure.errno == errno.ELOOP:
+                raise CacheError(f"cached file {self.path} of {self.location}/{self.key} was "
+                                 "replaced by a symbolic link, which the cache never follows; "
+                                 "give the cache a directory of its own") from failure
             raise CacheError(f"cached file {self.path} of {self.location}/{self.key} cannot be "
                              f"opened ({failure}); was the cache directory changed by someone "
                              "else? Give the cache a directory of its own") from failure
@@ -619,7 +624,7 @@ class LocalFileCache:
             self._created_dir = True
         lock_path = os.path.join(self.directory, _LOCK_NAME)
         while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = self._open_lock_file(lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -655,6 +660,19 @@ class LocalFileCache:
                     "%d temp files of crashed processes (pids %s) and %d files of a previous "
                     "process", self.directory, self.max_bytes, self.idle_ttl_s, self.on_full,
                     len(temps), sorted(set(temps)), previous)
+
+    def _open_lock_file(self, lock_path: str) -> int:
+        """Open (create) the lock file; a symbolic link there is refused, never followed (it
+        could make the cache create or lock a file outside its directory)."""
+        try:
+            return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CacheError(f"restore cache lock file {lock_path} is a symbolic link; the "
+                                 "cache never follows links in its directory (remove it, or give "
+                                 "the cache a directory of its own)") from exc
+            raise
 
     def _unlock(self, remove: bool = False) -> None:
         fd, self._lock_fd = self._lock_fd, -1

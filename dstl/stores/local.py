@@ -17,6 +17,17 @@ must not be shared between hosts or pid namespaces (the liveness check sees loca
 Deleting objects leaves empty directories behind on purpose: pruning them would race with a
 concurrent ``put`` that has just created the same directory.
 
+**No symbolic link inside the root is ever followed** (a checkpoint directory is untrusted input:
+a planted link must not make a restore read, a writer write, or retention delete anything outside
+the root). Every operation walks from the root one component at a time with
+``open(component, O_DIRECTORY | O_NOFOLLOW, dir_fd=parent)`` and acts on the last component with
+``dir_fd`` calls that do not follow it either (``O_NOFOLLOW`` reads, ``O_EXCL`` temp files,
+``linkat`` without ``AT_SYMLINK_FOLLOW``, ``fstatat``/``unlinkat``). A link met on the way is
+:class:`~dstl.errors.UnsafePathError` naming the key; ``list`` neither reports links nor descends
+into linked directories. Only regular files are objects: a FIFO or device at a key is refused
+(opened non-blocking, so it cannot hang a reader), a directory is no object. The root itself may be
+a link (it is the operator's configuration, not stored data).
+
 All ``OSError`` s are translated by :func:`dstl.stores.base.translate_error` (``ENOSPC``/``EFBIG`` ->
 :class:`~dstl.errors.LocalDiskFullError`, not retried).
 """
@@ -24,6 +35,8 @@ All ``OSError`` s are translated by :func:`dstl.stores.base.translate_error` (``
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import logging
 import os
 import re
@@ -71,13 +84,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_new_file_durably(path: str, data: bytes, mode: int) -> None:
+def write_new_file_durably(path: str, data: bytes, mode: int, *,
+                           dir_fd: int | None = None) -> None:
     """Create ``path`` (it must not exist), write all of ``data``, fsync, close.
 
     The one place DSTL writes a local file it will publish (the local store and the restore
-    cache); callers publish it with link/rename and fsync the directory.
+    cache); callers publish it with link/rename and fsync the directory. ``O_EXCL`` also means a
+    symbolic link at ``path`` is never followed (the open fails instead). ``path`` is relative to
+    ``dir_fd`` when one is given.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -124,21 +140,29 @@ class LocalBlobStore:
         Raises:
             ObjectExistsError: the key exists (its content is unchanged).
             LocalDiskFullError: ENOSPC/EFBIG/EDQUOT; nothing is left behind.
-            UnsafePathError: the key is not allowed.
+            UnsafePathError: the key is not allowed, or a component of it is a symbolic link.
         """
-        path = self._path(key)
-        directory, base = os.path.split(path)
-        tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        parts = self._parts(key)
+        name = parts[-1]
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         try:
-            _make_dirs(directory)
+            dfd = self._open_dir(key, parts[:-1], create=True)
+            assert dfd is not None  # create=True never gives up on a missing directory
             try:
-                write_new_file_durably(tmp, data, 0o644)
-                # link() publishes atomically and, unlike rename(), never replaces a name.
-                os.link(tmp, path)
+                try:
+                    write_new_file_durably(tmp, data, 0o644, dir_fd=dfd)
+                    # link() publishes atomically and, unlike rename(), never replaces a name;
+                    # without AT_SYMLINK_FOLLOW it never follows one either.
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:
+                    self._refuse_link(dfd, name, key)
+                    raise
+                finally:
+                    with contextlib.suppress(FileNotFoundError):  # never created if open failed
+                        os.unlink(tmp, dir_fd=dfd)
+                os.fsync(dfd)
             finally:
-                with contextlib.suppress(FileNotFoundError):  # never created if open failed
-                    os.unlink(tmp)
-            _fsync_dir(directory)
+                os.close(dfd)
         except OSError as exc:
             raise translate_error(exc, op="put", key=key, location=self.location) from exc
 
@@ -147,81 +171,100 @@ class LocalBlobStore:
 
         Raises:
             ObjectNotFoundError: no such object (also a ``FileNotFoundError``).
+            UnsafePathError: a component of the key is a symbolic link, or the key names
+                something other than a regular file.
         """
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
+        with self._open_object("get", key) as f:
+            try:
                 return f.read()
-        except (IsADirectoryError, NotADirectoryError) as exc:
-            raise self._not_found("get", key) from exc
-        except OSError as exc:
-            raise translate_error(exc, op="get", key=key, location=self.location) from exc
+            except OSError as exc:
+                raise translate_error(exc, op="get", key=key, location=self.location) from exc
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """Return up to ``length`` bytes from ``offset``; fewer at the end of the object.
 
         Raises:
             ObjectNotFoundError: no such object.
+            UnsafePathError: as for :meth:`get`.
             UsageError: negative offset or length.
         """
         if offset < 0 or length < 0:
             raise UsageError(f"get_range {self.location}/{key}: bad range offset={offset} "
                              f"length={length} (both must be >= 0)")
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
+        with self._open_object("get_range", key) as f:
+            try:
+                # Never ask for more than the file holds: a length from a crafted handle must
+                # not become an allocation.
+                size = os.fstat(f.fileno()).st_size
+                if offset >= size:
+                    return b""
                 f.seek(offset)
-                return f.read(length)
-        except (IsADirectoryError, NotADirectoryError) as exc:
-            raise self._not_found("get_range", key) from exc
-        except OSError as exc:
-            raise translate_error(exc, op="get_range", key=key, location=self.location) from exc
+                return f.read(min(length, size - offset))
+            except OSError as exc:
+                raise translate_error(exc, op="get_range", key=key,
+                                      location=self.location) from exc
 
     def head(self, key: str) -> ObjectInfo | None:
-        """Return the object's size, or ``None`` if there is no object at ``key``."""
-        path = self._path(key)
+        """Return the object's size, or ``None`` if there is no object at ``key``.
+
+        Raises:
+            UnsafePathError: a component of the key is a symbolic link.
+        """
+        parts = self._parts(key)
         try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
+            dfd = self._open_dir(key, parts[:-1], create=False)
+            if dfd is None:
+                return None
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
+        except FileNotFoundError:
             return None
         except OSError as exc:
             raise translate_error(exc, op="head", key=key, location=self.location) from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafePathError(key, "it is a symbolic link (links inside a store are never "
+                                       "followed)")
         return ObjectInfo(key, st.st_size) if stat.S_ISREG(st.st_mode) else None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Objects whose key starts with ``prefix`` (a string prefix, not a directory), sorted."""
+        """Objects whose key starts with ``prefix`` (a string prefix, not a directory), sorted.
+
+        Symbolic links are neither reported nor descended into (logged once per listing).
+        """
         self._check_open()
         dir_part = prefix.rpartition("/")[0]
         if dir_part:
             check_key(dir_part)
-        start = os.path.join(self._root, *dir_part.split("/")) if dir_part else self._root
-        rel = dir_part + "/" if dir_part else ""
+        components = dir_part.split("/") if dir_part else []
+        links: list[str] = []
         try:
-            found = [info for info in self._walk(start, rel) if info.key.startswith(prefix)]
+            found = [info for info in self._walk(components, links)
+                     if info.key.startswith(prefix)]
         except OSError as exc:
             raise translate_error(exc, op="list", key=prefix or None,
                                   location=self.location) from exc
+        if links:
+            _log.warning("list %s/%s: skipped %d symbolic links (never followed): %s",
+                         self.location, prefix, len(links), sorted(links)[:10])
         found.sort(key=lambda info: info.key)
         return iter(found)
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Remove objects; missing keys are fine. Every key is validated before any removal."""
-        paths = [(key, self._path(key)) for key in keys]
-        dirs: set[str] = set()
-        for key, path in paths:
-            try:
-                os.unlink(path)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                continue  # no object at this key: deleting is idempotent
-            except OSError as exc:
-                raise translate_error(exc, op="delete", key=key, location=self.location) from exc
-            dirs.add(os.path.dirname(path))
-        for directory in sorted(dirs):
-            try:
-                _fsync_dir(directory)
-            except OSError as exc:
-                raise translate_error(exc, op="delete", key=None,
-                                      location=directory) from exc
+        """Remove objects; missing keys are fine.
+
+        Every key is validated (its string, and that no component of it is a symbolic link)
+        before any removal; a link is refused, never removed or followed.
+
+        Raises:
+            UnsafePathError: a key is not allowed or names a symbolic link (nothing removed).
+        """
+        todo = [(key, self._parts(key)) for key in keys]
+        for key, parts in todo:  # the links check for every key before the first removal
+            self._delete_one(key, parts, remove=False)
+        for key, parts in todo:
+            self._delete_one(key, parts, remove=True)
 
     def close(self) -> None:
         """Mark the store closed; it holds no open files between calls."""
@@ -252,12 +295,127 @@ class LocalBlobStore:
         if self._closed.is_set():
             raise ClosedError(repr(self))
 
-    def _path(self, key: str) -> str:
+    def _parts(self, key: str) -> list[str]:
+        """The key's path components, after the string checks."""
         self._check_open()
         check_key(key)
         if _TMP_RE.match(key.rpartition("/")[2]):
             raise UnsafePathError(key, "the name is reserved for LocalBlobStore temp files")
-        return os.path.join(self._root, *key.split("/"))
+        return key.split("/")
+
+    def _open_dir(self, key: str, components: list[str], *, create: bool) -> int | None:
+        """A descriptor of ``root/components`` reached without following any link, or ``None``
+        when a component is missing (``create=False``) or is not a directory.
+
+        Raises:
+            UnsafePathError: a component is a symbolic link.
+            OSError: anything else (the caller translates it).
+        """
+        fd = os.open(self._root, _ROOT_FLAGS)
+        for depth, name in enumerate(components):
+            try:
+                child = self._open_child_dir(fd, name, create)
+            except _LinkFound:
+                os.close(fd)
+                raise UnsafePathError(key, f"its directory {'/'.join(components[:depth + 1])!r} "
+                                           "is a symbolic link (links inside a store are never "
+                                           "followed)") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            if child is None:
+                return None
+            fd = child
+        return fd
+
+    @staticmethod
+    def _open_child_dir(fd: int, name: str, create: bool) -> int | None:
+        for _ in range(2):
+            try:
+                return os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                try:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    continue  # a concurrent put made it (or planted something: checked next)
+                os.fsync(fd)  # the new directory's entry survives a power loss
+            except OSError as exc:
+                # Linux reports a link opened with O_DIRECTORY | O_NOFOLLOW as ENOTDIR.
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise _LinkFound from None
+                if create:
+                    raise  # a file where a directory must be: the put cannot succeed
+                return None
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+
+    def _refuse_link(self, dfd: int, name: str, key: str) -> None:
+        """Raise UnsafePathError if ``name`` in ``dfd`` is a symbolic link."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafePathError(key, "it is a symbolic link (links inside a store are never "
+                                       "followed)")
+
+    @contextlib.contextmanager
+    def _open_object(self, op: str, key: str) -> Iterator[io.BufferedReader]:
+        """The object's file, opened without following a link; never a FIFO or device."""
+        parts = self._parts(key)
+        try:
+            dfd = self._open_dir(key, parts[:-1], create=False)
+            if dfd is None:
+                raise self._not_found(op, key)
+            try:
+                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    self._refuse_link(dfd, parts[-1], key)
+                raise
+            finally:
+                os.close(dfd)
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            raise self._not_found(op, key) from exc
+        except OSError as exc:
+            raise translate_error(exc, op=op, key=key, location=self.location) from exc
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise self._not_found(op, key)
+            if not stat.S_ISREG(mode):
+                raise UnsafePathError(key, "not a regular file (a FIFO, socket or device is "
+                                           "never an object)")
+            yield f
+
+    def _delete_one(self, key: str, parts: list[str], *, remove: bool) -> None:
+        try:
+            dfd = self._open_dir(key, parts[:-1], create=False)
+            if dfd is None:
+                return  # no directory, so no object: deleting is idempotent
+            try:
+                try:
+                    mode = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    return
+                if stat.S_ISLNK(mode):
+                    raise UnsafePathError(key, "it is a symbolic link (links inside a store are "
+                                               "never followed or removed)")
+                if stat.S_ISDIR(mode) or not remove:
+                    return
+                try:
+                    os.unlink(parts[-1], dir_fd=dfd)
+                except FileNotFoundError:
+                    return
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise translate_error(exc, op="delete", key=key, location=self.location) from exc
 
     def _not_found(self, op: str, key: str) -> ObjectNotFoundError:
         return ObjectNotFoundError(f"{op} {self.location}/{key}: object not found", key=key)
@@ -273,20 +431,37 @@ class LocalBlobStore:
         return ConfigError("root", self._root, f"a path where a directory can be created and "
                            f"written (failed: {exc})", owner="LocalBlobStore")
 
-    def _walk(self, directory: str, rel: str) -> Iterator[ObjectInfo]:
-        try:
-            entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return  # nothing stored below this prefix
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                yield from self._walk(entry.path, rel + entry.name + "/")
-            elif entry.is_file(follow_symlinks=False) and not _TMP_RE.match(entry.name):
-                try:
-                    size = entry.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    continue  # deleted while we listed
-                yield ObjectInfo(rel + entry.name, size)
+    def _walk(self, start: list[str], links: list[str]) -> Iterator[ObjectInfo]:
+        """Every regular file below ``root/start`` (iterative: a crafted deep tree cannot
+        exhaust the stack); links are recorded in ``links``, never followed."""
+        stack = [start]
+        while stack:
+            components = stack.pop()
+            rel = "".join(c + "/" for c in components)
+            try:
+                dfd = self._open_dir(rel or "<root>", components, create=False)
+            except UnsafePathError:
+                links.append(rel.rstrip("/"))
+                continue
+            if dfd is None:
+                continue  # nothing stored below this prefix (or deleted while we listed)
+            try:
+                with os.scandir(dfd) as it:
+                    entries = [(e.name, e.is_symlink(), e.is_dir(follow_symlinks=False),
+                                e.is_file(follow_symlinks=False)) for e in it]
+                for name, is_link, is_dir, is_file in entries:
+                    if is_link:
+                        links.append(rel + name)
+                    elif is_dir:
+                        stack.append([*components, name])
+                    elif is_file and not _TMP_RE.match(name):
+                        try:
+                            size = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            continue  # deleted while we listed
+                        yield ObjectInfo(rel + name, size)
+            finally:
+                os.close(dfd)
 
     def _remove_stale_temp_files(self) -> int:
         removed = 0
@@ -303,6 +478,17 @@ class LocalBlobStore:
                 _log.debug("removed stale temp file %s/%s of dead pid %s", dirpath, name,
                            m.group("pid"))
         return removed
+
+
+class _LinkFound(Exception):
+    """A path component is a symbolic link (turned into UnsafePathError naming the key)."""
+
+
+#: The root may be a link (configuration); everything below it is opened without following one.
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: O_NONBLOCK: opening a FIFO planted at a key must not block (it is refused right after).
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _raise(exc: OSError) -> None:
