@@ -58,6 +58,9 @@ from dstl.stores.base import ObjectInfo, check_key, translate_error
 
 __all__ = ["LocalBlobStore"]
 
+#: A key's path components (a name: ``list`` is a method of the store class).
+_Parts = list[str]
+
 _log = logging.getLogger(__name__)
 
 #: ``.<basename>.<pid>.<16 hex>.tmp`` — the pid lets a later open tell crashed writers from live ones.
@@ -238,7 +241,7 @@ class LocalBlobStore:
         if dir_part:
             check_key(dir_part)
         components = dir_part.split("/") if dir_part else []
-        links: list[str] = []
+        links: _Parts = []
         try:
             found = [info for info in self._walk(components, links)
                      if info.key.startswith(prefix)]
@@ -295,7 +298,7 @@ class LocalBlobStore:
         if self._closed.is_set():
             raise ClosedError(repr(self))
 
-    def _parts(self, key: str) -> list[str]:
+    def _parts(self, key: str) -> _Parts:
         """The key's path components, after the string checks."""
         self._check_open()
         check_key(key)
@@ -303,7 +306,7 @@ class LocalBlobStore:
             raise UnsafePathError(key, "the name is reserved for LocalBlobStore temp files")
         return key.split("/")
 
-    def _open_dir(self, key: str, components: list[str], *, create: bool) -> int | None:
+    def _open_dir(self, key: str, components: _Parts, *, create: bool) -> int | None:
         """A descriptor of ``root/components`` reached without following any link, or ``None``
         when a component is missing (``create=False``) or is not a directory.
 
@@ -392,7 +395,7 @@ class LocalBlobStore:
                                            "never an object)")
             yield f
 
-    def _delete_one(self, key: str, parts: list[str], *, remove: bool) -> None:
+    def _delete_one(self, key: str, parts: _Parts, *, remove: bool) -> None:
         try:
             dfd = self._open_dir(key, parts[:-1], create=False)
             if dfd is None:
@@ -431,7 +434,7 @@ class LocalBlobStore:
         return ConfigError("root", self._root, f"a path where a directory can be created and "
                            f"written (failed: {exc})", owner="LocalBlobStore")
 
-    def _walk(self, start: list[str], links: list[str]) -> Iterator[ObjectInfo]:
+    def _walk(self, start: _Parts, links: _Parts) -> Iterator[ObjectInfo]:
         """Every regular file below ``root/start`` (iterative: a crafted deep tree cannot
         exhaust the stack); links are recorded in ``links``, never followed."""
         stack = [start]
