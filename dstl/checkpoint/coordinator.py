@@ -29,7 +29,11 @@ store calls, the lock, the clock and the listeners.
    manifests FIRST and objects only after every doomed manifest is gone, so a crash or a failed
    delete leaves orphans, never a manifest naming deleted data. Deletions run on the injected
    executor (or inline when there is none, after the commit); a failure is logged, counted and
-   retried on the next completion — doomed keys are never forgotten. Right before deleting, the
+   retried on the next completion — doomed keys are never forgotten, with one exception: when
+   a batch fails for good, its keys are deleted one by one, and an object whose own delete
+   fails permanently (a symbolic link planted in the store, a name the filesystem refuses) is
+   logged, counted (``numberOfUndeletableObjects``) and left alone, so that one bad key cannot
+   stop every later deletion pass. Right before deleting, the
    doomed objects are filtered again against the live references (retained and pending), and
    an acknowledgement naming an object that is being deleted at that moment is refused, so
    nothing referenced by a retained or in-flight checkpoint is deleted (G5). Time plays no part.
@@ -101,7 +105,7 @@ from dstl.layout import (
     parse_manifest_key,
 )
 from dstl.metrics import MetricsRegistry
-from dstl.stores.base import BlobStore, check_store
+from dstl.stores.base import BlobStore, check_store, is_retryable
 
 __all__ = [
     "DEFAULT_RETAINED",
@@ -353,6 +357,7 @@ class CheckpointCoordinator:
         self._c_deleted_objects = m.counter("numberOfDeletedObjects")
         self._c_deleted_manifests = m.counter("numberOfDeletedManifests")
         self._c_delete_failures = m.counter("numberOfDeleteFailures")
+        self._c_undeletable = m.counter("numberOfUndeletableObjects")
         self._c_orphans = m.counter("numberOfCollectedOrphans")
         self._h_duration = m.histogram("checkpointDurationMs")
         self._h_ack = m.histogram("checkpointAckLatencyMs")
@@ -801,32 +806,29 @@ class CheckpointCoordinator:
         return stale
 
     def _delete_orphans(self, plan: OrphanPlan) -> list[str]:
-        """Delete the orphans ``plan`` selected (already marked as being deleted); on failure
-        doom them for the next completion."""
+        """Delete the orphans ``plan`` selected (already marked as being deleted); those that
+        fail transiently are doomed for the next completion, those that fail for good are
+        given up (see :meth:`_delete_keys`)."""
         if plan.unnamed:
             logger.warning("collect_orphans: left alone %d objects whose names carry no "
                            "creation time: %s", len(plan.unnamed), plan.unnamed[:_LOG_KEYS])
         orphans = list(plan.delete)
         try:
-            if orphans:
-                self._store.delete(orphans)
-        except (DstlError, OSError) as exc:
-            self._c_delete_failures.inc()
-            logger.warning("collect_orphans: deleting %d orphans failed (retried at the next "
-                           "completion): %s", len(orphans), exc)
-            with self._lock:
-                self._doomed_objects.update(orphans)
-            return []
+            deleted, given_up = self._delete_keys(orphans, "orphans")
         finally:
             with self._lock:
                 self._deleting.difference_update(orphans)
         with self._lock:
-            self._doomed_objects.difference_update(orphans)
-        self._c_orphans.inc(len(orphans))
-        logger.info("collect_orphans: deleted %d orphans (%d bytes) created before %d ms; kept "
-                    "%d referenced, %d younger", len(orphans), plan.delete_bytes,
-                    plan.cutoff_ms, len(plan.referenced), len(plan.too_young))
-        return orphans
+            # What failed transiently is retried at the next completion.
+            self._doomed_objects.update(set(orphans) - set(deleted) - set(given_up))
+            self._doomed_objects.difference_update(deleted)
+            self._doomed_objects.difference_update(given_up)
+        self._c_orphans.inc(len(deleted))
+        if deleted:
+            logger.info("collect_orphans: deleted %d of %d orphans created before %d ms; kept "
+                        "%d referenced, %d younger", len(deleted), len(orphans),
+                        plan.cutoff_ms, len(plan.referenced), len(plan.too_young))
+        return deleted
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1029,21 +1031,69 @@ class CheckpointCoordinator:
             objects = sorted(set(objects) - self._live_keys_locked())
             self._deleting.update(objects)
         try:
-            self._store.delete(objects)
-        except (DstlError, OSError) as exc:
-            self._c_delete_failures.inc()
-            logger.warning("deleting %d unreferenced objects failed; they stay doomed for the "
-                           "next completion: %s", len(objects), exc)
-            return []
+            deleted, given_up = self._delete_keys(objects, "unreferenced objects")
         finally:
             with self._lock:
                 self._deleting.difference_update(objects)
         with self._lock:
-            self._doomed_objects.difference_update(objects)
-        self._c_deleted_objects.inc(len(objects))
-        logger.info("deleted %d manifests and %d unreferenced objects: %s", len(manifests),
-                    len(objects), (manifests + objects)[:_LOG_KEYS])
-        return objects
+            self._doomed_objects.difference_update(deleted)
+            self._doomed_objects.difference_update(given_up)
+        if deleted:
+            self._c_deleted_objects.inc(len(deleted))
+            logger.info("deleted %d manifests and %d unreferenced objects: %s", len(manifests),
+                        len(deleted), (manifests + deleted)[:_LOG_KEYS])
+        return deleted
+
+    def _delete_keys(self, keys: list[str], what: str) -> tuple[list[str], list[str]]:
+        """Delete ``keys``; returns ``(deleted, given up)``.
+
+        A failed batch is logged and counted. If its failure is transient, nothing is given up
+        (the keys stay doomed for the next completion). If it is permanent, each key is tried on
+        its own, so one key the store refuses for good (a symbolic link planted in the store, a
+        name the filesystem rejects, a permission denied on that object alone) cannot stop the
+        deletion of every other key, in this pass and all later ones: a key whose own delete
+        fails permanently is logged with its error, counted (``numberOfUndeletableObjects``) and
+        given up. It stays in the store; orphan collection sees it again only if the store lists
+        it, and a link is never listed.
+        """
+        if not keys:
+            return [], []
+        try:
+            self._store.delete(keys)
+        except (DstlError, OSError) as exc:
+            self._c_delete_failures.inc()
+            if is_retryable(exc) or len(keys) == 1:
+                if is_retryable(exc):
+                    logger.warning("deleting %d %s failed; they stay doomed for the next "
+                                   "completion: %s", len(keys), what, exc)
+                    return [], []
+                self._give_up(keys[0], exc)
+                return [], keys
+            logger.warning("deleting %d %s failed for good (%s); deleting them one by one",
+                           len(keys), what, exc)
+            return self._delete_one_by_one(keys)
+        return keys, []
+
+    def _delete_one_by_one(self, keys: list[str]) -> tuple[list[str], list[str]]:
+        deleted: list[str] = []
+        given_up: list[str] = []
+        for key in keys:
+            try:
+                self._store.delete([key])
+            except (DstlError, OSError) as exc:
+                if is_retryable(exc):
+                    continue  # stays doomed: retried at the next completion
+                self._give_up(key, exc)
+                given_up.append(key)
+            else:
+                deleted.append(key)
+        return deleted, given_up
+
+    def _give_up(self, key: str, exc: BaseException) -> None:
+        self._c_undeletable.inc()
+        logger.warning("object %s cannot be deleted (%s: %s); it is left in %s and no longer "
+                       "retried — remove it by hand once the cause is fixed", key,
+                       type(exc).__name__, exc, self._store.location)
 
     def _deliver(self, event: str, value: Manifest | AbortedCheckpoint) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ import errno
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 from dstl.errors import (
     AccessDeniedError,
@@ -43,6 +43,8 @@ from dstl.errors import (
 )
 
 __all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_KEY_SEGMENT_BYTES",
     "BlobStore",
     "ObjectInfo",
     "check_key",
@@ -82,6 +84,14 @@ class BlobStore(Protocol):
     def close(self) -> None: ...
 
 
+#: Longest key, in UTF-8 bytes: S3's limit on an object key, so a key valid here is valid in every
+#: store (a prefix in the base URI comes on top of it).
+MAX_KEY_BYTES: Final = 1024
+#: Longest path segment, in UTF-8 bytes: POSIX ``NAME_MAX`` of local filesystems (ext4, xfs), so a
+#: key never fails on a local disk where it would pass on S3.
+MAX_KEY_SEGMENT_BYTES: Final = 255
+
+
 def check_store(value: object, field: str, owner: str) -> BlobStore:
     """``value`` if it is a :class:`BlobStore` (has ``location`` and the seven methods).
 
@@ -100,13 +110,21 @@ def check_key(key: object) -> str:
 
     Keys come from handles and manifests, which are untrusted input: a key must be a non-empty
     relative POSIX path without ``.``/``..`` segments, backslashes, NUL or a scheme, so it can never
-    escape the storage root.
+    escape the storage root, and at most :data:`MAX_KEY_BYTES` long with segments of at most
+    :data:`MAX_KEY_SEGMENT_BYTES` (UTF-8 bytes), so it is valid in every store.
 
     Raises:
         UnsafePathError: the key is not allowed.
     """
     if not isinstance(key, str) or not key:
-        raise UnsafePathError(repr(key), "not a non-empty string")
+        raise UnsafePathError(repr(key)[:200], "not a non-empty string")
+    if len(key) > MAX_KEY_BYTES or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise UnsafePathError(key[:100] + "...", f"longer than {MAX_KEY_BYTES} bytes "
+                                                 f"(MAX_KEY_BYTES, S3's key limit)")
+    if any(len(p.encode("utf-8", "surrogatepass")) > MAX_KEY_SEGMENT_BYTES
+           for p in key.split("/")):
+        raise UnsafePathError(key, f"a path segment is longer than {MAX_KEY_SEGMENT_BYTES} "
+                                   "bytes (MAX_KEY_SEGMENT_BYTES, a local filesystem's name limit)")
     if key.startswith("/") or "\\" in key or "\x00" in key or "://" in key:
         raise UnsafePathError(key, "absolute, has a scheme, or contains '\\' or NUL")
     parts = key.split("/")
@@ -120,6 +138,12 @@ def check_key(key: object) -> str:
 # --------------------------------------------------------------------------- error translation
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+# The request can never succeed as made (a bad name, a file where a directory must be, a
+# read-only filesystem): retrying only delays the typed failure.
+_PERMANENT_ERRNOS = {errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EINVAL, errno.EROFS,
+                     errno.ELOOP, errno.EMLINK, errno.EXDEV, errno.ENOTEMPTY, errno.EBADF,
+                     errno.ENOSYS, errno.EOPNOTSUPP, errno.ERANGE, errno.EOVERFLOW, errno.ENXIO,
+                     errno.ENODEV, errno.ESPIPE, errno.EFAULT}
 _TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                      errno.EPIPE, errno.EAGAIN, errno.EINTR, errno.EHOSTUNREACH, errno.ENETUNREACH}
 _TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable",
@@ -193,7 +217,32 @@ def _from_service(cur: BaseException, *, op: str, key: str | None,
     if code in _PERMANENT_S3_CODES:
         return StorageError(f"{op} {where}: request rejected by the store ({code}: {cur})",
                             key=key)
+    return _from_status(cur, code, op=op, key=key, where=where)
+
+
+def _from_status(cur: BaseException, code: str, *, op: str, key: str | None,
+                 where: str) -> DstlError | None:
+    """An error code this module does not know, classified by its HTTP status: a 4xx (other
+    than 408 and 429, which say "later") is the request's fault and permanent; a 5xx is the
+    service's and transient."""
+    status = _http_status(cur)
+    if status is None or status in (408, 429):
+        return None
+    if 400 <= status < 500:
+        return StorageError(f"{op} {where}: request rejected by the store ({code}, HTTP "
+                            f"{status}: {cur})", key=key)
+    if status >= 500:
+        return TransientStorageError(f"{op} {where}: transient failure ({code}, HTTP {status}: "
+                                     f"{cur})", key=key)
     return None
+
+
+def _http_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) and not isinstance(status, bool) else None
 
 
 def _from_local(cur: BaseException, *, op: str, key: str | None,
@@ -214,6 +263,9 @@ def _from_local(cur: BaseException, *, op: str, key: str | None,
         what = "file too large (EFBIG)" if cur.errno == errno.EFBIG else "no space left"
         return LocalDiskFullError(f"{op} {where}: {what}; free space or move the directory",
                                   key=key, path=getattr(cur, "filename", None))
+    if isinstance(cur, OSError) and cur.errno in _PERMANENT_ERRNOS:
+        return StorageError(f"{op} {where}: the request cannot succeed ({name}: {cur})",
+                            key=key)
     if isinstance(cur, OSError) and cur.errno in _TRANSIENT_ERRNOS:
         return TransientStorageError(f"{op} {where}: transient failure ({cur})", key=key)
     if isinstance(cur, (TimeoutError, ConnectionError)):
