@@ -72,7 +72,8 @@ def bench_append(size: int, n: int, repeats: int) -> dict[str, Any]:
         return n / (time.perf_counter() - t0)
 
     def dstl_append() -> float:
-        opts = DstlOptions(preemptive_persist_threshold_bytes=1 << 40,
+        opts = DstlOptions(preemptive_persist_threshold_bytes=(1 << 31) - 1,
+                           max_change_set_bytes=1 << 31,
                            persist_size_threshold_bytes=1 << 30, max_in_flight_bytes=1 << 41)
         with ChangelogStorage(store=MemoryBlobStore(), options=opts) as s:
             w = s.create_writer("bench", KGS)

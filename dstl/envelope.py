@@ -18,21 +18,30 @@ the limit on a record's decompressed size); every check raises a
 
 A record is opened in one order, so that no byte is trusted before it is verified: the record's
 length fields, then its CRC over the frame, then the zstd frame header (content size declared and
-within the format's limit, content checksum present), and only then decompression (which checks
-zstd's content checksum, and refuses bytes after the frame). A damaged size field therefore never
-causes an allocation: the CRC catches it first, and a frame that passes the CRC (a buggy or
-foreign writer) still cannot declare more than ``max_content_bytes``.
+within the format's limit, content checksum present), then the frame's block headers (the frame
+must end exactly where the record does: no bytes after it, none missing), and only then
+decompression. A damaged size field therefore never causes an allocation: the CRC catches it
+first, and a frame that passes the CRC (a buggy, foreign or crafted writer) still cannot declare
+more than ``max_content_bytes``.
 
-Encoding is the mirror image and refuses a record the decoder would refuse (content above the
-limit), so a writer never produces an object that cannot be read back.
+Decompression is streamed (:func:`_decompress`): the frame is read in chunks of at most
+:data:`DECOMPRESS_CHUNK_BYTES` and the output is counted as it comes, so the declared content size
+is never trusted for an allocation — a frame that produces more than it declared (or more than
+the limit) is refused as soon as the excess appears, a frame that produces less is refused at its
+end, and zstd's content checksum is verified when the frame ends. Peak memory of opening a record
+is therefore bounded by the limit (plus one chunk and the joined copy), whatever the record
+claims.
 
-Where later limits go: a cap on a record's compressed size and streamed decompression with an
-output cap belong in :func:`open_record` (one place for both formats); new limits are fields of
-:class:`ObjectFormat`.
+The limit of each format is a field of :class:`ObjectFormat`; :meth:`ObjectFormat.with_limit`
+makes the same format with another limit (the options ``DstlOptions.max_change_set_bytes`` and
+``BackendOptions.max_snapshot_block_bytes`` set it for segments and snapshots). Encoding is the
+mirror image and refuses a record the decoder would refuse (content above the limit), so a writer
+never produces an object that cannot be read back with the same options.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import threading
 import zlib
@@ -50,6 +59,7 @@ from dstl.errors import (
 )
 
 __all__ = [
+    "DECOMPRESS_CHUNK_BYTES",
     "END_MAGIC",
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -84,6 +94,8 @@ TRAILER_SIZE: Final = 8
 _HEADER: Final = struct.Struct(">4sBBH")   # magic, kind, version, flags
 _RECORD: Final = struct.Struct(">II")      # frame length, crc32(frame)
 _U32: Final = struct.Struct(">I")
+#: Decompression output is read in chunks of this size (the output cap is checked per chunk).
+DECOMPRESS_CHUNK_BYTES: Final = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +110,8 @@ class ObjectFormat:
         too_large_hint: how a caller avoids content above ``max_content_bytes`` (in the
             encoder's error).
         version: the format version in the header.
+        limit_option: the option that sets ``max_content_bytes`` (named in the decoder's error,
+            for a reader whose limit is below the writer's).
     """
 
     kind: int
@@ -105,6 +119,17 @@ class ObjectFormat:
     max_content_bytes: int
     too_large_hint: str
     version: int = FORMAT_VERSION
+    limit_option: str = ""
+
+    def with_limit(self, max_content_bytes: int | None) -> ObjectFormat:
+        """This format with another content limit (``None``: this one)."""
+        if max_content_bytes is None or max_content_bytes == self.max_content_bytes:
+            return self
+        if isinstance(max_content_bytes, bool) or not isinstance(max_content_bytes, int) \
+                or max_content_bytes < 1:
+            raise UsageError(f"{self.name} content limit {max_content_bytes!r} is not an int "
+                             ">= 1")
+        return dataclasses.replace(self, max_content_bytes=max_content_bytes)
 
 
 # --------------------------------------------------------------------------- header
@@ -166,6 +191,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
+    # One per thread, and never shared by two readers at once (a stream reader holds it).
     dctx: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
@@ -231,22 +257,78 @@ def open_record(record: bytes | bytearray | memoryview, *, key: str, offset: int
 
 
 def _decompress(frame: memoryview, key: str, at: int, fmt: ObjectFormat, what: str) -> bytes:
-    """Check the frame header against the limit, then decompress (after the CRC matched)."""
+    """Check the frame header against the limit and the frame's length against the record,
+    then decompress in chunks, counting the output (after the CRC matched)."""
     try:
         params = zstandard.get_frame_parameters(frame)
-        size = params.content_size
-        if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
-            raise CorruptObjectError(key, at, f"zstd frame of {what} does not declare its "
-                                              "content size")
-        if size > fmt.max_content_bytes:
-            raise CorruptObjectError(key, at, f"zstd frame of {what} declares content size "
-                                              f"{size}, above the limit {fmt.max_content_bytes}")
-        if not params.has_checksum:
-            raise CorruptObjectError(key, at, f"zstd frame of {what} has no content checksum")
-        content: bytes = _decompressor().decompress(frame, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} has no valid frame header: "
+                                          f"{exc}") from exc
+    size = params.content_size
+    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        raise CorruptObjectError(key, at, f"zstd frame of {what} does not declare its "
+                                          "content size")
+    if size > fmt.max_content_bytes:
+        hint = f"; raise {fmt.limit_option} if it was written with a higher one" \
+            if fmt.limit_option else ""
+        raise CorruptObjectError(key, at, f"zstd frame of {what} declares content size "
+                                          f"{size}, above the limit {fmt.max_content_bytes}"
+                                          f"{hint}")
+    if not params.has_checksum:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} has no content checksum")
+    end = _frame_end(frame, key, at, what)
+    if end != len(frame):
+        raise CorruptObjectError(key, at + min(end, len(frame)),
+                                 f"zstd frame of {what} ends at byte {end} of the "
+                                 f"{len(frame)}-byte record frame (bytes after the frame, or "
+                                 "a frame cut short)")
+    return _read_frame(frame, key, at, what, size)
+
+
+def _frame_end(frame: memoryview, key: str, at: int, what: str) -> int:
+    """Where the zstd frame in ``frame`` ends, from its block headers (``len(frame) + 1`` or
+    more when it would end past the record: cut short)."""
+    try:
+        pos: int = zstandard.frame_header_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} has no valid frame header: "
+                                          f"{exc}") from exc
+    n = len(frame)
+    while True:
+        if pos + 3 > n:
+            return n + 1
+        header = frame[pos] | frame[pos + 1] << 8 | frame[pos + 2] << 16
+        block_type = (header >> 1) & 3
+        if block_type == 3:
+            raise CorruptObjectError(key, at + pos, f"zstd frame of {what} has a block of the "
+                                                    "reserved type")
+        pos += 3 + (1 if block_type == 1 else header >> 3)  # an RLE block holds one byte
+        if header & 1:  # the last block
+            return pos + 4  # the content checksum (required above)
+
+
+def _read_frame(frame: memoryview, key: str, at: int, what: str, size: int) -> bytes:
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        with _decompressor().stream_reader(frame, read_across_frames=False,
+                                           closefd=False) as reader:
+            while True:
+                # One byte more than still expected, so that an overrun shows at once.
+                chunk = reader.read(min(DECOMPRESS_CHUNK_BYTES, size - got + 1))
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > size:
+                    raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to "
+                                                      f"more than its declared {size} bytes")
+                chunks.append(chunk)
     except zstandard.ZstdError as exc:
         raise CorruptObjectError(key, at, f"zstd frame of {what} does not decode: {exc}") from exc
-    return content
+    if got != size:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to {got} bytes, "
+                                          f"not its declared {size}")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 # --------------------------------------------------------------------------- trailer

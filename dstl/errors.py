@@ -67,6 +67,7 @@ __all__ = [
     "UploadTimeoutError",
     "UsageError",
     "WriterFailedError",
+    "located",
 ]
 
 
@@ -228,6 +229,7 @@ class CorruptObjectError(DstlError):
         self.key = key
         self.offset = offset
         self.reason = reason
+        self.hint = hint
         super().__init__(f"{key} at offset {offset}: {reason} ({hint})")
 
 
@@ -307,3 +309,35 @@ class LeaseError(CacheError):
 
 class CacheFullError(CacheError):
     """The cache cannot hold an object (size budget or local disk)."""
+
+
+# --------------------------------------------------------------------------- placing an error
+
+
+def located(exc: DstlError, key: str, offset: int, context: str) -> DstlError:
+    """The same error, placed in the stored object it came from.
+
+    Decoders of parts of an object (a change payload, a state value, a metadata record) do not
+    know the object they were cut from and name a placeholder (``<change>``, ``<state value>``);
+    the reader that does know re-raises their errors through this function, so every error of a
+    stored object names the object's key and an offset in it. The result has the same type and
+    attributes, ``key`` and ``offset`` set to the object's, and ``context`` (what was being
+    decoded: which change of which change set) in its message. A
+    :class:`CorruptObjectError` that already names a real object is returned as it is.
+    """
+    out = type(exc).__new__(type(exc))
+    out.__dict__.update(exc.__dict__)
+    out.__traceback__ = exc.__traceback__
+    if isinstance(exc, CorruptObjectError):
+        if not exc.key.startswith("<"):
+            return exc
+        inner = f" (at offset {exc.offset} of it)" if exc.offset else ""
+        CorruptObjectError.__init__(out, key, offset,  # type: ignore[arg-type]
+                                    f"{context}{inner}: {exc.reason}",
+                                    getattr(exc, "hint", "the object is damaged; restore from "
+                                                         "an earlier checkpoint"))
+        return out
+    Exception.__init__(out, f"{key} at offset {offset}: {context}: {exc}")
+    out.key = key  # type: ignore[attr-defined]
+    out.offset = offset  # type: ignore[attr-defined]
+    return out

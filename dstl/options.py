@@ -20,9 +20,10 @@ __all__ = ["KiB", "MiB", "DstlOptions"]
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
-#: Largest pre-emptive threshold: with payloads below MAX_PAYLOAD_BYTES (dstl.writer) a change set
-#: then stays below the 2 GiB a segment record may hold.
-MAX_CHANGE_SET_TARGET_BYTES: Final = 1024 * MiB
+#: Bounds of ``max_change_set_bytes``: a change set must hold at least a small state value, and
+#: no reader decompresses more than 2 GiB for one record (dstl.segment.MAX_CHANGE_SET_BYTES).
+MIN_CHANGE_SET_LIMIT_BYTES: Final = 1 * MiB
+MAX_CHANGE_SET_LIMIT_BYTES: Final = 2048 * MiB
 
 
 #: Upper bounds of the duration options. Beyond them a setting only stalls the job (a persist
@@ -73,6 +74,12 @@ class DstlOptions:
     zstd_level: int = 1
     #: Threads that delete released segments (Flink: ``discard.num-threads`` = 1).
     discard_threads: int = 1
+    #: Largest change set (uncompressed record body): the writer rolls a change set over before
+    #: it grows past this, refuses a single change that cannot fit, and a reader never
+    #: decompresses more for one record of a segment, however crafted (32 MiB: a crafted segment
+    #: of 1 MiB cannot make a restore allocate more than a few times this). Readers must use at
+    #: least the writers' value. Beyond Flink, which has no such bound.
+    max_change_set_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -115,7 +122,9 @@ def _validate(o: DstlOptions) -> None:
              fix="in seconds: a persist waits this long for other writers' change sets to "
                  "join its segment - default 0.010 = 10 ms")
     _int(o, "persist_size_threshold_bytes", lo=1)
-    _int(o, "preemptive_persist_threshold_bytes", lo=1, hi=MAX_CHANGE_SET_TARGET_BYTES,
+    _int(o, "max_change_set_bytes", lo=MIN_CHANGE_SET_LIMIT_BYTES, hi=MAX_CHANGE_SET_LIMIT_BYTES,
+         fix="the largest change set a writer builds and a reader decompresses for one record")
+    _int(o, "preemptive_persist_threshold_bytes", lo=1, hi=MAX_CHANGE_SET_LIMIT_BYTES,
          fix="a change set must stay below the 2 GiB that one record may hold")
     _int(o, "max_in_flight_bytes", lo=1)
     _seconds(o, "back_pressure_timeout_s", lo=0.0, hi=MAX_BACK_PRESSURE_TIMEOUT_S, lo_open=True,
@@ -128,6 +137,12 @@ def _validate(o: DstlOptions) -> None:
     _seconds(o, "upload_retry_delay_s", lo=0.0, hi=MAX_UPLOAD_RETRY_DELAY_S)
     _int(o, "zstd_level", lo=-7, hi=22)
     _int(o, "discard_threads", lo=1, hi=MAX_THREADS)
+    if o.preemptive_persist_threshold_bytes >= o.max_change_set_bytes:
+        raise ConfigError("preemptive_persist_threshold_bytes",
+                          o.preemptive_persist_threshold_bytes,
+                          f"< max_change_set_bytes ({o.max_change_set_bytes})", owner=_OWNER,
+                          fix="a change set is persisted before it reaches the record limit: "
+                          "lower it or raise max_change_set_bytes")
     if o.persist_size_threshold_bytes > o.max_in_flight_bytes:
         raise ConfigError("persist_size_threshold_bytes", o.persist_size_threshold_bytes,
                           f"<= max_in_flight_bytes ({o.max_in_flight_bytes})", owner=_OWNER,

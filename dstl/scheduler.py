@@ -338,7 +338,9 @@ class _SegmentUpload:
     def _encode(self) -> bytes:
         with self._lock:
             if self._encoded is None:
-                data, entries = encode_segment(self.change_sets, self.s._opts.zstd_level)
+                data, entries = encode_segment(
+                    self.change_sets, self.s._opts.zstd_level,
+                    max_change_set_bytes=self.s._opts.max_change_set_bytes)
                 self._encoded = (data, list(entries))
             return self._encoded[0]
 

@@ -70,6 +70,9 @@ __all__ = [
     "MAGIC",
     "END_MAGIC",
     "RECORD_HEADER_SIZE",
+    "BLOCK_HEAD_BYTES",
+    "BODY_HEAD_BYTES",
+    "DEFAULT_MAX_CHANGE_SET_BYTES",
     "MAX_CHANGE_SET_BYTES",
     "SEGMENT_FORMAT",
     "ChangeSet",
@@ -80,17 +83,27 @@ __all__ = [
     "decode_segment",
     "encode_segment",
     "iter_body_changes",
+    "segment_format",
 ]
 
 FOOTER_SIZE: Final = 24
-#: Refuse to decompress a change set above this size (a guard against a corrupt but CRC-valid
-#: frame from a foreign writer); the pre-emptive threshold keeps real change sets far below it,
-#: and the encoder refuses to write one the decoder would refuse.
+#: The largest change-set body (decompressed record content) any reader accepts, whatever its
+#: options say: the upper bound of ``DstlOptions.max_change_set_bytes``.
 MAX_CHANGE_SET_BYTES: Final = 1 << 31
-#: What the shared envelope (:mod:`dstl.envelope`) expects of a segment.
+#: The default limit on a change-set body (``DstlOptions.max_change_set_bytes``): a reader never
+#: decompresses more for one record, however small and however crafted the segment (a zstd frame
+#: can expand 30,000 times), and the writer rolls a change set over before it grows past it.
+DEFAULT_MAX_CHANGE_SET_BYTES: Final = 32 << 20
+#: What the shared envelope (:mod:`dstl.envelope`) expects of a segment (with the default limit;
+#: :func:`segment_format` gives it with another).
 SEGMENT_FORMAT: Final = ObjectFormat(
-    KIND_SEGMENT, "segment", MAX_CHANGE_SET_BYTES,
-    "keep DstlOptions.preemptive_persist_threshold_bytes and single payloads far below it")
+    KIND_SEGMENT, "segment", DEFAULT_MAX_CHANGE_SET_BYTES,
+    "keep single state values below it, or raise DstlOptions.max_change_set_bytes",
+    limit_option="DstlOptions.max_change_set_bytes")
+#: Body bytes of a change set besides its blocks: u16 log id length, u64 sqn, u32 block count.
+BODY_HEAD_BYTES: Final = 14
+#: Bytes of one block header in a body (i32 key group, u32 block length).
+BLOCK_HEAD_BYTES: Final = 8
 
 _BODY_HEAD_SQN = struct.Struct(">QI")
 _U16 = struct.Struct(">H")
@@ -101,6 +114,20 @@ _FOOTER_HEAD = struct.Struct(">QII")
 
 #: Frame-length prefix of one change inside a block (exported for the writer's hot path).
 CHANGE_LEN: Final = _U32
+
+
+def segment_format(max_change_set_bytes: int | None = None) -> ObjectFormat:
+    """:data:`SEGMENT_FORMAT` with another limit on a change-set body (``None``: the default).
+
+    Raises:
+        UsageError: the limit is not an int in [1, :data:`MAX_CHANGE_SET_BYTES`].
+    """
+    if max_change_set_bytes is not None and not (
+            isinstance(max_change_set_bytes, int) and not isinstance(max_change_set_bytes, bool)
+            and 1 <= max_change_set_bytes <= MAX_CHANGE_SET_BYTES):
+        raise UsageError(f"max_change_set_bytes={max_change_set_bytes!r} is not an int in "
+                         f"[1, {MAX_CHANGE_SET_BYTES}]")
+    return SEGMENT_FORMAT.with_limit(max_change_set_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +195,15 @@ def build_change_set(log_id: str, sqn: int, blocks: Mapping[int, bytes | bytearr
                      kgs[0] if kgs else 0, kgs[-1] if kgs else -1)
 
 
-def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1
-                   ) -> tuple[bytes, list[IndexEntry]]:
+def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1, *,
+                   max_change_set_bytes: int | None = None) -> tuple[bytes, list[IndexEntry]]:
     """Encode change sets (of any writers) into one segment.
+
+    Args:
+        change_sets: at least one.
+        zstd_level: compression level.
+        max_change_set_bytes: the limit on one body (default
+            :data:`DEFAULT_MAX_CHANGE_SET_BYTES`; readers must use at least the same).
 
     Returns:
         The segment bytes and one :class:`IndexEntry` per change set, in input order; an entry's
@@ -178,15 +211,16 @@ def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1
 
     Raises:
         UsageError: no change sets (DSTL never writes empty objects), or a change set above
-            :data:`MAX_CHANGE_SET_BYTES` (the decoder would refuse it).
+            the limit (the decoder would refuse it).
     """
     if not change_sets:
         raise UsageError("refusing to encode an empty segment (no change sets)")
-    parts: list[bytes] = [encode_header(SEGMENT_FORMAT)]
+    fmt = segment_format(max_change_set_bytes)
+    parts: list[bytes] = [encode_header(fmt)]
     entries: list[IndexEntry] = []
     pos = HEADER_SIZE
     for cs in change_sets:
-        record = encode_record(cs.body, SEGMENT_FORMAT, zstd_level=zstd_level,
+        record = encode_record(cs.body, fmt, zstd_level=zstd_level,
                                what=f"change set ({cs.log_id!r}, sqn {cs.sqn})")
         parts.append(record)
         entries.append(IndexEntry(cs.log_id, cs.sqn, cs.kg_min, cs.kg_max, pos, len(record),
@@ -225,19 +259,22 @@ class SegmentContents:
     size: int
 
 
-def decode_segment(data: bytes | memoryview, key: str = "<segment>") -> SegmentContents:
+def decode_segment(data: bytes | memoryview, key: str = "<segment>", *,
+                   max_change_set_bytes: int | None = None) -> SegmentContents:
     """Verify a whole segment (header, object CRC, footer, index, every record) and return its
-    index. The object CRC is checked before any structure is parsed.
+    index. The object CRC is checked before any structure is parsed; records are opened one at a
+    time (at most one body, of at most ``max_change_set_bytes``, is held at once).
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and the offset of the first problem.
     """
+    fmt = segment_format(max_change_set_bytes)
     mv = memoryview(data)
     n = len(mv)
-    check_header(mv, key, SEGMENT_FORMAT)
-    check_min_size(n, HEADER_SIZE + FOOTER_SIZE, key, SEGMENT_FORMAT)
-    check_end_magic(mv, n, key, SEGMENT_FORMAT)
-    check_object_crc(mv, key, SEGMENT_FORMAT)
+    check_header(mv, key, fmt)
+    check_min_size(n, HEADER_SIZE + FOOTER_SIZE, key, fmt)
+    check_end_magic(mv, n, key, fmt)
+    check_object_crc(mv, key, fmt)
     foot = n - FOOTER_SIZE
     index_offset, index_len, count = _FOOTER_HEAD.unpack_from(mv, foot)
     if index_offset < HEADER_SIZE or index_offset + index_len != foot:
@@ -249,8 +286,10 @@ def decode_segment(data: bytes | memoryview, key: str = "<segment>") -> SegmentC
         if e.offset != pos:
             raise CorruptObjectError(key, e.offset, f"index entry for sqn {e.sqn} points at "
                                                     f"{e.offset}, expected {pos}")
-        body = _open_change_set(mv[e.offset:e.offset + e.length], key, e.offset, e.length)
+        body = _open_change_set(mv[e.offset:e.offset + e.length], key, e.offset, fmt,
+                                e.length)
         _check_body_identity(body, key, e.offset, e.log_id, e.sqn)
+        del body  # before the next record is opened: one body at a time
         pos += e.length
     if pos != index_offset:
         raise CorruptObjectError(key, pos, f"records end at {pos} but the index starts at "
@@ -265,6 +304,9 @@ def _decode_index(mv: memoryview, start: int, end: int, count: int, key: str
     if n is None or n != count:
         raise CorruptObjectError(key, pos, f"index count {n} does not match footer count {count}")
     pos += 4
+    if n * (2 + _INDEX_FIXED.size) > end - pos:
+        raise TruncatedObjectError(key, pos, n * (2 + _INDEX_FIXED.size), end - pos,
+                                   f"index of {n} entries")
     entries: list[IndexEntry] = []
     for _ in range(n):
         if end - pos < 2:
@@ -287,10 +329,10 @@ def _decode_index(mv: memoryview, start: int, end: int, count: int, key: str
     return entries
 
 
-def _open_change_set(record: bytes | memoryview, key: str, offset: int,
+def _open_change_set(record: bytes | memoryview, key: str, offset: int, fmt: ObjectFormat,
                      expected_length: int | None = None) -> bytes:
     """Check a record's length and CRC, then decompress it (see :func:`dstl.envelope.open_record`)."""
-    return open_record(record, key=key, offset=offset, fmt=SEGMENT_FORMAT,
+    return open_record(record, key=key, offset=offset, fmt=fmt,
                        what="change-set record", expected_length=expected_length)
 
 
@@ -312,19 +354,21 @@ def _check_body_identity(body: bytes, key: str, offset: int, log_id: str, sqn: i
     return head_end
 
 
-def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: str, sqn: int
-                  ) -> bytes:
+def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: str, sqn: int,
+                  max_change_set_bytes: int | None = None) -> bytes:
     """Verify one change-set record fetched with a ranged read; return its body.
 
     Args:
         record: exactly the bytes ``[offset, offset + length)`` of the segment.
         key, offset: where they came from (for error messages).
         log_id, sqn: which change set the handle says this is.
+        max_change_set_bytes: the limit on the body (default
+            :data:`DEFAULT_MAX_CHANGE_SET_BYTES`).
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and the offset.
     """
-    body = _open_change_set(record, key, offset)
+    body = _open_change_set(record, key, offset, segment_format(max_change_set_bytes))
     _check_body_identity(body, key, offset, log_id, sqn)
     return body
 

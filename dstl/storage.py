@@ -111,7 +111,8 @@ class ChangelogStorage:
                                 registry=self.registry,
                                 preemptive_threshold_bytes=self.options
                                 .preemptive_persist_threshold_bytes,
-                                metrics=self._metrics, on_close=self._forget)
+                                metrics=self._metrics, on_close=self._forget,
+                                max_change_set_bytes=self.options.max_change_set_bytes)
             self._writers[log_id] = w
         return w
 

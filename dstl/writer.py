@@ -49,7 +49,14 @@ from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.registry import SegmentRegistry
 from dstl.scheduler import UploadScheduler, UploadTask
-from dstl.segment import CHANGE_LEN, ChangeSet, build_change_set
+from dstl.segment import (
+    BLOCK_HEAD_BYTES,
+    BODY_HEAD_BYTES,
+    CHANGE_LEN,
+    DEFAULT_MAX_CHANGE_SET_BYTES,
+    ChangeSet,
+    build_change_set,
+)
 
 if TYPE_CHECKING:
     from dstl.metrics import MetricsRegistry
@@ -59,8 +66,6 @@ __all__ = ["ChangelogWriter"]
 logger = logging.getLogger(__name__)
 
 _pack_len = CHANGE_LEN.pack
-#: Largest single change (see MAX_CHANGE_SET_TARGET_BYTES in dstl.options).
-MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -79,8 +84,12 @@ class ChangelogWriter:
     def __init__(self, log_id: str, key_groups: KeyGroupRange, *,
                  scheduler: UploadScheduler, registry: SegmentRegistry,
                  preemptive_threshold_bytes: int, metrics: MetricsRegistry,
-                 on_close: Callable[[ChangelogWriter], None] | None = None) -> None:
+                 on_close: Callable[[ChangelogWriter], None] | None = None,
+                 max_change_set_bytes: int = DEFAULT_MAX_CHANGE_SET_BYTES) -> None:
         self.log_id = log_id
+        # A body holds its head and one header per block besides the framed changes.
+        self._max_framed = max_change_set_bytes - BODY_HEAD_BYTES - len(log_id.encode("utf-8"))
+        self._max_change_set = max_change_set_bytes
         self.key_groups = key_groups
         self._kg_start = key_groups.start
         self._kg_end = key_groups.end
@@ -134,10 +143,11 @@ class ChangelogWriter:
                 raise UsageError(f"changelog writer {self.log_id!r}: payload must be bytes, got "
                                  f"{type(payload).__name__} (encode it first)")
             payload = bytes(payload)
-        if len(payload) > MAX_PAYLOAD_BYTES:
-            raise UsageError(f"changelog writer {self.log_id!r}: a {len(payload)}-byte change is "
-                             f"larger than {MAX_PAYLOAD_BYTES} bytes; split the state value")
         buf = self._blocks.get(key_group)
+        if self._active_bytes + len(payload) + 4 + BLOCK_HEAD_BYTES * (
+                len(self._blocks) + (buf is None)) > self._max_framed:
+            self._make_room(len(payload))
+            buf = None
         if buf is None:
             buf = self._blocks[key_group] = bytearray()
         buf += _pack_len(len(payload))
@@ -146,6 +156,16 @@ class ChangelogWriter:
         self._active_count += 1
         if self._active_bytes >= self._preemptive:
             self._preemptive_persist()
+
+    def _make_room(self, size: int) -> None:
+        """Roll the active change set over so that a change of ``size`` bytes starts a new one
+        below ``DstlOptions.max_change_set_bytes``; refuse a change that cannot fit alone."""
+        if size + 4 + BLOCK_HEAD_BYTES > self._max_framed:
+            raise UsageError(f"changelog writer {self.log_id!r}: a {size}-byte change does not "
+                             f"fit in one change set of at most {self._max_change_set} bytes "
+                             "(DstlOptions.max_change_set_bytes); split the state value or "
+                             "raise the option (readers need the same)")
+        self._rollover()
 
     def next_sqn(self) -> int:
         """Roll the active change set over (if non-empty) and return the active sqn.

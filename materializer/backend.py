@@ -82,6 +82,7 @@ from materializer.changes import (
     ADD_OR_UPDATE_ELEMENT,
     CLEAR,
     OP_SID,
+    OPS_BY_KIND,
     REMOVE_ELEMENT,
     SET,
     SET_INTERNAL,
@@ -100,6 +101,7 @@ from materializer.codecs import (
     StrOrBytesKeyCodec,
     check_codec,
     codec_by_name,
+    decode_hashable,
 )
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.manager import MaterializationManager, MaterializedBase
@@ -117,18 +119,19 @@ _MAX_STATES: Final = 65536
 
 
 class _NamespaceCodec:
-    """Namespaces: ``None`` (the default namespace) is ``b""``; others use the safe codec."""
+    """Namespaces: ``None`` (the default namespace) is ``b""``; others use the safe codec (and
+    must decode to something hashable: a namespace is a table key)."""
 
     name = "safe-ns"
 
-    def __init__(self) -> None:
-        self._safe = SafeCodec()
+    def __init__(self, max_decoded_bytes: int) -> None:
+        self._safe = SafeCodec(max_decoded_bytes)
 
     def encode(self, ns: Any) -> bytes:
         return b"" if ns is None else self._safe.encode(ns)
 
     def decode(self, data: bytes) -> Any:
-        return None if not data else self._safe.decode(data)
+        return None if not data else decode_hashable(self._safe, data, "namespace")
 
 
 @dataclass
@@ -169,9 +172,11 @@ class _BackendSnapshots:
         key = new_snapshot_key(b.operator_id, materialization_id)
         encode = b._encode_entry if b._heap else None
         zstd_level, store = b.options.zstd_level, b._store
+        max_block = b.options.max_snapshot_block_bytes
 
         def write() -> SnapshotRef:
-            data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level)
+            data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level,
+                                 max_block_bytes=max_block)
             store.put(key, data)
             return SnapshotRef(key, len(data), b.key_groups, materialization_id)
 
@@ -271,7 +276,7 @@ class ChangelogKeyedStateBackend:
         self._store = storage.store
         self._heap = table == "heap"
         self._key_codec: Codec = key_codec or StrOrBytesKeyCodec()
-        self._ns_codec = _NamespaceCodec()
+        self._ns_codec = _NamespaceCodec(self.options.max_value_decoded_bytes)
         self._own_dir: str | None = None
         self._tables: Any = self._open_tables(local_directory, clear_local)
         self._writer = storage.create_writer(operator_id, key_groups)
@@ -380,8 +385,13 @@ class ChangelogKeyedStateBackend:
         if reg is not None and reg.meta["kind"] != descriptor.kind:
             raise UsageError(f"state {descriptor.name!r} was restored as a {reg.meta['kind']} "
                              f"state; it cannot be opened as a {descriptor.kind} state")
-        codec = descriptor.codec()
-        key_codec = descriptor.key_codec() if descriptor.kind == "map" else None  # type: ignore[attr-defined]
+        # The safe codec by default, with this backend's decoded-size limit.
+        limit = self.options.max_value_decoded_bytes
+        codec = descriptor.serializer if descriptor.serializer is not None else SafeCodec(limit)
+        key_codec = None
+        if descriptor.kind == "map":
+            given = getattr(descriptor, "key_serializer", None)
+            key_codec = given if given is not None else SafeCodec(limit)
         shape = StateShape(descriptor.kind, codec, key_codec)
         meta = {"name": descriptor.name, "kind": descriptor.kind, "value_codec": codec.name,
                 "key_codec": key_codec.name if key_codec is not None else None}
@@ -517,8 +527,11 @@ class ChangelogKeyedStateBackend:
         sid = ch.state_id if remap is None else remap.get(ch.state_id, -1)
         reg = self._by_id.get(sid)
         if reg is None:
-            raise CorruptObjectError("<changelog>", 0, f"change for state id {ch.state_id} "
-                                                       "before its metadata record")
+            raise CorruptObjectError("<change>", 1, f"change for state id {ch.state_id} "
+                                                    "before its metadata record")
+        if ch.op not in OPS_BY_KIND[reg.shape.kind]:
+            raise CorruptObjectError("<change>", 0, f"op {ch.op} is not an operation of "
+                                                    f"{reg.shape.kind} state {reg.meta['name']!r}")
         self._apply(key_group, reg, ch)
 
     def register_restored_state(self, meta: dict[str, Any], preferred_id: int, *,
@@ -534,17 +547,20 @@ class ChangelogKeyedStateBackend:
         """
         name = meta.get("name")
         kind = meta.get("kind")
-        if not isinstance(name, str) or kind not in STATE_CLASSES:
-            raise StateError(f"state metadata {meta!r} has no valid name/kind")
+        if not isinstance(name, str) or not isinstance(kind, str) or kind not in STATE_CLASSES:
+            raise StateError(f"state metadata {str(meta)[:200]} has no valid name/kind")
         existing = self._states.get(name)
         if existing is not None:
             if existing.meta["kind"] != kind:
                 raise StateError(f"state {name!r} is a {existing.meta['kind']} state here but a "
                                  f"{kind} state in the restored checkpoint")
             return existing.state_id
-        codec = codec_by_name(meta.get("value_codec") or "safe", allow_pickle=allow_pickle)
-        kc = meta.get("key_codec")
-        key_codec = codec_by_name(kc, allow_pickle=allow_pickle) if kc else None
+        limit = self.options.max_value_decoded_bytes
+        vc, kc = meta.get("value_codec") or "safe", meta.get("key_codec")
+        codec = codec_by_name(vc, allow_pickle=allow_pickle, max_decoded_bytes=limit)
+        # a map's keys have a codec (the safe one unless the descriptor named another)
+        key_codec = codec_by_name(kc or "safe", allow_pickle=allow_pickle,
+                                  max_decoded_bytes=limit) if kind == "map" else None
         sid = preferred_id if preferred_id not in self._by_id and 0 <= preferred_id < _MAX_STATES \
             else max(self._by_id, default=-1) + 1
         reg = _Registered(sid, None, StateShape(kind, codec, key_codec), dict(meta))
@@ -560,7 +576,13 @@ class ChangelogKeyedStateBackend:
         n = 0
         with t.write_batch():
             for sid, kb, nb, vb in entries:
-                new = remap[sid]
+                new = remap.get(sid)
+                if new is None:
+                    raise CorruptObjectError("<snapshot entry>", 0, f"entry {n} of key group "
+                                                                    f"{key_group} has state id "
+                                                                    f"{sid}, which the "
+                                                                    "snapshot's metadata does "
+                                                                    "not describe")
                 if self._heap:
                     key, ns, state = self.decode_entry(new, kb, nb, vb)
                     t.put(new, key_group, key, ns, state)
@@ -655,18 +677,16 @@ class ChangelogKeyedStateBackend:
             elif op == ADD and shape.kind == "list":
                 obj = [*(obj or []), *(codec.decode(e) for e in iter_framed(ch.payload))]
             elif op == ADD:
-                kd = shape.key_codec.decode  # type: ignore[union-attr]
+                kd = shape.map_key
                 obj = dict(obj or {})
                 obj.update((kd(k), codec.decode(v)) for k, v in iter_pairs(ch.payload))
             elif op == ADD_OR_UPDATE_ELEMENT:
-                kd = shape.key_codec.decode  # type: ignore[union-attr]
                 kb, vb = decode_map_entry(ch.payload)
                 obj = dict(obj or {})
-                obj[kd(kb)] = codec.decode(vb)
+                obj[shape.map_key(kb)] = codec.decode(vb)
             elif op == REMOVE_ELEMENT:
-                kd = shape.key_codec.decode  # type: ignore[union-attr]
                 obj = dict(obj or {})
-                obj.pop(kd(ch.payload), None)
+                obj.pop(shape.map_key(ch.payload), None)
             else:
                 raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
             if op == REMOVE_ELEMENT and not obj:

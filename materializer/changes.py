@@ -28,7 +28,15 @@ code  op                     payload
 ====  =====================  ==========================================================
 
 Code 4 (Flink's MERGE_NS) is reserved: DSTL logs a namespace merge as its effects (CLEAR of each
-source, SET_INTERNAL of the target), so replay needs no merge function.
+source, SET_INTERNAL of the target), so replay needs no merge function. :data:`OPS_BY_KIND` says
+which ops a state of each kind logs; replay refuses any other (a crafted log could otherwise make
+a list operation run on a value state).
+
+Decoding is strict (the log is untrusted input): every decoder here raises only
+:class:`~dstl.errors.CorruptObjectError`, naming the placeholder ``<change>`` and the offset
+inside the payload — the replay, which knows the segment and the record, re-raises it naming
+those (:func:`dstl.errors.located`). State descriptions (in metadata records, a snapshot's
+metadata block and the table marker) are checked by one function, :func:`check_state_meta`.
 """
 
 from __future__ import annotations
@@ -40,14 +48,21 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from dstl.errors import CorruptObjectError
+from dstl.untrusted import load_json
 
 __all__ = [
+    "MAX_METADATA_RECORD_BYTES",
+    "MAX_STATES_METADATA_BYTES",
+    "OPS_BY_KIND",
+    "STATE_KINDS",
     "ADD",
     "ADD_ELEMENT",
     "ADD_OR_UPDATE_ELEMENT",
     "CLEAR",
     "METADATA",
     "append_framed",
+    "check_state_meta",
+    "decode_snapshot_states",
     "REMOVE_ELEMENT",
     "SET",
     "SET_INTERNAL",
@@ -72,6 +87,23 @@ ADD_ELEMENT: Final = 5
 ADD_OR_UPDATE_ELEMENT: Final = 6
 REMOVE_ELEMENT: Final = 7
 METADATA: Final = 8
+
+#: The kinds of state (``materializer.states.STATE_CLASSES`` has one class per kind).
+STATE_KINDS: Final = frozenset({"value", "list", "map", "reducing", "aggregating"})
+#: The ops a state of each kind logs (see ``materializer.states``); replay refuses any other.
+OPS_BY_KIND: Final = {
+    "value": frozenset({CLEAR, SET, SET_INTERNAL}),
+    "list": frozenset({CLEAR, SET, SET_INTERNAL, ADD, ADD_ELEMENT}),
+    "map": frozenset({CLEAR, SET, SET_INTERNAL, ADD, ADD_OR_UPDATE_ELEMENT, REMOVE_ELEMENT}),
+    "reducing": frozenset({CLEAR, SET, SET_INTERNAL}),
+    "aggregating": frozenset({CLEAR, SET, SET_INTERNAL}),
+}
+#: A metadata record describes one state (name, kind, codec names): far below this.
+MAX_METADATA_RECORD_BYTES: Final = 64 * 1024
+#: A snapshot's state registry (up to 65,536 states of a few hundred bytes each).
+MAX_STATES_METADATA_BYTES: Final = 32 * 1024 * 1024
+#: Longest state name (``get_state`` refuses longer ones) and codec name.
+_MAX_NAME_CHARS: Final = 255
 
 OP_SID: Final = struct.Struct(">BH")
 _U32: Final = struct.Struct(">I")
@@ -136,10 +168,18 @@ def iter_framed(data: bytes, pos: int = 0) -> Iterator[bytes]:
 
 
 def iter_pairs(data: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Pairs of a map ``ADD`` payload (framed as key, value, key, value, ...)."""
+    """Pairs of a map ``ADD`` payload (framed as key, value, key, value, ...).
+
+    Raises:
+        CorruptObjectError: malformed, or an odd number of items.
+    """
     items = iter_framed(data)
     for k in items:
-        yield k, next(items)
+        v = next(items, None)
+        if v is None:
+            raise CorruptObjectError("<change>", 0, "map entries payload holds an odd number "
+                                                    "of items (a key without its value)")
+        yield k, v
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,19 +218,73 @@ def encode_metadata(state_id: int, meta: dict[str, Any]) -> bytes:
 
 
 def decode_metadata(data: bytes) -> tuple[int, dict[str, Any]]:
-    """Decode a METADATA record into ``(state_id, meta)``.
+    """Decode a METADATA record into ``(state_id, meta)``; ``meta`` passed
+    :func:`check_state_meta`.
 
     Raises:
-        CorruptObjectError: not a metadata record, or its JSON is malformed.
+        CorruptObjectError: not a metadata record, its JSON is malformed, too large or too
+            deep, or it does not describe a state.
     """
-    try:
-        op, sid = OP_SID.unpack_from(data, 0)
-        if op != METADATA:
-            raise CorruptObjectError("<change>", 0, f"expected a metadata record, got op {op}")
-        meta = json.loads(data[3:].decode("utf-8"))
-    except (struct.error, UnicodeDecodeError, ValueError) as exc:
-        raise CorruptObjectError("<change>", 0, f"malformed metadata record: {exc}") from exc
-    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
-            or not isinstance(meta.get("kind"), str):
-        raise CorruptObjectError("<change>", 3, f"metadata record lacks name/kind: {meta!r}")
-    return sid, meta
+    if len(data) < OP_SID.size:
+        raise CorruptObjectError("<change>", 0, f"metadata record of {len(data)} bytes is "
+                                                "shorter than its op and state id")
+    op, sid = OP_SID.unpack_from(data, 0)
+    if op != METADATA:
+        raise CorruptObjectError("<change>", 0, f"expected a metadata record, got op {op}")
+    meta = load_json(memoryview(data)[OP_SID.size:], key="<change>", offset=OP_SID.size,
+                     what="metadata record", max_bytes=MAX_METADATA_RECORD_BYTES)
+    return sid, check_state_meta(meta, key="<change>", offset=OP_SID.size,
+                                 what="metadata record")
+
+
+def check_state_meta(meta: Any, *, key: str, offset: int, what: str) -> dict[str, Any]:
+    """Return ``meta`` if it describes a state: an object with a ``name`` (a non-empty string of
+    at most 255 characters), a ``kind`` of :data:`STATE_KINDS`, and ``value_codec`` and
+    ``key_codec`` that are absent, null or strings.
+
+    Raises:
+        CorruptObjectError: it does not (names ``key``, ``offset`` and the field).
+    """
+    def bad(reason: str) -> CorruptObjectError:
+        return CorruptObjectError(key, offset, f"{what}: {reason}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"a state description must be a JSON object, not {type(meta).__name__}")
+    name = meta.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME_CHARS:
+        raise bad(f"state name {name!r:.80} is not a non-empty string of at most "
+                  f"{_MAX_NAME_CHARS} characters")
+    kind = meta.get("kind")
+    if not isinstance(kind, str) or kind not in STATE_KINDS:
+        raise bad(f"state {name!r} has kind {kind!r:.80}, not one of {sorted(STATE_KINDS)}")
+    for field in ("value_codec", "key_codec"):
+        codec = meta.get(field)
+        if codec is not None and (not isinstance(codec, str)
+                                  or not 0 < len(codec) <= _MAX_NAME_CHARS):
+            raise bad(f"state {name!r} has {field}={codec!r:.80}, not a codec name")
+    return meta
+
+
+def decode_snapshot_states(metadata: bytes | memoryview, *, key: str,
+                           offset: int = 0) -> dict[int, dict[str, Any]]:
+    """The state registry in a snapshot's metadata block (``{"states": {"<id>": meta}}``):
+    state id -> description (each checked by :func:`check_state_meta`).
+
+    Raises:
+        CorruptObjectError: the block is not such a JSON object, a state id is not a decimal
+            integer in [0, 65535], or a description is malformed (names ``key`` and ``offset``).
+    """
+    doc = load_json(metadata, key=key, offset=offset, what="snapshot metadata",
+                    max_bytes=MAX_STATES_METADATA_BYTES)
+    states = doc.get("states") if isinstance(doc, dict) else None
+    if not isinstance(states, dict):
+        raise CorruptObjectError(key, offset, "snapshot metadata has no 'states' object (not "
+                                              "written by a DSTL backend?)")
+    out: dict[int, dict[str, Any]] = {}
+    for sid, meta in states.items():
+        if not (sid.isascii() and sid.isdigit() and len(sid) <= 5 and int(sid) <= 0xFFFF):
+            raise CorruptObjectError(key, offset, f"snapshot metadata: state id {sid!r:.40} is "
+                                                  "not an integer in [0, 65535]")
+        out[int(sid)] = check_state_meta(meta, key=key, offset=offset,
+                                         what=f"snapshot metadata of state {sid}")
+    return out

@@ -6,7 +6,14 @@ built from ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``list``,
 ``dict`` (checked before encoding; anything else is a typed error naming the state and the type),
 and decodes with an unpickler that refuses every global lookup — the only way a pickle can reach a
 callable — so a crafted payload fails with :class:`~dstl.errors.CorruptObjectError` instead of
-running code. It was picked over JSON-with-tags and a hand-written tagged encoder by
+running code. Decoding is also bounded and checked like encoding: before unpickling, the memory
+the value would take is estimated from the pickle (:func:`decoded_size_bound`: a count of
+container opcodes, at C speed; for the rare pickle where that exceeds the limit, a walk over its
+opcodes) and a value above ``max_decoded_bytes`` is refused — a pickle of a million ``{}`` is
+3 MB but takes 70 MB decoded; after unpickling, the value must again be built only from the
+types above and nest at most 64 levels (a crafted pickle can build sets, bytearrays or lists
+100,000 deep, which the encoder never writes). The encoder refuses a value the decoder would
+refuse, so a job never writes a value it cannot restore with the same limit. It was picked over JSON-with-tags and a hand-written tagged encoder by
 ``bench/backend.py`` (see docs/benchmarks.md): the C pickler does the work, the checks are a type
 lookup for scalars.
 
@@ -21,12 +28,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any, Final, Protocol, runtime_checkable
 
 from dstl.checks import check_protocol
 from dstl.errors import ConfigTypeError, CorruptObjectError, UsageError
 
 __all__ = [
+    "DEFAULT_MAX_DECODED_VALUE_BYTES",
     "BytesCodec",
     "Codec",
     "KeyCodec",
@@ -34,11 +43,33 @@ __all__ = [
     "SafeCodec",
     "StrOrBytesKeyCodec",
     "codec_by_name",
+    "decode_hashable",
+    "decoded_size_bound",
 ]
 
 _SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
 _CONTAINERS: Final = frozenset({list, tuple, dict})
 _MAX_DEPTH: Final = 64
+#: Largest estimated in-memory size of one decoded value (see :func:`decoded_size_bound`): a
+#: crafted pickle cannot make a reader allocate more for one value, and the encoder refuses a
+#: value above it. Set per backend by ``BackendOptions.max_value_decoded_bytes``.
+DEFAULT_MAX_DECODED_VALUE_BYTES: Final = 64 * 1024 * 1024
+
+# Cheap bound: every opcode byte costs at most _PER_BYTE (a scalar, a pointer, a memo slot),
+# every byte that could be a container opcode at most _PER_CONTAINER (an empty set is 216 bytes).
+_PER_BYTE: Final = 16
+_PER_CONTAINER: Final = 224
+_CONTAINER_OPCODES: Final = tuple(bytes([c]) for c in b"}]\x8f\x91\x85\x86\x87(")
+# The walk's costs per opcode: the object it builds (an estimate of its CPython size), plus
+# _PER_PUSH for each value it leaves on the stack (its slot in a container, dict entries too).
+_PER_PUSH: Final = 32
+_OPCODE_COST: Final = {
+    "EMPTY_DICT": 64, "DICT": 64, "EMPTY_LIST": 56, "LIST": 56, "EMPTY_SET": 216,
+    "FROZENSET": 216, "TUPLE": 64, "TUPLE1": 48, "TUPLE2": 56, "TUPLE3": 64, "BININT": 32,
+    "BININT1": 32, "BININT2": 32, "INT": 32, "LONG": 32, "LONG1": 32, "LONG4": 32, "BINFLOAT": 24,
+    "FLOAT": 24, "MEMOIZE": 16, "PUT": 16, "BINPUT": 16, "LONG_BINPUT": 16, "BYTEARRAY8": 57,
+}
+_TEXT_OBJECT: Final = 49  # str/bytes header; their length comes on top
 
 
 @runtime_checkable
@@ -121,10 +152,49 @@ def _check(value: Any, depth: int = 0) -> None:
             _check(v, depth + 1)
 
 
+def decoded_size_bound(data: bytes | bytearray | memoryview, limit: int) -> int:
+    """An estimate (from above) of the memory unpickling ``data`` takes, exact enough to decide
+    against ``limit``: a cheap count first, the walk over the opcodes only when the count
+    exceeds ``limit``.
+
+    Raises:
+        ValueError: the walk found a malformed pickle.
+    """
+    view = bytes(data)
+    cheap = _PER_BYTE * len(view) + _PER_CONTAINER * sum(view.count(op)
+                                                         for op in _CONTAINER_OPCODES)
+    if cheap <= limit:
+        return cheap
+    total = 0
+    for opcode, arg, _pos in pickletools.genops(view):
+        cost = _OPCODE_COST.get(opcode.name, 0)
+        if isinstance(arg, (str, bytes, bytearray)):
+            cost += _TEXT_OBJECT + len(arg)
+        if any(s is not pickletools.markobject for s in opcode.stack_after):
+            cost += _PER_PUSH
+        total += cost
+        if total > limit:
+            break  # enough to refuse it; the rest need not be walked
+    return total
+
+
 class SafeCodec:
-    """The default value codec: plain data only, never executes code on load (see module doc)."""
+    """The default value codec: plain data only, never executes code on load, bounded memory on
+    decode (see the module docstring).
+
+    Args:
+        max_decoded_bytes: the largest estimated in-memory size of one value (encode and
+            decode; see :func:`decoded_size_bound`).
+    """
 
     name = "safe"
+
+    def __init__(self, max_decoded_bytes: int = DEFAULT_MAX_DECODED_VALUE_BYTES) -> None:
+        if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) \
+                or max_decoded_bytes < 1:
+            raise UsageError(f"SafeCodec(max_decoded_bytes={max_decoded_bytes!r}): expected an "
+                             "int >= 1")
+        self.max_decoded_bytes = max_decoded_bytes
 
     def encode(self, value: Any) -> bytes:
         t = type(value)
@@ -136,14 +206,44 @@ class SafeCodec:
                                  "be encoded by the safe codec, which takes None, bool, int, "
                                  "float, str, bytes, list, tuple, dict; pass serializer= to the "
                                  "descriptor (e.g. PickleCodec(), only for trusted stores)") from exc
-        return pickle.dumps(value, protocol=5)
+        data = pickle.dumps(value, protocol=5)
+        if len(data) * _PER_BYTE > self.max_decoded_bytes:  # else the bound holds anyway
+            bound = decoded_size_bound(data, self.max_decoded_bytes)
+            if bound > self.max_decoded_bytes:
+                raise UsageError(f"value of type {t.__name__} would take about {bound} bytes "
+                                 f"when decoded, more than max_decoded_bytes="
+                                 f"{self.max_decoded_bytes} (a restore would refuse it); split "
+                                 "it, or raise BackendOptions.max_value_decoded_bytes")
+        return data
 
     def decode(self, data: bytes) -> Any:
+        """Decode a value (untrusted bytes).
+
+        Raises:
+            CorruptObjectError: not a pickle of the allowed types, nested deeper than 64, or
+                above ``max_decoded_bytes`` decoded (named ``<state value>``: the caller knows
+                the object and re-raises it with the object's key and offset).
+        """
         try:
-            return _NoGlobalsUnpickler(io.BytesIO(data)).load()
-        except Exception as exc:
+            if len(data) * _PER_BYTE > self.max_decoded_bytes:
+                bound = decoded_size_bound(data, self.max_decoded_bytes)
+                if bound > self.max_decoded_bytes:
+                    raise _Refused(f"it would take about {bound} bytes decoded, more than "
+                                   f"max_decoded_bytes={self.max_decoded_bytes} (raise "
+                                   "BackendOptions.max_value_decoded_bytes if a trusted job "
+                                   "wrote it)")
+            value = _NoGlobalsUnpickler(io.BytesIO(data)).load()
+            if type(value) not in _SCALARS:
+                _check(value)
+        except Exception as exc:  # anything a crafted pickle can raise, typed below
             raise CorruptObjectError("<state value>", 0, f"safe codec cannot decode "
-                                                         f"{len(data)} bytes: {exc}") from exc
+                                                         f"{len(data)} bytes: "
+                                                         f"{type(exc).__name__}: {exc}") from exc
+        return value
+
+
+class _Refused(Exception):
+    """A value the safe codec refuses before unpickling it."""
 
 
 class PickleCodec:
@@ -180,13 +280,23 @@ _BY_NAME: dict[str, type] = {"safe": SafeCodec, "pickle": PickleCodec, "bytes": 
                              "str-or-bytes": StrOrBytesKeyCodec}
 
 
-def codec_by_name(name: str, *, allow_pickle: bool = False) -> Any:
+def codec_by_name(name: str, *, allow_pickle: bool = False,
+                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_VALUE_BYTES) -> Any:
     """The built-in codec called ``name`` (names are recorded in state metadata).
+
+    Args:
+        name: the codec's name.
+        allow_pickle: whether ``"pickle"`` may be returned.
+        max_decoded_bytes: the safe codec's limit (see :class:`SafeCodec`).
 
     Raises:
         UsageError: unknown name, or ``"pickle"`` without ``allow_pickle`` (a restore must not
             start unpickling because a stored metadata record says so).
     """
+    if not isinstance(name, str):
+        raise UsageError(f"codec name {name!r:.80} is not a string")
+    if name == "safe":
+        return SafeCodec(max_decoded_bytes)
     if name == "pickle" and not allow_pickle:
         raise UsageError("state metadata asks for the pickle codec; restoring it would execute "
                          "code from the store — pass the state's descriptor with "
@@ -196,3 +306,19 @@ def codec_by_name(name: str, *, allow_pickle: bool = False) -> Any:
         raise UsageError(f"unknown codec {name!r}; built-in codecs: {sorted(_BY_NAME)} "
                          "(custom codecs must be passed in the state descriptor)")
     return cls()
+
+
+def decode_hashable(codec: Codec, data: bytes, what: str) -> Any:
+    """``codec.decode(data)``, which must be hashable (a namespace or map key: a table key).
+
+    Raises:
+        CorruptObjectError: it does not decode, or decodes to something unhashable (a list, or
+            a tuple holding one), named ``<state value>``.
+    """
+    value = codec.decode(data)
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise CorruptObjectError("<state value>", 0, f"{what} decodes to an unhashable "
+                                                     f"{type(value).__name__}: {exc}") from exc
+    return value

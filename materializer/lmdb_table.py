@@ -676,7 +676,7 @@ class LmdbStateTable:
             with self.write_batch():
                 for sid, k, ns, v in entries:
                     self.put(sid, kg, k, ns, v)
-            count += len(entries)
+                    count += 1
         return count
 
     # ------------------------------------------------------------------ lifecycle

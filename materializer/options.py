@@ -49,6 +49,15 @@ class BackendOptions:
     lmdb_map_size_bytes: int = 64 * 1024 * 1024
     #: Largest LMDB map size; beyond it writes fail with StateTableFullError naming this setting.
     lmdb_max_map_size_bytes: int = 64 * 1024 * 1024 * 1024
+    #: Largest snapshot block (one key group's entries, uncompressed): a materialization refuses
+    #: to write a larger one and a restore never decompresses more for one block, however
+    #: crafted the snapshot (64 MiB: 8 GiB of state per operator at max_parallelism 128).
+    #: Restores must use at least the writers' value. Beyond Flink.
+    max_snapshot_block_bytes: int = 64 * 1024 * 1024
+    #: Largest estimated in-memory size of one decoded state value (safe codec): a crafted value
+    #: cannot make a restore allocate more (a 3 MB pickle can decode to 70 MB of dicts), and
+    #: writing a larger value fails. Beyond Flink.
+    max_value_decoded_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -70,6 +79,8 @@ def _validate(o: BackendOptions) -> None:
     _int(o, "zstd_level", lo=-7, hi=22)
     _int(o, "lmdb_map_size_bytes", lo=MIN_LMDB_MAP_SIZE_BYTES, hi=MAX_LMDB_MAP_SIZE_BYTES)
     _int(o, "lmdb_max_map_size_bytes", lo=MIN_LMDB_MAP_SIZE_BYTES, hi=MAX_LMDB_MAP_SIZE_BYTES)
+    _int(o, "max_snapshot_block_bytes", lo=1 << 20, hi=1 << 30)
+    _int(o, "max_value_decoded_bytes", lo=1 << 20)
     if o.lmdb_max_map_size_bytes < o.lmdb_map_size_bytes:
         raise ConfigError("lmdb_max_map_size_bytes", o.lmdb_max_map_size_bytes,
                           f">= lmdb_map_size_bytes ({o.lmdb_map_size_bytes})", owner=_OWNER,

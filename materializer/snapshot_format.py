@@ -28,10 +28,17 @@ A materialized snapshot of a backend's state tables is one object::
   before that field and the end magic ``b"LTSD"``.
 
 A reader that has the whole object uses :func:`decode_snapshot` (verifies everything, the object
-crc before any structure is parsed). A ranged
+crc before any structure is parsed, and returns every entry) or :func:`verify_snapshot_object`
+(the same checks, one block at a time, keeping nothing: a cache verifying a download). A ranged
 reader fetches the tail, :func:`decode_footer`, then the index bytes, :func:`decode_index`, then
-only the blocks of its key groups, :func:`decode_block` (each verified by its record crc, its zstd
-content checksum and its key-group field). :class:`SnapshotEncoder` produces the object block by
+only the blocks of its key groups, :func:`iter_block` / :func:`decode_block` (each verified by its
+record crc, its zstd content checksum and its key-group field).
+
+*Bounded memory.* A block's content is at most ``max_block_bytes`` decompressed (default
+:data:`DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES`, ``BackendOptions.max_snapshot_block_bytes``; the encoder
+refuses a larger block, a decoder refuses a frame that declares or produces more), and
+:func:`iter_block` yields a block's entries one at a time, so reading a crafted snapshot holds at
+most one block's content at once, however many blocks its index lists. :class:`SnapshotEncoder` produces the object block by
 block, so the heap table can release a key group's map snapshot right after encoding it.
 
 Decoders raise only :class:`~dstl.errors.CorruptObjectError` and its subclasses
@@ -44,7 +51,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -83,6 +90,7 @@ __all__ = [
     "KIND_SEGMENT",
     "KIND_SNAPSHOT",
     "MAGIC",
+    "DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES",
     "MAX_BLOCK_CONTENT_BYTES",
     "MAX_STATE_ID",
     "METADATA_KEY_GROUP",
@@ -101,20 +109,29 @@ __all__ = [
     "decode_metadata_block",
     "decode_snapshot",
     "encode_snapshot",
+    "iter_block",
+    "snapshot_format",
+    "verify_snapshot_object",
 ]
 
 #: Key group of the metadata block (real key groups are < 2**15).
 METADATA_KEY_GROUP: Final = 0xFFFF
 #: State ids are u16.
 MAX_STATE_ID: Final = 0xFFFF
-#: Upper bound of one block's decompressed content: a forged frame header cannot make a reader
-#: allocate more (and one key group's state beyond 1 GiB is a sign of a too-small max parallelism).
+#: Upper bound of ``BackendOptions.max_snapshot_block_bytes`` (one key group's state beyond 1 GiB
+#: is a sign of a too-small max parallelism).
 MAX_BLOCK_CONTENT_BYTES: Final = 1 << 30
+#: Default limit of one block's decompressed content: a forged or crafted frame cannot make a
+#: reader allocate more (``BackendOptions.max_snapshot_block_bytes``).
+DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES: Final = 64 << 20
 #: How much of the tail a ranged reader should fetch first: the footer plus, usually, the index.
 TAIL_READ_BYTES: Final = 64 * 1024
-#: What the shared envelope (:mod:`dstl.envelope`) expects of a snapshot.
-SNAPSHOT_FORMAT: Final = ObjectFormat(KIND_SNAPSHOT, "snapshot", MAX_BLOCK_CONTENT_BYTES,
-                                      "raise max_parallelism so key groups are smaller")
+#: What the shared envelope (:mod:`dstl.envelope`) expects of a snapshot (with the default limit;
+#: :func:`snapshot_format` gives it with another).
+SNAPSHOT_FORMAT: Final = ObjectFormat(
+    KIND_SNAPSHOT, "snapshot", DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES,
+    "raise max_parallelism so key groups are smaller, or raise "
+    "BackendOptions.max_snapshot_block_bytes", limit_option="BackendOptions.max_snapshot_block_bytes")
 
 _BLOCK_PREFIX: Final = struct.Struct(">HI")        # key group, entry count
 _ENTRY_HEAD: Final = struct.Struct(">HI")          # state id, key length
@@ -128,6 +145,20 @@ FOOTER_SIZE: Final = _FOOTER.size                  # 28
 
 #: One decoded entry: ``(state id, key bytes, namespace bytes, value bytes)``.
 SnapshotEntry = tuple[int, bytes, bytes, bytes]
+
+
+def snapshot_format(max_block_bytes: int | None = None) -> ObjectFormat:
+    """:data:`SNAPSHOT_FORMAT` with another limit on a block's content (``None``: the default).
+
+    Raises:
+        UsageError: the limit is not an int in [1, :data:`MAX_BLOCK_CONTENT_BYTES`].
+    """
+    if max_block_bytes is not None and not (
+            isinstance(max_block_bytes, int) and not isinstance(max_block_bytes, bool)
+            and 1 <= max_block_bytes <= MAX_BLOCK_CONTENT_BYTES):
+        raise UsageError(f"max_block_bytes={max_block_bytes!r} is not an int in "
+                         f"[1, {MAX_BLOCK_CONTENT_BYTES}]")
+    return SNAPSHOT_FORMAT.with_limit(max_block_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +225,12 @@ class SnapshotEncoder:
         key_groups: the range the snapshot covers (recorded in the index).
         metadata: opaque bytes describing the states (e.g. JSON), stored in the metadata block.
         zstd_level: compression level of every block (1: fast, ratio close to 3; see DstlOptions).
+        max_block_bytes: the limit on a block's content (readers must use at least the same).
     """
 
     def __init__(self, key_groups: KeyGroupRange, metadata: bytes = b"", *,
-                 zstd_level: int = 1) -> None:
+                 zstd_level: int = 1, max_block_bytes: int | None = None) -> None:
+        self._fmt = snapshot_format(max_block_bytes)
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise UsageError(f"snapshot metadata must be bytes, got {type(metadata).__name__}")
         self._key_groups = key_groups
@@ -221,7 +254,7 @@ class SnapshotEncoder:
         return data
 
     def _record(self, content: bytes, what: str) -> bytes:
-        return encode_record(content, SNAPSHOT_FORMAT, zstd_level=self._zstd_level, what=what)
+        return encode_record(content, self._fmt, zstd_level=self._zstd_level, what=what)
 
     def start(self) -> bytes:
         """The header and the metadata block."""
@@ -302,9 +335,10 @@ class SnapshotEncoder:
 
 def encode_snapshot(key_groups: KeyGroupRange, metadata: bytes,
                     blocks: Iterable[tuple[int, Iterable[SnapshotEntry]]], *,
-                    zstd_level: int = 1) -> bytes:
+                    zstd_level: int = 1, max_block_bytes: int | None = None) -> bytes:
     """Encode a whole snapshot in memory (tests, small states). ``blocks``: ascending key groups."""
-    enc = SnapshotEncoder(key_groups, metadata, zstd_level=zstd_level)
+    enc = SnapshotEncoder(key_groups, metadata, zstd_level=zstd_level,
+                          max_block_bytes=max_block_bytes)
     out = [enc.start()]
     out.extend(enc.add_key_group(kg, entries) for kg, entries in blocks)
     out.append(enc.finish())
@@ -397,11 +431,12 @@ def _check_index_entries(entries: list[IndexEntry], kgs: KeyGroupRange, footer: 
                                  f"{footer.index_offset}")
 
 
-def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str) -> bytes:
+def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str,
+                   fmt: ObjectFormat) -> bytes:
     at = entry.offset
     what = ("metadata block" if entry.key_group == METADATA_KEY_GROUP
             else f"block of key group {entry.key_group}")
-    content = open_record(record, key=key, offset=at, fmt=SNAPSHOT_FORMAT, what=what,
+    content = open_record(record, key=key, offset=at, fmt=fmt, what=what,
                           expected_length=entry.length)
     if len(content) < _BLOCK_PREFIX.size:
         raise TruncatedObjectError(key, at, _BLOCK_PREFIX.size, len(content), "block content")
@@ -414,60 +449,91 @@ def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str) -> b
 
 
 def decode_metadata_block(record: bytes | memoryview, entry: IndexEntry, *,
-                          key: str = "<snapshot>") -> bytes:
+                          key: str = "<snapshot>", max_block_bytes: int | None = None) -> bytes:
     """The caller's metadata bytes from the metadata block record."""
     if entry.key_group != METADATA_KEY_GROUP:
         raise UsageError(f"index entry {entry} is not the metadata block")
-    return _block_content(record, entry, key)[_BLOCK_PREFIX.size:]
+    return _block_content(record, entry, key, snapshot_format(max_block_bytes))[
+        _BLOCK_PREFIX.size:]
 
 
-def decode_block(record: bytes | memoryview, entry: IndexEntry, *,
-                 key: str = "<snapshot>") -> list[SnapshotEntry]:
-    """Decode one key group's block record (the bytes ``[entry.offset, + entry.length)``).
+def iter_block(record: bytes | memoryview, entry: IndexEntry, *, key: str = "<snapshot>",
+               max_block_bytes: int | None = None) -> Iterator[SnapshotEntry]:
+    """Decode one key group's block record (the bytes ``[entry.offset, + entry.length)``),
+    yielding its entries ``(state id, key, namespace, value)`` one at a time, in stored order.
 
-    Returns:
-        the entries ``(state id, key, namespace, value)`` in stored order.
+    The record is verified (length, CRC, zstd frame, key group and count) before the first entry
+    is yielded; the entries' framing as they are reached, so entries before a malformed one may
+    have been yielded when the error is raised (a restore fails as a whole then).
 
     Raises:
         TruncatedObjectError, ChecksumMismatchError, CorruptObjectError: as named; offsets are
         object offsets (the reason names the position inside the decompressed content).
     """
-    content = _block_content(record, entry, key)
+    content = _block_content(record, entry, key, snapshot_format(max_block_bytes))
+    return _entries(content, entry, key)
+
+
+def _entries(content: bytes, entry: IndexEntry, key: str) -> Iterator[SnapshotEntry]:
     end = len(content)
     pos = _BLOCK_PREFIX.size
-    out: list[SnapshotEntry] = []
-    append = out.append
     head = _ENTRY_HEAD.unpack_from
     u32 = _U32.unpack_from
-    try:
-        for _ in range(entry.entry_count):
-            state_id, klen = head(content, pos)
-            pos += 6
-            k = content[pos:pos + klen]
-            pos += klen
-            (nlen,) = u32(content, pos)
-            pos += 4
-            ns = content[pos:pos + nlen]
-            pos += nlen
-            (vlen,) = u32(content, pos)
-            pos += 4
-            v = content[pos:pos + vlen]
-            pos += vlen
-            if pos > end:
-                break
-            append((state_id, k, ns, v))
-    except struct.error:
-        pos = end + 1
-    if pos != end:
-        raise CorruptObjectError(key, entry.offset,
-                                 f"block of key group {entry.key_group}: {entry.entry_count} "
-                                 f"entries do not fill its {end} content bytes exactly "
-                                 f"(stopped at content byte {min(pos, end)})")
-    return out
+    for _ in range(entry.entry_count):
+        # 14 bytes of lengths at least; each length is checked before its bytes are sliced.
+        if end - pos < 14:
+            break
+        state_id, klen = head(content, pos)
+        pos += 6
+        if end - pos < klen + 8:
+            break
+        k = content[pos:pos + klen]
+        pos += klen
+        (nlen,) = u32(content, pos)
+        pos += 4
+        if end - pos < nlen + 4:
+            break
+        ns = content[pos:pos + nlen]
+        pos += nlen
+        (vlen,) = u32(content, pos)
+        pos += 4
+        if end - pos < vlen:
+            break
+        v = content[pos:pos + vlen]
+        pos += vlen
+        yield state_id, k, ns, v
+    else:
+        if pos == end:
+            return
+    raise CorruptObjectError(key, entry.offset,
+                             f"block of key group {entry.key_group}: {entry.entry_count} "
+                             f"entries do not fill its {end} content bytes exactly "
+                             f"(stopped at content byte {pos})")
 
 
-def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>") -> SnapshotContents:
-    """Decode and verify a whole snapshot object.
+def decode_block(record: bytes | memoryview, entry: IndexEntry, *,
+                 key: str = "<snapshot>", max_block_bytes: int | None = None
+                 ) -> list[SnapshotEntry]:
+    """:func:`iter_block` as a list (the whole block verified before it is returned)."""
+    return list(iter_block(record, entry, key=key, max_block_bytes=max_block_bytes))
+
+
+def _verified_index(view: memoryview, key: str, fmt: ObjectFormat) -> SnapshotIndex:
+    """Header, size, end magic, the object crc (before any structure is parsed), footer,
+    index."""
+    size = len(view)
+    check_header(view, key, fmt)
+    check_min_size(size, HEADER_SIZE + FOOTER_SIZE, key, fmt)
+    check_end_magic(view, size, key, fmt)
+    check_object_crc(view, key, fmt)
+    footer = decode_footer(view[size - FOOTER_SIZE:], size, key=key)
+    return decode_index(view[footer.index_offset:footer.index_offset + footer.index_length],
+                        footer, key=key)
+
+
+def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>",
+                    max_block_bytes: int | None = None) -> SnapshotContents:
+    """Decode and verify a whole snapshot object, keeping every entry.
 
     Verifies, in order: header, size and end magic, the object crc (before any structure is
     parsed), the footer, the index, every block.
@@ -476,16 +542,31 @@ def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapsh
         TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
     """
     view = memoryview(data)
-    size = len(view)
-    check_header(view, key, SNAPSHOT_FORMAT)
-    check_min_size(size, HEADER_SIZE + FOOTER_SIZE, key, SNAPSHOT_FORMAT)
-    check_end_magic(view, size, key, SNAPSHOT_FORMAT)
-    check_object_crc(view, key, SNAPSHOT_FORMAT)
-    footer = decode_footer(view[size - FOOTER_SIZE:], size, key=key)
-    index = decode_index(view[footer.index_offset:footer.index_offset + footer.index_length],
-                         footer, key=key)
+    fmt = snapshot_format(max_block_bytes)
+    index = _verified_index(view, key, fmt)
     m = index.metadata
-    metadata = decode_metadata_block(view[m.offset:m.offset + m.length], m, key=key)
-    blocks = {b.key_group: decode_block(view[b.offset:b.offset + b.length], b, key=key)
+    metadata = _block_content(view[m.offset:m.offset + m.length], m, key, fmt)[
+        _BLOCK_PREFIX.size:]
+    blocks = {b.key_group: list(_entries(_block_content(view[b.offset:b.offset + b.length], b,
+                                                        key, fmt), b, key))
               for b in index.blocks}
     return SnapshotContents(metadata, index.key_groups, blocks)
+
+
+def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>",
+                           max_block_bytes: int | None = None) -> None:
+    """The checks of :func:`decode_snapshot`, one block at a time, keeping nothing (at most one
+    block's content is held at once).
+
+    Raises:
+        TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
+    """
+    view = memoryview(data)
+    fmt = snapshot_format(max_block_bytes)
+    index = _verified_index(view, key, fmt)
+    for b in (index.metadata, *index.blocks):
+        content = _block_content(view[b.offset:b.offset + b.length], b, key, fmt)
+        if b.key_group != METADATA_KEY_GROUP:
+            for _entry in _entries(content, b, key):
+                pass  # the framing of every entry is checked; nothing is kept
+        del content

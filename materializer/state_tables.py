@@ -36,16 +36,17 @@ from materializer.cow_map import DEFAULT_CAPACITY
 from materializer.cow_table import CopyOnWriteStateTable, CopyOnWriteStateTableSnapshot
 from materializer.snapshot_format import (
     FOOTER_SIZE,
+    HEADER_SIZE,
     MAX_STATE_ID,
     TAIL_READ_BYTES,
     SnapshotEncoder,
     SnapshotEntry,
     SnapshotIndex,
-    decode_block,
     decode_footer,
     decode_index,
     decode_metadata_block,
     decode_snapshot,
+    iter_block,
 )
 
 __all__ = [
@@ -119,7 +120,7 @@ class TablesSnapshot(ABC):
         """Give back what the snapshot pins (map versions / the read transaction). Idempotent."""
 
     def write(self, sink: Sink, *, metadata: bytes = b"", encode: EncodeFn | None = None,
-              zstd_level: int = 1) -> SnapshotWriteStats:
+              zstd_level: int = 1, max_block_bytes: int | None = None) -> SnapshotWriteStats:
         """Write the snapshot object to ``sink``, key group by key group, then release.
 
         Safe to call on another thread than the writer's. The snapshot is released when this
@@ -131,6 +132,7 @@ class TablesSnapshot(ABC):
             encode: heap only: turns ``(state_id, key, namespace, state)`` into three byte
                 strings. ``None``: keys, namespaces and states must already be bytes.
             zstd_level: zstd level of the blocks.
+            max_block_bytes: the limit on a block's content (default the format's).
 
         Raises:
             ClosedError: already written or released.
@@ -141,7 +143,8 @@ class TablesSnapshot(ABC):
                                                              "new one")
         self._written = True
         try:
-            enc = SnapshotEncoder(self._key_groups, metadata, zstd_level=zstd_level)
+            enc = SnapshotEncoder(self._key_groups, metadata, zstd_level=zstd_level,
+                                  max_block_bytes=max_block_bytes)
             sink(enc.start())
             blocks = 0
             for kg, entries in self._blocks(encode):
@@ -156,10 +159,11 @@ class TablesSnapshot(ABC):
             self.release()
 
     def to_bytes(self, *, metadata: bytes = b"", encode: EncodeFn | None = None,
-                 zstd_level: int = 1) -> bytes:
+                 zstd_level: int = 1, max_block_bytes: int | None = None) -> bytes:
         """:meth:`write` into memory and return the object."""
         parts: list[bytes] = []
-        self.write(parts.append, metadata=metadata, encode=encode, zstd_level=zstd_level)
+        self.write(parts.append, metadata=metadata, encode=encode, zstd_level=zstd_level,
+                   max_block_bytes=max_block_bytes)
         return b"".join(parts)
 
     def __enter__(self) -> TablesSnapshot:
@@ -226,13 +230,16 @@ class SnapshotReader:
     Args:
         source: the object's bytes or a ranged source.
         key: the object's name, used in error messages.
+        max_block_bytes: the limit on a block's content
+            (``BackendOptions.max_snapshot_block_bytes``; default the format's).
     """
 
     def __init__(self, source: bytes | bytearray | memoryview | RangeSource, *,
-                 key: str = "<snapshot>") -> None:
+                 key: str = "<snapshot>", max_block_bytes: int | None = None) -> None:
         self.key = key
+        self._max_block_bytes = max_block_bytes
         if isinstance(source, (bytes, bytearray, memoryview)):
-            contents = decode_snapshot(source, key=key)
+            contents = decode_snapshot(source, key=key, max_block_bytes=max_block_bytes)
             self._whole: dict[int, list[SnapshotEntry]] | None = contents.blocks
             self._metadata: bytes | None = contents.metadata
             self._key_groups = contents.key_groups
@@ -268,12 +275,37 @@ class SnapshotReader:
             assert self._index is not None and self._source is not None
             m = self._index.metadata
             self._metadata = decode_metadata_block(self._source.read(m.offset, m.length), m,
-                                                   key=self.key)
+                                                   key=self.key,
+                                                   max_block_bytes=self._max_block_bytes)
         return self._metadata
 
+    @property
+    def metadata_offset(self) -> int:
+        """Where the metadata block starts in the object (for error messages)."""
+        return self._index.metadata.offset if self._index is not None else HEADER_SIZE
+
+    def read_located(self, key_groups: KeyGroupRange | None = None
+                     ) -> Iterator[tuple[int, int, Iterable[SnapshotEntry]]]:
+        """:meth:`read`, each block with its offset in the object (0 for a whole-bytes
+        source, which verified every block already)."""
+        if self._whole is not None:
+            for kg, entries in self.read(key_groups):
+                yield kg, 0, entries
+            return
+        assert self._index is not None and self._source is not None
+        for b in self._index.blocks_for(key_groups):
+            record = self._source.read(b.offset, b.length)
+            yield b.key_group, b.offset, iter_block(record, b, key=self.key,
+                                                    max_block_bytes=self._max_block_bytes)
+            del record
+
     def read(self, key_groups: KeyGroupRange | None = None
-             ) -> Iterator[tuple[int, list[SnapshotEntry]]]:
-        """``(key group, entries)`` of the non-empty key groups in ``key_groups`` (default all)."""
+             ) -> Iterator[tuple[int, Iterable[SnapshotEntry]]]:
+        """``(key group, entries)`` of the non-empty key groups in ``key_groups`` (default all).
+
+        With a ranged source, each block is fetched and verified when it is reached and its
+        entries come one at a time (consume them before the next block: at most one block's
+        content is held at once)."""
         if self._whole is not None:
             for kg, entries in self._whole.items():
                 if key_groups is None or kg in key_groups:
@@ -282,7 +314,9 @@ class SnapshotReader:
         assert self._index is not None and self._source is not None
         for b in self._index.blocks_for(key_groups):
             record = self._source.read(b.offset, b.length)
-            yield b.key_group, decode_block(record, b, key=self.key)
+            yield b.key_group, iter_block(record, b, key=self.key,
+                                          max_block_bytes=self._max_block_bytes)
+            del record
 
 
 # --------------------------------------------------------------------------- the facade

@@ -41,7 +41,7 @@ from materializer.changes import (
     iter_framed,
     iter_pairs,
 )
-from materializer.codecs import Codec, SafeCodec, check_codec
+from materializer.codecs import Codec, SafeCodec, check_codec, decode_hashable
 
 __all__ = [
     "STATE_CLASSES",
@@ -211,14 +211,24 @@ class StateShape:
         return self.codec.encode(obj)
 
     def from_bytes(self, data: bytes) -> Any:
+        """Decode a stored state (untrusted when restored: a map key must be hashable).
+
+        Raises:
+            CorruptObjectError: the bytes do not decode (named ``<state value>``).
+        """
         if self.kind == "list":
             dec = self.codec.decode
             return [dec(e) for e in iter_framed(data)]
         if self.kind == "map":
-            assert self.key_codec is not None
-            kdec, vdec = self.key_codec.decode, self.codec.decode
+            kdec, vdec = self.map_key, self.codec.decode
             return {kdec(k): vdec(v) for k, v in iter_pairs(data)}
         return self.codec.decode(data)
+
+    def map_key(self, data: bytes) -> Any:
+        """A map key from its bytes (hashable, or :class:`~dstl.errors.CorruptObjectError`)."""
+        if self.key_codec is None:
+            raise UsageError(f"a {self.kind} state has no map keys")
+        return decode_hashable(self.key_codec, data, "map key")
 
     def stored(self, value: Any, encoded: bytes) -> Any:
         """What the heap keeps for a value written as ``encoded``: the object itself when it is

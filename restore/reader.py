@@ -23,17 +23,23 @@ also named: :data:`VERIFIERS` maps ``"segment"`` and ``"snapshot"`` to :func:`ve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Iterator
 from typing import Protocol, cast
 
 from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
-from dstl.segment import decode_record, decode_segment, iter_body_changes
+from dstl.segment import (
+    DEFAULT_MAX_CHANGE_SET_BYTES,
+    decode_record,
+    decode_segment,
+    iter_body_changes,
+)
 from dstl.stores.base import BlobStore
 from restore.leasing import LeasingCache, Verify
 
 __all__ = ["VERIFIERS", "ChangelogReader", "RecordSource", "SegmentCache", "StorageLike",
-           "verify_segment", "verify_snapshot"]
+           "segment_verifier", "snapshot_verifier", "verify_segment", "verify_snapshot"]
 
 #: Coalesce records of one segment into one ranged read while the gap between them is this small.
 _MAX_GAP_BYTES = 64 * 1024
@@ -72,27 +78,47 @@ class _DirectSource:
         return [blob[r.offset - start:r.offset - start + r.length] for r in refs]
 
 
-def verify_segment(data: bytes | memoryview, key: str) -> None:
-    """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a segment.
+def verify_segment(data: bytes | memoryview, key: str, *,
+                   max_change_set_bytes: int | None = None) -> None:
+    """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a segment (one record
+    at a time: at most one change set of at most ``max_change_set_bytes`` is held at once).
 
     Raises:
         CorruptObjectError: naming the segment and the offset of the first problem.
     """
-    decode_segment(data, key)
+    decode_segment(data, key, max_change_set_bytes=max_change_set_bytes)
 
 
-def verify_snapshot(data: bytes | memoryview, key: str) -> None:
+def verify_snapshot(data: bytes | memoryview, key: str, *,
+                    max_block_bytes: int | None = None) -> None:
     """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a snapshot object
-    (object CRC, index, every block).
+    (object CRC, index, every block; one block at a time, nothing kept).
 
     Raises:
         CorruptObjectError: naming the snapshot and the offset of the first problem.
     """
     # imported here: the materializer package loads the state tables, which reading the log
     # alone does not need
-    from materializer.snapshot_format import decode_snapshot
+    from materializer.snapshot_format import verify_snapshot_object
 
-    decode_snapshot(bytes(data), key=key)
+    verify_snapshot_object(data, key=key, max_block_bytes=max_block_bytes)
+
+
+def segment_verifier(max_change_set_bytes: int | None) -> Verify:
+    """:func:`verify_segment` with a limit: the named function itself for the default (so a
+    cache in another process can run it), else a partial (in-process caches only)."""
+    if max_change_set_bytes is None or max_change_set_bytes == DEFAULT_MAX_CHANGE_SET_BYTES:
+        return verify_segment
+    return functools.partial(verify_segment, max_change_set_bytes=max_change_set_bytes)
+
+
+def snapshot_verifier(max_block_bytes: int | None) -> Verify:
+    """:func:`verify_snapshot` with a limit (see :func:`segment_verifier`)."""
+    from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
+
+    if max_block_bytes is None or max_block_bytes == DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES:
+        return verify_snapshot
+    return functools.partial(verify_snapshot, max_block_bytes=max_block_bytes)
 
 
 #: The verify functions by name, so that a cache in another process (the executor agent's) can be
@@ -111,9 +137,11 @@ class SegmentCache:
 
     whole_object = True
 
-    def __init__(self, cache: LeasingCache, store: BlobStore) -> None:
+    def __init__(self, cache: LeasingCache, store: BlobStore, *,
+                 max_change_set_bytes: int | None = None) -> None:
         self._cache = cache
         self._store = store
+        self._verify = segment_verifier(max_change_set_bytes)
 
     def read_records(self, key: str, refs: list[ChangeSetRef]) -> list[bytes]:
         """Read the records ``refs`` of segment ``key`` under one lease of the whole object.
@@ -124,7 +152,7 @@ class SegmentCache:
                 lies outside it.
             CacheFullError: the segment cannot be cached and the cache is not in direct mode.
         """
-        with self._cache.lease(self._store, key, verify=verify_segment) as lease:
+        with self._cache.lease(self._store, key, verify=self._verify) as lease:
             return [lease.read(r.offset, r.length) for r in refs]
 
 
@@ -138,20 +166,25 @@ class ChangelogReader:
             :class:`~restore.leasing.LeasingCache` (an object with ``lease(store, key, *,
             verify=None, size_hint=None)``; each segment is read whole, once per cache), any
             :class:`RecordSource`, or ``None`` to read ranges directly from the store.
+        max_change_set_bytes: the limit on one change-set body
+            (``DstlOptions.max_change_set_bytes``; default the format's).
 
     Raises:
         UsageError: ``cache`` has neither ``lease`` nor ``read_records``.
     """
 
     def __init__(self, storage: StorageLike | BlobStore,
-                 cache: LeasingCache | RecordSource | None = None) -> None:
+                 cache: LeasingCache | RecordSource | None = None, *,
+                 max_change_set_bytes: int | None = None) -> None:
         # a storage has a store; a store has none (both are protocols: no isinstance)
         store = cast(BlobStore, getattr(storage, "store", storage))
+        self._max = max_change_set_bytes
         self._source: RecordSource
         if cache is None:
             self._source = _DirectSource(store)
         elif callable(getattr(cache, "lease", None)):
-            self._source = SegmentCache(cast(LeasingCache, cache), store)
+            self._source = SegmentCache(cast(LeasingCache, cache), store,
+                                        max_change_set_bytes=max_change_set_bytes)
         elif callable(getattr(cache, "read_records", None)):
             self._source = cast(RecordSource, cache)
         else:
@@ -173,11 +206,19 @@ class ChangelogReader:
             CorruptObjectError: a record fails verification (names segment and offset).
             CacheFullError: (with a cache) a segment cannot be cached.
         """
+        for _ref, kg, payload in self.read_located(handle, key_groups):
+            yield kg, payload
+
+    def read_located(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
+                     ) -> Iterator[tuple[ChangeSetRef, int, bytes]]:
+        """:meth:`read`, each change with the reference of its change set (its segment and
+        record offset: where an error found in the change is)."""
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
-                                 sqn=ref.sqn)
-            yield from iter_body_changes(body, key=ref.key, offset=ref.offset,
-                                         key_groups=key_groups)
+                                 sqn=ref.sqn, max_change_set_bytes=self._max)
+            for kg, payload in iter_body_changes(body, key=ref.key, offset=ref.offset,
+                                                 key_groups=key_groups):
+                yield ref, kg, payload
 
     def _records(self, handle: ChangelogHandle) -> Iterator[tuple[ChangeSetRef, bytes]]:
         refs = list(handle.change_sets)

@@ -21,16 +21,22 @@ operator id and parallelism); :func:`restore_backend` builds the backend and exe
 (steps 3-5, the I/O). Strict: a missing or corrupt object is a typed error that names the object,
 the offset and the checkpoint. A restore that fails closes what it opened (no leaked threads or
 writers).
+
+Every error of a stored object names the object: decoders of its parts (a change payload, a
+state value, a metadata record, an entry) name placeholders, and the replay and the snapshot
+loader, which know the segment and record (or snapshot and block), re-raise their errors with
+:func:`dstl.errors.located`. A builtin exception escaping a decoder on crafted input (a decoder
+bug) is turned into :class:`~dstl.errors.CorruptObjectError` naming the object, its cause
+chained, so a restore from an untrusted store raises only DSTL errors.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from dstl.checks import (
     check_bool,
@@ -45,7 +51,9 @@ from dstl.errors import (
     CorruptObjectError,
     DstlError,
     ObjectNotFoundError,
+    StorageError,
     UsageError,
+    located,
 )
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
@@ -53,11 +61,12 @@ from dstl.storage import ChangelogStorage
 from dstl.stores.base import BlobStore
 from dstl.timer import Timer, check_timer
 from materializer.backend import ChangelogKeyedStateBackend, check_layout, check_storage
+from materializer.changes import decode_snapshot_states
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.state_tables import BlobRangeSource, RangeSource, SnapshotReader
 from restore.leasing import LeasingCache, ObjectLease
-from restore.reader import ChangelogReader, verify_snapshot
+from restore.reader import ChangelogReader, snapshot_verifier
 
 __all__ = ["RestorePlan", "RestoreStats", "plan_restore", "restore_backend"]
 
@@ -285,9 +294,11 @@ def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
 class _CacheRangeSource:
     """A snapshot's bytes through the restore cache (one download per cache)."""
 
-    def __init__(self, cache: LeasingCache, store: BlobStore, key: str) -> None:
+    def __init__(self, cache: LeasingCache, store: BlobStore, key: str,
+                 max_block_bytes: int | None = None) -> None:
         # the whole object is verified once (object CRC, every block) before it is cached
-        self._lease: ObjectLease = cache.lease(store, key, verify=verify_snapshot)
+        self._lease: ObjectLease = cache.lease(store, key,
+                                               verify=snapshot_verifier(max_block_bytes))
 
     def size(self) -> int:
         return self._lease.size
@@ -299,49 +310,80 @@ class _CacheRangeSource:
         self._lease.release()
 
 
+#: Builtin exceptions a decoder bug could let escape on crafted input; the restore turns them
+#: into CorruptObjectError naming the object (their cause chained), never lets them through.
+_DECODER_BUGS = (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError,
+                 RecursionError, MemoryError, OverflowError, UnicodeError, struct.error)
+
+
+def _placed(exc: BaseException, key: str, offset: int, context: str) -> DstlError:
+    """``exc`` (raised while decoding or applying part of object ``key``) as a DSTL error that
+    names the object and the offset."""
+    if isinstance(exc, DstlError):
+        if isinstance(exc, StorageError):
+            return exc  # the environment, not the object: it names its own key
+        return located(exc, key, offset, context)
+    return CorruptObjectError(key, offset, f"{context}: {type(exc).__name__}: {exc!s:.300}",
+                              hint="the object is damaged or crafted, or a decoder has a bug "
+                                   "(see the chained cause); restore from an earlier checkpoint")
+
+
 def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, store: BlobStore,
                    cache: LeasingCache | None, key_groups: KeyGroupRange,
                    allow_pickle: bool) -> int:
     """Register the snapshot's states and load its blocks of ``key_groups``; return the entry
     count."""
-    lease = _CacheRangeSource(cache, store, ref.key) if cache is not None else None
+    lease = _CacheRangeSource(cache, store, ref.key, backend.options.max_snapshot_block_bytes) \
+        if cache is not None else None
     source: RangeSource = lease if lease is not None else BlobRangeSource(store, ref.key)
     try:
-        reader = SnapshotReader(source, key=ref.key)
-        remap = {int(sid): backend.register_restored_state(meta, int(sid),
-                                                           allow_pickle=allow_pickle)
-                 for sid, meta in _snapshot_states(reader.metadata, ref.key).items()}
+        reader = SnapshotReader(source, key=ref.key,
+                                max_block_bytes=backend.options.max_snapshot_block_bytes)
+        remap = _register_snapshot_states(backend, reader, ref.key, allow_pickle)
         entries = 0
-        for kg, block in reader.read(key_groups.intersection(reader.key_groups)):
-            entries += backend.load_snapshot_entries(kg, block, remap)
+        for kg, offset, block in reader.read_located(
+                key_groups.intersection(reader.key_groups)):
+            try:
+                entries += backend.load_snapshot_entries(kg, block, remap)
+            except (DstlError, *_DECODER_BUGS) as exc:
+                raise _placed(exc, ref.key, offset, f"block of key group {kg}") from exc
         return entries
     finally:
         if lease is not None:
             lease.close()
 
 
-def _snapshot_states(metadata: bytes, key: str) -> dict[str, Any]:
-    """The ``states`` object of a snapshot's metadata block (state id -> its description)."""
-    try:
-        states = json.loads(metadata)["states"]
-        if not isinstance(states, dict):
-            raise TypeError("states is not an object")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptObjectError(key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
-    return states
+def _register_snapshot_states(backend: ChangelogKeyedStateBackend, reader: SnapshotReader,
+                              key: str, allow_pickle: bool) -> dict[int, int]:
+    """The snapshot's state registry, registered in ``backend``: snapshot id -> backend id."""
+    offset = reader.metadata_offset
+    states = decode_snapshot_states(reader.metadata, key=key, offset=offset)
+    remap: dict[int, int] = {}
+    for sid, meta in states.items():
+        try:
+            remap[sid] = backend.register_restored_state(meta, sid, allow_pickle=allow_pickle)
+        except (DstlError, *_DECODER_BUGS) as exc:
+            raise _placed(exc, key, offset, f"snapshot metadata of state {sid}") from exc
+    return remap
 
 
 def _replay(backend: ChangelogKeyedStateBackend, logs: Sequence[ChangelogHandle],
             storage: ChangelogStorage, cache: LeasingCache | None, key_groups: KeyGroupRange,
             allow_pickle: bool, st: RestoreStats) -> None:
-    reader = ChangelogReader(storage, cache=cache)
+    reader = ChangelogReader(storage, cache=cache,
+                             max_change_set_bytes=storage.options.max_change_set_bytes)
     changes = 0
     sets = 0
     with backend.tables.write_batch():
         for h in logs:
             remap: dict[int, int] = {}  # each handle's log is self-describing
-            for kg, payload in reader.read(h, key_groups=key_groups):
-                backend.apply_change(kg, payload, remap=remap, allow_pickle=allow_pickle)
+            for ref, kg, payload in reader.read_located(h, key_groups=key_groups):
+                try:
+                    backend.apply_change(kg, payload, remap=remap, allow_pickle=allow_pickle)
+                except (DstlError, *_DECODER_BUGS) as exc:
+                    raise _placed(exc, ref.key, ref.offset,
+                                  f"change {changes} (key group {kg}) of change set "
+                                  f"({h.log_id!r}, sqn {ref.sqn})") from exc
                 changes += 1
             sets += len(h)
     st["change_sets"] = sets

@@ -195,3 +195,25 @@ def test_cache_never_reads_a_cached_file_replaced_by_a_link(tmp_path: Path, root
         with pytest.raises(CacheError, match="symbolic link"):
             cache.lease(store, "dstl/seg")
     untouched(outside)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_a_writer_never_writes_through_a_linked_log_directory(root: Path,
+                                                              outside: Path) -> None:
+    from dstl import ChangelogStorage, DstlOptions
+    from dstl.errors import DstlError
+    from dstl.keygroups import KeyGroupRange
+
+    os.symlink(outside, root / "dstl")
+    options = DstlOptions(upload_max_attempts=2, upload_retry_delay_s=0.0)
+    with ChangelogStorage(str(root), options=options) as storage:
+        writer = storage.create_writer("op", KeyGroupRange(0, 3))
+        writer.append(1, b"change")
+        future = writer.persist(0, 1)
+        with pytest.raises(DstlError) as info:
+            future.result(timeout=30)
+    chain = [info.value, info.value.__cause__]
+    assert any(isinstance(e, UnsafePathError) for e in chain), chain
+    untouched(outside)

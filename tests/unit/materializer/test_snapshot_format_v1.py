@@ -131,7 +131,7 @@ def test_ranged_block_checks_its_own_crc_and_key_group() -> None:
     data = GOLDEN.read_bytes()
     reader = SnapshotReader(BytesSource(data))
     assert reader.metadata == GOLDEN_METADATA
-    assert dict(reader.read(KeyGroupRange(9, 9))) == {9: GOLDEN_BLOCKS[2][1]}
+    assert {kg: list(es) for kg, es in reader.read(KeyGroupRange(9, 9))} == {9: GOLDEN_BLOCKS[2][1]}
     assert reader._index is not None
     b4, b6, _ = reader._index.blocks
     record = bytearray(data[b4.offset:b4.offset + b4.length])
@@ -151,7 +151,8 @@ def test_index_far_from_the_tail_is_fetched_separately() -> None:
     data = encode_snapshot(KeyGroupRange(0, 599), b"meta", many)
     reader = SnapshotReader(BytesSource(data))
     assert reader.key_groups == KeyGroupRange(0, 599)
-    assert dict(reader.read(KeyGroupRange(10, 11))) == {10: many[10][1], 11: many[11][1]}
+    assert {kg: list(es) for kg, es in reader.read(KeyGroupRange(10, 11))} == {
+        10: many[10][1], 11: many[11][1]}
 
 
 def test_empty_snapshot_round_trips() -> None:
@@ -191,4 +192,4 @@ def test_round_trip(blocks: dict[int, list[tuple[int, bytes, bytes, bytes]]], me
     assert contents.metadata == metadata
     assert contents.blocks == {kg: e for kg, e in ordered if e}
     reader = SnapshotReader(BytesSource(data))
-    assert dict(reader.read()) == contents.blocks
+    assert {kg: list(es) for kg, es in reader.read()} == contents.blocks
