@@ -24,6 +24,8 @@ Hierarchy::
     │   ├── UploadFailedError              all attempts of an upload failed
     │   └── UploadTimeoutError             back-pressure or a persist wait exceeded its deadline
     ├── CorruptObjectError                 stored bytes are wrong; names object and offset
+    │   ├── MalformedHandleError(UsageError)   a checkpoint handle's JSON is malformed
+    │   │   └── UnsafeHandleKeyError(UnsafePathError)
     │   ├── ChecksumMismatchError
     │   ├── TruncatedObjectError
     │   └── UnsupportedFormatError
@@ -54,6 +56,7 @@ __all__ = [
     "KeyGroupError",
     "LeaseError",
     "LocalDiskFullError",
+    "MalformedHandleError",
     "ObjectExistsError",
     "ObjectNotFoundError",
     "StateError",
@@ -61,6 +64,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "TruncatedObjectError",
+    "UnsafeHandleKeyError",
     "UnsafePathError",
     "UnsupportedFormatError",
     "UploadFailedError",
@@ -231,6 +235,44 @@ class CorruptObjectError(DstlError):
         self.reason = reason
         self.hint = hint
         super().__init__(f"{key} at offset {offset}: {reason} ({hint})")
+
+
+class MalformedHandleError(CorruptObjectError, UsageError):
+    """A checkpoint handle (untrusted JSON read from a manifest or passed to a restore) is
+    malformed. Both a :class:`CorruptObjectError` (the stored handle is bad) and a
+    :class:`UsageError` (a caller passed it).
+
+    Attributes:
+        key: where the handle was read from (a manifest and task, or ``<backend handle>``).
+        offset: the position of a JSON syntax error in it; 0 for a field error.
+        field: the offending field, as a path (``non_materialized[0].change_sets[3][2]``).
+    """
+
+    def __init__(self, key: str, offset: int, field: str, reason: str):
+        self.field = field
+        CorruptObjectError.__init__(self, key, offset, f"handle field {field}: {reason}",
+                                    hint="the checkpoint's handle is damaged or was not written "
+                                         "by DSTL; restore from an earlier checkpoint")
+
+
+class UnsafeHandleKeyError(MalformedHandleError, UnsafePathError):
+    """A handle names an object key that could escape the storage root.
+
+    Attributes:
+        key: where the handle was read from.
+        object_key: the refused key.
+        field: where in the handle.
+        reason: why it is refused.
+    """
+
+    def __init__(self, key: str, field: str, object_key: str, reason: str):
+        # Not cooperative: the bases' constructors take different arguments.
+        self.key, self.offset, self.field = key, 0, field
+        self.object_key = object_key
+        self.reason = f"handle field {field}: object key {object_key!r:.200} is not allowed: " \
+                      f"{reason}"
+        self.hint = "handles may only name keys below the storage root; do not restore from it"
+        Exception.__init__(self, f"{key} at offset 0: {self.reason} ({self.hint})")
 
 
 class ChecksumMismatchError(CorruptObjectError):

@@ -4,7 +4,13 @@ A :class:`ChangelogHandle` names the change sets ``[from_sqn, to_sqn)`` of one w
 :class:`ChangeSetRef` ``(segment key, offset, length)`` — enough for a ranged read of exactly that
 change set. Handles travel through checkpoint manifests, which are untrusted input: ``from_json``
 validates every field and every object key (:func:`dstl.stores.base.check_key`), so a handle can never
-point outside the storage root.
+point outside the storage root. Decoding is bounded: the JSON's size (:data:`MAX_HANDLE_BYTES`)
+before it is parsed and its nesting after (:func:`dstl.untrusted.load_json`); every integer has a
+range (sqns and offsets below 2^63, a record's length at most a u32 frame plus its header), and
+a handle's sqn range is checked against its list of references before anything is built from
+it, so a 100-byte handle cannot ask for a list of 2^62 sqns. Every failure is a
+:class:`~dstl.errors.MalformedHandleError` (a ``CorruptObjectError`` and a ``UsageError``) naming
+where the handle was read from (``key=``), an offset and the field.
 """
 
 from __future__ import annotations
@@ -12,15 +18,69 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-from dstl.errors import UsageError
+from dstl.errors import (
+    CorruptObjectError,
+    MalformedHandleError,
+    UnsafeHandleKeyError,
+    UnsafePathError,
+    UsageError,
+)
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import check_key
+from dstl.untrusted import load_json
 
-__all__ = ["ChangeSetRef", "ChangelogHandle"]
+__all__ = ["MAX_HANDLE_BYTES", "ChangeSetRef", "ChangelogHandle", "handle_int",
+           "handle_key", "handle_key_groups", "parse_handle_json"]
 
 _JSON_VERSION = 1
+#: Largest handle JSON accepted (checked before parsing): a handle lists one reference of about
+#: 100 bytes per change set since the last materialization.
+MAX_HANDLE_BYTES: Final = 64 * 1024 * 1024
+#: Sqns, offsets and sizes are below 2^63 (the segment index stores u64; nothing larger is real).
+MAX_INT: Final = (1 << 63) - 1
+#: A change-set record is its 8-byte header and one zstd frame of at most 2^32 - 1 bytes.
+MAX_RECORD_LENGTH: Final = 8 + (1 << 32) - 1
+#: Where a handle came from, when the caller does not say.
+DEFAULT_WHERE: Final = "<changelog handle>"
+
+
+def handle_int(v: object, key: str, field: str, low: int = 0, high: int = MAX_INT) -> int:
+    """``v`` if it is an int (not a bool) in ``[low, high]``.
+
+    Raises:
+        MalformedHandleError: it is not (names ``key`` and ``field``).
+    """
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise MalformedHandleError(key, 0, field, f"{v!r:.80} is not an integer in "
+                                                  f"[{low}, {high}]")
+    return v
+
+
+def handle_key(v: object, key: str, field: str) -> str:
+    """``v`` if it is a safe object key (:func:`~dstl.stores.base.check_key`).
+
+    Raises:
+        UnsafeHandleKeyError: it is not.
+    """
+    try:
+        return check_key(v)
+    except UnsafePathError as exc:
+        raise UnsafeHandleKeyError(key, field, v if isinstance(v, str) else repr(v),
+                                   exc.reason) from exc
+
+
+def handle_key_groups(v: object, key: str, field: str) -> KeyGroupRange:
+    """``v`` as a key-group range ``[start, end]``.
+
+    Raises:
+        MalformedHandleError: it is not one.
+    """
+    try:
+        return KeyGroupRange.from_json_obj(v)
+    except UsageError as exc:
+        raise MalformedHandleError(key, 0, field, str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,17 +99,24 @@ class ChangeSetRef:
                 self.payload_bytes]
 
     @classmethod
-    def from_json_obj(cls, obj: Any) -> ChangeSetRef:
+    def from_json_obj(cls, obj: Any, *, key: str = DEFAULT_WHERE,
+                      field: str = "change_sets[?]") -> ChangeSetRef:
+        """A reference from its JSON list (untrusted).
+
+        Raises:
+            MalformedHandleError: not ``[sqn, key, offset, length, change_count,
+                payload_bytes]`` with each in range.
+            UnsafeHandleKeyError: the segment key could escape the storage root.
+        """
         if not isinstance(obj, list) or len(obj) != 6:
-            raise UsageError(f"malformed change-set reference {obj!r}: expected "
-                             "[sqn, key, offset, length, change_count, payload_bytes]")
-        sqn, key, offset, length, cc, pb = obj
-        for name, v in (("sqn", sqn), ("offset", offset), ("length", length),
-                        ("change_count", cc), ("payload_bytes", pb)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise UsageError(f"malformed change-set reference: {name}={v!r} is not a "
-                                 "non-negative int")
-        return cls(sqn, check_key(key), offset, length, cc, pb)
+            raise MalformedHandleError(key, 0, field, f"{obj!r:.120} is not [sqn, key, offset, "
+                                                      "length, change_count, payload_bytes]")
+        sqn, seg, offset, length, cc, pb = obj
+        return cls(handle_int(sqn, key, f"{field}[0]"), handle_key(seg, key, f"{field}[1]"),
+                   handle_int(offset, key, f"{field}[2]"),
+                   handle_int(length, key, f"{field}[3]", 8, MAX_RECORD_LENGTH),
+                   handle_int(cc, key, f"{field}[4]", 0, (1 << 32) - 1),
+                   handle_int(pb, key, f"{field}[5]"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +142,13 @@ class ChangelogHandle:
     def __post_init__(self) -> None:
         if self.to_sqn < self.from_sqn:
             raise UsageError(f"handle range [{self.from_sqn}, {self.to_sqn}) is inverted")
-        sqns = [r.sqn for r in self.change_sets]
-        if sqns != list(range(self.from_sqn, self.to_sqn)):
-            raise UsageError(f"handle for {self.log_id!r} lists sqns {sqns[:8]}... which are not "
-                             f"exactly [{self.from_sqn}, {self.to_sqn})")
+        # The count first: a range of 2^62 sqns must not be materialized to be compared.
+        if len(self.change_sets) != self.to_sqn - self.from_sqn or any(
+                r.sqn != self.from_sqn + i for i, r in enumerate(self.change_sets)):
+            sqns = [r.sqn for r in self.change_sets[:8]]
+            raise UsageError(f"handle for {self.log_id!r} lists {len(self.change_sets)} sqns "
+                             f"({sqns}...) which are not exactly [{self.from_sqn}, "
+                             f"{self.to_sqn})")
 
     @property
     def size(self) -> int:
@@ -116,41 +186,76 @@ class ChangelogHandle:
         return json.dumps(self.to_json_obj(), separators=(",", ":"))
 
     @classmethod
-    def from_json_obj(cls, obj: Any) -> ChangelogHandle:
+    def from_json_obj(cls, obj: Any, *, key: str = DEFAULT_WHERE,
+                      field: str = "") -> ChangelogHandle:
+        """A handle from its decoded JSON (untrusted).
+
+        Args:
+            obj: the decoded JSON.
+            key: where it was read from (named in errors).
+            field: its path in an enclosing document (for errors).
+
+        Raises:
+            MalformedHandleError: a field is missing, has the wrong type or range, or the
+                references do not match the sqn range.
+            UnsafeHandleKeyError: a segment key could escape the storage root.
+        """
+        at = f"{field}." if field else ""
         if not isinstance(obj, dict):
-            raise UsageError(f"malformed changelog handle: expected an object, got "
-                             f"{type(obj).__name__}")
-        if obj.get("v") != _JSON_VERSION:
-            raise UsageError(f"changelog handle version {obj.get('v')!r} is not supported "
-                             f"(expected {_JSON_VERSION})")
+            raise MalformedHandleError(key, 0, field or "<handle>", f"expected an object, got "
+                                                                    f"{type(obj).__name__}")
+        if obj.get("v") != _JSON_VERSION or isinstance(obj.get("v"), bool):
+            raise MalformedHandleError(key, 0, at + "v", f"changelog handle version "
+                                                         f"{obj.get('v')!r:.40} is not supported "
+                                                         f"(expected {_JSON_VERSION})")
+        for name in ("log_id", "key_groups", "from", "to", "change_sets"):
+            if name not in obj:
+                raise MalformedHandleError(key, 0, at + name, "missing")
+        log_id = obj["log_id"]
+        if not isinstance(log_id, str) or not log_id or len(log_id) > 1024:
+            raise MalformedHandleError(key, 0, at + "log_id", f"{log_id!r:.80} is not a "
+                                                              "non-empty string")
+        kgr = handle_key_groups(obj["key_groups"], key, at + "key_groups")
+        from_sqn = handle_int(obj["from"], key, at + "from")
+        to_sqn = handle_int(obj["to"], key, at + "to")
+        inc = handle_int(obj.get("incremental_size", 0), key, at + "incremental_size")
+        raw = obj["change_sets"]
+        if not isinstance(raw, list):
+            raise MalformedHandleError(key, 0, at + "change_sets", "not a list")
+        if to_sqn < from_sqn or len(raw) != to_sqn - from_sqn:
+            raise MalformedHandleError(key, 0, at + "change_sets",
+                                       f"{len(raw)} references for the sqn range "
+                                       f"[{from_sqn}, {to_sqn})")
+        refs = tuple(ChangeSetRef.from_json_obj(r, key=key, field=f"{at}change_sets[{i}]")
+                     for i, r in enumerate(raw))
         try:
-            log_id = obj["log_id"]
-            kgr = KeyGroupRange.from_json_obj(obj["key_groups"])
-            from_sqn, to_sqn = obj["from"], obj["to"]
-            inc = obj.get("incremental_size", 0)
-            refs = obj["change_sets"]
-        except KeyError as exc:
-            raise UsageError(f"malformed changelog handle: missing field {exc}") from exc
-        if not isinstance(log_id, str) or not log_id:
-            raise UsageError(f"malformed changelog handle: log_id={log_id!r}")
-        for name, v in (("from", from_sqn), ("to", to_sqn), ("incremental_size", inc)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise UsageError(f"malformed changelog handle: {name}={v!r}")
-        if not isinstance(refs, list):
-            raise UsageError("malformed changelog handle: change_sets is not a list")
-        return cls(log_id, kgr, from_sqn, to_sqn,
-                   tuple(ChangeSetRef.from_json_obj(r) for r in refs), inc)
+            return cls(log_id, kgr, from_sqn, to_sqn, refs, inc)
+        except UsageError as exc:
+            raise MalformedHandleError(key, 0, at + "change_sets", str(exc)) from exc
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> ChangelogHandle:
+    def from_json(cls, s: str | bytes, *, key: str = DEFAULT_WHERE) -> ChangelogHandle:
         """Parse and validate a handle (untrusted input).
 
         Raises:
-            UsageError: malformed JSON or fields.
-            UnsafePathError: an object key would escape the storage root.
+            MalformedHandleError: malformed, too large or too deeply nested JSON, or fields
+                (also a :class:`~dstl.errors.UsageError`).
+            UnsafeHandleKeyError: an object key would escape the storage root (also an
+                :class:`~dstl.errors.UnsafePathError`).
         """
-        try:
-            obj = json.loads(s)
-        except (ValueError, TypeError) as exc:
-            raise UsageError(f"changelog handle is not valid JSON: {exc}") from exc
-        return cls.from_json_obj(obj)
+        return cls.from_json_obj(parse_handle_json(s, key), key=key)
+
+
+def parse_handle_json(s: object, key: str) -> Any:
+    """Decode a handle's JSON text (bounded: :func:`dstl.untrusted.load_json`).
+
+    Raises:
+        MalformedHandleError: not text, too large, not JSON, or too deep.
+    """
+    if not isinstance(s, (str, bytes, bytearray)):
+        raise MalformedHandleError(key, 0, "<handle>", f"expected JSON text, got "
+                                                       f"{type(s).__name__}")
+    try:
+        return load_json(s, key=key, what="handle", max_bytes=MAX_HANDLE_BYTES)
+    except CorruptObjectError as exc:
+        raise MalformedHandleError(key, exc.offset, "<handle>", exc.reason) from exc

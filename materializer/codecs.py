@@ -138,18 +138,24 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
 
 
 def _check(value: Any, depth: int = 0) -> None:
+    """Raise TypeError unless ``value`` is built from the allowed types, nested at most 64
+    levels. Flat containers are checked at C speed (the set of their element types)."""
     t = type(value)
     if t in _SCALARS:
         return
     if t not in _CONTAINERS or depth > _MAX_DEPTH:
         raise TypeError(t.__name__ if depth <= _MAX_DEPTH else "nesting deeper than 64")
     if t is dict:
+        if _SCALARS.issuperset(map(type, value)) and _SCALARS.issuperset(
+                map(type, value.values())):
+            return
         for k, v in value.items():
             _check(k, depth + 1)
             _check(v, depth + 1)
-    else:
+    elif not _SCALARS.issuperset(map(type, value)):
         for v in value:
-            _check(v, depth + 1)
+            if type(v) not in _SCALARS:
+                _check(v, depth + 1)
 
 
 def decoded_size_bound(data: bytes | bytearray | memoryview, limit: int) -> int:

@@ -3,7 +3,9 @@
 = the materialized snapshot objects (usually one; several after a rescaling restore) + the
 changelog handles after them (the restored non-materialized handles, kept until the first
 materialization after a restore, then this checkpoint's delta). It travels through manifests
-(untrusted input): ``from_json`` validates every field and every object key.
+(untrusted input): ``from_json`` validates every field and every object key, bounded like a
+changelog handle (:mod:`dstl.handle`): :class:`~dstl.errors.MalformedHandleError` naming where
+the handle was read from and the field.
 """
 
 from __future__ import annotations
@@ -12,19 +14,27 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dstl.errors import UsageError
-from dstl.handle import ChangelogHandle
-from dstl.keygroups import KeyGroupRange
-from dstl.stores.base import check_key
+from dstl.errors import MalformedHandleError
+from dstl.handle import (
+    ChangelogHandle,
+    handle_int,
+    handle_key,
+    handle_key_groups,
+    parse_handle_json,
+)
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
 
 __all__ = ["ChangelogStateBackendHandle", "SnapshotRef"]
 
+#: Where a backend handle came from, when the caller does not say.
+_WHERE = "<backend handle>"
 
-def _int(obj: dict[str, Any], name: str, minimum: int = 0) -> int:
-    v = obj.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise UsageError(f"malformed backend handle: {name}={v!r}")
-    return v
+
+def _int(obj: dict[str, Any], name: str, key: str, field: str, minimum: int = 0,
+         maximum: int = (1 << 63) - 1) -> int:
+    if name not in obj:
+        raise MalformedHandleError(key, 0, field + name, "missing")
+    return handle_int(obj[name], key, field + name, minimum, maximum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +51,20 @@ class SnapshotRef:
                 "materialization_id": self.materialization_id}
 
     @classmethod
-    def from_json_obj(cls, obj: Any) -> SnapshotRef:
+    def from_json_obj(cls, obj: Any, *, key: str = _WHERE,
+                      field: str = "materialized[?]") -> SnapshotRef:
+        """A snapshot reference from its decoded JSON (untrusted).
+
+        Raises:
+            MalformedHandleError: a field is missing or out of range.
+            UnsafeHandleKeyError: the object key could escape the storage root.
+        """
         if not isinstance(obj, dict):
-            raise UsageError(f"malformed snapshot reference {obj!r}")
-        return cls(check_key(obj.get("key")), _int(obj, "size"),
-                   KeyGroupRange.from_json_obj(obj.get("key_groups")),
-                   _int(obj, "materialization_id"))
+            raise MalformedHandleError(key, 0, field, f"{obj!r:.80} is not an object")
+        at = field + "."
+        return cls(handle_key(obj.get("key"), key, at + "key"), _int(obj, "size", key, at),
+                   handle_key_groups(obj.get("key_groups"), key, at + "key_groups"),
+                   _int(obj, "materialization_id", key, at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,28 +125,39 @@ class ChangelogStateBackendHandle:
         return json.dumps(self.to_json_obj(), separators=(",", ":"))
 
     @classmethod
-    def from_json_obj(cls, obj: Any) -> ChangelogStateBackendHandle:
-        if not isinstance(obj, dict) or obj.get("v") != 1:
-            raise UsageError("malformed backend handle: expected an object with v=1")
+    def from_json_obj(cls, obj: Any, *, key: str = _WHERE) -> ChangelogStateBackendHandle:
+        """A backend handle from its decoded JSON (untrusted).
+
+        Raises:
+            MalformedHandleError: a field is missing or has the wrong type or range.
+            UnsafeHandleKeyError: an object key could escape the storage root.
+        """
+        if not isinstance(obj, dict) or obj.get("v") != 1 or isinstance(obj.get("v"), bool):
+            raise MalformedHandleError(key, 0, "v", "expected an object with v=1")
         op = obj.get("operator_id")
-        if not isinstance(op, str) or not op:
-            raise UsageError(f"malformed backend handle: operator_id={op!r}")
+        if not isinstance(op, str) or not op or len(op) > 1024:
+            raise MalformedHandleError(key, 0, "operator_id", f"{op!r:.80} is not a non-empty "
+                                                              "string")
         mats = obj.get("materialized")
         nons = obj.get("non_materialized")
         if not isinstance(mats, list) or not isinstance(nons, list):
-            raise UsageError("malformed backend handle: materialized/non_materialized must be "
-                             "lists")
-        return cls(op, KeyGroupRange.from_json_obj(obj.get("key_groups")),
-                   _int(obj, "checkpoint_id", -1), _int(obj, "materialization_id"),
-                   tuple(SnapshotRef.from_json_obj(s) for s in mats),
-                   tuple(ChangelogHandle.from_json_obj(h) for h in nons),
-                   _int(obj, "incremental_size"), _int(obj, "max_parallelism", 1))
+            raise MalformedHandleError(key, 0, "materialized",
+                                       "materialized and non_materialized must be lists")
+        return cls(op, handle_key_groups(obj.get("key_groups"), key, "key_groups"),
+                   _int(obj, "checkpoint_id", key, "", -1), _int(obj, "materialization_id", key, ""),
+                   tuple(SnapshotRef.from_json_obj(m, key=key, field=f"materialized[{i}]")
+                         for i, m in enumerate(mats)),
+                   tuple(ChangelogHandle.from_json_obj(h, key=key, field=f"non_materialized[{i}]")
+                         for i, h in enumerate(nons)),
+                   _int(obj, "incremental_size", key, ""),
+                   _int(obj, "max_parallelism", key, "", 1, MAX_PARALLELISM_LIMIT))
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> ChangelogStateBackendHandle:
-        """Parse and validate (untrusted input)."""
-        try:
-            obj = json.loads(s)
-        except (ValueError, TypeError) as exc:
-            raise UsageError(f"backend handle is not valid JSON: {exc}") from exc
-        return cls.from_json_obj(obj)
+    def from_json(cls, s: str | bytes, *, key: str = _WHERE) -> ChangelogStateBackendHandle:
+        """Parse and validate (untrusted input; bounded, see :mod:`dstl.handle`).
+
+        Raises:
+            MalformedHandleError: malformed JSON or fields (also a ``UsageError``).
+            UnsafeHandleKeyError: an object key would escape the storage root.
+        """
+        return cls.from_json_obj(parse_handle_json(s, key), key=key)

@@ -22,7 +22,11 @@ nothing new to materialize.
 
 The marker also carries the state registry (state id -> name, kind, codecs), so a snapshot taken
 from outside the writer is self-describing, and the sizes the size trigger needs. Decoding is
-strict: the table directory is local, but the marker decides what a snapshot claims to be.
+strict: the table directory is local, but the marker decides what a snapshot claims to be. It is
+bounded (:data:`MAX_MARKER_BYTES` before parsing, nesting after:
+:func:`dstl.untrusted.load_json`), every integer has a range, every state description passes
+:func:`materializer.changes.check_state_meta`, and every failure is a
+:class:`~dstl.errors.CorruptObjectError` naming the marker (``where``) and the field.
 """
 
 from __future__ import annotations
@@ -34,12 +38,18 @@ from typing import Any
 
 from dstl.errors import CorruptObjectError, UsageError
 from dstl.handle import ChangelogHandle
-from dstl.keygroups import KeyGroupRange
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
+from dstl.stores.base import check_key
+from dstl.untrusted import load_json
+from materializer.changes import MAX_STATES_METADATA_BYTES, check_state_meta
 from materializer.handles import ChangelogStateBackendHandle
 
-__all__ = ["MARKER_VERSION", "TableMarker", "boundary_of"]
+__all__ = ["MARKER_VERSION", "MAX_MARKER_BYTES", "TableMarker", "boundary_of"]
 
 MARKER_VERSION = 1
+#: Largest marker accepted (checked before parsing): the state registry plus a few fields.
+MAX_MARKER_BYTES = MAX_STATES_METADATA_BYTES + 64 * 1024
+_MAX_INT = (1 << 63) - 1
 
 
 def boundary_of(non_materialized: Iterable[ChangelogHandle]) -> tuple[str, int] | None:
@@ -49,12 +59,37 @@ def boundary_of(non_materialized: Iterable[ChangelogHandle]) -> tuple[str, int] 
     return (last.key, last.offset) if last is not None else None
 
 
-def _int(obj: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
+def _int(obj: dict[str, Any], name: str, where: str, minimum: int = 0,
+         maximum: int = _MAX_INT) -> int:
     v = obj.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise CorruptObjectError(where, 0, f"table marker field {name}={v!r} is not an int >= "
-                                           f"{minimum}")
+    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= maximum:
+        raise CorruptObjectError(where, 0, f"table marker field {name}={v!r:.80} is not an int "
+                                           f"in [{minimum}, {maximum}]")
     return v
+
+
+def _boundary(b: Any, where: str) -> tuple[str, int] | None:
+    if b is None:
+        return None
+    if (not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str)
+            or not isinstance(b[1], int) or isinstance(b[1], bool) or not 0 <= b[1] <= _MAX_INT):
+        raise CorruptObjectError(where, 0, f"table marker boundary={b!r:.120} is not "
+                                           "[segment key, offset]")
+    try:
+        return check_key(b[0]), b[1]
+    except UsageError as exc:
+        raise CorruptObjectError(where, 0, f"table marker boundary: {exc}") from exc
+
+
+def _states(states: Any, where: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(states, dict):
+        raise CorruptObjectError(where, 0, "table marker states are not {id: metadata}")
+    for sid, meta in states.items():
+        if not (sid.isascii() and sid.isdigit() and len(sid) <= 5 and int(sid) <= 0xFFFF):
+            raise CorruptObjectError(where, 0, f"table marker state id {sid!r:.40} is not an "
+                                               "integer in [0, 65535]")
+        check_state_meta(meta, key=where, offset=0, what=f"table marker state {sid}")
+    return states
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,36 +143,20 @@ class TableMarker:
         Raises:
             CorruptObjectError: not a marker of a version this code reads (names ``where``).
         """
-        try:
-            obj = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CorruptObjectError(where, 0, f"table marker is not JSON: {exc}") from exc
+        obj = load_json(data, key=where, what="table marker", max_bytes=MAX_MARKER_BYTES)
         version = obj.get("v") if isinstance(obj, dict) else None
-        if version != MARKER_VERSION:
-            raise CorruptObjectError(where, 0, f"table marker version {version!r} is not "
+        if version != MARKER_VERSION or isinstance(version, bool):
+            raise CorruptObjectError(where, 0, f"table marker version {version!r:.40} is not "
                                                f"{MARKER_VERSION} (written by another DSTL "
                                                "version?)")
         op = obj.get("operator_id")
         if not isinstance(op, str) or not op:
-            raise CorruptObjectError(where, 0, f"table marker operator_id={op!r}")
+            raise CorruptObjectError(where, 0, f"table marker operator_id={op!r:.80}")
         try:
             kgs = KeyGroupRange.from_json_obj(obj.get("key_groups"))
         except UsageError as exc:
             raise CorruptObjectError(where, 0, f"table marker: {exc}") from exc
-        b = obj.get("boundary")
-        boundary: tuple[str, int] | None = None
-        if b is not None:
-            if (not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str) or not b[0]
-                    or not isinstance(b[1], int) or isinstance(b[1], bool) or b[1] < 0):
-                raise CorruptObjectError(where, 0, f"table marker boundary={b!r} is not "
-                                                   "[segment key, offset]")
-            boundary = (b[0], b[1])
-        states = obj.get("states")
-        if not isinstance(states, dict) or not all(
-                isinstance(k, str) and k.isdigit() and isinstance(v, dict)
-                and isinstance(v.get("name"), str) for k, v in states.items()):
-            raise CorruptObjectError(where, 0, "table marker states are not {id: metadata}")
-        return cls(op, kgs, _int(obj, "max_parallelism", where, 1),
+        return cls(op, kgs, _int(obj, "max_parallelism", where, 1, MAX_PARALLELISM_LIMIT),
                    _int(obj, "checkpoint_id", where, -1), _int(obj, "materialization_id", where),
-                   boundary, _int(obj, "log_bytes", where), _int(obj, "snapshot_bytes", where),
-                   states)
+                   _boundary(obj.get("boundary"), where), _int(obj, "log_bytes", where),
+                   _int(obj, "snapshot_bytes", where), _states(obj.get("states"), where))

@@ -312,9 +312,12 @@ class CheckpointCoordinator:
         executor: runs deletions off the caller's path; ``None`` runs them inline right after
             the commit (deterministic). The coordinator never shuts it down.
         listeners: initial listeners (more with :meth:`add_listener`).
+        max_manifest_bytes: the largest manifest this coordinator commits and reads (default
+            :data:`~dstl.checkpoint.manifest.MAX_MANIFEST_BYTES`, 16 MiB; a recovery must use at
+            least the committing coordinator's value).
 
     Raises:
-        ConfigError: ``retained`` < 1.
+        ConfigError: ``retained`` < 1, ``max_manifest_bytes`` < 1024.
         UsageError: ``job_id`` is not a non-empty string.
     """
 
@@ -323,9 +326,14 @@ class CheckpointCoordinator:
                  wall_clock: Callable[[], float] = time.time,
                  metrics: MetricsRegistry | None = None,
                  executor: Executor | None = None,
-                 listeners: Iterable[CheckpointListener] = ()) -> None:
+                 listeners: Iterable[CheckpointListener] = (),
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
         self._listeners: list[CheckpointListener] = _check_arguments(
             store, job_id, retained, clock, wall_clock, metrics, executor, listeners)
+        self._max_manifest_bytes = check_int(
+            max_manifest_bytes, "max_manifest_bytes", "CheckpointCoordinator", lo=1024,
+            fix="the largest manifest committed and read; a recovery must use at least the "
+                "writer's value")
         self._store = store
         self._job_id = job_id
         self._retain = retained
@@ -381,7 +389,8 @@ class CheckpointCoordinator:
                 fallback: bool = False, clock: Callable[[], float] = time.monotonic,
                 wall_clock: Callable[[], float] = time.time,
                 metrics: MetricsRegistry | None = None, executor: Executor | None = None,
-                listeners: Iterable[CheckpointListener] = ()) -> CheckpointCoordinator:
+                listeners: Iterable[CheckpointListener] = (),
+                max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> CheckpointCoordinator:
         """Open the coordinator of a store that may hold checkpoints (a restarted driver).
 
         Lists ``checkpoints/``, loads the newest manifest and then older ones until ``retained``
@@ -410,7 +419,8 @@ class CheckpointCoordinator:
         """
         check_bool(fallback, "fallback", "CheckpointCoordinator")
         coord = cls(store, job_id=job_id, retained=retained, clock=clock, wall_clock=wall_clock,
-                    metrics=metrics, executor=executor, listeners=listeners)
+                    metrics=metrics, executor=executor, listeners=listeners,
+                    max_manifest_bytes=max_manifest_bytes)
         stored = _list_manifests(store)
         loaded, corrupt = coord._load_newest(stored, fallback=fallback)
         coord._adopt_recovered(stored, loaded)
@@ -454,10 +464,11 @@ class CheckpointCoordinator:
 
     def _load_manifest(self, key: str, size: int) -> Manifest:
         """Read and decode one manifest of this job (size checked before reading)."""
-        if size > MAX_MANIFEST_BYTES:
+        if size > self._max_manifest_bytes:
             raise CorruptObjectError(key, 0, f"{size} bytes is larger than the manifest "
-                                             f"limit of {MAX_MANIFEST_BYTES} bytes")
-        m = decode_manifest(self._store.get(key), key)
+                                             f"limit of {self._max_manifest_bytes} bytes "
+                                             "(CheckpointCoordinator max_manifest_bytes)")
+        m = decode_manifest(self._store.get(key), key, max_bytes=self._max_manifest_bytes)
         if m.job_id != self._job_id:
             raise UsageError(f"recover {self._store.location}: manifest {key} belongs to job "
                              f"{m.job_id!r}, not {self._job_id!r}; open this job's own "
@@ -932,9 +943,17 @@ class CheckpointCoordinator:
         cid, key = p.checkpoint_id, manifest.key
         # Until the put is known to have succeeded the object may exist (a "ghost" write): it
         # is doomed if this checkpoint is aborted or committed under a later attempt.
+        data = manifest.encode()
+        if len(data) > self._max_manifest_bytes:
+            self._c_failed_commits.inc()
+            raise CheckpointCommitError(
+                cid, key, f"the manifest has {len(data)} bytes, more than max_manifest_bytes="
+                f"{self._max_manifest_bytes}", "a recovery would refuse it; raise "
+                "CheckpointCoordinator(max_manifest_bytes=...) (and pass the same to recover), "
+                "or materialize more often so handles stay short")
         p.uncertain_keys.append(key)
         try:
-            self._store.put(key, manifest.encode())
+            self._store.put(key, data)
         except ObjectExistsError as exc:
             p.uncertain_keys.remove(key)  # someone else's object: never ours to delete
             self._c_failed_commits.inc()

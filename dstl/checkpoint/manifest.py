@@ -30,11 +30,17 @@ readable: their retention is ``None``, "unknown", and ``dstl gc`` is conservativ
 manifest is encoded in the version its fields need (2, or 1 when it records no retention), so
 decoding and encoding round-trip; this build writes only version 2.
 
-**Decoding is strict** — a checkpoint directory is untrusted input. In order: size limit, UTF-8,
-JSON (no NaN/Infinity, bounded nesting), format and version (:class:`UnsupportedFormatError`), the
-CRC (:class:`ChecksumMismatchError`), canonical form (so that *every* altered byte is detected,
-not only those the CRC covers), then every field's type and range and the cross-field rules
-(:class:`CorruptManifestError` naming the field). Every referenced key goes through
+**Decoding is strict** — a checkpoint directory is untrusted input. In order: size limit
+(:data:`MAX_MANIFEST_BYTES`, or the caller's), then — **before any JSON is parsed** — the CRC over
+the raw body bytes: a canonical manifest is ``{"body":`` + the body's canonical encoding +
+``,"crc32":"<hex>","format":"dstl-manifest","version":<n>}`` + newline, so the tail gives the CRC,
+the format and the version, and the bytes between are exactly what the CRC covers (a document
+that does not end like a manifest is parsed only if it is small, to say what it is instead). Then
+UTF-8, JSON (no NaN/Infinity, nesting at most :data:`~dstl.untrusted.MAX_JSON_DEPTH`), format and
+version (:class:`UnsupportedFormatError`), the CRC again over the parsed body, canonical form (so
+that *every* altered byte is detected, not only those the CRC covers), then every field's type and
+range and the cross-field rules (:class:`CorruptManifestError` naming the field). Every referenced
+key goes through
 :func:`~dstl.stores.base.check_key` and must lie under ``dstl/`` or ``snapshots/``
 (:data:`dstl.layout.REFERENCE_PREFIXES`; else :class:`UnsafeManifestKeyError`), so a manifest can
 neither point outside the storage root nor make the coordinator delete anything but segments and
@@ -75,6 +81,7 @@ from dstl.layout import (
     parse_manifest_key,
 )
 from dstl.stores.base import check_key
+from dstl.untrusted import load_json
 
 __all__ = [
     "FORMAT_NAME",
@@ -101,9 +108,17 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 #: Largest retention (checkpoints kept) a manifest may record; recovery reads that many.
 MAX_RETAINED = 1000
-#: Larger manifests are rejected before parsing (untrusted input must not exhaust memory). A
-#: manifest holds keys and small handles; 10 000 tasks x 100 keys stay well below this.
-MAX_MANIFEST_BYTES = 64 << 20
+#: Larger manifests are rejected before parsing, and a coordinator refuses to commit one
+#: (untrusted input must not exhaust memory: parsing JSON can take 30 times its size). A manifest
+#: holds keys and handles; 1,000 tasks with 100 keys and 100 change sets each stay below this.
+#: ``CheckpointCoordinator(max_manifest_bytes=...)`` and ``decode_manifest(max_bytes=...)``
+#: override it.
+MAX_MANIFEST_BYTES = 16 << 20
+#: A document that does not end like a manifest is parsed (to say what it is) only up to this.
+_PARSE_UNFRAMED_BYTES = 64 << 10
+_BODY_PREFIX = b'{"body":'
+_TAIL = re.compile(rb',"crc32":"([0-9a-f]{8})","format":"([^"\\]{0,64})","version":(\d{1,9})\}\n\Z')
+_TAIL_SEARCH_BYTES = 160
 #: Ids, task ids and job ids longer than this are rejected (they end up in messages and logs).
 MAX_ID_CHARS = 1024
 
@@ -446,17 +461,14 @@ def encode_manifest(m: Manifest) -> bytes:
                        "body": body}) + b"\n"
 
 
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not allowed in a manifest")
-
-
-def decode_manifest(data: bytes, key: str) -> Manifest:
+def decode_manifest(data: bytes, key: str, *, max_bytes: int | None = None) -> Manifest:
     """Decode and validate a stored manifest (untrusted input).
 
     Args:
         data: the object's bytes.
         key: the object's key; named in every error, and when it is a manifest name its
             checkpoint id and attempt must match the body's.
+        max_bytes: the size limit (default :data:`MAX_MANIFEST_BYTES`).
 
     Returns:
         The manifest.
@@ -474,25 +486,37 @@ def decode_manifest(data: bytes, key: str) -> Manifest:
     def fail(f: str, reason: str) -> NoReturn:
         raise CorruptManifestError(key, f, reason)
 
+    limit = MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
+    if len(data) > limit:
+        raise CorruptObjectError(key, 0, f"{len(data)} bytes is larger than the manifest limit "
+                                         f"of {limit} bytes")
+    _check_crc_unparsed(data, key)
     doc = _parse_document(data, key)
     body = _checked_body(doc, data, key, fail)
     return _decode_body(body, doc["version"], key, fail)
 
 
+def _check_crc_unparsed(data: bytes, key: str) -> None:
+    """The CRC (and format) from the raw bytes, before anything is parsed: a manifest in
+    canonical form is the body's canonical bytes between a fixed prefix and a fixed tail."""
+    tail = _TAIL.search(data, max(0, len(data) - _TAIL_SEARCH_BYTES))
+    if not data.startswith(_BODY_PREFIX) or tail is None:
+        if len(data) > _PARSE_UNFRAMED_BYTES:
+            raise CorruptObjectError(key, 0, "not a dstl-manifest document (it does not start "
+                                             "and end like one)")
+        return  # small: parsed next, so the error can say what it is
+    fmt, version = tail.group(2).decode("ascii", "replace"), int(tail.group(3))
+    if fmt != FORMAT_NAME or version not in READ_VERSIONS:
+        raise UnsupportedFormatError(key, tail.start(), f"{fmt!r:.40} v{version}", _READABLE)
+    expected = int(tail.group(1), 16)
+    got = zlib.crc32(memoryview(data)[len(_BODY_PREFIX):tail.start()])
+    if got != expected:
+        raise ChecksumMismatchError(key, len(_BODY_PREFIX), "manifest body", expected, got)
+
+
 def _parse_document(data: bytes, key: str) -> dict[str, Any]:
-    """Decoding steps 1-4: size limit, UTF-8, JSON, format and version."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptObjectError(key, 0, f"{len(data)} bytes is larger than the manifest limit "
-                                         f"of {MAX_MANIFEST_BYTES} bytes")
-    try:
-        text = data.decode("utf-8")
-        doc = json.loads(text, parse_constant=_reject_constant)
-    except UnicodeDecodeError as exc:
-        raise CorruptObjectError(key, exc.start, f"not UTF-8 ({exc.reason})") from exc
-    except json.JSONDecodeError as exc:
-        raise CorruptObjectError(key, exc.pos, f"not JSON ({exc.msg})") from exc
-    except (ValueError, RecursionError) as exc:
-        raise CorruptObjectError(key, 0, f"not a valid JSON document ({exc!s:.200})") from exc
+    """Decoding steps after the raw CRC: UTF-8, JSON (bounded), format and version."""
+    doc = load_json(data, key=key, what="manifest", max_bytes=len(data))
     if not isinstance(doc, dict):
         raise UnsupportedFormatError(key, 0, f"a JSON {type(doc).__name__}", _READABLE)
     version = doc.get("version")
@@ -512,10 +536,14 @@ def _checked_body(doc: dict[str, Any], data: bytes, key: str, fail: _Fail) -> di
     if not isinstance(body, dict):
         fail("body", f"expected an object, got {type(body).__name__}")
     expected = int(crc_text, 16)
-    got = zlib.crc32(_canonical(body))
+    try:
+        got = zlib.crc32(_canonical(body))
+        canonical = _canonical(doc) + b"\n"
+    except (ValueError, RecursionError) as exc:
+        raise CorruptObjectError(key, 0, f"manifest cannot be re-encoded: {exc!s:.200}") from exc
     if got != expected:
         raise ChecksumMismatchError(key, 0, "manifest body", expected, got)
-    if _canonical(doc) + b"\n" != data:
+    if canonical != data:
         raise CorruptObjectError(key, 0, "not in canonical form (altered outside the "
                                          "checksummed body?)")
     return body

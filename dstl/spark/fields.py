@@ -29,6 +29,8 @@ class Fields:
     __slots__ = ("error", "obj", "where")
 
     def __init__(self, obj: dict[str, Any], where: str, error: ErrorFactory) -> None:
+        if not isinstance(obj, dict):
+            raise error(where, f"the message is a {type(obj).__name__}, not an object")
         self.obj = obj
         self.where = where
         self.error = error
@@ -53,10 +55,12 @@ class Fields:
     def opt_text(self, name: str) -> str | None:
         return None if self.get(name) is None else self.text(name)
 
-    def integer(self, name: str, minimum: int = 0) -> int:
+    def integer(self, name: str, minimum: int = 0, maximum: int | None = None) -> int:
         v = self.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise self.bad(name, f"an integer >= {minimum}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum \
+                or (maximum is not None and v > maximum):
+            raise self.bad(name, f"an integer >= {minimum}" if maximum is None
+                           else f"an integer in [{minimum}, {maximum}]")
         return v
 
     def opt_integer(self, name: str, minimum: int = 0) -> int | None:

@@ -91,8 +91,10 @@ def _open_at_base(rt: WorkerRuntime, partition: int, task_input: TaskInput
     operator_id = cfg.operator_id(partition)
     # every base handle whose key groups meet ours (several or partial ones after a change of
     # `partitions`: rescaling)
-    handles = [h for h in (ChangelogStateBackendHandle.from_json(j)
-                           for j in task_input.base_handles.values())
+    handles = [h for h in (ChangelogStateBackendHandle.from_json(
+                               j, key=f"checkpoint {task_input.base_checkpoint}: handle of "
+                                      f"partition {p}")
+                           for p, j in task_input.base_handles.items())
                if len(h.key_groups.intersection(key_groups))]
     if not handles:  # no state yet (first batch, or a partition that never had a checkpoint)
         return ChangelogKeyedStateBackend(
@@ -127,7 +129,8 @@ def _holds_base(backend: ChangelogKeyedStateBackend, task_input: TaskInput,
     h = task_input.base_handles.get(partition)
     marker = _marker(backend)
     return h is not None and marker is not None and marker.holds(
-        ChangelogStateBackendHandle.from_json(h))
+        ChangelogStateBackendHandle.from_json(
+            h, key=f"checkpoint {task_input.base_checkpoint}: handle of partition {partition}"))
 
 
 def _adopt(rt: WorkerRuntime, operator_id: str, key_groups: KeyGroupRange,

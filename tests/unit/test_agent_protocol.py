@@ -61,8 +61,18 @@ from materializer.handles import SnapshotRef
 STORE = StoreRef("s3://bucket/app", {"key": "k", "client_kwargs": {"region_name": "x"}},
                  DstlOptions(persist_delay_s=0.5, upload_threads=2))
 KGS = KeyGroupRange(0, 7)
-SETS = (ChangeSet("op/p0", 3, b"abc", 2, 5, 0, 3), ChangeSet("op/p1", 0, b"", 0, 0, -1, -1),
-        ChangeSet("op/p1", 1, b"\x00" * 10, 1, 9, 4, 4))
+
+
+def _change_set(log_id: str, sqn: int, tail: bytes, *fields: int) -> ChangeSet:
+    """A change set whose body starts as every body does (log id, sqn), then ``tail``."""
+    lid = log_id.encode()
+    return ChangeSet(log_id, sqn, struct.pack(">H", len(lid)) + lid + struct.pack(">Q", sqn)
+                     + tail, *fields)
+
+
+SETS = (_change_set("op/p0", 3, b"abc", 2, 5, 0, 3), _change_set("op/p1", 0, b"", 0, 0, -1, -1),
+        _change_set("op/p1", 1, b"\x00" * 10, 1, 9, 4, 4))
+BODY0 = SETS[0].body
 SPEC = PartitionSpec("op/p0", "/local/op/p0", KGS, 60.0, 2.0, 1024, 3, 2, ("dstl/seg", 17), 5, 6)
 SNAP = SnapshotRef("dstl/snap/x", 123, KGS, 4)
 
@@ -71,8 +81,8 @@ EXAMPLES: list[tuple[Request[Any], Reply]] = [
     (PingRequest(), PingReply(4242)),
     (ShutdownRequest(), ShutdownReply()),
     (MetricsRequest(), MetricsReply({"agent.pid": 1.0, "agent.requests": 3.0}, ("a", "b"))),
-    (PersistRequest(STORE, SETS), PersistReply((("dstl/s1", 0, 3), ("dstl/s1", 3, 0),
-                                                ("dstl/s1", 3, 10)))),
+    (PersistRequest(STORE, SETS), PersistReply((("dstl/s1", 0, 18), ("dstl/s1", 18, 15),
+                                                ("dstl/s1", 33, 25)))),
     (LeaseRequest(STORE, "dstl/s1", "segment", 100), LeaseReply(7, "/agent/cache/x.obj", 100)),
     (LeaseRequest(STORE, "dstl/s1", None, None), LeaseReply(8, None, 5)),
     (ReleaseRequest(7), ReleaseReply()),
@@ -152,8 +162,9 @@ def test_needed_never_reads_past_a_frame() -> None:
     (struct.pack(">II", 10, 7), "header length 7"),
     (struct.pack(">II", (1 << 31) + 1, 0), "length"),
     (struct.pack(">II", 6, 2) + b"[]", "JSON list, not an object"),
-    (struct.pack(">II", 7, 3) + b"{x}", "not UTF-8 JSON"),
-    (struct.pack(">II", 6, 2) + b"\xff\xfe", "not UTF-8 JSON"),
+    (struct.pack(">II", 7, 3) + b"{x}", "not a UTF-8 JSON object"),
+    (struct.pack(">II", 6, 2) + b"\xff\xfe", "not a UTF-8 JSON object"),
+    (struct.pack(">II", 4 + 200, 200) + b"[" * 100 + b"]" * 100, "deeper than 64"),
 ])
 def test_malformed_frames_are_protocol_errors(raw: bytes, match: str) -> None:
     with pytest.raises(AgentProtocolError, match=match) as err:
@@ -174,18 +185,26 @@ def _persist_header(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("header", "body", "frame", "match"), [
     ({"op": "frobnicate"}, b"", "request", "unknown op 'frobnicate'"),
     ({"id": 1}, b"", "request", "unknown op None"),
-    (_persist_header(), b"ab", "persist request", "add up to 3 bytes, the body has 2"),
-    (_persist_header(), b"abcd", "persist request", "add up to 3 bytes, the body has 4"),
+    (_persist_header(), BODY0[:-1], "persist request: sets[0]",
+     rf"'size' is {len(BODY0)}, expected an integer in \[0, {len(BODY0) - 1}\]"),
+    (_persist_header(), BODY0 + b"d", "persist request",
+     f"add up to {len(BODY0)} bytes, the body has {len(BODY0) + 1}"),
+    (_persist_header(), BODY0.replace(b"op/p0", b"op/p9"), "persist request: sets[0]",
+     "does not start with log id 'op/p0' and sqn 3"),
+    (_persist_header(sets=[{**_persist_header()["sets"][0], "sqn": 4}]), BODY0,
+     "persist request: sets[0]", "does not start with log id 'op/p0' and sqn 4"),
     (_persist_header(sets={"a": 1}), b"", "persist request", "'sets'.*expected a list"),
     (_persist_header(sets=[7]), b"", "persist request", "a list of objects"),
-    (_persist_header(sets=[{**_persist_header()["sets"][0], "sqn": True}]), b"abc",
-     "persist request: sets[0]", "'sqn' is True, expected an integer >= 0"),
-    (_persist_header(sets=[{**_persist_header()["sets"][0], "kg_min": -2}]), b"abc",
-     "persist request: sets[0]", "'kg_min' is -2, expected an integer >= -1"),
-    (_persist_header(uri=None), b"abc", "persist request", "'uri' is None, expected a string"),
-    (_persist_header(options={"bogus": 1}), b"abc", "persist request", r"unknown: \['bogus'\]"),
-    (_persist_header(options={"upload_threads": 0}), b"abc", "persist request", "'options'"),
-    ({k: v for k, v in _persist_header().items() if k != "storage_options"}, b"abc",
+    (_persist_header(sets=[{**_persist_header()["sets"][0], "sqn": True}]), BODY0,
+     "persist request: sets[0]", r"'sqn' is True, expected an integer in \[0, "),
+    (_persist_header(sets=[{**_persist_header()["sets"][0], "sqn": 1 << 64}]), BODY0,
+     "persist request: sets[0]", r"'sqn' is 18446744073709551616, expected an integer in"),
+    (_persist_header(sets=[{**_persist_header()["sets"][0], "kg_min": -2}]), BODY0,
+     "persist request: sets[0]", r"'kg_min' is -2, expected an integer in \[-1, 32767\]"),
+    (_persist_header(uri=None), BODY0, "persist request", "'uri' is None, expected a string"),
+    (_persist_header(options={"bogus": 1}), BODY0, "persist request", r"unknown: \['bogus'\]"),
+    (_persist_header(options={"upload_threads": 0}), BODY0, "persist request", "'options'"),
+    ({k: v for k, v in _persist_header().items() if k != "storage_options"}, BODY0,
      "persist request", "'storage_options' is missing"),
     ({"op": "release", "lease": 0}, b"", "release request", "'lease' is 0, expected an integer"),
     ({"op": "release", "lease": "3"}, b"", "release request", "'lease'"),

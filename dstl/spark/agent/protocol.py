@@ -21,9 +21,14 @@ reply per request.
 agent and its workers run the same DSTL version (the worker starts the agent with its own
 interpreter), so a malformed frame means a bug or a foreign process on the socket — never a
 case to limp on. Decoding checks every field's type and range and raises
-:class:`AgentProtocolError` naming the frame and the field; a frame that cannot be split from
-the stream (bad lengths, a header that is not a JSON object) ends the connection, a message that
-is malformed inside a good frame fails only that request.
+:class:`AgentProtocolError` (a :class:`~dstl.errors.DstlError`) naming the frame, an offset and
+the field, and nothing else; a frame that cannot be split from the stream (bad lengths, a header
+that is not a JSON object) ends the connection, a message that is malformed inside a good frame
+fails only that request. Decoding is bounded: a frame's length is checked against
+``max_frame_bytes`` (:data:`MAX_FRAME_BYTES`) before it is buffered, its header against
+:data:`MAX_HEADER_BYTES` before it is parsed, and the header's nesting after
+(:func:`dstl.untrusted.load_json`); a persist's change-set bodies must start with the log id and
+sqn their header fields name.
 
 *Errors.* A failed request comes back as an :class:`ErrorReply` (``ok: false``): the error's
 type name, message, ``key`` and plain attributes. :func:`encode_error` builds it from an
@@ -48,12 +53,13 @@ from dstl.errors import DstlError, StorageError, UsageError
 from dstl.handle import ChangeSetRef
 from dstl.options import DstlOptions
 from dstl.segment import ChangeSet
+from dstl.untrusted import load_json
 from dstl.spark.agent.materializer import PartitionSpec
 from dstl.spark.fields import Fields
 from materializer.handles import SnapshotRef
 
 __all__ = [
-    "MAX_FRAME_BYTES", "AgentProtocolError", "AgentUnavailableError", "CacheStatsReply",
+    "MAX_FRAME_BYTES", "MAX_HEADER_BYTES", "AgentProtocolError", "AgentUnavailableError", "CacheStatsReply",
     "CacheStatsRequest", "CommittedReply", "CommittedRequest", "ErrorReply", "FrameDecoder",
     "Header", "LeaseReply", "LeaseRequest", "MaterializationReply", "MaterializationRequest",
     "MetricsReply", "MetricsRequest", "OfferedSnapshot", "PersistReply", "PersistRequest",
@@ -69,6 +75,12 @@ _PREFIX = struct.Struct(">II")
 #: The largest frame accepted (``length`` field): a persist carries at most the in-flight limit
 #: of change-set bytes, far below this.
 MAX_FRAME_BYTES = 1 << 31
+#: The largest header accepted (checked before it is parsed): a header lists one small object
+#: per change set of a persist.
+MAX_HEADER_BYTES = 16 << 20
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+_MAX_I64 = (1 << 63) - 1
 
 
 class AgentUnavailableError(StorageError):
@@ -82,15 +94,19 @@ class AgentProtocolError(UsageError):
     Attributes:
         frame: which frame (``"frame"``, ``"persist request"``, ``"lease reply"``, ...).
         detail: what is wrong with it.
+        key: what the error names as its object: the frame on the agent's socket.
+        offset: the byte offset of the problem in the frame (0 for a field of its header).
     """
 
-    def __init__(self, frame: str, detail: str) -> None:
+    def __init__(self, frame: str, detail: str, offset: int = 0) -> None:
         self.frame = frame
         self.detail = detail
-        super().__init__(f"malformed {frame} on the executor agent's socket: {detail}; the "
-                         "agent and its workers run the same DSTL version, so this is a bug or "
-                         "a foreign process on the socket (report it; a new executor starts a "
-                         "new agent)")
+        self.key = f"executor agent {frame}"
+        self.offset = offset
+        super().__init__(f"malformed {frame} on the executor agent's socket ({self.key} at "
+                         f"offset {offset}): {detail}; the agent and its workers run the same "
+                         "DSTL version, so this is a bug or a foreign process on the socket "
+                         "(report it; a new executor starts a new agent)")
 
 
 # --------------------------------------------------------------------------- frames
@@ -110,8 +126,9 @@ class FrameDecoder:
             object; the stream cannot be resynchronised after that.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
+        self._max = max_frame_bytes
 
     def needed(self) -> int:
         """Bytes still missing before the next frame is complete (at least 1)."""
@@ -136,19 +153,22 @@ class FrameDecoder:
 
     def _lengths(self) -> tuple[int, int]:
         total, hlen = _PREFIX.unpack_from(self._buf)
-        if total < 4 or hlen > total - 4 or total > MAX_FRAME_BYTES:
-            raise AgentProtocolError("frame", f"length {total}, header length {hlen}")
+        if total < 4 or hlen > total - 4 or total > self._max or hlen > MAX_HEADER_BYTES:
+            raise AgentProtocolError("frame", f"length {total}, header length {hlen} (at most "
+                                              f"{self._max} and {MAX_HEADER_BYTES})")
         return total, hlen
 
 
 def _decode_header(raw: bytes) -> Header:
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise AgentProtocolError("frame", f"header is not UTF-8 JSON ({exc})") from exc
+        header = load_json(raw, key="executor agent frame", what="frame header",
+                           max_bytes=MAX_HEADER_BYTES, offset=_PREFIX.size)
+    except dstl_errors.CorruptObjectError as exc:
+        raise AgentProtocolError("frame", f"header is not a UTF-8 JSON object ({exc.reason})",
+                                 exc.offset) from exc
     if not isinstance(header, dict):
         raise AgentProtocolError("frame", f"header is a JSON {type(header).__name__}, not an "
-                                          "object")
+                                          "object", _PREFIX.size)
     return header
 
 
@@ -420,10 +440,13 @@ class PersistRequest(Request[PersistReply]):
             if not isinstance(raw, dict):
                 raise f.bad("sets", "a list of objects")
             m = _fields(raw, f"persist request: sets[{i}]")
-            n = m.integer("size")
-            sets.append(ChangeSet(m.text("log_id"), m.integer("sqn"), body[pos:pos + n],
-                                  m.integer("change_count"), m.integer("payload_bytes"),
-                                  m.integer("kg_min", -1), m.integer("kg_max", -1)))
+            n = m.integer("size", 0, len(body) - pos)
+            cs = ChangeSet(m.text("log_id"), m.integer("sqn", 0, _MAX_I64), body[pos:pos + n],
+                           m.integer("change_count", 0, (1 << 32) - 1),
+                           m.integer("payload_bytes", 0, _MAX_I64),
+                           m.integer("kg_min", -1, 0x7FFF), m.integer("kg_max", -1, 0x7FFF))
+            _check_body_names(cs, m.where, pos)
+            sets.append(cs)
             pos += n
         if pos != len(body):
             raise AgentProtocolError("persist request", f"the change sets' sizes add up to "
@@ -442,6 +465,17 @@ class PersistRequest(Request[PersistReply]):
         if len(refs) != len(self.change_sets):
             raise f.bad("refs", f"{len(self.change_sets)} references (one per change set)")
         return PersistReply(tuple(refs))
+
+
+def _check_body_names(cs: ChangeSet, frame: str, at: int) -> None:
+    """A change set's body starts with the log id and sqn its header fields name."""
+    lid = cs.log_id.encode("utf-8", "surrogatepass")
+    head = _U16.size + len(lid) + _U64.size
+    if len(cs.body) < head or _U16.unpack_from(cs.body, 0)[0] != len(lid) \
+            or cs.body[_U16.size:_U16.size + len(lid)] != lid \
+            or _U64.unpack_from(cs.body, _U16.size + len(lid))[0] != cs.sqn:
+        raise AgentProtocolError(frame, f"the body does not start with log id {cs.log_id!r:.80} "
+                                        f"and sqn {cs.sqn}", at)
 
 
 # --------------------------------------------------------------------------- restore cache
