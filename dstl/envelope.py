@@ -24,13 +24,14 @@ decompression. A damaged size field therefore never causes an allocation: the CR
 first, and a frame that passes the CRC (a buggy, foreign or crafted writer) still cannot declare
 more than ``max_content_bytes``.
 
-Decompression is streamed (:func:`_decompress`): the frame is read in chunks of at most
-:data:`DECOMPRESS_CHUNK_BYTES` and the output is counted as it comes, so the declared content size
-is never trusted for an allocation — a frame that produces more than it declared (or more than
-the limit) is refused as soon as the excess appears, a frame that produces less is refused at its
-end, and zstd's content checksum is verified when the frame ends. Peak memory of opening a record
-is therefore bounded by the limit (plus one chunk and the joined copy), whatever the record
-claims.
+Decompression is streamed (:func:`_read_frame`) into one output buffer of the declared content
+size, allowed only once that size is known to be within the limit: the declared size is never
+trusted for an allocation beyond the limit, zstd fills the buffer as it decodes (memory is
+touched only for bytes the frame really produces, and it cannot produce more than the buffer), a
+frame that produces less than it declared is refused at its end, one more read proves it
+produced no more, and zstd's content checksum is verified when the frame ends. Peak memory of
+opening a record is therefore the content it really holds, at most the limit, whatever the
+record claims.
 
 The limit of each format is a field of :class:`ObjectFormat`; :meth:`ObjectFormat.with_limit`
 makes the same format with another limit (the options ``DstlOptions.max_change_set_bytes`` and
@@ -59,7 +60,6 @@ from dstl.errors import (
 )
 
 __all__ = [
-    "DECOMPRESS_CHUNK_BYTES",
     "END_MAGIC",
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -94,8 +94,6 @@ TRAILER_SIZE: Final = 8
 _HEADER: Final = struct.Struct(">4sBBH")   # magic, kind, version, flags
 _RECORD: Final = struct.Struct(">II")      # frame length, crc32(frame)
 _U32: Final = struct.Struct(">I")
-#: Decompression output is read in chunks of this size (the output cap is checked per chunk).
-DECOMPRESS_CHUNK_BYTES: Final = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,27 +306,23 @@ def _frame_end(frame: memoryview, key: str, at: int, what: str) -> int:
 
 
 def _read_frame(frame: memoryview, key: str, at: int, what: str, size: int) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
+    """Decompress into one buffer of the declared size (checked against the limit before): zstd
+    fills it as it decodes, so memory is only touched for bytes the frame really produces, and
+    it can never produce more than the buffer; one more read then proves the frame ended."""
     try:
         with _decompressor().stream_reader(frame, read_across_frames=False,
                                            closefd=False) as reader:
-            while True:
-                # One byte more than still expected, so that an overrun shows at once.
-                chunk = reader.read(min(DECOMPRESS_CHUNK_BYTES, size - got + 1))
-                if not chunk:
-                    break
-                got += len(chunk)
-                if got > size:
-                    raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to "
-                                                      f"more than its declared {size} bytes")
-                chunks.append(chunk)
+            content: bytes = reader.read(size) if size else b""
+            overrun = reader.read(1) if len(content) == size else b""
     except zstandard.ZstdError as exc:
         raise CorruptObjectError(key, at, f"zstd frame of {what} does not decode: {exc}") from exc
-    if got != size:
-        raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to {got} bytes, "
-                                          f"not its declared {size}")
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if overrun:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to more than its "
+                                          f"declared {size} bytes")
+    if len(content) != size:
+        raise CorruptObjectError(key, at, f"zstd frame of {what} decompresses to "
+                                          f"{len(content)} bytes, not its declared {size}")
+    return content
 
 
 # --------------------------------------------------------------------------- trailer

@@ -62,14 +62,14 @@ _PER_CONTAINER: Final = 224
 _CONTAINER_OPCODES: Final = tuple(bytes([c]) for c in b"}]\x8f\x91\x85\x86\x87(")
 # The walk's costs per opcode: the object it builds (an estimate of its CPython size), plus
 # _PER_PUSH for each value it leaves on the stack (its slot in a container, dict entries too).
-_PER_PUSH: Final = 32
-_OPCODE_COST: Final = {
+_PER_PUSH: Final = 16  # a pointer in its container, with the container's over-allocation
+_OPCODE_COST: Final = {  # CPython 3.11 sizes; BININT1's values (0..255) are cached ints
     "EMPTY_DICT": 64, "DICT": 64, "EMPTY_LIST": 56, "LIST": 56, "EMPTY_SET": 216,
-    "FROZENSET": 216, "TUPLE": 64, "TUPLE1": 48, "TUPLE2": 56, "TUPLE3": 64, "BININT": 32,
-    "BININT1": 32, "BININT2": 32, "INT": 32, "LONG": 32, "LONG1": 32, "LONG4": 32, "BINFLOAT": 24,
-    "FLOAT": 24, "MEMOIZE": 16, "PUT": 16, "BINPUT": 16, "LONG_BINPUT": 16, "BYTEARRAY8": 57,
+    "FROZENSET": 216, "TUPLE": 64, "TUPLE1": 48, "TUPLE2": 56, "TUPLE3": 64, "BININT": 28,
+    "BININT2": 28, "INT": 28, "LONG": 28, "LONG1": 28, "LONG4": 28, "BINFLOAT": 24, "FLOAT": 24,
+    "MEMOIZE": 16, "PUT": 16, "BINPUT": 16, "LONG_BINPUT": 16, "SETITEM": 32, "BYTEARRAY8": 57,
 }
-_TEXT_OBJECT: Final = 49  # str/bytes header; their length comes on top
+_TEXT_OBJECT: Final = 49  # a str/bytes object's header; its length comes on top
 
 
 @runtime_checkable
@@ -160,27 +160,66 @@ def _check(value: Any, depth: int = 0) -> None:
 
 def decoded_size_bound(data: bytes | bytearray | memoryview, limit: int) -> int:
     """An estimate (from above) of the memory unpickling ``data`` takes, exact enough to decide
-    against ``limit``: a cheap count first, the walk over the opcodes only when the count
-    exceeds ``limit``.
+    against ``limit``: a cheap count first (C speed), the walk over the opcodes only when the
+    count exceeds ``limit``.
 
     Raises:
         ValueError: the walk found a malformed pickle.
     """
-    view = bytes(data)
+    view = data if isinstance(data, bytes) else bytes(data)
     cheap = _PER_BYTE * len(view) + _PER_CONTAINER * sum(view.count(op)
                                                          for op in _CONTAINER_OPCODES)
     if cheap <= limit:
         return cheap
-    total = 0
-    for opcode, arg, _pos in pickletools.genops(view):
-        cost = _OPCODE_COST.get(opcode.name, 0)
-        if isinstance(arg, (str, bytes, bytearray)):
-            cost += _TEXT_OBJECT + len(arg)
-        if any(s is not pickletools.markobject for s in opcode.stack_after):
-            cost += _PER_PUSH
-        total += cost
-        if total > limit:
-            break  # enough to refuse it; the rest need not be walked
+    return _walk_bound(view, limit)
+
+
+def _opcode_table() -> dict[int, tuple[str, int, int]]:
+    """Opcode byte -> (name, argument size code as in pickletools, fixed cost)."""
+    table = {}
+    for op in pickletools.opcodes:
+        n = op.arg.n if op.arg is not None else 0
+        pushes = op.name not in _NO_PUSH and any(
+            s is not pickletools.markobject for s in op.stack_after)
+        table[ord(op.code)] = (op.name, n, _OPCODE_COST.get(op.name, 0) + _PER_PUSH * pushes)
+    return table
+
+
+# Opcodes that change a value in place or only steer the machine: nothing new is pushed.
+_NO_PUSH: Final = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD",
+                             "PROTO", "STOP", "FRAME", "MARK", "POP", "POP_MARK"})
+_OPCODES: Final = _opcode_table()
+
+
+def _walk_bound(data: bytes, limit: int) -> int:
+    """The cost of ``data`` opcode by opcode (arguments are skipped, never copied); stops as
+    soon as ``limit`` is exceeded or at STOP."""
+    n = len(data)
+    pos = total = 0
+    while pos < n:
+        info = _OPCODES.get(data[pos])
+        if info is None:
+            raise ValueError(f"unknown pickle opcode {data[pos]:#04x} at byte {pos}")
+        name, argn, cost = info
+        pos += 1
+        length = -1
+        if argn > 0:
+            pos += argn
+        elif argn == -1:  # up to a newline (two lines for GLOBAL and INST)
+            for _ in range(2 if name in ("GLOBAL", "INST") else 1):
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    raise ValueError(f"{name} at byte {pos - 1} has no newline")
+                length, pos = nl - pos, nl + 1
+        elif argn < -1:
+            width = {-2: 1, -3: 4, -4: 4, -5: 8}[argn]
+            length = int.from_bytes(data[pos:pos + width], "little", signed=argn == -3)
+            pos += width + max(length, 0)
+        if pos > n or (argn < -1 and length < 0):
+            raise ValueError(f"{name} at byte {pos} runs past the end of the pickle")
+        total += cost + (_TEXT_OBJECT + length if length >= 0 else 0)
+        if name == "STOP" or total > limit:
+            break
     return total
 
 
