@@ -150,8 +150,8 @@ def test_values_nested_100000_deep(storage: ChangelogStorage) -> None:
 
 
 def test_json_nested_100000_deep(storage: ChangelogStorage) -> None:
-    with pytest.raises(CorruptObjectError, match="larger than the limit|not a valid JSON "
-                                                  "document|nests deeper") as info:
+    with pytest.raises(CorruptObjectError, match=r"larger than the limit|not a valid JSON "
+                                                  r"document|nests deeper") as info:
         restore_log(storage, b"[" * 100_000 + b"]" * 100_000, [])
     assert_names_the_record(info.value)
     storage.store.delete([SEG])

@@ -53,9 +53,9 @@ from dstl.errors import DstlError, StorageError, UsageError
 from dstl.handle import ChangeSetRef
 from dstl.options import DstlOptions
 from dstl.segment import ChangeSet
-from dstl.untrusted import load_json
 from dstl.spark.agent.materializer import PartitionSpec
 from dstl.spark.fields import Fields
+from dstl.untrusted import load_json
 from materializer.handles import SnapshotRef
 
 __all__ = [
