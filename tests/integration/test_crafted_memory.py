@@ -1,4 +1,4 @@
-"""Bounded memory on crafted objects (issue #12, item 6; guarantee G11).
+"""Bounded memory on crafted objects (issue #12, item 6; docs/guarantees.md, "Untrusted stores").
 
 Every crafted object of at most 1 MiB (``support.crafted``: zstd frames declaring gigabytes, zstd
 bombs, pickle bombs, JSON bombs and nesting, handles of 2^62) is read in a fresh process the way
@@ -10,7 +10,7 @@ timing. The issue's 44 MiB manifest with a bad CRC is included: it must be refus
 parsed.
 
 ``python tests/integration/test_crafted_memory.py`` prints the table of peak RSS per object for
-the report (docs/guarantees.md, G11).
+the report (docs/guarantees.md, "Untrusted stores").
 """
 
 from __future__ import annotations
