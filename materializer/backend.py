@@ -69,6 +69,7 @@ from dstl.errors import (
     KeyGroupError,
     StateError,
     UsageError,
+    located,
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, META_KEY_GROUP, KeyGroupRange, key_group_for
@@ -428,7 +429,13 @@ class ChangelogKeyedStateBackend:
         v = self._tables.get(sid, self._kg, self._tk, self._tn)
         if v is None or self._heap:
             return v
-        return shape.from_bytes(v)
+        try:
+            return shape.from_bytes(v)
+        except CorruptObjectError as exc:
+            # An LMDB table holds restored values as stored (undecoded): name the table.
+            raise located(exc, f"{self._tables.path} (LMDB table)", 0,
+                          f"value of state {self._by_id[sid].meta['name']!r}, key "
+                          f"{self._key!r:.80}, key group {self._kg}") from exc
 
     def read_state_raw(self, sid: int) -> Any:
         """The table's stored form (LMDB: bytes) without decoding."""

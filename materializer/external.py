@@ -58,7 +58,8 @@ class ExternalMaterialization:
 
 def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store: Any, *,
                                 zstd_level: int = 1,
-                                skip_boundary: tuple[str, int] | None = None
+                                skip_boundary: tuple[str, int] | None = None,
+                                max_block_bytes: int | None = None
                                 ) -> ExternalMaterialization | None:
     """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
 
@@ -68,6 +69,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         store: the :class:`~dstl.stores.base.BlobStore` to upload to.
         zstd_level: zstd level of the snapshot blocks.
         skip_boundary: a boundary already materialized (nothing new: skip).
+        max_block_bytes: the limit on a block's content (the writer's
+            ``BackendOptions.max_snapshot_block_bytes``; default the format's).
 
     Returns:
         The materialization, or ``None`` when there is nothing to materialize (no marker yet,
@@ -79,7 +82,7 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         StateError, StorageError: reading the table or uploading failed.
     """
     t0 = time.monotonic()
-    taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary)
+    taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary, max_block_bytes)
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
@@ -105,7 +108,8 @@ class _TakenSnapshot:
 
 
 def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
-                   skip_boundary: tuple[str, int] | None) -> _TakenSnapshot | None:
+                   skip_boundary: tuple[str, int] | None,
+                   max_block_bytes: int | None) -> _TakenSnapshot | None:
     """Open the table read-only, read its marker and write its snapshot from one read
     transaction; ``None`` when there is nothing to materialize."""
     table = LmdbStateTable(directory, key_groups, readonly=True)
@@ -128,7 +132,8 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
                                    "boundary": list(boundary), "states": marker.states},
                                   sort_keys=True).encode("utf-8")
             parts: list[bytes] = []
-            written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level)
+            written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level,
+                                 max_block_bytes=max_block_bytes)
         finally:
             snap.release()
     finally:

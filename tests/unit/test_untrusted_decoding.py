@@ -262,3 +262,23 @@ def test_a_value_state_read_after_restore_sees_typed_data(storage: ChangelogStor
         assert v.value() == {"a": [1]}
     finally:
         b.close()
+
+
+def test_an_lmdb_restore_names_the_table_when_a_stored_value_does_not_decode(
+        storage: ChangelogStorage, tmp_path: Path) -> None:
+    """An LMDB restore stores values as they are (undecoded); the first read decodes one and
+    names the table, the state and the key — not ``<state value>``."""
+    body = (body_head(OPERATOR, 0, 2) + block(-1, [metadata_payload(0, meta())])
+            + block(KG, [change_payload(SET, 0, b"k", b"", one({1, 2}))]))  # a set: refused
+    seg = segment([(0, frame_of(body))])
+    storage.store.put(SEG, seg)
+    b = restore_backend([log_handle(SEG, seg)], storage, ALL, table="lmdb", options=OPTIONS,
+                        local_directory=str(tmp_path / "lmdb"), auto_materialize=False)
+    try:
+        v = b.get_state(ValueStateDescriptor("s"))
+        b.set_current_key("k")
+        with pytest.raises(CorruptObjectError, match="value of state 's'") as info:
+            v.value()
+        assert info.value.key.endswith("(LMDB table)") and "<state value>" not in str(info.value)
+    finally:
+        b.close()

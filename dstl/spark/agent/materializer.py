@@ -51,6 +51,7 @@ from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
 from materializer.external import ExternalMaterialization, materialize_table_directory
 from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
+from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
 
 __all__ = ["AgentMaterializer", "LatestMaterialization", "PartitionSpec"]
 
@@ -75,6 +76,8 @@ class PartitionSpec:
         max_failures: consecutive failures tolerated.
         boundary: the committed marker's boundary (``None``: no log since the snapshot).
         log_bytes, snapshot_bytes: stored sizes of the committed checkpoint's log and snapshot.
+        max_block_bytes: the limit on a snapshot block (the worker's
+            ``BackendOptions.max_snapshot_block_bytes``; absent in JSON: the default).
     """
 
     log_id: str
@@ -88,6 +91,7 @@ class PartitionSpec:
     boundary: tuple[str, int] | None
     log_bytes: int
     snapshot_bytes: int
+    max_block_bytes: int = DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
 
     @classmethod
     def from_json_obj(cls, obj: dict[str, Any]) -> PartitionSpec:
@@ -98,7 +102,8 @@ class PartitionSpec:
                    None if obj.get("log_ratio") is None else float(obj["log_ratio"]),
                    int(obj["min_log_bytes"]), int(obj["zstd_level"]), int(obj["max_failures"]),
                    (str(b[0]), int(b[1])) if b else None, int(obj["log_bytes"]),
-                   int(obj["snapshot_bytes"]))
+                   int(obj["snapshot_bytes"]),
+                   int(obj.get("max_block_bytes", DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES)))
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"log_id": self.log_id, "env_path": self.env_path,
@@ -106,7 +111,8 @@ class PartitionSpec:
                 "log_ratio": self.log_ratio, "min_log_bytes": self.min_log_bytes,
                 "zstd_level": self.zstd_level, "max_failures": self.max_failures,
                 "boundary": list(self.boundary) if self.boundary else None,
-                "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes}
+                "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
+                "max_block_bytes": self.max_block_bytes}
 
     @property
     def rules(self) -> MaterializationRules:
@@ -294,7 +300,8 @@ def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
         if os.path.isdir(spec.env_path):
             return materialize_table_directory(spec.env_path, spec.key_groups, store,
                                                zstd_level=spec.zstd_level,
-                                               skip_boundary=skip), None
+                                               skip_boundary=skip,
+                                               max_block_bytes=spec.max_block_bytes), None
     except DstlError as exc:
         return None, exc
     except OSError as exc:  # local file system trouble: count it, keep the agent up
