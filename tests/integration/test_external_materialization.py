@@ -189,7 +189,7 @@ def test_marker_and_readonly_table_reject_bad_input(tmp_path: Path) -> None:
     ro.close()
     with pytest.raises(UsageError, match="does not exist"):
         LmdbStateTable(str(tmp_path / "none"), KGS, readonly=True)
-    good = TableMarker(OP, KGS, MP, 3, 1, ("dstl/seg", 12), 10, 20, {"0": {"name": "v"}})
+    good = TableMarker(OP, KGS, MP, 3, 1, ("dstl/seg", 12), 10, 20, {"0": {"name": "v", "kind": "value"}})
     assert TableMarker.from_bytes(good.to_bytes()) == good
     for bad in (b"not json", b"[]", b'{"v": 9}',
                 good.to_bytes().replace(b'"boundary":["dstl/seg",12]', b'"boundary":["x"]'),
