@@ -140,7 +140,7 @@ def _manifest(h: ChangelogStateBackendHandle) -> bytes:
     m = Manifest.build(job_id="golden-job", checkpoint_id=2, attempt=1,
                        created_ms=1_700_000_000_000, tasks=[entry],
                        trigger_ms=1_700_000_000_000, duration_ms=12.5,
-                       ack_latency_ms={"golden/op": 3.0})
+                       ack_latency_ms={"golden/op": 3.0}, retained=2)
     return m.encode()
 
 
