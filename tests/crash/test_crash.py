@@ -1,0 +1,242 @@
+"""SIGKILL crash suite (issue #14; reliability matrix R1 and R2): G1, G2, G3, G5.
+
+A child process (``crash_child.py``) runs the mini job of ``tests/support/job_model.py`` —
+heap or LMDB backends on one storage, a coordinator with retention, materializations — against
+a local directory or S3 on moto (the moto server lives in this process, so it survives every
+kill), and journals each checkpoint's intended state before triggering it and an ACK only after
+its commit returned. This process SIGKILLs the child
+
+- at **named points** (it pauses there and says so through a marker file): inside a segment
+  upload, after a segment landed but before DSTL heard of it, inside a snapshot upload, inside the
+  manifest put, after the manifest landed, halfway through a delete, between commit and ACK;
+- at **random moments** (a uniform delay after the child finished its recovery, with a
+  materialization timer running so snapshot uploads overlap writes and checkpoints),
+
+then checks the store with the oracle (``job_model.check_store``): the recovered checkpoint is at
+least the last acknowledged one, every retained checkpoint restores to exactly its journaled
+model, every object a manifest names exists. The next child continues from what was recovered,
+so every test crashes the same store several times. At the end a clean run must succeed, and
+orphan collection must leave exactly the objects the retained checkpoints name.
+
+Sizes: CI 7 points x 4 targets + 2 random kills x 4 targets = 36 kills;
+``DSTL_DEEP=1`` (``make test-deep``): 7 x 4 x 25 + 80 x 4 = 1020 kills.
+The self-tests run the child with a deliberate bug and require the oracle to report it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import moto_server
+from support.job_model import (
+    JobConfig,
+    JournalView,
+    all_objects,
+    check_store,
+    expected_objects,
+    journal_path,
+)
+
+from dstl.coordinator import CheckpointCoordinator
+from dstl.stores import open_store
+
+moto_endpoint = moto_server.moto_endpoint
+s3_bucket = moto_server.s3_bucket
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("crash_child.py")
+DEEP = os.environ.get("DSTL_DEEP") == "1"
+POINTS = ("segment-put", "segment-landed", "snapshot-put", "manifest-put", "manifest-landed",
+          "delete", "before-ack")
+NAMED_SEEDS = 25 if DEEP else 1
+RANDOM_KILLS = 80 if DEEP else 2
+#: A child that neither pauses nor finishes within this is hung: the test fails.
+CHILD_TIMEOUT_S = 120.0
+#: Random kills land this long after the child finished its recovery.
+RANDOM_DELAY_S = (0.0, 1.5)
+
+TARGETS = [pytest.param(("local", "heap"), id="local-heap"),
+           pytest.param(("local", "lmdb"), id="local-lmdb"),
+           pytest.param(("s3", "heap"), id="s3-heap", marks=pytest.mark.s3),
+           pytest.param(("s3", "lmdb"), id="s3-lmdb", marks=pytest.mark.s3)]
+
+
+@dataclass
+class Target:
+    """One store the children crash on, and the directory of their journal."""
+
+    url: str
+    storage_options: dict[str, Any]
+    work: Path
+    table: str
+    kills: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def config(self) -> JobConfig:
+        return JobConfig(table=self.table)
+
+    def check(self) -> list[str]:
+        """The oracle over a direct view of the store (no pausing wrapper)."""
+        store = open_store(self.url, dict(self.storage_options))
+        try:
+            view = JournalView.read(journal_path(self.work))
+            problems = [f"FAILED CHECKPOINT without an injected fault: {e}"
+                        for e in view.errors]
+            return problems + check_store(store, view, self.config(),
+                                          local_dir=str(self.work / "check"))
+        finally:
+            store.close()
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    where, table = request.param
+    work = tmp_path / "work"
+    work.mkdir()
+    if where == "local":
+        return Target(str(tmp_path / "store"), {}, work, table)
+    endpoint = request.getfixturevalue("moto_endpoint")
+    bucket = request.getfixturevalue("s3_bucket")
+    return Target(f"s3://{bucket}/job", moto_server.s3_storage_options(endpoint), work, table)
+
+
+def run_child(t: Target, seed: int, *, pause_at: str = "", kill_after_s: float | None = None,
+              checkpoints: int = 40, mat_interval_s: float = 0.0, bug: str = "") -> str | None:
+    """Run one child; kill it at its pause point or after ``kill_after_s``.
+
+    Returns:
+        The kill point (``"random"`` for a timed kill), or ``None`` if the child finished.
+    """
+    for name in ("paused", "ready"):
+        (t.work / name).unlink(missing_ok=True)
+    cmd = [sys.executable, str(CHILD), "--store", t.url, "--storage-options",
+           json.dumps(t.storage_options), "--work", str(t.work), "--seed", str(seed),
+           "--table", t.table, "--checkpoints", str(checkpoints), "--pause-at", pause_at,
+           "--mat-interval", str(mat_interval_s), "--bug", bug]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    log_path = t.work / f"child-{len(t.log)}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    t.log.append(str(log_path))
+    try:
+        point = _wait_for_kill_moment(t, proc, pause_at, kill_after_s)
+        if point is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    if point is None and code != 0:
+        raise AssertionError(f"child (seed={seed}) exited with {code}:\n{_tail(log_path)}")
+    if point is not None:
+        t.kills += 1
+    return point
+
+
+def _wait_for_kill_moment(t: Target, proc: subprocess.Popen[bytes], pause_at: str,
+                          kill_after_s: float | None) -> str | None:
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    kill_at: float | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None
+        if pause_at and (t.work / "paused").exists():
+            return (t.work / "paused").read_text()
+        if kill_after_s is not None and kill_at is None and (t.work / "ready").exists():
+            kill_at = time.monotonic() + kill_after_s
+        if kill_at is not None and time.monotonic() >= kill_at:
+            return "random"
+        time.sleep(0.005)
+    raise AssertionError(f"child neither paused nor finished in {CHILD_TIMEOUT_S}s "
+                         f"({pause_at or 'random'}):\n{_tail(Path(t.log[-1]))}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def assert_consistent(t: Target, what: str) -> None:
+    problems = t.check()
+    assert not problems, f"after {what} (target {t.url}, {t.table}):\n" + "\n".join(problems) \
+        + f"\nlast child log:\n{_tail(Path(t.log[-1]))}"
+
+
+def finish_cleanly(t: Target, seed: int) -> None:
+    """A last run without a kill must succeed, and orphan collection must leave exactly the
+    objects of the retained checkpoints (and restore must still be exact)."""
+    assert run_child(t, seed, checkpoints=5) is None
+    assert_consistent(t, "a clean run after the crashes")
+    store = open_store(t.url, dict(t.storage_options))
+    try:
+        coord = CheckpointCoordinator.recover(store, "crashjob", retained=t.config().retained)
+        coord.collect_orphans(min_age_s=0)
+        coord.run_deletions()  # stale manifests left by killed commits
+        coord.close()
+        assert all_objects(store) == expected_objects(store, t.config())
+    finally:
+        store.close()
+    assert_consistent(t, "orphan collection")
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+def test_sigkill_at_named_points(target: Target) -> None:
+    rng = random.Random(20_140)
+    for seed in range(NAMED_SEEDS):
+        for point in POINTS:
+            nth = rng.randint(1, 3)
+            got = run_child(target, rng.randrange(1 << 30), pause_at=f"{point}:{nth}")
+            assert got == point, f"the child finished without reaching {point}:{nth}"
+            assert_consistent(target, f"a kill at {point}:{nth} (round {seed})")
+    finish_cleanly(target, 7)
+    print(f"{target.url} {target.table}: {target.kills} kills at named points")
+    assert target.kills == NAMED_SEEDS * len(POINTS)
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+def test_sigkill_at_random_moments(target: Target) -> None:
+    rng = random.Random(20_141)
+    for i in range(RANDOM_KILLS):
+        delay = rng.uniform(*RANDOM_DELAY_S)
+        got = run_child(target, rng.randrange(1 << 30), kill_after_s=delay, checkpoints=100_000,
+                        mat_interval_s=0.05)
+        assert got == "random"
+        assert_consistent(target, f"random kill {i} after {delay:.3f}s")
+    finish_cleanly(target, 8)
+    print(f"{target.url} {target.table}: {target.kills} kills at random moments")
+    assert target.kills == RANDOM_KILLS
+
+
+# --------------------------------------------------------------------------- self-tests
+
+
+@pytest.mark.parametrize("target", [TARGETS[0]], indirect=True)
+def test_oracle_reports_an_acknowledgement_before_the_upload(target: Target) -> None:
+    """A job that journals its ACK before the segment upload, killed during that upload,
+    has acknowledged a checkpoint that does not exist: the oracle must say LOST."""
+    assert run_child(target, 11, pause_at="segment-put:1",
+                     bug="ack-before-durable") == "segment-put"
+    problems = target.check()
+    assert any(p.startswith("LOST: checkpoint 1 was acknowledged") for p in problems), problems
+
+
+@pytest.mark.parametrize("target", [TARGETS[0]], indirect=True)
+def test_oracle_reports_a_write_the_backend_never_saw(target: Target) -> None:
+    assert run_child(target, 12, checkpoints=1, bug="drop-write") is None
+    problems = target.check()
+    assert any(p.startswith("MISMATCH: checkpoint 1 backend op-0") and "k0" in p
+               for p in problems), problems
