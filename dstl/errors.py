@@ -17,6 +17,7 @@ Hierarchy::
     ├── ClosedError(RuntimeError)          use after close
     ├── StorageError(OSError)              the environment failed (after retries, if any)
     │   ├── TransientStorageError          retryable I/O failure of one attempt
+    │   │   └── ThrottledError             503 SlowDown / 429 / 5xx: retried after a backoff
     │   ├── ObjectNotFoundError(FileNotFoundError)
     │   ├── ObjectExistsError(FileExistsError)
     │   ├── AccessDeniedError(PermissionError)   missing or wrong credentials, missing bucket
@@ -62,6 +63,7 @@ __all__ = [
     "StateError",
     "StateTableFullError",
     "StorageError",
+    "ThrottledError",
     "TransientStorageError",
     "TruncatedObjectError",
     "UnsafeHandleKeyError",
@@ -175,6 +177,12 @@ class StorageError(DstlError, OSError):
 
 class TransientStorageError(StorageError):
     """One I/O attempt failed in a way that a retry may fix (timeouts, 5xx, resets)."""
+
+
+class ThrottledError(TransientStorageError):
+    """The store asked to slow down or failed internally (503 ``SlowDown``, 429, 500
+    ``InternalError``, 502/504): retried only after an exponentially growing, jittered backoff,
+    as S3 advises for all of them (see :mod:`dstl.retry`)."""
 
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):

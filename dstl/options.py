@@ -39,6 +39,11 @@ MAX_UPLOAD_RETRY_DELAY_S: Final = 600.0
 MAX_THREADS: Final = 256
 #: The attempt number is two hex digits of a segment's object name.
 MAX_UPLOAD_ATTEMPTS: Final = 255
+#: Upper bounds of the retry options: a single backoff longer than ten minutes, or an operation
+#: retried for more than an hour, only stalls the job (a Spark task waits 300 s for a checkpoint).
+MAX_RETRY_BACKOFF_S: Final = 600.0
+MAX_RETRY_DEADLINE_S: Final = 3_600.0
+MAX_READ_ATTEMPTS: Final = 255
 
 _OWNER = "DstlOptions"
 
@@ -80,6 +85,16 @@ class DstlOptions:
     #: of 1 MiB cannot make a restore allocate more than a few times this). Readers must use at
     #: least the writers' value. Beyond Flink, which has no such bound.
     max_change_set_bytes: int = 32 * MiB
+    #: Throttling (503 SlowDown, 429, 500 InternalError): the first retry waits a random time
+    #: below this; the ceiling doubles per retry (full jitter, ``dstl/retry.py``). Not in Flink.
+    retry_backoff_base_s: float = 0.1
+    #: Largest backoff before one retry.
+    retry_backoff_max_s: float = 5.0
+    #: A store operation (segment upload, read, delete) starts no retry later than this after its
+    #: first attempt; throttled retries are bounded by it, not by the attempt limits.
+    retry_deadline_s: float = 30.0
+    #: Attempts of a read or delete for failures other than throttling (the first included).
+    read_max_attempts: int = 3
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -143,6 +158,18 @@ def _validate(o: DstlOptions) -> None:
                           f"< max_change_set_bytes ({o.max_change_set_bytes})", owner=_OWNER,
                           fix="a change set is persisted before it reaches the record limit: "
                           "lower it or raise max_change_set_bytes")
+    _seconds(o, "retry_backoff_base_s", lo=0.0, hi=MAX_RETRY_BACKOFF_S, lo_open=True,
+             fix="the first throttled retry waits a random time below this")
+    _seconds(o, "retry_backoff_max_s", lo=0.0, hi=MAX_RETRY_BACKOFF_S, lo_open=True,
+             fix="the largest single backoff")
+    _seconds(o, "retry_deadline_s", lo=0.0, hi=MAX_RETRY_DEADLINE_S, lo_open=True,
+             fix="no retry of one store operation starts later than this after its first "
+                 "attempt")
+    _int(o, "read_max_attempts", lo=1, hi=MAX_READ_ATTEMPTS)
+    if o.retry_backoff_max_s < o.retry_backoff_base_s:
+        raise ConfigError("retry_backoff_max_s", o.retry_backoff_max_s,
+                          f">= retry_backoff_base_s ({o.retry_backoff_base_s})", owner=_OWNER,
+                          fix="raise retry_backoff_max_s or lower retry_backoff_base_s")
     if o.persist_size_threshold_bytes > o.max_in_flight_bytes:
         raise ConfigError("persist_size_threshold_bytes", o.persist_size_threshold_bytes,
                           f"<= max_in_flight_bytes ({o.max_in_flight_bytes})", owner=_OWNER,

@@ -17,11 +17,15 @@ Writers hand :class:`UploadTask` s (their change sets plus callbacks) to :meth:`
    writes a fresh object name. An attempt that is still running after ``upload_timeout_s`` does
    not stop: a concurrent attempt starts at once, and the first to finish wins; the objects of
    the losers, and of failed attempts that may have landed anyway, are deleted. A retryable I/O
-   error starts the next attempt after ``upload_retry_delay_s``; a non-retryable one fails the
-   segment at once. After ``upload_max_attempts`` attempts (the last one timed out or failed)
-   every task of the segment fails with :class:`~dstl.errors.UploadFailedError` carrying the
-   attempt count and the cause. So an upload ends, one way or the other, within about
-   ``upload_max_attempts * (upload_timeout_s + upload_retry_delay_s)``.
+   error starts the next attempt after ``upload_retry_delay_s``; throttling (503 ``SlowDown``,
+   429, 500 ``InternalError``) after an exponentially growing backoff with full jitter, without
+   using up an attempt (:mod:`dstl.retry`); a non-retryable error fails the segment at once.
+   After ``upload_max_attempts`` attempts not spent on throttling (the last one timed out or
+   failed), or at the latest ``retry_deadline_s`` after the first attempt, every task of the
+   segment fails with :class:`~dstl.errors.UploadFailedError` carrying the attempt count and the
+   cause. So an upload ends, one way or the other, within about
+   ``min(upload_max_attempts * (upload_timeout_s + upload_retry_delay_s), retry_deadline_s)``
+   without throttling, and within ``retry_deadline_s`` with it.
 4. **Register, then acknowledge.** The winning segment is tracked in the registry (one reference
    per change set) *before* any writer hears of it, then each task's ``on_success`` receives the
    references of its change sets. A change set is therefore acknowledged only after its segment
@@ -36,6 +40,7 @@ is the other.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +60,7 @@ from dstl.layout import segment_key
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
+from dstl.retry import RetryBudget, RetryPolicy
 from dstl.segment import ChangeSet, IndexEntry, encode_segment
 from dstl.stores.base import BlobStore, translate_error
 from dstl.timer import Timer, TimerHandle
@@ -111,10 +117,13 @@ class BatchingUploadScheduler:
     """Gathers upload tasks of all writers of a storage into one segment per flush window."""
 
     def __init__(self, store: BlobStore, registry: SegmentRegistry, options: DstlOptions,
-                 timer: Timer, metrics: MetricsRegistry, storage_id: str) -> None:
+                 timer: Timer, metrics: MetricsRegistry, storage_id: str, *,
+                 draw: Callable[[], float] = random.random) -> None:
         self._store = store
         self._registry = registry
         self._opts = options
+        self._policy = RetryPolicy.for_uploads(options)
+        self._draw = draw  # the jitter's random numbers in [0, 1) (tests inject them)
         self._timer = timer
         self._storage_id = storage_id
         self._pool = ThreadPoolExecutor(options.upload_threads, thread_name_prefix="dstl-upload")
@@ -237,11 +246,11 @@ class BatchingUploadScheduler:
     def close(self, timeout_s: float | None = None) -> None:
         """Send what is queued, wait (bounded) for running uploads, stop the upload threads.
 
-        Uploads still unfinished after the bound fail their tasks with ``ClosedError``.
+        Uploads still unfinished after the bound fail their tasks with ``ClosedError``. The
+        default bound is the longest an upload can take (it gives up at ``retry_deadline_s``).
         """
         if timeout_s is None:
-            o = self._opts
-            timeout_s = o.upload_max_attempts * (o.upload_timeout_s + o.upload_retry_delay_s) + 1.0
+            timeout_s = self._opts.retry_deadline_s + 1.0
         self._drain()
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -279,9 +288,13 @@ class _SegmentUpload:
         self._resolved = False  # the tasks' callbacks were (or are being) called
         self._last_error: BaseException | None = None
         self._t0 = time.monotonic()
+        self._budget = RetryBudget(sched._policy, sched._timer.now())
+        self._deadline_timer: TimerHandle | None = None
 
     def start(self) -> None:
         self.s.m_batch.update(len(self.tasks))
+        self._deadline_timer = self.s._timer.schedule(self.s._policy.deadline_s,
+                                                      self._guarded(self._on_deadline))
         self._start_attempt()
 
     def run_step(self, step: Callable[[], None]) -> None:
@@ -314,6 +327,20 @@ class _SegmentUpload:
         if not self._fail(failure):
             logger.exception("segment upload #%d: a step failed after its tasks were resolved",
                              self.upload_no, exc_info=exc)
+
+    def _on_deadline(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            err = self._last_error
+        failure = UploadFailedError(
+            f"segment upload #{self.upload_no} to {self.s._store.location}: no attempt succeeded "
+            f"within retry_deadline_s={self.s._policy.deadline_s}s ({self._attempts} attempts, "
+            f"{self._budget.throttled} throttled); last error: {err}; check the store, or raise "
+            "retry_deadline_s", attempts=self._attempts, elapsed_s=time.monotonic() - self._t0)
+        failure.__cause__ = err
+        self._fail(failure)
 
     def _start_attempt(self) -> None:
         with self._lock:
@@ -368,7 +395,8 @@ class _SegmentUpload:
             if self._done or n not in self._running:
                 return
             self._timed_out.add(n)
-            more = self._attempts < self.s._opts.upload_max_attempts
+            more = (self._budget.attempts_left(self._attempts)
+                    and self.s._timer.now() < self._budget.deadline)
             # Out of attempts: give up once no running attempt is within its timeout (the
             # late ones may still finish; they are then discarded as losers).
             give_up = not more and not self._still_in_time()
@@ -400,25 +428,32 @@ class _SegmentUpload:
             if self._done:
                 return
             self._last_error = err
-            more = retryable and self._attempts < self.s._opts.upload_max_attempts
+            delay = self._budget.after_failure(err, self._attempts, self.s._timer.now(),
+                                               self.s._draw())
+            more = delay is not None
             give_up = not more and (not retryable or not self._still_in_time())
             if give_up:
                 self._done = True
         logger.warning("segment upload #%d attempt %d to %s failed (%s)%s", self.upload_no, n,
-                       key, err, "; retrying" if more else "")
-        if more and self.s._opts.upload_retry_delay_s == 0:
+                       key, err, f"; retrying in {delay:.3f}s" if delay is not None else "")
+        if delay == 0:
             self._start_attempt()
-        elif more:
-            self.s._timer.schedule(self.s._opts.upload_retry_delay_s,
-                                   self._guarded(self._start_attempt))
+        elif delay is not None:
+            self.s._timer.schedule(delay, self._guarded(self._start_attempt))
         elif give_up:
-            what = "failed with a non-retryable error" if not retryable else "all failed"
-            failure = UploadFailedError(
-                f"segment upload #{self.upload_no} to {self.s._store.location}: {self._attempts} "
-                f"attempt(s) {what}; last error: {err}", key=key, attempts=self._attempts,
-                elapsed_s=time.monotonic() - self._t0)
-            failure.__cause__ = err
-            self._fail(failure)
+            self._give_up(err, key, retryable)
+
+    def _give_up(self, err: BaseException, key: str, retryable: bool) -> None:
+        o = self.s._opts
+        what = "failed with a non-retryable error" if not retryable else (
+            f"all failed ({self._budget.throttled} throttled; upload_max_attempts="
+            f"{o.upload_max_attempts}, retry_deadline_s={o.retry_deadline_s}s)")
+        failure = UploadFailedError(
+            f"segment upload #{self.upload_no} to {self.s._store.location}: {self._attempts} "
+            f"attempt(s) {what}; last error: {err}", key=key, attempts=self._attempts,
+            elapsed_s=time.monotonic() - self._t0)
+        failure.__cause__ = err
+        self._fail(failure)
 
     def _attempt_succeeded(self, n: int, key: str, nbytes: int, latency_s: float) -> None:
         with self._lock:
@@ -432,6 +467,7 @@ class _SegmentUpload:
                         "deleting %s", self.upload_no, n, key)
             self.s._registry.discard_untracked(key)
             return
+        self._cancel_deadline()
         s = self.s
         s._registry.start_tracking(key, len(self.change_sets))
         s.m_segments.inc()
@@ -470,6 +506,7 @@ class _SegmentUpload:
 
     def _fail(self, err: BaseException) -> bool:
         """Fail every task with ``err``; False if the tasks were resolved already."""
+        self._cancel_deadline()
         if not self._claim_resolution():
             return False
         self.s.m_failed_segments.inc()
@@ -477,6 +514,11 @@ class _SegmentUpload:
         for t in self.tasks:
             _call(t.on_failure, t.change_sets, err)
         return True
+
+    def _cancel_deadline(self) -> None:
+        handle = self._deadline_timer
+        if handle is not None:
+            handle.cancel()
 
     def abandon(self, err: BaseException) -> None:
         with self._lock:

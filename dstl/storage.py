@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from dstl.checks import check_instance, check_mapping, check_protocol
+from dstl.checks import check_callable, check_instance, check_mapping, check_protocol
 from dstl.errors import ClosedError, ConfigError, UsageError
 from dstl.keygroups import KeyGroupRange
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.registry import SegmentRegistry
+from dstl.retry import RetryPolicy
 from dstl.scheduler import BatchingUploadScheduler, UploadScheduler
 from dstl.stores.base import BlobStore, check_store
 from dstl.timer import ThreadTimer, Timer, check_timer
@@ -47,6 +49,8 @@ class ChangelogStorage:
             (wrappers that inject faults, count reads or add latency plug in here).
         store: a ready :class:`~dstl.stores.base.BlobStore` (overrides the three above).
         timer: timer for delays and timeouts (tests pass a ``ManualTimer``).
+        draw: random numbers in ``[0, 1)`` for the jitter of upload retry backoffs (tests pass
+            a fixed one).
         uploader: an upload scheduler to use instead of this process's batching scheduler (the
             executor agent's client); segments are then shared beyond this process, so this
             storage's registry tracks and deletes nothing.
@@ -59,12 +63,16 @@ class ChangelogStorage:
     def __init__(self, base_uri: str | os.PathLike[str] = "", options: DstlOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, filesystem: Any = None, *,
                  store: BlobStore | None = None, timer: Timer | None = None,
-                 uploader: UploadScheduler | None = None) -> None:
+                 uploader: UploadScheduler | None = None,
+                 draw: Callable[[], float] = random.random) -> None:
         self.options = _check_arguments(base_uri, options, storage_options, filesystem, store,
                                         timer, uploader)
+        check_callable(draw, "draw", "ChangelogStorage", args=0,
+                       fix="a function returning a float in [0, 1), like random.random")
         if store is None:
             from dstl.stores import open_store
-            store = open_store(base_uri, dict(storage_options or {}), filesystem)
+            store = open_store(base_uri, dict(storage_options or {}), filesystem,
+                               retry=RetryPolicy.for_store(self.options))
         self.store = store
         self.storage_id = secrets.token_hex(6)
         self._metrics = MetricsRegistry("ChangelogStorage.")
@@ -75,7 +83,8 @@ class ChangelogStorage:
         self.registry = SegmentRegistry(store, self._discard, self._metrics)
         self.scheduler: UploadScheduler = (
             uploader if uploader is not None else BatchingUploadScheduler(
-                store, self.registry, self.options, self._timer, self._metrics, self.storage_id))
+                store, self.registry, self.options, self._timer, self._metrics, self.storage_id,
+                draw=draw))
         if uploader is not None:
             self.registry.deletes_enabled = False
         self._writers: dict[str, ChangelogWriter] = {}

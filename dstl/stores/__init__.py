@@ -18,13 +18,17 @@ hdfs://host:port/path  :class:`FsspecBlobStore` over fsspec's Arrow HDFS filesys
 ``filesystem=fs``      :class:`FsspecBlobStore` over the given filesystem (wrappers, fakes)
 =====================  ====================================================================
 
-Retries on S3: DSTL's own loops are the ones that count (the upload scheduler for writes, with
-its attempt limit and per-attempt timeout; :class:`FsspecBlobStore` for reads). Left at their
-defaults, botocore (3-5 attempts) inside s3fs (5 attempts) inside DSTL would multiply attempts and
-stretch a failure far past DSTL's deadlines, so unless ``storage_options`` says otherwise s3fs
-makes one attempt (``retries=1``) and botocore one (``total_max_attempts=1``), with connect/read
-timeouts of a few seconds. Listing caches are off (``use_listings_cache=False``): other processes
-write to the same bucket.
+Retries on S3: one layer owns the budget, DSTL's (the upload scheduler for writes, with its
+attempt limit, per-attempt timeout and throttling backoff; :class:`FsspecBlobStore` for reads and
+deletes; both follow :mod:`dstl.retry`, bounded by ``retry_deadline_s``). Left at their defaults,
+botocore (3-5 attempts, its own backoff of up to 20 s) inside s3fs (5 attempts) inside DSTL would
+multiply attempts and backoffs and stretch a failure far past DSTL's deadlines, so unless
+``storage_options`` says otherwise s3fs makes one attempt (``retries=1``) and botocore one
+(``total_max_attempts=1``), with connect/read timeouts of a few seconds. What stays below DSTL:
+aiohttp resends an idempotent request (GET, HEAD, PUT, DELETE) once when a reused keep-alive
+connection breaks, and s3fs sleeps 0.1 s after a failed attempt before raising; the first is why
+:meth:`FsspecBlobStore.put` accepts its own bytes under an existing key. Listing caches are off
+(``use_listings_cache=False``): other processes write to the same bucket.
 
 Credentials live in ``storage_options`` or the standard AWS chain; they never reach a message,
 ``location``, a log line or a ``repr``.
@@ -43,6 +47,7 @@ import fsspec
 
 from dstl.checks import check_bool, check_instance, check_int, check_mapping
 from dstl.errors import ConfigError, ConfigTypeError
+from dstl.retry import RetryPolicy
 from dstl.stores.base import (
     BlobStore,
     ObjectInfo,
@@ -83,7 +88,7 @@ S3_DEFAULT_CONFIG_KWARGS: dict[str, Any] = {
 
 def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
                filesystem: fsspec.AbstractFileSystem | None = None, *,
-               validate: bool = True) -> BlobStore:
+               validate: bool = True, retry: RetryPolicy | None = None) -> BlobStore:
     """Open the blob store for ``base_uri``.
 
     Args:
@@ -98,6 +103,8 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
         validate: check right away that the root is reachable and usable (S3: the bucket exists
             and the credentials work; local: the directory can be created and written), so a
             bad bucket or missing credentials fail before any data is written.
+        retry: how reads and deletes of a remote (fsspec) store retry; ``ChangelogStorage``
+            passes ``RetryPolicy.for_store(options)``. Local stores do not retry.
 
     Returns:
         The store.
@@ -112,15 +119,19 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
     owner = "open_store"
     storage_options = check_mapping(storage_options, "storage_options", owner)
     check_bool(validate, "validate", owner)
+    if retry is not None:
+        check_instance(retry, "retry", owner, RetryPolicy,
+                       fix="pass dstl.retry.RetryPolicy.for_store(options), or None")
     if filesystem is not None:
         check_instance(filesystem, "filesystem", owner, fsspec.AbstractFileSystem,
                        fix="pass an fsspec filesystem instance, or None to build one from "
                            "the URI")
-        return _open_injected(filesystem, _uri_text(base_uri, owner), storage_options, validate)
+        return _open_injected(filesystem, _uri_text(base_uri, owner), storage_options, validate,
+                              retry)
     uri = check_store_uri(base_uri, storage_options, owner=owner)
     if "://" not in uri:
         return _open_local(uri, validate)
-    return _open_url(uri, storage_options, validate)
+    return _open_url(uri, storage_options, validate, retry)
 
 
 def check_store_uri(base_uri: object, storage_options: Mapping[str, Any] | None = None, *,
@@ -226,16 +237,17 @@ def _no_storage_options(storage_options: Mapping[str, Any] | None, what: str,
 
 
 def _open_injected(filesystem: fsspec.AbstractFileSystem, base_uri: str,
-                   storage_options: dict[str, Any] | None, validate: bool) -> FsspecBlobStore:
+                   storage_options: dict[str, Any] | None, validate: bool,
+                   retry: RetryPolicy | None) -> FsspecBlobStore:
     if storage_options:
         raise ConfigError("storage_options", "<given>", "None when filesystem= is given "
                           "(configure the filesystem itself)", owner="open_store")
-    injected = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri))
+    injected = FsspecBlobStore(filesystem, base_uri, location=_redact(base_uri), retry=retry)
     return _validated(injected) if validate else injected
 
 
 def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
-              validate: bool) -> BlobStore:
+              validate: bool, retry: RetryPolicy | None) -> BlobStore:
     """A store for a ``scheme://`` URI: the scheme picks it."""
     parts = urllib.parse.urlsplit(base_uri)
     scheme = parts.scheme.lower()
@@ -244,11 +256,11 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
     store: FsspecBlobStore
     if scheme == "memory":
         store = FsspecBlobStore(fsspec.filesystem("memory"), base_uri,
-                                location=base_uri.rstrip("/"))
+                                location=base_uri.rstrip("/"), retry=retry)
     elif scheme in ("s3", "s3a"):
-        store = _open_s3(scheme, parts, storage_options)
+        store = _open_s3(scheme, parts, storage_options, retry)
     else:
-        store = _open_hdfs(parts, storage_options)
+        store = _open_hdfs(parts, storage_options, retry)
     return _validated(store) if validate else store
 
 
@@ -260,7 +272,8 @@ def _open_local(path: str, validate: bool) -> LocalBlobStore:
 
 
 def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
-             storage_options: dict[str, Any] | None) -> FsspecBlobStore:
+             storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+             ) -> FsspecBlobStore:
     import s3fs  # imported lazily: only S3 users pay for aiobotocore
 
     bucket = parts.netloc
@@ -283,11 +296,11 @@ def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
     opts["skip_instance_cache"] = True  # never share an instance (and its credentials) by token
     fs = s3fs.S3FileSystem(**opts)
     fs.retries = retries
-    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket)
+    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket, retry=retry)
 
 
-def _open_hdfs(parts: urllib.parse.SplitResult,
-               storage_options: dict[str, Any] | None) -> FsspecBlobStore:
+def _open_hdfs(parts: urllib.parse.SplitResult, storage_options: dict[str, Any] | None,
+               retry: RetryPolicy | None) -> FsspecBlobStore:
     # Not exercised by the test suite (no HDFS here): kept to the minimum fsspec needs.
     host = parts.hostname or "default"  # "default": fs.defaultFS from the Hadoop configuration
     try:
@@ -298,7 +311,7 @@ def _open_hdfs(parts: urllib.parse.SplitResult,
     opts = {**(storage_options or {}), "skip_instance_cache": True}
     fs = fsspec.filesystem("hdfs", host=host, port=port, **opts)
     location = f"hdfs://{parts.netloc}{parts.path}".rstrip("/")
-    return FsspecBlobStore(fs, parts.path or "/", location=location)
+    return FsspecBlobStore(fs, parts.path or "/", location=location, retry=retry)
 
 
 _S = TypeVar("_S", LocalBlobStore, FsspecBlobStore)

@@ -38,6 +38,7 @@ from dstl.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    ThrottledError,
     TransientStorageError,
     UnsafePathError,
 )
@@ -146,10 +147,16 @@ _PERMANENT_ERRNOS = {errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EINV
                      errno.ENODEV, errno.ESPIPE, errno.EFAULT}
 _TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                      errno.EPIPE, errno.EAGAIN, errno.EINTR, errno.EHOSTUNREACH, errno.ENETUNREACH}
-_TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable",
-                       "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
-                       "XAmzContentSHA256Mismatch", "BadDigest", "IncompleteBody",
-                       "500", "502", "503", "504"}
+# The service is overloaded or failed internally: S3 advises retrying all of these with an
+# exponential backoff, so they become ThrottledError (retried after a jittered, growing delay).
+_THROTTLE_S3_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "Throttling",
+                      "ThrottlingException", "ThrottledException", "RequestThrottled",
+                      "RequestThrottledException", "TooManyRequestsException",
+                      "RequestLimitExceeded", "BandwidthLimitExceeded",
+                      "429", "500", "502", "503", "504"}
+# One request went wrong on the way (a timeout, a body damaged in transit): retry it.
+_TRANSIENT_S3_CODES = {"RequestTimeout", "RequestTimeTooSkewed", "XAmzContentSHA256Mismatch",
+                       "BadDigest", "IncompleteBody"}
 _DENIED_S3_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
                     "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem",
                     "InvalidSecurity", "403"}
@@ -212,6 +219,9 @@ def _from_service(cur: BaseException, *, op: str, key: str | None,
         return ObjectNotFoundError(f"{op} {where}: object not found", key=key)
     if code in _EXISTS_S3_CODES:
         return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
+    if code in _THROTTLE_S3_CODES:
+        return ThrottledError(f"{op} {where}: the store asks to slow down or failed internally "
+                              f"({code}: {cur})", key=key)
     if code in _TRANSIENT_S3_CODES:
         return TransientStorageError(f"{op} {where}: transient failure ({code}: {cur})", key=key)
     if code in _PERMANENT_S3_CODES:
@@ -279,7 +289,9 @@ def translate_error(exc: BaseException, *, op: str, key: str | None, location: s
 
     This is the only place that inspects third-party errors (botocore codes, s3fs/aiohttp
     transport errors, ``OSError`` errnos). The result is retryable iff it is a
-    :class:`~dstl.errors.TransientStorageError`.
+    :class:`~dstl.errors.TransientStorageError`; a :class:`~dstl.errors.ThrottledError` (the
+    service said slow down, or failed internally) is retried only after a backoff
+    (:mod:`dstl.retry`).
 
     The whole ``__cause__``/``__context__`` chain is searched for what the service said first
     (an S3 error code, a botocore credential error), then for builtin types: s3fs wraps

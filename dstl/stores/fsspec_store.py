@@ -8,7 +8,11 @@ Theory of operation: a key maps to ``<root>/<key>`` in the filesystem's own path
   write-once is enforced by the service; a concurrent second writer gets ``412`` ->
   :class:`~dstl.errors.ObjectExistsError`. fsspec's generic implementation (local, memory) checks
   existence first, which is not atomic; filesystems without ``mode`` get the same check here.
-  DSTL never reuses an object name, so the check only guards against bugs. Directory-based
+  DSTL never reuses an object name, so the check only guards against bugs — with one exception:
+  the HTTP client under s3fs (aiohttp) resends an idempotent request (PUT is one) once by itself
+  when a reused keep-alive connection breaks, also after the first copy landed, and that resend
+  meets ``412``. So on ``ObjectExistsError`` the existing object is read back: the same bytes
+  are this put's own earlier landing and the put succeeds; other bytes stay an error. Directory-based
   filesystems (fsspec local, HDFS) need the parent directory: when the write fails with "not
   found", the parent is created once and the write repeated.
 - ``get``/``get_range`` -> ``cat_file`` (a ranged GET on S3); ``head`` -> ``info``; ``list`` ->
@@ -16,10 +20,14 @@ Theory of operation: a key maps to ``<root>/<key>`` in the filesystem's own path
   batched ``rm`` (s3fs: DeleteObjects), falling back to per-key removal on filesystems that refuse
   a batch naming a missing path.
 
-Retries: read-side operations (``get``, ``get_range``, ``head``, ``list``) are retried here on
-:class:`~dstl.errors.TransientStorageError`, up to ``read_attempts`` attempts with a short backoff,
-because their callers (restore, the cache) have no retry loop of their own. Writes and deletes are
-NOT retried here: the upload scheduler owns write retries and counts attempts. Every exception
+Retries: read-side operations (``get``, ``get_range``, ``head``, ``list``) and deletes are
+retried here on :class:`~dstl.errors.TransientStorageError` as the :class:`~dstl.retry.RetryPolicy`
+says (``read_max_attempts``, jittered exponential backoff, throttling bounded by
+``retry_deadline_s``), because their callers (restore, the cache, retention, segment release) have
+no retry loop of their own; a delete is idempotent, so repeating it is safe. Writes are NOT
+retried here: the upload scheduler owns write retries, counts attempts and names each attempt's
+object. The retry layers of s3fs and botocore below are set to one attempt each by
+:func:`dstl.stores.open_store`, so this is the one layer that owns the budget. Every exception
 passes through :func:`dstl.stores.base.translate_error`.
 """
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,22 +47,21 @@ from dstl.errors import (
     AccessDeniedError,
     ClosedError,
     ConfigError,
+    ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     TransientStorageError,
     UsageError,
 )
+from dstl.retry import RetryPolicy, call_with_retries
 from dstl.stores.base import ObjectInfo, check_key, translate_error
 
-__all__ = ["DEFAULT_READ_BACKOFF_S", "FsspecBlobStore"]
+__all__ = ["FsspecBlobStore"]
 
 _log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Pause before read attempt 2, 3, ...: long enough to ride out a connection reset or a throttling
-#: burst, short enough that a restore waiting on a dead store fails within a second.
-DEFAULT_READ_BACKOFF_S: tuple[float, ...] = (0.05, 0.2)
 #: Keys per ``rm`` call: S3's DeleteObjects limit.
 _DELETE_BATCH = 1000
 
@@ -73,25 +81,21 @@ class FsspecBlobStore:
         root: the root path (or URL) in ``fs``'s syntax, e.g. ``bucket/prefix`` for s3fs.
         location: how the root is shown in messages; defaults to ``root``. Never include
             credentials.
-        read_attempts: attempts of each read-side operation (>= 1).
-        read_backoff_s: pauses between read attempts; the last value repeats.
+        retry: how reads and deletes retry (default: :class:`~dstl.retry.RetryPolicy`'s
+            defaults, which are ``DstlOptions``'s).
         bucket: the bucket (or container) holding ``root``, if the filesystem has them;
             :meth:`validate` checks that it exists.
+        clock, sleep, draw: time, waiting and the jitter's random numbers (tests inject them).
 
     Raises:
-        ConfigError: ``read_attempts`` < 1, or ``root`` is the filesystem's root.
+        ConfigError: ``root`` is the filesystem's root.
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, location: str | None = None,
-                 read_attempts: int = 3,
-                 read_backoff_s: Sequence[float] = DEFAULT_READ_BACKOFF_S,
-                 bucket: str | None = None) -> None:
-        if read_attempts < 1:
-            raise ConfigError("read_attempts", read_attempts, "an integer >= 1",
-                              owner="FsspecBlobStore")
-        if not read_backoff_s or any(b < 0 for b in read_backoff_s):
-            raise ConfigError("read_backoff_s", tuple(read_backoff_s),
-                              "a non-empty sequence of delays >= 0", owner="FsspecBlobStore")
+                 retry: RetryPolicy | None = None, bucket: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 draw: Callable[[], float] = random.random) -> None:
         stripped = str(fs._strip_protocol(root)).rstrip("/")
         if not stripped:
             raise ConfigError("root", location or root, "a directory or bucket below the "
@@ -99,8 +103,10 @@ class FsspecBlobStore:
         self._fs: fsspec.AbstractFileSystem | None = fs
         self._root = stripped
         self.location = location if location is not None else root.rstrip("/")
-        self._read_attempts = read_attempts
-        self._backoff = tuple(read_backoff_s)
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._clock = clock
+        self._sleep = sleep
+        self._draw = draw
         self._bucket = bucket
         self._create_mode = _takes_mode(fs)
         self._lock = threading.Lock()
@@ -118,10 +124,10 @@ class FsspecBlobStore:
     # ------------------------------------------------------------------ BlobStore
 
     def put(self, key: str, data: bytes) -> None:
-        """Write a new object; fail if ``key`` exists. Not retried here.
+        """Write a new object; fail if ``key`` holds other bytes. Not retried here.
 
         Raises:
-            ObjectExistsError: the key exists (its content is unchanged).
+            ObjectExistsError: the key exists with other bytes (its content is unchanged).
             TransientStorageError: this attempt failed and may be retried by the caller (the
                 object may or may not have been written).
             AccessDeniedError: credentials or bucket problem.
@@ -133,6 +139,9 @@ class FsspecBlobStore:
             self._pipe(fs, path, data)
         except Exception as exc:
             err = translate_error(exc, op="put", key=key, location=self.location)
+            if isinstance(err, ObjectExistsError):
+                self._check_own_landing(key, data, err)
+                return
             if not isinstance(err, ObjectNotFoundError):
                 raise err from exc
             # A directory-based filesystem is missing the parent directory (object stores never
@@ -144,12 +153,24 @@ class FsspecBlobStore:
                 raise translate_error(exc2, op="put", key=key,
                                       location=self.location) from exc2
 
+    def _check_own_landing(self, key: str, data: bytes, err: ObjectExistsError) -> None:
+        """A write-once conflict: succeed if the object holds exactly ``data`` (the HTTP client
+        resent this put after its first copy landed), else raise ``err``."""
+        try:
+            existing = self.get(key)
+        except ObjectNotFoundError:
+            existing = None  # deleted in between: still not ours to overwrite
+        if existing != data:
+            raise err
+        _log.info("put %s/%s: the object already holds these exact bytes (a resent request "
+                  "whose first copy landed); the put succeeded", self.location, key)
+
     def get(self, key: str) -> bytes:
         """Return the whole object.
 
         Raises:
             ObjectNotFoundError: no such object (also a ``FileNotFoundError``).
-            TransientStorageError: all ``read_attempts`` failed.
+            TransientStorageError: the retries ran out (see :mod:`dstl.retry`).
         """
         fs = self._open_fs()
         path = self._path(key)
@@ -240,27 +261,38 @@ class FsspecBlobStore:
     def delete(self, keys: Iterable[str]) -> None:
         """Remove objects; missing keys are fine. Every key is validated before any removal.
 
-        Not retried here (the caller's cleanup is idempotent and may run again).
+        Retried like reads (a delete is idempotent).
+
+        Raises:
+            TransientStorageError: the retries ran out (some keys may be gone, others not).
         """
         fs = self._open_fs()
         pairs = [(key, self._path(key)) for key in keys]
         for i in range(0, len(pairs), _DELETE_BATCH):
             batch = pairs[i:i + _DELETE_BATCH]
+            self._retrying("delete", batch[0][0], self._batch_deleter(fs, batch))
+
+    def _batch_deleter(self, fs: fsspec.AbstractFileSystem,
+                       batch: Sequence[tuple[str, str]]) -> Callable[[], None]:
+        return lambda: self._delete_batch(fs, batch)
+
+    def _delete_batch(self, fs: fsspec.AbstractFileSystem,
+                      batch: Sequence[tuple[str, str]]) -> None:
+        try:
+            fs.rm([path for _, path in batch])
+            return
+        except Exception as exc:
+            err = translate_error(exc, op="delete", key=batch[0][0], location=self.location)
+            if not isinstance(err, ObjectNotFoundError):
+                raise err from exc
+        # fsspec's generic rm() refuses the whole batch when one path is missing.
+        for key, path in batch:
             try:
-                fs.rm([path for _, path in batch])
-                continue
+                fs.rm_file(path)
             except Exception as exc:
-                err = translate_error(exc, op="delete", key=batch[0][0], location=self.location)
+                err = translate_error(exc, op="delete", key=key, location=self.location)
                 if not isinstance(err, ObjectNotFoundError):
                     raise err from exc
-            # fsspec's generic rm() refuses the whole batch when one path is missing.
-            for key, path in batch:
-                try:
-                    fs.rm_file(path)
-                except Exception as exc:
-                    err = translate_error(exc, op="delete", key=key, location=self.location)
-                    if not isinstance(err, ObjectNotFoundError):
-                        raise err from exc
 
     def close(self) -> None:
         """Mark the store closed and drop its reference to the filesystem.
@@ -332,20 +364,13 @@ class FsspecBlobStore:
         raise FileExistsError(path)  # translated by put()
 
     def _read(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
-        """Run a read-side call, retrying transient failures with backoff."""
-        for attempt in range(1, self._read_attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                err = translate_error(exc, op=op, key=key, location=self.location)
-                if not isinstance(err, TransientStorageError) or attempt == self._read_attempts:
-                    if attempt > 1:
-                        _log.warning("%s %s/%s failed after %d attempts: %s", op, self.location,
-                                     key or "", attempt, err)
-                    raise err from exc
-                delay = self._backoff[min(attempt - 1, len(self._backoff) - 1)]
-                _log.debug("%s %s/%s attempt %d failed (%s); retrying in %.3fs", op,
-                           self.location, key or "", attempt, err, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        """Run a read-side call, retrying transient failures as the retry policy says."""
+        return self._retrying(op, key, fn)
+
+    def _retrying(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
+        return call_with_retries(
+            fn, self.retry,
+            translate=lambda exc: translate_error(exc, op=op, key=key, location=self.location),
+            what=f"{op} {self.location}/{key or ''}", clock=self._clock, sleep=self._sleep,
+            draw=self._draw)
 

@@ -44,14 +44,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support.job_model import JobConfig, Journal, JournalView, MiniJob, journal_path  # noqa: E402
+from support.job_model import JobConfig, Journal, JournalView, MiniJob, journal_path
 
-from dstl.stores import open_store  # noqa: E402
-from materializer import BackendOptions  # noqa: E402
+from dstl.layout import MANIFEST_PREFIX, SEGMENT_PREFIX, SNAPSHOT_PREFIX
+from dstl.stores import open_store
+from materializer import BackendOptions
 
 POINTS = ("segment-put", "segment-landed", "snapshot-put", "manifest-put", "manifest-landed",
           "delete", "before-ack")
-_PREFIX = {"segment": "dstl/", "snapshot": "snapshots/", "manifest": "checkpoints/"}
+_PREFIX = {"segment": SEGMENT_PREFIX, "snapshot": SNAPSHOT_PREFIX, "manifest": MANIFEST_PREFIX}
 
 
 class PausingStore:

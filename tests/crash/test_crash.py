@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 from support import moto_server
 from support.job_model import (
+    JOB_ID,
     JobConfig,
     JournalView,
     all_objects,
@@ -47,7 +48,7 @@ from support.job_model import (
     journal_path,
 )
 
-from dstl.coordinator import CheckpointCoordinator
+from dstl.checkpoint import CheckpointCoordinator
 from dstl.stores import open_store
 
 moto_endpoint = moto_server.moto_endpoint
@@ -183,7 +184,7 @@ def finish_cleanly(t: Target, seed: int) -> None:
     assert_consistent(t, "a clean run after the crashes")
     store = open_store(t.url, dict(t.storage_options))
     try:
-        coord = CheckpointCoordinator.recover(store, "crashjob", retained=t.config().retained)
+        coord = CheckpointCoordinator.recover(store, JOB_ID, retained=t.config().retained)
         coord.collect_orphans(min_age_s=0)
         coord.run_deletions()  # stale manifests left by killed commits
         coord.close()

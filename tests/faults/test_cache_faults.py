@@ -30,6 +30,7 @@ from dstl.errors import (
     TransientStorageError,
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
+from dstl.retry import RetryPolicy
 from dstl.segment import encode_segment
 from dstl.stores import BlobStore, FsspecBlobStore, MemoryBlobStore, ObjectInfo
 from dstl.timer import ManualTimer
@@ -53,7 +54,7 @@ def root() -> str:
 
 @pytest.fixture
 def store(ffs: FaultyFileSystem, root: str) -> Iterator[FsspecBlobStore]:
-    s = FsspecBlobStore(ffs, root, read_attempts=2, read_backoff_s=(0.0,))
+    s = FsspecBlobStore(ffs, root, retry=RetryPolicy(max_attempts=2, backoff_base_s=0.0))
     yield s
     s.close()
     with contextlib.suppress(FileNotFoundError):

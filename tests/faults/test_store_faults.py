@@ -2,7 +2,8 @@
 a real disk-full (RLIMIT_FSIZE) for LocalBlobStore.
 
 Write faults surface once, typed, and are never retried by the store (the upload scheduler owns
-write retries); read faults are retried up to ``read_attempts`` and then surface typed.
+write retries); read faults are retried up to ``RetryPolicy.max_attempts`` and then surface
+typed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dstl.errors import (
     ObjectExistsError,
     TransientStorageError,
 )
+from dstl.retry import RetryPolicy
 from dstl.stores import FsspecBlobStore, LocalBlobStore, is_retryable, open_store
 
 # Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
@@ -40,7 +42,8 @@ moto_endpoint = moto_server.moto_endpoint
 s3_bucket = moto_server.s3_bucket
 
 REPO = Path(__file__).resolve().parents[2]
-FAST_BACKOFF = (0.001,)  # keep retry tests fast; the default backoff is tested once below
+#: Keep retry tests fast; the default backoff is tested once below.
+FAST = RetryPolicy(max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.001)
 
 
 @dataclass
@@ -49,7 +52,7 @@ class Env:
     root: str
 
     def store(self, **kwargs: Any) -> FsspecBlobStore:
-        kwargs.setdefault("read_backoff_s", FAST_BACKOFF)
+        kwargs.setdefault("retry", FAST)
         return FsspecBlobStore(self.faulty, self.root, **kwargs)
 
     def path(self, key: str) -> str:
@@ -97,8 +100,10 @@ def test_fail_after_write_leaves_the_object(env: Env) -> None:
     with pytest.raises(TransientStorageError):
         store.put("dstl/ghost", b"landed")
     assert store.get("dstl/ghost") == b"landed"  # the client saw an error, the write landed
-    with pytest.raises(ObjectExistsError):       # a retry under the same name is refused
-        store.put("dstl/ghost", b"landed")
+    store.put("dstl/ghost", b"landed")           # the same bytes again: its own landing
+    with pytest.raises(ObjectExistsError):       # other bytes under the name are refused
+        store.put("dstl/ghost", b"other")
+    assert store.get("dstl/ghost") == b"landed"
 
 
 def test_disk_full_is_typed_and_not_retryable(env: Env) -> None:
@@ -174,7 +179,7 @@ def test_counts_each_object_read_once(env: Env) -> None:
 
 @pytest.mark.parametrize("failures", [1, 2])
 def test_read_retries_recover(env: Env, failures: int) -> None:
-    store = env.store(read_attempts=3)
+    store = env.store()
     store.put("k", b"value")
     path = env.path("k")
     env.faulty.fail_reads([path], count=failures)
@@ -189,7 +194,7 @@ def test_read_retries_recover(env: Env, failures: int) -> None:
 
 
 def test_read_retries_give_up_typed(env: Env) -> None:
-    store = env.store(read_attempts=3)
+    store = env.store()
     store.put("k", b"value")
     path = env.path("k")
     env.faulty.fail_reads([path], count=3)
@@ -201,7 +206,7 @@ def test_read_retries_give_up_typed(env: Env) -> None:
 
 
 def test_permanent_read_failure_is_not_retried(env: Env) -> None:
-    store = env.store(read_attempts=3)
+    store = env.store()
     store.put("k", b"value")
     path = env.path("k")
     env.faulty.fail_reads([path], error=permanent_error)
@@ -210,13 +215,13 @@ def test_permanent_read_failure_is_not_retried(env: Env) -> None:
     assert env.faulty.calls("cat_file", path) == 1
 
 
-def test_default_backoff(env: Env) -> None:
-    store = FsspecBlobStore(env.faulty, env.root)
+def test_default_backoff_is_jittered_exponential(env: Env) -> None:
+    waits: list[float] = []
+    store = FsspecBlobStore(env.faulty, env.root, sleep=waits.append, draw=lambda: 0.5)
     store.put("k", b"v")
     env.faulty.fail_reads(count=2)
-    t0 = time.monotonic()
     assert store.get("k") == b"v"
-    assert time.monotonic() - t0 >= 0.25  # 0.05 s + 0.2 s
+    assert waits == [0.05, 0.1]  # half (the draw) of 0.1 s, then of 0.2 s
 
 
 # --------------------------------------------------------------------------- LocalBlobStore

@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 from support.faulty_fs import FaultyFileSystem
 
 from dstl.errors import CacheFullError, CorruptObjectError, LeaseError
+from dstl.retry import RetryPolicy
 from dstl.stores import FsspecBlobStore
 from dstl.timer import ManualTimer
 from restore import CacheLease, LocalFileCache
@@ -65,7 +66,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.directory = os.path.join(self.tmp, "cache")
         self.ffs = FaultyFileSystem(fsspec.filesystem("memory", skip_instance_cache=True))
         self.root = f"/cache-model-{uuid.uuid4().hex}"
-        self.store = FsspecBlobStore(self.ffs, self.root, read_attempts=1)
+        self.store = FsspecBlobStore(self.ffs, self.root, retry=RetryPolicy(max_attempts=1))
         for key in SIZES:
             self.store.put(key, _content(key))
         self.timer = ManualTimer()

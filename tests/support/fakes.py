@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 
+from dstl.errors import ThrottledError
 from dstl.stores import MemoryBlobStore, ObjectInfo
 
 
@@ -41,14 +42,17 @@ class DelegatingStore:
 class ScriptedStore(DelegatingStore):
     """A :class:`MemoryBlobStore` whose ``put`` calls follow a script, one step per call.
 
-    Steps: ``"ok"``; ``"transient"`` (ConnectionResetError before writing); ``"fatal"``
-    (PermissionError); ``"ghost"`` (the write lands, then ConnectionResetError); ``"hang"``
-    (block until :meth:`release_hangs`, then write). After the script, every put is ``"ok"``.
+    Steps: ``"ok"``; ``"transient"`` (ConnectionResetError before writing); ``"throttled"``
+    (what a 503 SlowDown translates to, before writing); ``"fatal"`` (PermissionError);
+    ``"ghost"`` (the write lands, then ConnectionResetError); ``"hang"`` (block until
+    :meth:`release_hangs`, then write). After the script, every put is ``"ok"``; with
+    ``forever`` set, every put after the script repeats the script's last step.
     """
 
     def __init__(self, script: Iterable[str] = ()) -> None:
         super().__init__("memory://scripted")
         self.script = list(script)
+        self.forever: str | None = None
         self.puts: list[str] = []
         self.deletes: list[str] = []
         self.gets = 0
@@ -61,10 +65,12 @@ class ScriptedStore(DelegatingStore):
 
     def put(self, key: str, data: bytes) -> None:
         with self._lock:
-            step = self.script.pop(0) if self.script else "ok"
+            step = self.script.pop(0) if self.script else (self.forever or "ok")
             self.puts.append(key)
         if step == "transient":
             raise ConnectionResetError(f"injected reset for {key}")
+        if step == "throttled":
+            raise ThrottledError(f"put {key}: injected SlowDown", key=key)
         if step == "fatal":
             raise PermissionError(f"injected denial for {key}")
         if step == "hang":

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.coordinator import CheckpointCoordinator
+from dstl.checkpoint import CheckpointCoordinator
 from materializer import (
     BackendOptions,
     ChangelogKeyedStateBackend,

@@ -181,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+    def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the tests read the stats, not an access log."""
 
     def do_GET(self) -> None:

@@ -28,6 +28,7 @@ from dstl.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    ThrottledError,
     TransientStorageError,
 )
 from dstl.stores import is_retryable, translate_error
@@ -82,12 +83,16 @@ CASES: list[tuple[str, Callable[[], BaseException], type[DstlError], bool]] = [
     ("PreconditionFailed", lambda: client_error("PreconditionFailed", 412, "PutObject",
                                                 Condition="If-None-Match"),
      ObjectExistsError, False),
-    ("SlowDown", lambda: client_error("SlowDown", 503, "PutObject"), TransientStorageError,
+    # throttling and internal errors: retried after a backoff (dstl.retry)
+    ("SlowDown", lambda: client_error("SlowDown", 503, "PutObject"), ThrottledError, True),
+    ("InternalError", lambda: client_error("InternalError", 500), ThrottledError, True),
+    ("ServiceUnavailable", lambda: client_error("ServiceUnavailable", 503), ThrottledError,
      True),
-    ("InternalError", lambda: client_error("InternalError", 500), TransientStorageError, True),
+    ("HeadObject 503", lambda: client_error("503", 503, "HeadObject"), ThrottledError, True),
+    ("429", lambda: client_error("429", 429, "PutObject"), ThrottledError, True),
+    ("Throttling", lambda: client_error("Throttling", 400, "ListObjectsV2"), ThrottledError,
+     True),
     ("RequestTimeout", lambda: client_error("RequestTimeout", 400, "PutObject"),
-     TransientStorageError, True),
-    ("ServiceUnavailable", lambda: client_error("ServiceUnavailable", 503),
      TransientStorageError, True),
     ("InvalidRange", lambda: client_error("InvalidRange", 416, ActualObjectSize="5"),
      StorageError, False),

@@ -32,6 +32,7 @@ from dstl.errors import (
     TruncatedObjectError,
     UsageError,
 )
+from dstl.retry import RetryPolicy
 from dstl.segment import decode_segment, encode_segment
 from dstl.stores import FsspecBlobStore
 from dstl.timer import ManualTimer
@@ -55,7 +56,7 @@ def root() -> str:
 
 @pytest.fixture
 def store(ffs: FaultyFileSystem, root: str) -> Iterator[FsspecBlobStore]:
-    s = FsspecBlobStore(ffs, root, read_attempts=1)
+    s = FsspecBlobStore(ffs, root, retry=RetryPolicy(max_attempts=1))
     yield s
     s.close()
     with contextlib.suppress(FileNotFoundError):
