@@ -43,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import tempfile
@@ -68,6 +69,7 @@ from dstl.errors import (
     CorruptObjectError,
     KeyGroupError,
     StateError,
+    TransientStorageError,
     UsageError,
     located,
 )
@@ -75,7 +77,9 @@ from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, META_KEY_GROUP, KeyGroupRange, key_group_for
 from dstl.layout import operator_dir, snapshot_key
 from dstl.metrics import MetricsRegistry
-from dstl.stores.base import check_store
+from dstl.options import DstlOptions
+from dstl.retry import RetryBudget, RetryPolicy
+from dstl.stores.base import check_store, translate_error
 from dstl.timer import Timer, check_timer
 from materializer.changes import (
     ADD,
@@ -111,7 +115,7 @@ from materializer.policy import MaterializationRules
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
 
-__all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key"]
+__all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key", "upload_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,15 +174,14 @@ class _BackendSnapshots:
                                "states": {str(r.state_id): r.meta for r in b._by_id.values()}},
                               sort_keys=True).encode("utf-8")
         b._meta_logged.clear()  # the log after up_to must describe its states again
-        key = new_snapshot_key(b.operator_id, materialization_id)
         encode = b._encode_entry if b._heap else None
-        zstd_level, store = b.options.zstd_level, b._store
+        zstd_level, store, retry = b.options.zstd_level, b._store, b._upload_retry
         max_block = b.options.max_snapshot_block_bytes
 
         def write() -> SnapshotRef:
             data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level,
                                  max_block_bytes=max_block)
-            store.put(key, data)
+            key = upload_snapshot(store, b.operator_id, materialization_id, data, retry)
             return SnapshotRef(key, len(data), b.key_groups, materialization_id)
 
         return write
@@ -275,6 +278,9 @@ class ChangelogKeyedStateBackend:
         self.table_kind = table
         self._storage = storage
         self._store = storage.store
+        # snapshot uploads retry like segment uploads (the storage's options)
+        self._upload_retry = RetryPolicy.for_uploads(getattr(storage, "options", None)
+                                                     or DstlOptions())
         self._heap = table == "heap"
         self._key_codec: Codec = key_codec or StrOrBytesKeyCodec()
         self._ns_codec = _NamespaceCodec(self.options.max_value_decoded_bytes)
@@ -907,3 +913,47 @@ def new_snapshot_key(operator_id: str, materialization_id: int) -> str:
     (the name itself is :func:`dstl.layout.snapshot_key`'s)."""
     return snapshot_key(operator_id, materialization_id, int(time.time() * 1000),
                         secrets.token_hex(4))
+
+
+def upload_snapshot(store: Any, operator_id: str, materialization_id: int, data: bytes,
+                    policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep,
+                    draw: Callable[[], float] = random.random) -> str:
+    """Write a snapshot object, retried as segment uploads are (``policy``: the storage's
+    ``RetryPolicy.for_uploads``; throttling backs off with jitter until the deadline).
+
+    Every attempt writes a fresh name; after a retryable failure that name is deleted, because
+    the write may have landed although the client saw an error (a lost response), and nothing
+    will ever reference it. A failed delete leaves an orphan for ``collect_orphans``.
+
+    Returns:
+        The key that holds ``data``.
+
+    Raises:
+        StorageError: the last attempt's error once the policy gives up (chained).
+    """
+    budget = RetryBudget(policy, time.monotonic())
+    attempts = 0
+    while True:
+        attempts += 1
+        key = new_snapshot_key(operator_id, materialization_id)
+        try:
+            store.put(key, data)
+            return key
+        except Exception as exc:
+            err = translate_error(exc, op="put", key=key, location=store.location)
+            if isinstance(err, TransientStorageError):
+                _delete_quietly(store, key)
+            delay = budget.after_failure(err, attempts, time.monotonic(), draw())
+            if delay is None:
+                raise err from exc
+            logger.warning("snapshot upload %s (attempt %d) failed (%s); retrying in %.3fs",
+                           key, attempts, err, delay)
+            sleep(delay)
+
+
+def _delete_quietly(store: Any, key: str) -> None:
+    try:
+        store.delete([key])
+    except Exception as exc:  # noqa: BLE001 - any failure leaves an orphan for collect_orphans
+        logger.warning("could not delete %s after its failed upload (%s); it is an orphan "
+                       "until collect_orphans", key, exc)

@@ -27,7 +27,9 @@ from typing import Any
 
 from dstl.errors import UsageError
 from dstl.keygroups import KeyGroupRange
-from materializer.backend import new_snapshot_key
+from dstl.options import DstlOptions
+from dstl.retry import RetryPolicy
+from materializer.backend import upload_snapshot
 from materializer.handles import SnapshotRef
 from materializer.lmdb_table import LmdbStateTable
 from materializer.table_marker import TableMarker
@@ -59,7 +61,8 @@ class ExternalMaterialization:
 def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store: Any, *,
                                 zstd_level: int = 1,
                                 skip_boundary: tuple[str, int] | None = None,
-                                max_block_bytes: int | None = None
+                                max_block_bytes: int | None = None,
+                                retry: RetryPolicy | None = None
                                 ) -> ExternalMaterialization | None:
     """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
 
@@ -71,6 +74,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         skip_boundary: a boundary already materialized (nothing new: skip).
         max_block_bytes: the limit on a block's content (the writer's
             ``BackendOptions.max_snapshot_block_bytes``; default the format's).
+        retry: how the upload retries (default: that of segment uploads at the default
+            ``DstlOptions``).
 
     Returns:
         The materialization, or ``None`` when there is nothing to materialize (no marker yet,
@@ -86,8 +91,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
-    key = new_snapshot_key(marker.operator_id, mat_id)
-    store.put(key, taken.data)
+    key = upload_snapshot(store, marker.operator_id, mat_id, taken.data,
+                          retry or RetryPolicy.for_uploads(DstlOptions()))
     duration = time.monotonic() - t0
     logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
                 "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,

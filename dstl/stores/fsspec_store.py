@@ -315,9 +315,12 @@ class FsspecBlobStore:
 
         Raises:
             AccessDeniedError: missing credentials, no permission, or (S3) no such bucket.
-            TransientStorageError: the store did not answer.
+            TransientStorageError: the store did not answer (retried like a read).
         """
         fs = self._open_fs()
+        self._retrying("open", None, lambda: self._check_root(fs))
+
+    def _check_root(self, fs: fsspec.AbstractFileSystem) -> None:
         if self._bucket is not None:
             # HeadBucket: proves both that the bucket exists and that the credentials work.
             try:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.checkpoint import CheckpointCoordinator
+from dstl.checkpoint import CheckpointCommitError, CheckpointCoordinator, Completion
 from materializer import (
     BackendOptions,
     ChangelogKeyedStateBackend,
@@ -63,6 +63,8 @@ KEYS = [f"k{i}" for i in range(16)]
 MAP_KEYS = [f"f{i}" for i in range(5)]
 MAX_LIST = 6
 WAIT_S = 60.0
+#: Commits a driver tries again after a failed manifest put.
+COMMIT_ATTEMPTS = 3
 
 #: backend id -> key -> [value or None, list, map]; absent keys hold no state.
 Model = dict[str, dict[str, list[Any]]]
@@ -209,9 +211,12 @@ class MiniJob:
             completion = None
             for bid, fut in futures.items():
                 h = fut.result(WAIT_S)
-                completion = self.coord.acknowledge(cid, bid, h.to_json_obj(),
-                                                    h.referenced_keys(), h.full_size,
-                                                    h.incremental_size)
+                try:
+                    completion = self.coord.acknowledge(cid, bid, h.to_json_obj(),
+                                                        h.referenced_keys(), h.full_size,
+                                                        h.incremental_size)
+                except CheckpointCommitError:
+                    completion = self._commit_again(cid)
         except BaseException as exc:
             if self.journal is not None:
                 self.journal.append({"t": "error", "cp": cid,
@@ -230,6 +235,16 @@ class MiniJob:
             self.journal.append({"t": "ack", "cp": cid})
         self.completed.append(cid)
         return cid
+
+    def _commit_again(self, cid: int) -> Completion:
+        """What a driver does after a failed manifest put: commit again (a new attempt name)."""
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                return self.coord.complete(cid)
+            except CheckpointCommitError:
+                if attempt == COMMIT_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
 
     def _abort(self, cid: int, exc: BaseException) -> None:
         if self.coord.pending_checkpoint_id == cid:
@@ -414,6 +429,19 @@ def expected_objects(store: Any, config: JobConfig) -> set[str]:
 def all_objects(store: Any, prefixes: Sequence[str] = ("dstl/", "snapshots/", "checkpoints/")
                 ) -> set[str]:
     return {i.key for p in prefixes for i in store.list(p)}
+
+
+def check_objects(store: Any, config: JobConfig, *, may_linger: Iterable[str] = ()) -> list[str]:
+    """G5/G6 on the store itself: exactly the retained manifests and the objects they name
+    exist. ``may_linger``: keys whose write was held past the client's timeout and may land after
+    their cleanup (reported separately by the caller); every other extra object is a duplicate
+    or a leak."""
+    expected = expected_objects(store, config)
+    found = all_objects(store)
+    allowed = set(may_linger)
+    return ([f"UNEXPECTED OBJECT: {k} is named by no retained checkpoint"
+             for k in sorted(found - expected - allowed)]
+            + [f"MISSING OBJECT: {k}" for k in sorted(expected - found)])
 
 
 def journal_path(work: str | os.PathLike[str]) -> Path:
