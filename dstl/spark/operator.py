@@ -46,6 +46,7 @@ from dstl.checks import (
 from dstl.errors import ConfigError, ConfigTypeError, UsageError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
+from dstl.retry import RetryPolicy
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.processor import StatefulProcessor
 from dstl.spark.report import REPORT_COLUMN, TaskReport, TaskReportError
@@ -140,11 +141,19 @@ class DstlStatefulOperator:
         from dstl.stores import open_store
 
         conf = dict(spark.sparkContext.getConf().getAll())
-        # A bad scheme, bucket or credentials fail here, before any batch runs.
-        store = open_store(self.state_uri, self.storage_options, validate=True)
-        coordinator = CheckpointCoordinator.recover(store, self.name, retained=self.retained)
         out = _spark_schema(spark, self.output_schema)
-        self._ready = _Ready(store, coordinator, self._task_config(conf, out), out)
+        config = self._task_config(conf, out)
+        # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's
+        # reads and deletes retry as the tasks' do.
+        store = open_store(self.state_uri, self.storage_options, validate=True,
+                           retry=RetryPolicy.for_store(config.dstl_options))
+        try:
+            coordinator = CheckpointCoordinator.recover(store, self.name,
+                                                        retained=self.retained)
+        except BaseException:
+            store.close()
+            raise
+        self._ready = _Ready(store, coordinator, config, out)
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
                     store.location, self.table, latest.checkpoint_id if latest else "none")

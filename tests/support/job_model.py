@@ -135,7 +135,7 @@ class JournalView:
 # --------------------------------------------------------------------------- the job
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobConfig:
     table: str = "heap"
     n_backends: int = 3

@@ -41,7 +41,7 @@ many to break (``count``; ``None`` = every one: a permanent fault) and a probabi
 
 Control: ``PUT /__faults__/rules`` (a JSON list of rules, replacing the current ones),
 ``DELETE /__faults__/rules``, ``GET /__faults__/stats`` (requests per operation, injected faults,
-stalls still in flight). Bucket names cannot contain ``_``, so the control path never collides
+stalls still in flight), ``DELETE /__faults__/stats``. Bucket names cannot contain ``_``, so the control path never collides
 with S3. The process exits when its parent process is gone (``--parent-pid``).
 
 :class:`FaultProxy` (the client half, imported by tests) starts the process, sets rules and reads
@@ -357,6 +357,11 @@ class _Handler(BaseHTTPRequestHandler):
             with st.lock:
                 st.rules = []
             out = {"ok": True}
+        elif name == "stats" and self.command == "DELETE":
+            with st.lock:
+                st.requests.clear()
+                st.injected.clear()
+            out = {"ok": True}
         elif name == "stats" and self.command == "GET":
             with st.lock:
                 out = {"requests": dict(st.requests), "injected": list(st.injected),
@@ -436,7 +441,13 @@ class FaultProxy:
         self._call("PUT", "rules", [r.to_json_obj() for r in rules])
 
     def clear(self) -> None:
+        """Drop the rules (the statistics stay)."""
         self._call("DELETE", "rules")
+
+    def reset(self) -> None:
+        """Drop the rules and the statistics (a new test)."""
+        self.clear()
+        self._call("DELETE", "stats")
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "stats")  # type: ignore[no-any-return]

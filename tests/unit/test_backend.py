@@ -13,7 +13,13 @@ import pytest
 from support.fakes import DelegatingStore, ScriptedStore
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
-from dstl.errors import BackendFailedError, KeyGroupError, UsageError
+from dstl.errors import (
+    BackendFailedError,
+    KeyGroupError,
+    ThrottledError,
+    TransientStorageError,
+    UsageError,
+)
 from dstl.handle import ChangelogHandle
 from dstl.stores import MemoryBlobStore
 from dstl.timer import ManualTimer
@@ -404,38 +410,80 @@ class SnapshotFailingStore(DelegatingStore):
         self.inner.put(key, data)
 
 
+#: One upload attempt per materialization: each failed put fails the materialization.
+ONE_ATTEMPT = DstlOptions(persist_delay_s=0.0, upload_max_attempts=1)
+
+
 def test_failures_up_to_max_are_retried_then_the_backend_fails(table: str) -> None:
-    with ChangelogStorage(store=SnapshotFailingStore(fail=10),
-                          options=DstlOptions(persist_delay_s=0.0)) as s:
+    with ChangelogStorage(store=SnapshotFailingStore(fail=10), options=ONE_ATTEMPT) as s:
         b = _backend(s, table, options=NO_TIMER.replace(max_failures=2))
         v = b.get_state(ValueStateDescriptor("v"))
         b.set_current_key("k")
         for attempt in range(3):
             v.update(attempt)
-            with pytest.raises(ConnectionResetError):
+            with pytest.raises(TransientStorageError) as failed:
                 b.materialize_now(WAIT)
+            assert isinstance(failed.value.__cause__, ConnectionResetError)
         assert b.metrics()["ChangelogBackend.op/0.failedMaterialization"] == 3
         with pytest.raises(BackendFailedError, match="max_failures=2") as info:
             v.update(99)
-        assert isinstance(info.value.__cause__, ConnectionResetError)
+        assert isinstance(info.value.__cause__, TransientStorageError)
         with pytest.raises(BackendFailedError):
             b.snapshot(1)
         b.close()
 
 
 def test_a_success_resets_the_failure_count(table: str) -> None:
-    with ChangelogStorage(store=SnapshotFailingStore(fail=2),
-                          options=DstlOptions(persist_delay_s=0.0)) as s:
+    with ChangelogStorage(store=SnapshotFailingStore(fail=2), options=ONE_ATTEMPT) as s:
         b = _backend(s, table, options=NO_TIMER.replace(max_failures=2))
         v = b.get_state(ValueStateDescriptor("v"))
         b.set_current_key("k")
         for _ in range(2):
             v.update(1)
-            with pytest.raises(ConnectionResetError):
+            with pytest.raises(TransientStorageError):
                 b.materialize_now(WAIT)
         v.update(2)
         assert b.materialize_now(WAIT) is not None
         assert b.materialization.consecutive_failures == 0
+        b.close()
+
+
+class LandingThenFailingStore(DelegatingStore):
+    """Snapshot puts: the first lands and then reports a reset (a lost response), the second is
+    throttled (503 SlowDown), the rest succeed."""
+
+    def __init__(self) -> None:
+        super().__init__("memory://snapflaky")
+        self.snapshot_puts: list[str] = []
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.startswith("snapshots/"):
+            self.snapshot_puts.append(key)
+            if len(self.snapshot_puts) == 1:
+                self.inner.put(key, data)
+                raise ConnectionResetError(f"injected: response to {key} lost")
+            if len(self.snapshot_puts) == 2:
+                raise ThrottledError(f"put {key}: injected SlowDown", key=key)
+        self.inner.put(key, data)
+
+
+def test_snapshot_uploads_are_retried_under_new_names_and_failed_names_deleted(
+        table: str) -> None:
+    # regression (issue #14): one 503 or one lost response used to fail the materialization,
+    # and an object whose response was lost stayed in the store
+    store = LandingThenFailingStore()
+    with ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0,
+                                                           upload_retry_delay_s=0.0,
+                                                           retry_backoff_base_s=0.001)) as s:
+        b = _backend(s, table, options=NO_TIMER)
+        b.set_current_key("k")
+        b.get_state(ValueStateDescriptor("v")).update(1)
+        ref = b.materialize_now(WAIT)
+        assert ref is not None and ref.key == store.snapshot_puts[-1]
+        assert len(set(store.snapshot_puts)) == 3  # a fresh name per attempt
+        stored = [o.key for o in store.inner.list("snapshots/")]
+        assert stored == [ref.key]  # the landed attempt was deleted
+        assert b.metrics()["ChangelogBackend.op/0.failedMaterialization"] == 0
         b.close()
 
 
