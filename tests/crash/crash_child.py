@@ -75,9 +75,10 @@ class PausingStore:
             self._hits += 1
             if self._hits != self._nth:
                 return
-        fd = os.open(self._marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, point.encode())
-        os.close(fd)
+        tmp = f"{self._marker}.tmp"
+        with open(tmp, "w") as f:
+            f.write(point)
+        os.rename(tmp, self._marker)  # the parent never sees a marker without its point
         while True:  # the parent SIGKILLs us now; never continue past the point
             time.sleep(60)
 
