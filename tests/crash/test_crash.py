@@ -19,7 +19,8 @@ so every test crashes the same store several times. At the end a clean run must 
 orphan collection must leave exactly the objects the retained checkpoints name.
 
 Sizes: CI 7 points x 4 targets + 2 random kills x 4 targets = 36 kills;
-``DSTL_DEEP=1`` (``make test-deep``): 7 x 4 x 25 + 80 x 4 = 1020 kills.
+``DSTL_DEEP=1`` (``make test-deep``): 7 points x 4 targets x 25 rounds + 8 x 10 random kills x 4
+targets = 1020 kills, split into tests of one round (7 kills) or ten random kills each.
 The self-tests run the child with a deliberate bug and require the oracle to report it.
 """
 
@@ -61,8 +62,11 @@ CHILD = Path(__file__).with_name("crash_child.py")
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 POINTS = ("segment-put", "segment-landed", "snapshot-put", "manifest-put", "manifest-landed",
           "delete", "before-ack")
-NAMED_SEEDS = 25 if DEEP else 1
-RANDOM_KILLS = 80 if DEEP else 2
+#: Rounds of the named points per target (each round is one test on a fresh store: all seven
+#: points, each child continuing from what the previous kill left).
+NAMED_ROUNDS = 25 if DEEP else 1
+#: Random kills per target: chunks (one test on a fresh store each) of kills.
+RANDOM_CHUNKS, RANDOM_KILLS = (8, 10) if DEEP else (1, 2)
 #: A child that neither pauses nor finishes within this is hung: the test fails.
 CHILD_TIMEOUT_S = 120.0
 #: Random kills land this long after the child finished its recovery.
@@ -194,23 +198,28 @@ def finish_cleanly(t: Target, seed: int) -> None:
     assert_consistent(t, "orphan collection")
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("round_no", range(NAMED_ROUNDS))
 @pytest.mark.parametrize("target", TARGETS, indirect=True)
-def test_sigkill_at_named_points(target: Target) -> None:
-    rng = random.Random(20_140)
-    for seed in range(NAMED_SEEDS):
-        for point in POINTS:
-            nth = rng.randint(1, 3)
-            got = run_child(target, rng.randrange(1 << 30), pause_at=f"{point}:{nth}")
-            assert got == point, f"the child finished without reaching {point}:{nth}"
-            assert_consistent(target, f"a kill at {point}:{nth} (round {seed})")
+def test_sigkill_at_named_points(target: Target, round_no: int) -> None:
+    rng = random.Random(20_140 + round_no)
+    print(f"seed={20_140 + round_no}")
+    for point in POINTS:
+        nth = rng.randint(1, 3)
+        got = run_child(target, rng.randrange(1 << 30), pause_at=f"{point}:{nth}")
+        assert got == point, f"the child finished without reaching {point}:{nth}"
+        assert_consistent(target, f"a kill at {point}:{nth} (round {round_no})")
     finish_cleanly(target, 7)
     print(f"{target.url} {target.table}: {target.kills} kills at named points")
-    assert target.kills == NAMED_SEEDS * len(POINTS)
+    assert target.kills == len(POINTS)
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("chunk", range(RANDOM_CHUNKS))
 @pytest.mark.parametrize("target", TARGETS, indirect=True)
-def test_sigkill_at_random_moments(target: Target) -> None:
-    rng = random.Random(20_141)
+def test_sigkill_at_random_moments(target: Target, chunk: int) -> None:
+    rng = random.Random(20_141 + 1000 * chunk)
+    print(f"seed={20_141 + 1000 * chunk}")
     for i in range(RANDOM_KILLS):
         delay = rng.uniform(*RANDOM_DELAY_S)
         got = run_child(target, rng.randrange(1 << 30), kill_after_s=delay, checkpoints=100_000,
