@@ -6,14 +6,17 @@ materializations (snapshot puts), then a restart that recovers (list, get) and r
 gets) — runs against moto through ``tests/support/s3_fault_proxy.py``, a separate HTTP proxy
 process. Every fault kind x operation is one case, in two phases:
 
-- **transient** (the first two matching requests fail): every checkpoint commits, and the oracle
-  finds no acknowledged checkpoint lost, every retained checkpoint restoring to exactly its model,
-  and exactly the retained manifests and the objects they name in the bucket (no duplicate, no
-  leak) — except objects whose write the proxy held past the client's timeout, which may land
-  after their cleanup (listed, then collected as orphans);
+- **transient** (per target: one fault alone, one request through, then two faults in a row):
+  every checkpoint commits, and the oracle finds no acknowledged checkpoint lost, every retained
+  checkpoint restoring to exactly its model, and exactly the retained manifests and the objects
+  they name in the bucket (no duplicate, no leak) — except objects whose write the proxy held
+  past the client's timeout, which may land after their cleanup (they are allowed, by name);
 - **permanent** (every matching request fails): the operation that needs it gives a typed error
   within ``retry_deadline_s`` + one read timeout (measured), nothing half-done becomes visible,
   and after the fault clears the job recovers and the oracle passes again.
+
+Sizes: CI 6 kinds x 5 operations x 2 phases = 60 cases; ``DSTL_DEEP=1`` moves the transient
+faults to 4 positions (``SKIPS``): 120 + 30 = 150 cases.
 
 Operations: ``put`` (segments, snapshots, manifests), ``get`` (manifests on recovery),
 ``ranged_get`` (restore), ``list`` (recovery, orphan collection), ``delete`` (retention, segment
