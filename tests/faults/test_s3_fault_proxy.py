@@ -75,10 +75,12 @@ SKIPS = (0, 1, 2, 3) if DEEP else (0,)
 #: The client's read timeout; a stall holds a request longer than that.
 READ_TIMEOUT_S = 1
 STALL_S = 1.5
+#: Two faults in a row must be absorbed: four attempts and a deadline that fits two stalls leave
+#: room for one more failure that a loaded CI machine may add by itself (a slow answer).
 OPTIONS = DstlOptions(
     persist_delay_s=0.002, preemptive_persist_threshold_bytes=2048, upload_timeout_s=1.5,
-    upload_retry_delay_s=0.05, upload_max_attempts=3, retry_backoff_base_s=0.05,
-    retry_backoff_max_s=0.4, retry_deadline_s=3.0, read_max_attempts=3)
+    upload_retry_delay_s=0.05, upload_max_attempts=4, retry_backoff_base_s=0.05,
+    retry_backoff_max_s=0.4, retry_deadline_s=4.0, read_max_attempts=4)
 CONFIG = JobConfig(table="heap", n_backends=2, retained=2, materialize_probability=0.5,
                    options=OPTIONS, backend_options=BackendOptions(
                        materialization_interval_s=None, materialize_log_ratio=None))
