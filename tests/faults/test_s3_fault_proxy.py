@@ -70,8 +70,10 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 OPERATIONS = ("put", "get", "ranged_get", "list", "delete")
 DEEP = os.environ.get("DSTL_DEEP") == "1"
-#: Requests of each target let through before the first fault (deep runs move the faults).
+#: Requests of each target let through before the first fault (deep runs move the faults, and
+#: restart the job more often so that later positions exist for every operation).
 SKIPS = (0, 1, 2, 3) if DEEP else (0,)
+RESTARTS = 3 if DEEP else 1
 #: The client's read timeout; a stall holds a request longer than that.
 READ_TIMEOUT_S = 1
 STALL_S = 1.5
@@ -188,9 +190,9 @@ def env(fault_proxy: FaultProxy, moto_endpoint: str, s3_bucket: str,
 
 def run_transient(env: Env, rules: list[Rule], *,
                   job_store: Callable[[], Any] | None = None) -> list[str]:
-    """Checkpoints with materializations, a restart (recovery + restore), another checkpoint
-    and an orphan pass; the rules are active from the second checkpoint to the end. Returns the
-    oracle's problems (a failure of the job itself is one too)."""
+    """Checkpoints with materializations, then ``RESTARTS`` times a restart (recovery + restore),
+    a checkpoint and an orphan pass; the rules are active from the second checkpoint to the end.
+    Returns the oracle's problems (a failure of the job itself is one too)."""
     problems: list[str] = []
     job = env.open_job(job_store() if job_store else None)
     try:
@@ -202,16 +204,18 @@ def run_transient(env: Env, rules: list[Rule], *,
         problems.append(f"JOB FAILED under a transient fault: {type(exc).__name__}: {exc}")
     finally:
         job.close()
-    try:
-        job = env.open_job(job_store() if job_store else None)
+    for _ in range(RESTARTS):
         try:
-            env.step(job)
-            # an orphan pass while the job runs (its grace period spares every live upload)
-            assert job.coord.collect_orphans(min_age_s=3600) == []
-        finally:
-            job.close()
-    except DstlError as exc:
-        problems.append(f"RESTART FAILED under a transient fault: {type(exc).__name__}: {exc}")
+            job = env.open_job(job_store() if job_store else None)
+            try:
+                env.step(job)
+                # an orphan pass while the job runs (its grace period spares every live upload)
+                assert job.coord.collect_orphans(min_age_s=3600) == []
+            finally:
+                job.close()
+        except DstlError as exc:
+            problems.append(f"RESTART FAILED under a transient fault: {type(exc).__name__}: "
+                            f"{exc}")
     return problems + env.check()
 
 
