@@ -319,6 +319,7 @@ def test_permanent_fault_gives_a_typed_error_in_time(env: Env, op: str, kind: st
               if f["op"] == op and f["t"] >= out.started]
     assert faults, f"no {kind} was injected into {op}"
     took = out.ended - min(faults)  # from the first failed request to the typed error
+    print(f"{op}/{kind}: {type(err).__name__} {took:.2f}s after the first failed request")
     assert isinstance(err, TYPED[op]), f"{op}/{kind}: expected {TYPED[op].__name__}, got {err!r}"
     if kind in ("internal_error", "slowdown") and op != "put":
         cause = err if isinstance(err, ThrottledError) else err.__cause__
