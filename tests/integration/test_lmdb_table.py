@@ -213,3 +213,32 @@ def test_unknown_key_layout_is_refused(tmp_path: Path) -> None:
     env.close()
     with pytest.raises(UnsupportedFormatError, match="layout"):
         _table(tmp_path / "env")
+
+
+def test_cached_pid_is_refreshed_in_a_forked_child_and_checked(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """The fork check compares with a pid cached in the module (no getpid system call per
+    operation): the at-fork hook must refresh it in a child, and a stale value must refuse."""
+    from materializer import lmdb_table
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if lmdb_table._CURRENT_PID == os.getpid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert lmdb_table._CURRENT_PID == os.getpid()
+    t = _table(tmp_path / "env")
+    try:
+        t.put(0, 1, b"k", b"", b"v")
+        # a process whose cached pid differs from the table's (as in a child without the hook's
+        # _forked flag) must be refused, not run LMDB code
+        monkeypatch.setattr(lmdb_table, "_CURRENT_PID", os.getpid() + 1)
+        with pytest.raises(ForkedTableError):
+            t.put(0, 1, b"k", b"", b"w")
+        with pytest.raises(ForkedTableError):
+            t.get(0, 1, b"k", b"")
+        monkeypatch.setattr(lmdb_table, "_CURRENT_PID", os.getpid())
+        assert t.get(0, 1, b"k", b"") == b"v"
+    finally:
+        t.close()
