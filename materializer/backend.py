@@ -547,6 +547,28 @@ class ChangelogKeyedStateBackend:
                                                     f"{reg.shape.kind} state {reg.meta['name']!r}")
         self._apply(key_group, reg, ch)
 
+    def registered_state(self, state_id: int) -> _Registered | None:
+        """The registration of this backend's ``state_id`` (its shape and metadata), if any."""
+        return self._by_id.get(state_id)
+
+    @property
+    def key_codec(self) -> Codec:
+        """How this backend encodes keys."""
+        return self._key_codec
+
+    @property
+    def namespace_codec(self) -> Any:
+        """How this backend encodes namespaces (``None`` is ``b""``)."""
+        return self._ns_codec
+
+    def bulk_restore(self) -> contextlib.AbstractContextManager[Any]:
+        """The write batch of a restore's bulk replay: LMDB's
+        :class:`~materializer.lmdb_table.LmdbBulkLoad` (commits as it goes), ``None`` for the
+        heap (writes are immediate). See :mod:`materializer.replay`."""
+        if self._heap:
+            return contextlib.nullcontext(None)
+        return self._tables.bulk_load()  # type: ignore[no-any-return]
+
     def register_restored_state(self, meta: dict[str, Any], preferred_id: int, *,
                                 allow_pickle: bool = False) -> int:
         """Register a state known from a snapshot or the log; return its id in this backend.

@@ -246,6 +246,63 @@ class CopyOnWriteStateMap(Generic[K, N, S]):
         else:
             self._rehash_size += 1
 
+    def put_all(self, items: list[tuple[K, N, S]]) -> None:
+        """:meth:`put` of every ``(key, namespace, state)`` in order (a later item of the same
+        key wins): the bulk path of a restore.
+
+        When no snapshot is running and no rehash is in flight (a restore fills a map nobody
+        snapshots yet) the items go straight into the bucket array, and a full array is doubled
+        at once instead of incrementally: no copy-on-write or migration step per item. Otherwise
+        each item is an ordinary :meth:`put`.
+        """
+        if self._highest_required or self._rehash_table:
+            for key, namespace, state in items:
+                self.put(key, namespace, state)
+            return
+        self._mod_count += 1
+        tab = self._primary
+        mask = len(tab) - 1
+        version = self._version
+        size = self._primary_size
+        threshold = self._threshold
+        for key, namespace, state in items:
+            h = hash((key, namespace))
+            idx = h & mask
+            head = e = tab[idx]
+            while e is not None:
+                if e.hash == h and e.key == key and e.namespace == namespace:
+                    e.state = state
+                    e.state_version = version
+                    break
+                e = e.next
+            else:
+                tab[idx] = _Entry(key, namespace, state, h, head, version, version)
+                size += 1
+                if size > threshold and len(tab) < MAXIMUM_CAPACITY:
+                    self._primary_size = size
+                    self._grow_now()
+                    tab = self._primary
+                    mask = len(tab) - 1
+                    threshold = self._threshold
+        self._primary_size = size
+
+    def _grow_now(self) -> None:
+        """Double the bucket array in one pass (only with no snapshot running and no rehash in
+        flight: entries are relinked in place, which a snapshot sharing them would see)."""
+        old = self._primary
+        new: list[_Entry | None] = [None] * (len(old) << 1)
+        mask = len(new) - 1
+        for head in old:
+            e = head
+            while e is not None:
+                nxt = e.next
+                pos = e.hash & mask
+                e.next = new[pos]
+                new[pos] = e
+                e = nxt
+        self._primary = new
+        self._threshold = (len(new) >> 1) + (len(new) >> 2)
+
     def remove(self, key: K, namespace: N) -> bool:
         """Remove ``(key, namespace)``; True if it was present."""
         if self._rehash_table:

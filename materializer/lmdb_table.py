@@ -92,6 +92,7 @@ __all__ = [
     "DEFAULT_MAP_SIZE_BYTES",
     "DEFAULT_MAX_MAP_SIZE_BYTES",
     "ForkedTableError",
+    "LmdbBulkLoad",
     "LmdbStateTable",
     "LmdbTableSnapshot",
     "LmdbWriteBatch",
@@ -177,6 +178,56 @@ class LmdbWriteBatch:
 
     def remove(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
         return self._table.remove(state_id, key_group, key, namespace)
+
+
+class LmdbBulkLoad(LmdbWriteBatch):
+    """A write batch for a restore into this table (see :meth:`LmdbStateTable.bulk_load`).
+
+    Besides the batch's own operations (which the replay's per-change path uses), it takes runs
+    of ready-made LMDB records, :meth:`put_raw`, built by the caller with :meth:`prefix` (the
+    key layout of the module docstring) — one journal entry per run, not per record. Between
+    change sets the caller calls :meth:`step` with the bytes it is about to apply: once enough
+    was applied the transaction is committed and a new one begun, and the map is grown ahead of
+    the next writes, so the journal a full map replays never holds more than one step's runs.
+    Not atomic as a whole: a restore that fails leaves part of its writes, and its table is
+    cleared by the next restore (and carries no table marker, so nothing adopts it).
+    """
+
+    #: Commit once this many bytes of change sets were applied since the last commit.
+    COMMIT_BYTES: Final = 16 << 20
+
+    def __init__(self, table: LmdbStateTable) -> None:
+        super().__init__(table)
+        # as if a commit were due: the first step sizes the map for what comes
+        self.pending = self.COMMIT_BYTES
+
+    def prefix(self, key_group: int, state_id: int) -> bytes:
+        """The first 4 bytes of every key of ``state_id`` in ``key_group``; a record's key is
+        this, the u32 key length, the key and the namespace.
+
+        Raises:
+            KeyGroupError: ``key_group`` is outside the table's range.
+        """
+        t = self._table
+        if type(key_group) is not int or not t._kg_start <= key_group <= t._kg_end:
+            raise KeyGroupError(key_group, f"LmdbStateTable {t.path}", t._key_groups,
+                                hint="route the key to the backend owning its key group")
+        return _KG_SID.pack(key_group, check_state_id(state_id))
+
+    def put_raw(self, records: list[tuple[bytes, bytes]]) -> None:
+        """Store ``(raw key, value)`` records in order (later ones of the same key win).
+
+        Raises:
+            UsageError: a key longer than LMDB's limit (nothing after it is stored).
+        """
+        if records:
+            self._table._write(("putmulti", records))
+
+    def step(self, nbytes: int) -> None:
+        """A point between change sets, before ``nbytes`` more are applied: commit if enough
+        was applied since the last commit, and make room in the map for what comes."""
+        if self._outer:
+            self._table._bulk_step(self, nbytes)
 
 
 def _check_arguments(directory: object, key_groups: object, map_size_bytes: object,
@@ -481,6 +532,45 @@ class LmdbStateTable:
         self._check_usable()
         return LmdbWriteBatch(self)
 
+    def bulk_load(self) -> LmdbBulkLoad:
+        """A write batch for restoring into this table: runs of raw records and commits as it
+        goes (see :class:`LmdbBulkLoad`). Nested in another batch it joins that one (and then
+        neither commits early nor grows ahead)."""
+        self._check_usable()
+        return LmdbBulkLoad(self)
+
+    def _bulk_step(self, batch: LmdbBulkLoad, nbytes: int) -> None:
+        """Commit the bulk batch's transaction when it holds enough, and grow the map ahead of
+        the next ``nbytes`` (x4: LMDB's pages and B-tree overhead over the change-set bytes of
+        small records) plus one commit's worth; call with the batch open on this thread."""
+        batch.pending += nbytes
+        if batch.pending < LmdbBulkLoad.COMMIT_BYTES and nbytes * 4 < self._map_size // 8:
+            return
+        self._commit_batch_txn(batch)
+        batch.journal = []
+        batch.pending = 0
+        info = self._env.info()
+        used = (int(info["last_pgno"]) + 1) * int(self._env.stat()["psize"])
+        need = used + 4 * (nbytes + LmdbBulkLoad.COMMIT_BYTES)
+        if need > self._map_size and self._map_size < self._max_map_size:
+            size = self._map_size
+            while size < 2 * need:
+                size *= 2
+            self._remap(min(size, self._max_map_size), wait_for_snapshots=True)
+        batch.txn = self._begin_write()
+
+    def _commit_batch_txn(self, batch: LmdbWriteBatch) -> None:
+        """Commit the batch's transaction (a full map: grow and replay its journal, retry)."""
+        while True:
+            try:
+                batch.txn.commit()
+                return
+            except lmdb.MapFullError:
+                batch.txn, _ = self._grow_and_replay(batch)
+            except lmdb.Error as exc:
+                batch.txn.abort()
+                raise self._translate(exc, "commit") from exc
+
     def _begin_batch(self, batch: LmdbWriteBatch) -> bool:
         if self._readonly:
             raise UsageError(f"LMDB state table {self.path} was opened read-only")
@@ -506,15 +596,7 @@ class LmdbStateTable:
             if not commit:
                 batch.txn.abort()
                 return
-            while True:
-                try:
-                    batch.txn.commit()
-                    return
-                except lmdb.MapFullError:
-                    batch.txn, _ = self._grow_and_replay(batch)
-                except lmdb.Error as exc:
-                    batch.txn.abort()
-                    raise self._translate(exc, "commit") from exc
+            self._commit_batch_txn(batch)
         finally:
             self._batch = None
             batch.txn = None
@@ -564,6 +646,10 @@ class LmdbStateTable:
         kind = op[0]
         if kind == "put":
             return txn.put(op[1], op[2])
+        if kind == "putmulti":
+            with txn.cursor() as cur:
+                cur.putmulti(op[1])
+            return None
         if kind == "del":
             return txn.delete(op[1])
         lo = _KG_SID.pack
@@ -749,6 +835,10 @@ class LmdbStateTable:
     def _translate(self, exc: lmdb.Error, op: str) -> Exception:
         if isinstance(exc, lmdb.MapFullError):
             return StateTableFullError(self.path, self._map_size, setting="max_map_size_bytes")
+        if isinstance(exc, lmdb.BadValsizeError):
+            return UsageError(f"LmdbStateTable {self.path}: {op} failed: a key + namespace "
+                              f"exceed LMDB's key limit of {self._max_key - _PREFIX.size} bytes "
+                              f"({exc}); use shorter keys or the heap table")
         if isinstance(exc, lmdb.DiskError) or "No space left" in str(exc):
             return LocalDiskFullError(f"LMDB state table {self.path}: {op} failed: {exc} "
                                       "(free local disk space)", path=self.path)

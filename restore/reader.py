@@ -31,6 +31,7 @@ from dstl.errors import ObjectNotFoundError, TruncatedObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import (
     DEFAULT_MAX_CHANGE_SET_BYTES,
+    body_blocks,
     decode_record,
     decode_segment,
     iter_body_changes,
@@ -219,6 +220,18 @@ class ChangelogReader:
             for kg, payload in iter_body_changes(body, key=ref.key, offset=ref.offset,
                                                  key_groups=key_groups):
                 yield ref, kg, payload
+
+    def read_blocks(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
+                    ) -> Iterator[tuple[ChangeSetRef, bytes, list[tuple[int, int, int]]]]:
+        """Each change set of the handle, in sqn order, as its verified body and its key-group
+        blocks ``(key_group, start, end)`` (:func:`~dstl.segment.body_blocks`): what the bulk
+        replay applies, one block at a time. Same checks and errors as :meth:`read`; the
+        changes' own framing is checked by whoever parses the blocks."""
+        for ref, record in self._records(handle):
+            body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
+                                 sqn=ref.sqn, max_change_set_bytes=self._max)
+            yield ref, body, body_blocks(body, key=ref.key, offset=ref.offset,
+                                         key_groups=key_groups)
 
     def _records(self, handle: ChangelogHandle) -> Iterator[tuple[ChangeSetRef, bytes]]:
         refs = list(handle.change_sets)

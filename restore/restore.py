@@ -64,7 +64,9 @@ from materializer.backend import ChangelogKeyedStateBackend, check_layout, check
 from materializer.changes import decode_snapshot_states
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
+from materializer.replay import BlockReplayer
 from materializer.state_tables import BlobRangeSource, RangeSource, SnapshotReader
+from restore.gcpause import collector_paused
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, snapshot_verifier
 
@@ -211,7 +213,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                                          local_directory=local_directory, timer=timer,
                                          clear_local=True, auto_materialize=auto_materialize)
     try:
-        _execute(plan, backend, storage, cache, allow_pickle, st)
+        with collector_paused(freeze=table == "heap"):
+            _execute(plan, backend, storage, cache, allow_pickle, st)
     except DstlError as exc:
         backend.close()
         raise _with_checkpoint(exc, plan.checkpoint) from exc
@@ -370,21 +373,25 @@ def _register_snapshot_states(backend: ChangelogKeyedStateBackend, reader: Snaps
 def _replay(backend: ChangelogKeyedStateBackend, logs: Sequence[ChangelogHandle],
             storage: ChangelogStorage, cache: LeasingCache | None, key_groups: KeyGroupRange,
             allow_pickle: bool, st: RestoreStats) -> None:
+    """Apply the logs' change sets block by block (:mod:`materializer.replay`), inside the
+    table's bulk-restore batch; every error names the segment, the record and the change set."""
     reader = ChangelogReader(storage, cache=cache,
                              max_change_set_bytes=storage.options.max_change_set_bytes)
     changes = 0
     sets = 0
-    with backend.tables.write_batch():
+    with backend.bulk_restore() as loader:
         for h in logs:
             remap: dict[int, int] = {}  # each handle's log is self-describing
-            for ref, kg, payload in reader.read_located(h, key_groups=key_groups):
+            replayer = BlockReplayer(backend, loader, remap, allow_pickle)
+            for ref, body, blocks in reader.read_blocks(h, key_groups=key_groups):
                 try:
-                    backend.apply_change(kg, payload, remap=remap, allow_pickle=allow_pickle)
+                    if loader is not None:
+                        loader.step(len(body))
+                    changes += replayer.apply(body, blocks, ref.key, ref.offset)
                 except (DstlError, *_DECODER_BUGS) as exc:
                     raise _placed(exc, ref.key, ref.offset,
-                                  f"change {changes} (key group {kg}) of change set "
+                                  f"key group {replayer.key_group} of change set "
                                   f"({h.log_id!r}, sqn {ref.sqn})") from exc
-                changes += 1
             sets += len(h)
     st["change_sets"] = sets
     st["changes"] = changes

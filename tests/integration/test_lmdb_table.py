@@ -224,10 +224,10 @@ def test_cached_pid_is_refreshed_in_a_forked_child_and_checked(tmp_path: Path,
 
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if lmdb_table._CURRENT_PID == os.getpid() else 1)
+        os._exit(0 if os.getpid() == lmdb_table._CURRENT_PID else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    assert lmdb_table._CURRENT_PID == os.getpid()
+    assert os.getpid() == lmdb_table._CURRENT_PID
     t = _table(tmp_path / "env")
     try:
         t.put(0, 1, b"k", b"", b"v")

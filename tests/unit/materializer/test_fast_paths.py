@@ -1,0 +1,208 @@
+"""The restore fast paths of issue #13 against their slow paths (differential, Hypothesis):
+SafeCodec's scalar fast path and memo, CopyOnWriteStateMap.put_all, LmdbBulkLoad (raw runs,
+commits as it goes, map growth), and the collector pause of restore.gcpause."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dstl.errors import CorruptObjectError, KeyGroupError, UsageError
+from dstl.keygroups import KeyGroupRange
+from materializer.codecs import SafeCodec
+from materializer.cow_map import CopyOnWriteStateMap
+from materializer.lmdb_table import LmdbBulkLoad, LmdbStateTable
+from restore import gcpause
+
+_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+            | st.text(max_size=12) | st.binary(max_size=12))
+_values = st.recursive(_scalars, lambda c: st.lists(c, max_size=3)
+                       | st.tuples(c, c) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                       max_leaves=6)
+
+
+def _slow(data: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", SafeCodec()._unpickle(data)
+    except CorruptObjectError:
+        return "corrupt", None
+
+
+def _fast(codec: SafeCodec, data: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", codec.decode(data)
+    except CorruptObjectError:
+        return "corrupt", None
+
+
+@given(values=st.lists(_values, min_size=1, max_size=20))
+def test_safe_codec_fast_path_and_memo_equal_the_unpickler(values: list[Any]) -> None:
+    codec = SafeCodec()
+    for v in values * 2:  # the second round is served by the memo where it applies
+        data = codec.encode(v)
+        got = codec.decode(data)
+        assert got == v and type(got) is type(v)
+        assert _fast(codec, data) == _slow(data)
+
+
+@given(data=st.binary(max_size=40) | st.builds(lambda b, n: b"\x80\x05K" + bytes([n]) + b,
+                                                st.binary(max_size=2), st.integers(0, 255)))
+def test_safe_codec_fast_path_on_any_bytes_decodes_or_refuses_as_the_unpickler(
+        data: bytes) -> None:
+    codec = SafeCodec()
+    assert _fast(codec, data) == _slow(data)
+    assert _fast(codec, data) == _slow(data)  # memoized or not, the same
+
+
+def test_safe_codec_small_int_fast_path_and_memo_bound() -> None:
+    codec = SafeCodec()
+    for i in range(256):
+        assert codec.decode(pickle.dumps(i, protocol=5)) == i
+    assert not codec._memo  # protocol-5 small ints never reach the memo
+    for i in range(256, 256 + 5000):
+        assert codec.decode(pickle.dumps(i, protocol=5)) == i
+    assert 0 < len(codec._memo) <= 4096
+    # mutable results are never shared through the memo
+    data = pickle.dumps([1], protocol=5)
+    a, b = codec.decode(data), codec.decode(data)
+    assert a == b == [1] and a is not b
+    with pytest.raises(CorruptObjectError):
+        codec.decode(b"\x80\x05c__builtin__\nprint\n.")
+
+
+_items = st.lists(st.tuples(st.integers(0, 40), st.sampled_from([None, "w"]),
+                            st.integers()), max_size=200)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=_items, items=_items, snapshot=st.booleans(), capacity=st.sampled_from([4, 128]))
+def test_put_all_equals_puts_one_by_one(before: list[Any], items: list[Any], snapshot: bool,
+                                        capacity: int) -> None:
+    slow: CopyOnWriteStateMap[Any, Any, Any] = CopyOnWriteStateMap(initial_capacity=capacity)
+    fast: CopyOnWriteStateMap[Any, Any, Any] = CopyOnWriteStateMap(initial_capacity=capacity)
+    for k, n, s in before:
+        slow.put(k, n, s)
+        fast.put(k, n, s)
+    snaps = (slow.snapshot(), fast.snapshot()) if snapshot else None
+    frozen = sorted(snaps[1], key=repr) if snaps else None
+    for k, n, s in items:
+        slow.put(k, n, s)
+    fast.put_all(items)
+    assert sorted(fast.entries(), key=repr) == sorted(slow.entries(), key=repr)
+    assert len(fast) == len(slow)
+    fast.check_invariants()
+    if snaps:
+        assert sorted(snaps[1], key=repr) == frozen  # a running snapshot never sees the bulk
+        for s in snaps:
+            s.release()
+    for k, n, _s in items[:5]:  # the map keeps working after a bulk insert
+        assert fast.get(k, n) == slow.get(k, n)
+        assert fast.remove(k, n) == slow.remove(k, n)
+    fast.check_invariants()
+
+
+RANGE = KeyGroupRange(0, 7)
+
+
+def _raw(table: LmdbStateTable, kg: int, sid: int, key: bytes, ns: bytes, bulk: LmdbBulkLoad
+         ) -> bytes:
+    return bulk.prefix(kg, sid) + len(key).to_bytes(4, "big") + key + ns
+
+
+def test_bulk_load_runs_commit_as_they_go_grow_the_map_and_equal_puts(tmp_path: Path) -> None:
+    slow = LmdbStateTable(tmp_path / "slow", RANGE, map_size_bytes=1 << 20)
+    fast = LmdbStateTable(tmp_path / "fast", RANGE, map_size_bytes=1 << 20)
+    try:
+        records = [(i % 8, i % 3, f"key-{i % 5000}".encode(), b"" if i % 2 else b"ns",
+                    i.to_bytes(8, "big") * 4) for i in range(30_000)]
+        with slow.write_batch():
+            for kg, sid, k, ns, v in records:
+                slow.put(sid, kg, k, ns, v)
+        with fast.bulk_load() as bulk:
+            for start in range(0, len(records), 1000):  # steps of 1000 records (~50 KB)
+                bulk.step(1000 * 50)
+                bulk.put_raw([(_raw(fast, kg, sid, k, ns, bulk), v)
+                              for kg, sid, k, ns, v in records[start:start + 1000]])
+                fast.remove(0, 0, b"key-0", b"ns")  # per-op writes join the same batch
+                slow.remove(0, 0, b"key-0", b"ns")
+        assert fast.map_size_bytes > 1 << 20  # grown ahead (the data is larger than 1 MiB)
+        for sid in range(3):
+            for kg in RANGE:
+                assert list(fast.entries(sid, kg)) == list(slow.entries(sid, kg))
+        assert len(fast) == len(slow)
+    finally:
+        slow.close()
+        fast.close()
+
+
+def test_bulk_load_map_full_inside_a_step_replays_the_step(tmp_path: Path) -> None:
+    t = LmdbStateTable(tmp_path / "t", RANGE, map_size_bytes=1 << 20)
+    try:
+        with t.bulk_load() as bulk:
+            # no step sized the map for this: LMDB's map-full, then grow and replay the journal
+            recs = [(_raw(t, 1, 0, f"k{i}".encode(), b"", bulk), b"x" * 200) for i in range(20_000)]
+            bulk.put_raw(recs)
+        assert len(t) == 20_000
+        assert t.get(0, 1, b"k19999", b"") == b"x" * 200
+        assert (1 << 20) < t.map_size_bytes <= 16 << 20  # doubled on map-full, not sized ahead
+    finally:
+        t.close()
+
+
+def test_bulk_load_refuses_foreign_key_groups_long_keys_and_aborts_on_error(
+        tmp_path: Path) -> None:
+    t = LmdbStateTable(tmp_path / "t", RANGE, map_size_bytes=1 << 20)
+    try:
+        with pytest.raises(KeyGroupError), t.bulk_load() as bulk:
+            bulk.prefix(8, 0)
+        with pytest.raises(UsageError, match="key limit"), t.bulk_load() as bulk:
+            bulk.step(100)
+            bulk.put_raw([(_raw(t, 1, 0, b"a", b"", bulk), b"1"),
+                          (_raw(t, 1, 0, b"k" * 600, b"", bulk), b"2")])
+        assert len(t) == 0  # the failed batch's open transaction was aborted
+    finally:
+        t.close()
+
+
+def test_collector_paused_nests_across_threads_and_freezes_only_on_success() -> None:
+    was = gc.isenabled()
+    gc.enable()
+    frozen = gc.get_freeze_count()
+    try:
+        inner_started, release = threading.Event(), threading.Event()
+
+        def other() -> None:
+            with gcpause.collector_paused():
+                inner_started.set()
+                release.wait(5)
+
+        t = threading.Thread(target=other)
+        with gcpause.collector_paused():
+            assert not gc.isenabled()
+            t.start()
+            inner_started.wait(5)
+        assert not gc.isenabled()  # the other restore still runs
+        release.set()
+        t.join(5)
+        assert gc.isenabled()
+        junk = [[i] for i in range(1000)]
+        with pytest.raises(RuntimeError), gcpause.collector_paused(freeze=True):
+            raise RuntimeError("restore failed")
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        with gcpause.collector_paused(freeze=True):
+            pass
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(junk)
+        gc.disable()
+        with gcpause.collector_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
