@@ -227,3 +227,11 @@ def test_body_blocks_refuse_a_truncated_body(cut: int) -> None:
     truncated = body[:len(body) - 1 - cut % len(body)]
     with pytest.raises(CorruptObjectError):
         body_blocks(truncated, key="seg", offset=8)
+
+
+def test_every_state_kind_accepts_both_fast_ops() -> None:
+    """The bulk path stores SET and SET_INTERNAL of any state without the per-kind op check the
+    per-change path makes; that is only right while every kind allows both."""
+    from materializer.changes import OPS_BY_KIND
+
+    assert all({SET, SET_INTERNAL} <= ops for ops in OPS_BY_KIND.values())

@@ -206,3 +206,16 @@ def test_collector_paused_nests_across_threads_and_freezes_only_on_success() -> 
     finally:
         gc.unfreeze()
         (gc.enable if was else gc.disable)()
+
+
+@given(value=_scalars, limit=st.integers(1, 600))
+def test_safe_codec_fast_paths_keep_a_small_decoded_size_limit(value: Any, limit: int) -> None:
+    """With a limit small enough to refuse short encodings, the fast paths stand aside."""
+    data = SafeCodec().encode(value)
+    codec = SafeCodec(max_decoded_bytes=limit)
+    for _ in range(2):
+        try:
+            slow: tuple[str, Any] = ("ok", codec._unpickle(data))
+        except CorruptObjectError:
+            slow = ("corrupt", None)
+        assert _fast(codec, data) == slow
