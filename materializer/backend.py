@@ -112,6 +112,7 @@ from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
 from materializer.policy import MaterializationRules
+from materializer.replay import load_block
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
 
@@ -606,25 +607,15 @@ class ChangelogKeyedStateBackend:
     def load_snapshot_entries(self, key_group: int, entries: Iterable[Any],
                               remap: dict[int, int]) -> int:
         """Put snapshot entries ``(state_id, key, namespace, value)`` (bytes) of one key group
-        into the table, mapping state ids with ``remap``; returns the count."""
-        t = self._tables
-        n = 0
-        with t.write_batch():
-            for sid, kb, nb, vb in entries:
-                new = remap.get(sid)
-                if new is None:
-                    raise CorruptObjectError("<snapshot entry>", 0, f"entry {n} of key group "
-                                                                    f"{key_group} has state id "
-                                                                    f"{sid}, which the "
-                                                                    "snapshot's metadata does "
-                                                                    "not describe")
-                if self._heap:
-                    key, ns, state = self.decode_entry(new, kb, nb, vb)
-                    t.put(new, key_group, key, ns, state)
-                else:
-                    t.put(new, key_group, kb, nb, vb)
-                n += 1
-        return n
+        into the table, mapping state ids with ``remap``; returns the count. In bulk
+        (:func:`materializer.replay.load_block`): the heap takes each state's run with one
+        ``put_all``, LMDB the block's records with one ``putmulti``.
+
+        Raises:
+            CorruptObjectError: an entry of a state id the snapshot's metadata does not
+                describe (named ``<snapshot entry>``; the loader names the object).
+        """
+        return load_block(self, key_group, entries, remap)
 
     def install_restored(self, materialized: Iterable[SnapshotRef],
                          non_materialized: Iterable[ChangelogHandle],

@@ -246,9 +246,10 @@ class CopyOnWriteStateMap(Generic[K, N, S]):
         else:
             self._rehash_size += 1
 
-    def put_all(self, items: list[tuple[K, N, S]]) -> None:
+    def put_all(self, items: list[tuple[K, N, S]], *, distinct: bool = False) -> None:
         """:meth:`put` of every ``(key, namespace, state)`` in order (a later item of the same
-        key wins): the bulk path of a restore.
+        key wins): the bulk path of a restore. ``distinct``: the items' keys are distinct (a
+        snapshot's), so the array is sized for all of them at once.
 
         When no snapshot is running and no rehash is in flight (a restore fills a map nobody
         snapshots yet) the items go straight into the bucket array, and a full array is doubled
@@ -260,6 +261,12 @@ class CopyOnWriteStateMap(Generic[K, N, S]):
                 self.put(key, namespace, state)
             return
         self._mod_count += 1
+        if distinct and self._primary_size + len(items) > self._threshold:
+            capacity = len(self._primary)
+            while (capacity >> 1) + (capacity >> 2) < self._primary_size + len(items) \
+                    and capacity < MAXIMUM_CAPACITY:
+                capacity <<= 1
+            self._grow_now(capacity)
         tab = self._primary
         mask = len(tab) - 1
         version = self._version
@@ -280,17 +287,18 @@ class CopyOnWriteStateMap(Generic[K, N, S]):
                 size += 1
                 if size > threshold and len(tab) < MAXIMUM_CAPACITY:
                     self._primary_size = size
-                    self._grow_now()
+                    self._grow_now(len(tab) << 1)
                     tab = self._primary
                     mask = len(tab) - 1
                     threshold = self._threshold
         self._primary_size = size
 
-    def _grow_now(self) -> None:
-        """Double the bucket array in one pass (only with no snapshot running and no rehash in
-        flight: entries are relinked in place, which a snapshot sharing them would see)."""
+    def _grow_now(self, capacity: int) -> None:
+        """Grow the bucket array to ``capacity`` (a larger power of two) in one pass (only with
+        no snapshot running and no rehash in flight: entries are relinked in place, which a
+        snapshot sharing them would see)."""
         old = self._primary
-        new: list[_Entry | None] = [None] * (len(old) << 1)
+        new: list[_Entry | None] = [None] * capacity
         mask = len(new) - 1
         for head in old:
             e = head

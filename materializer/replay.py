@@ -36,16 +36,20 @@ module applies what it is given once, in order.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import Any, Final
 
 from dstl.errors import CorruptObjectError, TruncatedObjectError
 from dstl.keygroups import META_KEY_GROUP
+from materializer.snapshot_format import BLOCK_ENTRIES_OFFSET, BlockEntries, block_framing_error
 
-__all__ = ["BlockReplayer"]
+__all__ = ["BlockReplayer", "load_block"]
 
 #: Change length, op, state id, key length: the first 11 bytes of a ``u32 len | change`` record.
 _HEAD: Final = struct.Struct(">IBHI")
 _U32: Final = struct.Struct(">I")
+#: A snapshot entry's state id and key length.
+_SNAP_HEAD: Final = struct.Struct(">HI")
 _SET: Final = 1            # materializer.changes.SET; SET_INTERNAL is 2: both "store this value"
 _SET_INTERNAL: Final = 2
 
@@ -197,6 +201,175 @@ class BlockReplayer:
         if run:
             tables.table(new_sid).map_for(kg).put_all(run)
         return n
+
+
+def load_block(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
+               remap: dict[int, int]) -> int:
+    """Load one key group's snapshot entries ``(state id, key, namespace, value)`` into the
+    backend's table in bulk (the snapshot-load counterpart of :class:`BlockReplayer`): heap runs
+    of one state through ``put_all``, LMDB records through one ``putmulti``; returns the count.
+
+    Raises:
+        CorruptObjectError: an entry of a state id ``remap`` (the snapshot's metadata) lacks.
+    """
+    with backend.bulk_restore() as bulk:
+        fused = type(entries) is BlockEntries and not entries.started
+        if bulk is None:
+            if fused:
+                return _load_heap_content(backend, key_group, entries, remap)  # type: ignore[arg-type]
+            return _load_heap(backend, key_group, entries, remap)
+        if fused:
+            return _load_lmdb_content(bulk, key_group, entries, remap)  # type: ignore[arg-type]
+        return _load_lmdb(bulk, key_group, entries, remap)
+
+
+def _unknown_state(key_group: int, index: int, sid: int) -> CorruptObjectError:
+    return CorruptObjectError("<snapshot entry>", 0, f"entry {index} of key group {key_group} "
+                                                     f"has state id {sid}, which the snapshot's "
+                                                     "metadata does not describe")
+
+
+def _load_heap(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
+               remap: dict[int, int]) -> int:
+    tables = backend.tables
+    kdec = backend.key_codec.decode
+    nsdec = backend.namespace_codec.decode
+    run: list[tuple[Any, Any, Any]] = []
+    run_sid = new = -1
+    vdec: Any = None
+    n = 0
+    for sid, kb, nb, vb in entries:
+        if sid != run_sid:
+            if run:
+                tables.table(new).map_for(key_group).put_all(run)
+                run = []
+            got = remap.get(sid)
+            if got is None:
+                raise _unknown_state(key_group, n, sid)
+            run_sid, new = sid, got
+            vdec = value_decoder(backend.registered_state(new).shape)
+        run.append((kdec(kb), nsdec(nb) if nb else None, vdec(vb)))
+        n += 1
+    if run:
+        tables.table(new).map_for(key_group).put_all(run)
+    return n
+
+
+def _load_lmdb(bulk: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
+               remap: dict[int, int]) -> int:
+    prefixes: dict[int, bytes] = {}
+    records: list[tuple[bytes, bytes]] = []
+    append = records.append
+    pack = _U32.pack
+    for sid, kb, nb, vb in entries:
+        pre = prefixes.get(sid)
+        if pre is None:
+            got = remap.get(sid)
+            if got is None:
+                raise _unknown_state(key_group, len(records), sid)
+            pre = prefixes[sid] = bulk.prefix(key_group, got)
+        append((pre + pack(len(kb)) + kb + nb, vb))
+    bulk.put_raw(records)
+    return len(records)
+
+
+def _load_lmdb_content(bulk: Any, key_group: int, blk: BlockEntries,
+                       remap: dict[int, int]) -> int:
+    """:func:`_load_lmdb` parsing the block's content directly (no entry tuples): a record's key
+    is the state's prefix, the content's ``u32 key length | key`` and the namespace. The
+    framing checks (and the position an error names) are ``snapshot_format``'s own."""
+    content, count = blk.content, blk.entry.entry_count
+    end = len(content)
+    pos = BLOCK_ENTRIES_OFFSET
+    head = _SNAP_HEAD.unpack_from
+    u32 = _U32.unpack_from
+    prefixes: dict[int, bytes] = {}
+    records: list[tuple[bytes, bytes]] = []
+    append = records.append
+    for i in range(count):
+        if end - pos < 14:
+            break
+        sid, klen = head(content, pos)
+        kend = pos + 6 + klen
+        if end - kend < 8:
+            pos += 6
+            break
+        (nlen,) = u32(content, kend)
+        nend = kend + 4 + nlen
+        if end - nend < 4:
+            pos = kend + 4
+            break
+        (vlen,) = u32(content, nend)
+        vend = nend + 4 + vlen
+        if vend > end:
+            pos = nend + 4
+            break
+        pre = prefixes.get(sid)
+        if pre is None:
+            got = remap.get(sid)
+            if got is None:
+                raise _unknown_state(key_group, i, sid)
+            pre = prefixes[sid] = bulk.prefix(key_group, got)
+        append((pre + content[pos + 2:kend] + content[kend + 4:nend], content[nend + 4:vend]))
+        pos = vend
+    else:
+        if pos == end:
+            bulk.put_raw(records)
+            return count
+    raise block_framing_error(blk.key, blk.entry, end, pos)
+
+
+def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
+                       remap: dict[int, int]) -> int:
+    """:func:`_load_heap` parsing the block's content directly (see :func:`_load_lmdb_content`);
+    the maps are sized for the block's entries up front (a snapshot's keys are distinct)."""
+    content, count = blk.content, blk.entry.entry_count
+    tables = backend.tables
+    kdec = backend.key_codec.decode
+    nsdec = backend.namespace_codec.decode
+    end = len(content)
+    pos = BLOCK_ENTRIES_OFFSET
+    head = _SNAP_HEAD.unpack_from
+    u32 = _U32.unpack_from
+    run: list[tuple[Any, Any, Any]] = []
+    run_sid = new = -1
+    vdec: Any = None
+    for i in range(count):
+        if end - pos < 14:
+            break
+        sid, klen = head(content, pos)
+        kend = pos + 6 + klen
+        if end - kend < 8:
+            pos += 6
+            break
+        (nlen,) = u32(content, kend)
+        nend = kend + 4 + nlen
+        if end - nend < 4:
+            pos = kend + 4
+            break
+        (vlen,) = u32(content, nend)
+        vend = nend + 4 + vlen
+        if vend > end:
+            pos = nend + 4
+            break
+        if sid != run_sid:
+            if run:
+                tables.table(new).map_for(key_group).put_all(run, distinct=True)
+                run = []
+            got = remap.get(sid)
+            if got is None:
+                raise _unknown_state(key_group, i, sid)
+            run_sid, new = sid, got
+            vdec = value_decoder(backend.registered_state(new).shape)
+        run.append((kdec(content[pos + 6:kend]), nsdec(content[kend + 4:nend]) if nlen else None,
+                    vdec(content[nend + 4:vend])))
+        pos = vend
+    else:
+        if pos == end:
+            if run:
+                tables.table(new).map_for(key_group).put_all(run, distinct=True)
+            return count
+    raise block_framing_error(blk.key, blk.entry, end, pos)
 
 
 def value_decoder(shape: Any) -> Any:

@@ -29,7 +29,8 @@ A materialized snapshot of a backend's state tables is one object::
 
 A reader that has the whole object uses :func:`decode_snapshot` (verifies everything, the object
 crc before any structure is parsed, and returns every entry) or :func:`verify_snapshot_object`
-(the same checks, one block at a time, keeping nothing: a cache verifying a download). A ranged
+(the same checks but the entries' framing, one block at a time, keeping nothing: a cache
+verifying a download; the entries are checked when they are read). A ranged
 reader fetches the tail, :func:`decode_footer`, then the index bytes, :func:`decode_index`, then
 only the blocks of its key groups, :func:`iter_block` / :func:`decode_block` (each verified by its
 record crc, its zstd content checksum and its key-group field).
@@ -109,6 +110,9 @@ __all__ = [
     "decode_metadata_block",
     "decode_snapshot",
     "encode_snapshot",
+    "BLOCK_ENTRIES_OFFSET",
+    "BlockEntries",
+    "block_framing_error",
     "iter_block",
     "snapshot_format",
     "verify_snapshot_object",
@@ -471,7 +475,49 @@ def iter_block(record: bytes | memoryview, entry: IndexEntry, *, key: str = "<sn
         object offsets (the reason names the position inside the decompressed content).
     """
     content = _block_content(record, entry, key, snapshot_format(max_block_bytes))
-    return _entries(content, entry, key)
+    return BlockEntries(content, entry, key)
+
+
+class BlockEntries:
+    """The entries of one verified block (what :func:`iter_block` returns): an iterator of
+    ``(state id, key, namespace, value)``. A bulk loader may instead parse ``content`` (the
+    block's decompressed content, prefix included) itself before iterating
+    (:mod:`materializer.replay`), with the same framing checks and
+    :func:`block_framing_error`."""
+
+    __slots__ = ("_it", "content", "entry", "key")
+
+    def __init__(self, content: bytes, entry: IndexEntry, key: str) -> None:
+        self.content = content
+        self.entry = entry
+        self.key = key
+        self._it: Iterator[SnapshotEntry] | None = None
+
+    @property
+    def started(self) -> bool:
+        """Iteration has begun (``content`` may then be partly consumed by it)."""
+        return self._it is not None
+
+    def __iter__(self) -> BlockEntries:
+        return self
+
+    def __next__(self) -> SnapshotEntry:
+        if self._it is None:
+            self._it = _entries(self.content, self.entry, self.key)
+        return next(self._it)
+
+
+#: Where a block's entries start in its content (after ``u16 key group, u32 entry count``).
+BLOCK_ENTRIES_OFFSET: Final = 6
+
+
+def block_framing_error(key: str, entry: IndexEntry, end: int, pos: int) -> CorruptObjectError:
+    """The error of a block whose entries do not fill its ``end`` content bytes exactly
+    (stopped at content byte ``pos``)."""
+    return CorruptObjectError(key, entry.offset,
+                              f"block of key group {entry.key_group}: {entry.entry_count} "
+                              f"entries do not fill its {end} content bytes exactly "
+                              f"(stopped at content byte {pos})")
 
 
 def _entries(content: bytes, entry: IndexEntry, key: str) -> Iterator[SnapshotEntry]:
@@ -505,10 +551,7 @@ def _entries(content: bytes, entry: IndexEntry, key: str) -> Iterator[SnapshotEn
     else:
         if pos == end:
             return
-    raise CorruptObjectError(key, entry.offset,
-                             f"block of key group {entry.key_group}: {entry.entry_count} "
-                             f"entries do not fill its {end} content bytes exactly "
-                             f"(stopped at content byte {pos})")
+    raise block_framing_error(key, entry, end, pos)
 
 
 def decode_block(record: bytes | memoryview, entry: IndexEntry, *,
@@ -555,8 +598,15 @@ def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapsh
 
 def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>",
                            max_block_bytes: int | None = None) -> None:
-    """The checks of :func:`decode_snapshot`, one block at a time, keeping nothing (at most one
-    block's content is held at once).
+    """Verify a whole snapshot object's integrity without parsing its entries, one block at a
+    time, keeping nothing (at most one block's content is held at once): header, end magic, the
+    object crc, footer, index, and per block its record (length, crc, zstd frame within the
+    block limit, zstd's content checksum) and its key group and entry count.
+
+    The entries' own framing is not walked here (that was a second full parse of every entry,
+    about as costly as loading them: issue #13); whoever reads the entries checks it as it goes
+    (:func:`iter_block`), so a crafted object whose checksums match but whose entries do not
+    fill their block still fails — typed, naming the object — when it is loaded.
 
     Raises:
         TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
@@ -566,7 +616,4 @@ def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "
     index = _verified_index(view, key, fmt)
     for b in (index.metadata, *index.blocks):
         content = _block_content(view[b.offset:b.offset + b.length], b, key, fmt)
-        if b.key_group != METADATA_KEY_GROUP:
-            for _entry in _entries(content, b, key):
-                pass  # the framing of every entry is checked; nothing is kept
         del content

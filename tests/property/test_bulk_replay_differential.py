@@ -9,6 +9,7 @@ neither). A fast path that diverged from the slow one fails here.
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 from typing import Any
@@ -39,6 +40,7 @@ from materializer.changes import (
 from materializer.codecs import SafeCodec
 from materializer.handles import ChangelogStateBackendHandle
 from materializer.replay import BlockReplayer
+from materializer.state_tables import SnapshotReader
 from restore.reader import ChangelogReader
 from restore.restore import restore_backend
 from tests.integration.test_restore_roundtrip import MP, OPTS, _checkpoint, _workload
@@ -107,6 +109,60 @@ def test_bulk_replay_equals_per_change_replay(table: str, seed: int, steps: int,
     try:
         assert _dump(bulk) == _dump(ref)
         assert sorted(bulk.state_names()) == sorted(ref.state_names())
+    finally:
+        bulk.close()
+        ref.close()
+        storage.close()
+
+
+def _snapshot(seed: int, steps: int) -> tuple[MemoryBlobStore, ChangelogStateBackendHandle]:
+    """A materialized snapshot (and an empty log after it) of a random workload."""
+    store = MemoryBlobStore()
+    rng = random.Random(seed)
+    with ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0)) as storage:
+        b = ChangelogKeyedStateBackend(storage, "op", RANGE, MP, options=OPTS)
+        _workload(b, rng, steps, KEYS, {})
+        assert b.materialize_now(10) is not None
+        h = _checkpoint(b, 1)
+        b.close()
+    assert h.materialized
+    return store, h
+
+
+def _per_entry_load(storage: ChangelogStorage, h: ChangelogStateBackendHandle, table: str,
+                    tmp: str) -> ChangelogKeyedStateBackend:
+    """The snapshot load as it was before the bulk path: one put per entry."""
+    b = ChangelogKeyedStateBackend(storage, "ref", h.key_groups, MP, table=table, options=OPTS,
+                                   local_directory=tmp, clear_local=True)
+    for ref in h.materialized:
+        reader = SnapshotReader(storage.store.get(ref.key), key=ref.key)
+        states = json.loads(reader.metadata)["states"]
+        remap = {int(sid): b.register_restored_state(meta, int(sid))
+                 for sid, meta in states.items()}
+        for kg, entries in reader.read(h.key_groups):
+            with b.tables.write_batch():
+                for sid, kb, nb, vb in entries:
+                    new = remap[sid]
+                    if table == "heap":
+                        k, ns, state = b.decode_entry(new, kb, nb, vb)
+                        b.tables.put(new, kg, k, ns, state)
+                    else:
+                        b.tables.put(new, kg, kb, nb, vb)
+    return b
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 400))
+def test_bulk_snapshot_load_equals_per_entry_load(table: str, seed: int, steps: int,
+                                                  tmp_path_factory: Any) -> None:
+    store, h = _snapshot(seed, steps)
+    storage = ChangelogStorage(store=store)
+    ref = _per_entry_load(storage, h, table, str(tmp_path_factory.mktemp("ref")))
+    bulk = restore_backend([h], storage, RANGE, table=table, options=OPTS,
+                           local_directory=str(tmp_path_factory.mktemp("bulk")))
+    try:
+        assert _dump(bulk) == _dump(ref)
     finally:
         bulk.close()
         ref.close()
