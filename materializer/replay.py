@@ -143,7 +143,11 @@ class BlockReplayer:
                     if pre is None:
                         pre = prefixes[sid] = loader.prefix(
                             kg, self._registered(sid, key, offset).state_id)
-                    append((pre + body[pos + 7:kend] + body[kend + 4:nend], body[nend:cend]))
+                    if nl:
+                        append((pre + body[pos + 7:kend] + body[kend + 4:nend],
+                                body[nend:cend]))
+                    else:  # no namespace (the common case): one slice less
+                        append((pre + body[pos + 7:kend], body[nend:cend]))
                 else:
                     loader.put_raw(records)
                     records = []
