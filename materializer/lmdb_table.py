@@ -201,6 +201,10 @@ class LmdbBulkLoad(LmdbWriteBatch):
         # as if a commit were due: the first step sizes the map for what comes
         self.pending = self.COMMIT_BYTES
 
+    def __enter__(self) -> LmdbBulkLoad:
+        super().__enter__()
+        return self
+
     def prefix(self, key_group: int, state_id: int) -> bytes:
         """The first 4 bytes of every key of ``state_id`` in ``key_group``; a record's key is
         this, the u32 key length, the key and the namespace.
