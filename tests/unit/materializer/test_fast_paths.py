@@ -299,3 +299,41 @@ def test_fused_block_load_equals_the_entry_iterator(table: str, block: tuple[byt
     finally:
         storage.close()
     assert outcomes[0] == outcomes[1]
+
+
+def test_a_closed_restored_heap_backend_frees_its_state_despite_the_freeze() -> None:
+    """gc.freeze() after a heap restore means frozen reference cycles are never collected (the
+    backend and its materialization manager are one); close() must drop the tables, so the
+    restored state is freed by reference counting anyway."""
+    import weakref
+
+    from dstl import ChangelogStorage, DstlOptions
+    from dstl.stores import MemoryBlobStore
+    from materializer.backend import ChangelogKeyedStateBackend
+    from materializer.options import BackendOptions
+    from materializer.states import ValueStateDescriptor
+    from restore.restore import restore_backend
+
+    opts = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+    storage = ChangelogStorage(store=MemoryBlobStore(), options=DstlOptions(persist_delay_s=0.0))
+    try:
+        b = ChangelogKeyedStateBackend(storage, "op", KeyGroupRange(0, 7), 8, options=opts)
+        st_ = b.get_state(ValueStateDescriptor("v"))
+        for i in range(200):
+            b.set_current_key(f"k{i}")
+            st_.update(i)
+        h = b.snapshot(1).result(10)
+        b.notify_checkpoint_complete(1)
+        b.close()
+        r = restore_backend([h], storage, KeyGroupRange(0, 7), options=opts,
+                            auto_materialize=False)
+        tables = r.tables
+        maps = [weakref.ref(tables.table(sid).map_for(kg)) for sid in tables.state_ids()
+                for kg in range(8)]
+        assert gc.get_freeze_count() > 0
+        r.close()
+        del r, tables
+        assert all(m() is None for m in maps)  # freed without any collection
+    finally:
+        gc.unfreeze()
+        storage.close()
