@@ -30,6 +30,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes, for CI smoke runs")
     p.add_argument("--repeats", type=int, default=5, help="repeats per figure (>= 5 for reports)")
     p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    p.add_argument("--tag", default=None,
+                   help="label of this run (e.g. 'before' for a baseline): results go to "
+                        "bench/results/<name>-<tag>.json and to their own section of "
+                        "docs/benchmarks.md, so a later untagged run does not replace them")
     return p
 
 
@@ -87,9 +91,29 @@ def percentile(xs: Sequence[float], p: float) -> float:
     return ys[k]
 
 
+def other_jvms() -> int:
+    """Java processes that are not descendants of this one (another engineer's Spark job)."""
+    me, n = os.getpid(), 0
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if (d / "comm").read_text().strip() != "java":
+                continue
+            pid = int(d.name)
+            while pid > 1 and pid != me:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        n += pid != me
+    return n
+
+
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
-                  command: str, no_doc: bool = False) -> Path:
-    """Write the JSON result file and this script's section of docs/benchmarks.md."""
+                  command: str, no_doc: bool = False, tag: str | None = None) -> Path:
+    """Write the JSON result file and this script's section of docs/benchmarks.md (with
+    ``tag``: ``<name>-<tag>``, a section of its own)."""
+    if tag:
+        name = f"{name}-{tag}"
+        command = f"{command} --tag {tag}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     out = RESULTS / f"{name}{'-quick' if quick else ''}.json"

@@ -53,7 +53,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, percentile, summary, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    fmt,
+    other_jvms,
+    parser,
+    percentile,
+    summary,
+    write_results,
+)
 from dstl import DstlOptions  # noqa: E402
 from dstl.spark.demo import ClickStats  # noqa: E402
 
@@ -95,22 +102,6 @@ def session(local_dir: str) -> Any:
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     return spark
-
-
-def other_jvms() -> int:
-    """Java processes that are not descendants of this one (another engineer's Spark job)."""
-    me, n = os.getpid(), 0
-    for d in glob.glob("/proc/[0-9]*"):
-        try:
-            if Path(d, "comm").read_text().strip() != "java":
-                continue
-            pid = int(os.path.basename(d))
-            while pid > 1 and pid != me:
-                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        n += pid != me
-    return n
 
 
 def agent_socket(spark_local: str, pid: int) -> str | None:

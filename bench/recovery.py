@@ -75,13 +75,21 @@ from materializer.backend import ChangelogKeyedStateBackend  # noqa: E402
 from materializer.codecs import SafeCodec  # noqa: E402
 from materializer.handles import ChangelogStateBackendHandle  # noqa: E402
 from materializer.options import BackendOptions  # noqa: E402
+from materializer.snapshot_format import (  # noqa: E402
+    FOOTER_SIZE,
+    RECORD_HEADER_SIZE,
+    decode_footer,
+    decode_index,
+)
 from materializer.states import ValueStateDescriptor  # noqa: E402
 from restore import LocalFileCache, RestoreStats, restore_backend  # noqa: E402
 
 MP = 128
 LATENCY_S = 0.020
 VALUE_BYTES = 64
-REPLAY_GOAL = 500_000
+REPLAY_GOAL = 500_000  # heap table, changes/s
+REPLAY_GOAL_LMDB = 1_000_000  # LMDB table, changes/s
+FLOOR_GOAL = 2.0  # snapshot restore within this multiple of GET + zstd-decompress
 SPEEDUP_GOAL = 3.0
 #: timers off: a benchmark backend must not materialize on its own
 OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
@@ -409,6 +417,8 @@ def measure(place: Place, ds: DataSet, repeats: int, **kw: Any) -> dict[str, Any
         out[name] = max(xs) if xs else None  # worst repeat
     out["changes"] = runs[0]["changes"]
     out["entries"] = runs[0]["entries"]
+    out["snapshot_s"] = summary([r["snapshot_seconds"] for r in runs])
+    out["replay_s"] = summary([r["replay_seconds"] for r in runs])
     if runs[0]["changes"]:
         out["replay_per_s"] = summary([r["changes"] / r["replay_seconds"] for r in runs])
     if runs[0]["entries"]:
@@ -447,20 +457,31 @@ def bench_backends(stores: Stores, counts: list[int], rounds: int, per_round: in
 # ----------------------------------------------------------------- (b) state size
 
 
-def download_floor(place: Place, key: str, repeats: int) -> dict[str, float]:
-    xs = []
+def download_floor(place: Place, key: str, repeats: int) -> dict[str, Any]:
+    """The floor of any restore from snapshot ``key``: one whole-object GET, then zstd-decompress
+    every block (no parsing, no table). ``get_s``: the GET alone."""
+    get_s, total_s = [], []
+    raw = 0
+    dz = zstandard.ZstdDecompressor()
     for _ in range(repeats):
         t0 = time.perf_counter()
-        place.store.get(key)
-        xs.append(time.perf_counter() - t0)
-    return summary(xs)
+        data = place.store.get(key)
+        t1 = time.perf_counter()
+        footer = decode_footer(data[-FOOTER_SIZE:], len(data), key=key)
+        index = decode_index(data[footer.index_offset:footer.index_offset + footer.index_length],
+                             footer, key=key)
+        raw = sum(len(dz.decompress(data[b.offset + RECORD_HEADER_SIZE:b.offset + b.length]))
+                  for b in index.blocks)
+        total_s.append(time.perf_counter() - t0)
+        get_s.append(t1 - t0)
+    return {"get_s": summary(get_s), "floor_s": summary(total_s), "raw_mb": raw / 1e6}
 
 
 def bench_state_size(stores: Stores, sizes: list[int], nocache_max_keys: int,
                      repeats: int) -> dict[str, Any]:
-    """Restore from a snapshot of each size; without the cache only up to ``nocache_max_keys``
-    (its extra cost is per-request latency, the same at every size, and the run must stay
-    within its time budget)."""
+    """Restore from a snapshot of each size into the heap table (with the cache, and without it
+    up to ``nocache_max_keys``: its extra cost is per-request latency, the same at every size)
+    and into LMDB (with the cache), against the download-and-decompress floor."""
     out: dict[str, Any] = {}
     for n in sizes:
         name = f"state-{n}"
@@ -471,15 +492,19 @@ def bench_state_size(stores: Stores, sizes: list[int], nocache_max_keys: int,
             floor = download_floor(place, snap_key, repeats)
             nc = measure(place, ds, repeats, cache=False) if n <= nocache_max_keys else None
             wc = measure(place, ds, repeats, cache=True)
+            lm = measure(place, ds, repeats, cache=True, table="lmdb")
+            f = floor["floor_s"]["median"]
             out[f"{place.target}/{n}"] = {
                 "store": place.target, "keys": n, "tail_changes": tail,
                 "data": {k: v for k, v in ds.info.items() if k != "objects"},
-                "download_floor_s": floor, "no_cache": nc, "cache": wc,
+                "download_floor_s": floor["get_s"], "floor": floor, "no_cache": nc, "cache": wc,
+                "lmdb": lm,
                 "speedup": nc["seconds"]["median"] / wc["seconds"]["median"] if nc else None,
-                "cache_vs_floor": wc["seconds"]["median"] / floor["median"]}
-            print(f"(b) {place.target} {n}: no cache "
-                  f"{nc['seconds']['median'] if nc else float('nan'):.3f}s, cache "
-                  f"{wc['seconds']['median']:.3f}s, floor {floor['median']:.3f}s")
+                "cache_vs_floor": wc["seconds"]["median"] / floor["get_s"]["median"],
+                "heap_vs_floor": wc["snapshot_s"]["median"] / f,
+                "lmdb_vs_floor": lm["snapshot_s"]["median"] / f}
+            print(f"(b) {place.target} {n}: floor {f:.3f}s, heap snapshot "
+                  f"{wc['snapshot_s']['median']:.3f}s, lmdb {lm['snapshot_s']['median']:.3f}s")
     return out
 
 
@@ -539,17 +564,41 @@ def bare_replay(n: int, repeats: int) -> dict[str, Any]:
             "lmdb_per_s": summary([to_lmdb() for _ in range(repeats)])}
 
 
+def log_floor(place: Place, ds: DataSet, repeats: int) -> dict[str, Any]:
+    """The floor of replaying ``ds``'s log: GET every segment whole and zstd-decompress each
+    change-set record the handles name (no parsing, no table)."""
+    refs: dict[str, list[tuple[int, int]]] = {}
+    for h in ds.handles:
+        for n in h.non_materialized:
+            for r in n.change_sets:
+                refs.setdefault(r.key, []).append((r.offset, r.length))
+    dz = zstandard.ZstdDecompressor()
+    xs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for key, rs in refs.items():
+            data = place.store.get(key)
+            for off, ln in rs:
+                dz.decompress(data[off + RECORD_HEADER_SIZE:off + ln])
+        xs.append(time.perf_counter() - t0)
+    return summary(xs)
+
+
 def bench_log_length(stores: Stores, lengths: list[int], repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in lengths:
         name = f"log-{n}"
         ds = gen_single(stores.local_root(name), 1000, n, 100_000, 100_000)
         for place in stores.place(name, ds.objects):
+            floor = log_floor(place, ds, repeats)
             for table in ("heap", "lmdb"):
                 r = measure(place, ds, repeats, cache=True, table=table)
                 out[f"{place.target}/{table}/{n}"] = {
                     "store": place.target, "table": table, "changes": n,
-                    "data": {k: v for k, v in ds.info.items() if k != "objects"}, "cache": r}
+                    "data": {k: v for k, v in ds.info.items() if k != "objects"}, "cache": r,
+                    "floor_s": floor,
+                    "replay_vs_floor": (r["replay_s"]["median"] / floor["median"]
+                                        if n else None)}
                 rate = r.get("replay_per_s", {}).get("median", 0.0)
                 print(f"(c) {place.target} {table} {n}: {r['seconds']['median']:.3f}s, "
                       f"replay {rate:,.0f}/s")
@@ -703,6 +752,13 @@ def _rate(s: dict[str, float]) -> str:
     return fmt(s, scale=1e-3, digits=0) + " k/s"
 
 
+def _interval(minutes: float) -> str:
+    """A longest materialization interval, or why there is none (the snapshot load alone
+    exceeds the budget)."""
+    return f"**{minutes:,.1f} min**" if minutes > 0 else "**none fits** (snapshot load alone " \
+        "exceeds the budget)"
+
+
 def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The materialization-interval paragraph, from the measured rates."""
     target = MOTO if any(r["store"] == MOTO for r in fig_c.values()) else LOCAL
@@ -720,12 +776,13 @@ def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str,
                                     - zero["cache"]["seconds"]["median"])
     t0 = zero["cache"]["seconds"]["median"]
     r_snap = big_b["keys"] / big_b["cache"]["seconds"]["median"]
+    r_snap_lmdb = big_b["keys"] / big_b["lmdb"]["seconds"]["median"]
     keys, budget = 1_000_000, 10.0
-    snap_s = keys / r_snap
+    snap_s, snap_lmdb_s = keys / r_snap, keys / r_snap_lmdb
     rows = []
     for w in (1_000, 10_000, 50_000):
         i_heap = (budget - t0 - snap_s) * r_heap / w / 60.0
-        i_lmdb = (budget - t0 - snap_s) * r_lmdb / w / 60.0
+        i_lmdb = (budget - t0 - snap_lmdb_s) * r_lmdb / w / 60.0
         rows.append((w, i_heap, i_lmdb))
     # what the size trigger counts per change: op + state id, key and namespace, encoded value
     bytes_per_change = 3 + 4 + len(b"user-00000000") + 4 + len(SafeCodec().encode(value(0)))
@@ -738,17 +795,19 @@ def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str,
         "the failure hits just before a materialization completes, so the log holds `w * I` "
         "changes, plus those written while it runs) and `r_snap`, `r_replay` the end-to-end "
         f"load and replay rates. Measured here on {target} with the cache: `T0` = {t0:.2f} s, "
-        f"`r_snap` = {r_snap / 1e3:,.0f} k keys/s (heap, {big_b['keys']:,}-key snapshot), "
+        f"`r_snap` = {r_snap / 1e3:,.0f} k keys/s into the heap table and "
+        f"{r_snap_lmdb / 1e3:,.0f} k keys/s into LMDB ({big_b['keys']:,}-key snapshot), "
         f"`r_replay` = {r_heap / 1e3:,.0f} k changes/s into the heap table and "
         f"{r_lmdb / 1e3:,.0f} k changes/s into LMDB (downloads included; "
         f"{big_c['changes']:,}-change log). So `I <= (T_max - T0 - S / r_snap) * r_replay / w`: "
-        f"to keep the restore of a {keys:,}-key backend ({snap_s:.1f} s of snapshot load) under "
+        f"to keep the restore of a {keys:,}-key backend ({snap_s:.1f} s of snapshot load into "
+        f"the heap, {snap_lmdb_s:.1f} s into LMDB) under "
         f"{budget:.0f} s, materialize at least every "
-        + ", ".join(f"**{ih:,.1f} min** (LMDB {il:,.1f} min) at {w:,} changes/s"
+        + ", ".join(f"{_interval(ih)} (LMDB {_interval(il)}) at {w:,} changes/s"
                     for w, ih, il in rows)
         + ". Flink's 10-minute default fits only write rates below "
-        f"{(budget - t0 - snap_s) * r_heap / 600:,.0f} changes/s per backend (heap) for that "
-        "budget. Each materialization rewrites the whole table (heap), so do not go much below "
+        f"{max(0.0, (budget - t0 - snap_s) * r_heap / 600):,.0f} changes/s per backend (heap) "
+        "for that budget. Each materialization rewrites the whole table (heap), so do not go much below "
         "the time it takes (measured here once: "
         f"{big_b['data']['materialize_s']:.1f} s for {big_b['keys']:,} keys). The size trigger "
         "(`materialize_log_ratio`, default 2) bounds the log independently of time: at "
@@ -758,10 +817,25 @@ def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str,
         "keep it on. Real S3 adds tens of ms per request and less bandwidth than moto on "
         "loopback: recompute with your store's numbers.")
     return text, {"target": target, "T0_s": t0, "r_snap_keys_per_s": r_snap,
+                  "r_snap_lmdb_keys_per_s": r_snap_lmdb,
                   "r_replay_heap_per_s": r_heap, "r_replay_lmdb_per_s": r_lmdb,
                   "budget_s": budget, "keys": keys,
                   "max_interval_min": {str(w): {"heap": h, "lmdb": m} for w, h, m in rows},
                   "size_trigger_cap_changes": cap_changes}
+
+
+def floor_goals(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> dict[str, Any]:
+    """Issue #13's goals, on the local store at the largest size: replay rates into LMDB and the
+    heap, snapshot restore (load phase) vs GET + zstd-decompress of the snapshot."""
+    lmdb_local = max((r for r in fig_c.values() if r["store"] == LOCAL and r["table"] == "lmdb"),
+                     key=lambda r: r["changes"])
+    big_b = max((r for r in fig_b.values() if r["store"] == LOCAL), key=lambda r: r["keys"])
+    rate = lmdb_local["cache"]["replay_per_s"]["median"]
+    return {"replay_lmdb": rate, "replay_lmdb_met": rate >= REPLAY_GOAL_LMDB,
+            "floor_keys": big_b["keys"], "heap_vs_floor": big_b["heap_vs_floor"],
+            "lmdb_vs_floor": big_b["lmdb_vs_floor"],
+            "heap_floor_met": big_b["heap_vs_floor"] <= FLOOR_GOAL,
+            "lmdb_floor_met": big_b["lmdb_vs_floor"] <= FLOOR_GOAL}
 
 
 def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
@@ -790,7 +864,16 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            f"| replay >= 500 k changes/s into the heap table | {_n(g['replay_heap'] / 1e3, 0)} k/s "
            f"(local fs, {g['replay_changes']:,} changes; bare loop "
            f"{_n(bare['dict_per_s']['median'] / 1e3, 0)} k/s) | "
-           f"{'met' if g['replay_met'] else 'MISSED'} |", ""]
+           f"{'met' if g['replay_met'] else 'MISSED'} |",
+           f"| replay >= 1 M changes/s into LMDB (issue #13) | "
+           f"{_n(g['replay_lmdb'] / 1e3, 0)} k/s (local fs, {g['replay_changes']:,} changes; "
+           f"bare loop {_n(bare['lmdb_per_s']['median'] / 1e3, 0)} k/s) | "
+           f"{'met' if g['replay_lmdb_met'] else 'MISSED'} |",
+           f"| snapshot restore within 2x of GET + zstd-decompress (issue #13), heap | "
+           f"{_n(g['heap_vs_floor'], 1)}x (local fs, {g['floor_keys']:,} keys) | "
+           f"{'met' if g['heap_floor_met'] else 'MISSED'} |",
+           f"| same, LMDB | {_n(g['lmdb_vs_floor'], 1)}x | "
+           f"{'met' if g['lmdb_floor_met'] else 'MISSED'} |", ""]
     # (a)
     any_a = next(iter(fa.values()))["data"]
     md += [f"#### (a) Backends per process sharing segments (restore time vs backends: "
@@ -836,6 +919,20 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
                   f"{r['cache_vs_floor']:.1f}x | {_rate(wc['load_entries_per_s'])} entries | "
                   f"{nc['reads_per_object_max'] if nc else 'n/a'} / "
                   f"{wc['reads_per_object_max']} |")
+    md += ["", "Snapshot load (the load phase of `RestoreStats`: cache lease, download, verify, "
+           "decode, table puts) against the **download-and-decompress floor** (same run: one "
+           "whole-object GET, then zstd-decompress every block; no parsing, no table), heap and "
+           "LMDB tables, with the cache (issue #13 goal: within 2x of the floor):", "",
+           "| store | keys | snapshot MB (raw) | GET ms | floor ms | heap load s | heap / floor | "
+           "heap entries/s | LMDB load s | LMDB / floor | LMDB entries/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(fb.values(), key=lambda r: (r["store"], r["keys"])):
+        fl, wc, lm = r["floor"], r["cache"], r["lmdb"]
+        md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
+                  f"({fl['raw_mb']:.1f}) | {_ms(fl['get_s'])} | {_ms(fl['floor_s'])} | "
+                  f"{_s(wc['snapshot_s'])} | **{r['heap_vs_floor']:.1f}x** | "
+                  f"{_rate(wc['load_entries_per_s'])} | {_s(lm['snapshot_s'])} | "
+                  f"**{r['lmdb_vs_floor']:.1f}x** | {_rate(lm['load_entries_per_s'])} |")
     md.append("")
     # (c)
     md += [f"#### (c) Log length since the last materialization (restore time vs log length: "
@@ -847,18 +944,26 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            "bare replay loop of reference B.4 (zstd-1 decompress -> `struct` decode -> dict set, "
            "or LMDB put in one write transaction, `sync=False`) over "
            f"{bare['records']:,} records of the same shape: dict "
-           f"{_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])}.", "",
+           f"{_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])}. Floor (same run): "
+           "GET every segment whole and zstd-decompress the change-set records the handle "
+           "names (no parsing, no table); replay / floor compares it with the replay phase. "
+           f"Goals (issue #13): >= {REPLAY_GOAL_LMDB / 1e6:.0f} M changes/s into LMDB, >= "
+           f"{REPLAY_GOAL / 1e3:.0f} k changes/s into the heap.", "",
            "| store | table | changes | log MB | restore s | replay rate | vs bare loop | "
-           "MB downloaded |", "|---|---|---|---|---|---|---|---|"]
+           "floor s | floor rate | replay / floor | MB downloaded |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(fc.values(), key=lambda r: (r["store"], r["table"], r["changes"])):
         wc = r["cache"]
         rate = wc.get("replay_per_s")
         base = bare["dict_per_s" if r["table"] == "heap" else "lmdb_per_s"]["median"]
+        fl = r["floor_s"]
+        frate = f"{r['changes'] / fl['median'] / 1e3:,.0f} k/s" if r["changes"] else "n/a"
+        vs = f"**{r['replay_vs_floor']:.1f}x**" if r["replay_vs_floor"] else "n/a"
         md.append(f"| {r['store']} | {r['table']} | {r['changes']:,} | "
                   f"{r['data']['log_mb']:.2f} | {_s(wc['seconds'])} | "
                   f"{_rate(rate) if rate else 'n/a'} | "
-                  f"{_n(rate['median'] / base) if rate else 'n/a'} | "
-                  f"{wc['mb_downloaded']['median']:.2f} |")
+                  f"{_n(rate['median'] / base) if rate else 'n/a'} | {_s(fl)} | {frate} | "
+                  f"{vs} | {wc['mb_downloaded']['median']:.2f} |")
     md.append("")
     if figs.get("profile"):
         p = figs["profile"]
@@ -909,10 +1014,11 @@ def main() -> None:
 
     fa = figures["backends"]
     at8 = {r["mode"]: r for r in fa.values() if r["backends"] == 8 and r["store"] == MOTO}
-    fetches_cache = [r["cache"]["gets_per_object_max"] if r["cache"]["gets_per_object_max"]
-                     is not None else r["cache"]["reads_per_object_max"]
-                     for r in [*fa.values(), *figures["state_size"].values(),
-                               *figures["log_length"].values()]]
+    cached = [r["cache"] for r in [*fa.values(), *figures["state_size"].values(),
+                                   *figures["log_length"].values()]]
+    cached += [r["lmdb"] for r in figures["state_size"].values()]
+    fetches_cache = [c["gets_per_object_max"] if c["gets_per_object_max"] is not None
+                     else c["reads_per_object_max"] for c in cached]
     seq8 = at8.get("sequential", {}).get("speedup")
     par8 = at8.get("parallel", {}).get("speedup")
     figures["goals"] = {
@@ -926,6 +1032,7 @@ def main() -> None:
         "replay_heap": replay_heap, "replay_changes": heap_local["changes"],
         "replay_met": replay_heap >= REPLAY_GOAL,
     }
+    figures["goals"].update(floor_goals(figures["state_size"], figures["log_length"]))
     text, numbers = advice(figures["state_size"], figures["log_length"])
     figures["advice_text"], figures["advice"] = text, numbers
 
