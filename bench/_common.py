@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -89,6 +90,44 @@ def percentile(xs: Sequence[float], p: float) -> float:
         return float("nan")
     k = min(len(ys) - 1, max(0, round(p / 100.0 * (len(ys) - 1))))
     return ys[k]
+
+
+class LoadSampler:
+    """The 1-minute load average, sampled on a daemon thread while a bench runs: the machine is
+    shared, and a figure measured under load says so next to it."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; the summary (also kept as ``self.summary``)."""
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+        xs = self.samples
+        cores = os.cpu_count() or 1
+        self.summary: dict[str, Any] = {
+            "start": xs[0], "end": xs[-1], "median": statistics.median(xs), "max": max(xs),
+            "samples": len(xs), "cores": cores,
+            # a bench keeps about one core busy per core here; much more means a neighbour
+            "noisy": max(xs) > cores + 1}
+        return self.summary
+
+    def note(self) -> str:
+        s = self.summary
+        return (f"Load average (1 min) during the run: median {s['median']:.1f}, max "
+                f"{s['max']:.1f} (start {s['start']:.1f}, end {s['end']:.1f}) on {s['cores']} "
+                "cores" + (" — **noisy: other jobs shared the machine, absolute figures are "
+                           "pessimistic; same-run ratios and baselines hold better**"
+                           if s["noisy"] else " — quiet"))
 
 
 def other_jvms() -> int:

@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import parser, write_results  # noqa: E402
+from bench._common import LoadSampler, parser, write_results  # noqa: E402
 from dstl import ChangelogStorage, KeyGroupRange  # noqa: E402
 from dstl.stores import LocalBlobStore  # noqa: E402
 from materializer import (  # noqa: E402
@@ -290,6 +290,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="dstl-profile-restore-"))
     cases = []
     t0 = time.monotonic()
+    load = LoadSampler()
     try:
         for phase in PHASES:
             root = str(work / phase)
@@ -303,9 +304,9 @@ def main() -> int:
                       f"({c['ns_per_entry']:,.0f} ns/entry), gc {c['plain']['gc']}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    md = markdown(cases)
-    write_results("profile_restore", {"entries": n, "cases": cases,
-                                      "loadavg_end": os.getloadavg(),
+    load.stop()
+    md = load.note() + ".\n\n" + markdown(cases)
+    write_results("profile_restore", {"entries": n, "cases": cases, "load": load.summary,
                                       "total_s": time.monotonic() - t0},
                   md, quick=args.quick, command=".venv/bin/python bench/profile_restore.py"
                   + (" --quick" if args.quick else ""), no_doc=True, tag=args.tag)

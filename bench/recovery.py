@@ -67,7 +67,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import zstandard  # noqa: E402
 
-from bench._common import fmt, parser, summary, write_results  # noqa: E402
+from bench._common import LoadSampler, fmt, parser, summary, write_results  # noqa: E402
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for  # noqa: E402
 from dstl.stores import BlobStore, FsspecBlobStore, LocalBlobStore, ObjectInfo  # noqa: E402  # noqa: E402
 from dstl.timer import ManualTimer  # noqa: E402
@@ -752,11 +752,13 @@ def _rate(s: dict[str, float]) -> str:
     return fmt(s, scale=1e-3, digits=0) + " k/s"
 
 
-def _interval(minutes: float) -> str:
-    """A longest materialization interval, or why there is none (the snapshot load alone
-    exceeds the budget)."""
-    return f"**{minutes:,.1f} min**" if minutes > 0 else "**none fits** (snapshot load alone " \
-        "exceeds the budget)"
+def _intervals(rows: list[tuple[int, float, float]], col: int, snap_s: float,
+               budget_s: float) -> str:
+    """Longest materialization intervals per write rate, or why none fits."""
+    if snap_s >= budget_s:
+        return (f"**none fits**: the snapshot load alone ({snap_s:.1f} s) exceeds the budget, "
+                "whatever the interval")
+    return ", ".join(f"**{r[col]:,.1f} min** at {r[0]:,} changes/s" for r in rows)
 
 
 def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -802,12 +804,12 @@ def advice(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> tuple[str, dict[str,
         f"{big_c['changes']:,}-change log). So `I <= (T_max - T0 - S / r_snap) * r_replay / w`: "
         f"to keep the restore of a {keys:,}-key backend ({snap_s:.1f} s of snapshot load into "
         f"the heap, {snap_lmdb_s:.1f} s into LMDB) under "
-        f"{budget:.0f} s, materialize at least every "
-        + ", ".join(f"{_interval(ih)} (LMDB {_interval(il)}) at {w:,} changes/s"
-                    for w, ih, il in rows)
+        f"{budget:.0f} s, materialize at least every: heap table "
+        + _intervals(rows, 1, snap_s, budget - t0) + "; LMDB: "
+        + _intervals(rows, 2, snap_lmdb_s, budget - t0)
         + ". Flink's 10-minute default fits only write rates below "
-        f"{max(0.0, (budget - t0 - snap_s) * r_heap / 600):,.0f} changes/s per backend (heap) "
-        "for that budget. Each materialization rewrites the whole table (heap), so do not go much below "
+        f"{max(0.0, (budget - t0 - snap_s) * r_heap / 600):,.0f} changes/s per backend (heap; "
+        f"LMDB {max(0.0, (budget - t0 - snap_lmdb_s) * r_lmdb / 600):,.0f}) for that budget. Each materialization rewrites the whole table (heap), so do not go much below "
         "the time it takes (measured here once: "
         f"{big_b['data']['materialize_s']:.1f} s for {big_b['keys']:,} keys). The size trigger "
         "(`materialize_log_ratio`, default 2) bounds the log independently of time: at "
@@ -849,7 +851,8 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            "`FaultyFileSystem` (moto understates real S3 costs for big objects and overstates "
            "nothing else). Each restore starts with a fresh storage and an empty cache; times "
            "are from the first `restore_backend` call to the last return. Median (min..max) of "
-           f"{figs['repeats']} repeats.", ""]
+           f"{figs['repeats']} repeats. {figs['load_note']}. Total "
+           f"{figs['wall_seconds'] / 60:.0f} min.", ""]
     # goals
     g = figs["goals"]
     md += ["| goal | measured | |", "|---|---|---|",
@@ -989,6 +992,7 @@ def main() -> None:
     wall: dict[str, float] = {}
     figures: dict[str, Any] = {"repeats": reps, "value_bytes": VALUE_BYTES,
                                "latency_s": LATENCY_S, "max_parallelism": MP}
+    load = LoadSampler()
     stores = Stores()
     if stores.error:
         figures["moto_error"] = stores.error
@@ -1045,6 +1049,8 @@ def main() -> None:
         plot_log_length(figures["log_length"], ROOT / "docs" / imgs["log_length"])
     figures["wall_seconds"] = time.perf_counter() - t_start
     figures["wall_seconds_per_part"] = wall
+    figures["load"] = load.stop()
+    figures["load_note"] = load.note()
     md = markdown(figures, imgs)
     write_results("recovery", figures, md, quick=q,
                   command=f"python bench/recovery.py{' --quick' if q else ''}",

@@ -26,22 +26,27 @@ Variants:
 How it runs: each variant's state is built once per size (the build phase, in a child process);
 after the build, Spark-snapshot variants wait until every partition's newest version is uploaded
 as a snapshot (``<B>.zip``), so Spark restores from a snapshot of the last batch. Each repeat then
-copies the built Spark checkpoint and DSTL store to a fresh directory and restarts from the copy
-in a new child process (a new driver JVM, executor, Python workers and, for DSTL, agent, with an
-empty executor-local directory, so all state comes from the store, as after losing the executor);
+runs a new child process that restarts from a fresh copy of the built Spark checkpoint and DSTL
+store (the "cold process" figure: new driver JVM), stops, and restarts from a second fresh copy
+in a new SparkSession of the same process (the main figure, the issue's "fresh SparkSession":
+warm driver JVM; new SparkContext, executor, Python workers and, for DSTL, agent, with an empty
+executor-local directory, so all state comes from the store, as after losing the executor);
 restarts of all variants are interleaved per repeat, order rotated. Per restart: the batch's
 ``triggerExecution``/``addBatch``; the state load — DSTL: ``restore_seconds`` of the slowest task
 (``op.batch_stats``), and per task from a bench-only hook in the workers (wraps
 ``dstl.spark.task.restore_backend`` to keep its ``RestoreStats``: snapshot-load and replay
-seconds, entries, changes, GC pause time); Spark: the RocksDB load metrics of the state operator;
+seconds, entries, changes, GC pause time; and wraps ``_runtime`` to time each task's start, its
+worker's and the Python daemon's process start and the agent start-up, which is where a Python
+job's first batch goes); Spark: the RocksDB load metrics of the state operator;
 bytes downloaded and objects read — DSTL: the agent's restore-cache counters; Spark: from the
 checkpoint (the snapshot zip and the SST files its metadata lists, plus the changelogs after it).
 From the build: steady batch times, materializations (LMDB: the agent's log lines; heap: the
 hook around ``materialize_now``), the snapshot and log-tail bytes the restart starts from.
 
-Run: ``.venv/bin/python bench/restart.py [--quick] [--keys 1000000,4000000] [--repeats 5]``.
-Quick: 200 k keys, 1 repeat, about 5 min on 2 cores. Full (1 M and 4 M keys, 5 restart repeats
-of every variant; each variant's state is built once per size): about 1.5-2 h on 2 cores.
+Run: ``.venv/bin/python bench/restart.py [--quick] [--keys 1000000,4000000] [--repeats 5]
+[--repeats-large 3]``. Quick: 200 k keys, 1 repeat, about 10 min on 2 cores. Full (1 M and 4 M
+keys, 5 restart repeats of every variant, ``--repeats-large`` at 4 M; each variant's state is
+built once per size): 3-4 h on 2 cores.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import (  # noqa: E402
+    LoadSampler,
     fmt,
     other_jvms,
     parser,
@@ -851,8 +857,11 @@ def load_note(raw: dict[int, Any], info0: dict[str, Any]) -> tuple[str, bool]:
     cores = os.cpu_count() or 1
     # a Spark job alone keeps about 2 runnable threads on 2 cores; more means a neighbour
     noisy = jvms > 0 or max(loads) > cores + 1
+    sampled = info0.get("load", {})
     text = (f"Load average (1 min) around the {len(runs)} child runs: median "
-            f"{statistics.median(loads):.1f}, max {max(loads):.1f} on {cores} cores; other JVMs "
+            f"{statistics.median(loads):.1f}, max {max(loads):.1f} (sampled every 5 s over the "
+            f"whole run: median {sampled.get('median', float('nan')):.1f}, max "
+            f"{sampled.get('max', float('nan')):.1f}) on {cores} cores; other JVMs "
             f"seen: {jvms}" + (" — **noisy: other jobs shared the machine; absolute times are "
                                "pessimistic, the DSTL/Spark ratios are from interleaved runs**"
                                if noisy else " — quiet"))
@@ -879,7 +888,7 @@ def goals(figs: dict[int, dict[str, Any]]) -> list[str]:
 
 
 def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[int],
-             repeats: int, quick: bool, info0: dict[str, Any], total_s: float,
+             reps: dict[int, int], quick: bool, info0: dict[str, Any], total_s: float,
              tag: str | None) -> str:
     note, _ = load_note(raw, info0)
     title = "### Restart after a stop (`bench/restart.py`)"
@@ -887,14 +896,19 @@ def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[i
         title += " — before: baseline for issue #13, measured before any engine change"
     batches = ", ".join(f"{n:,} keys in {raw[n]['meta']['batches']} batches of "
                         f"{raw[n]['meta']['keys_per_batch']:,}" for n in sizes)
+    repeats = ", ".join(f"{reps[n]} at {n:,} keys" for n in sizes)
     lines = [title, "",
              f"Count per key, keys `k%08d` each written once ({batches}), `local[2]`, 4 "
-             f"partitions; stop, then a fresh process and SparkSession processes 2 batches of "
-             f"{RESTART_KEYS:,} existing keys; restart batch = `triggerExecution` of the first. "
-             f"Each variant's state is built once per size; each of the {repeats} restart "
-             f"repeat(s) starts from a fresh copy of it in a new process (new driver JVM, "
-             f"executor, Python workers and agent; empty executor-local directory), variants "
-             f"interleaved per round, order rotated. Median (min..max) over repeats. "
+             f"partitions; stop, then a fresh SparkSession processes 2 batches of "
+             f"{RESTART_KEYS:,} existing keys (every one must come out with count 2); restart "
+             f"batch = `triggerExecution` of the first. Each variant's state is built once per "
+             f"size. Each restart repeat ({repeats}) is a new process that restarts from one "
+             f"fresh copy of the state (the *cold process* columns: new driver JVM), stops, and "
+             f"restarts from a second copy in a fresh SparkSession of the same driver (the main "
+             f"figure, the issue's restart: warm driver JVM; new SparkContext, executor, Python "
+             f"workers and DSTL agent; empty executor-local directory, so all state comes from "
+             f"the store). Variants interleaved per round, order rotated; median (min..max) "
+             f"over repeats; DSTL / Spark = median of the per-round ratios. "
              f"{note}. Total {total_s / 60:.0f} min.", ""]
     lines += [*goals(figs), ""]
     if not quick:
@@ -938,11 +952,27 @@ def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (``--tag`` is added by ``write_results``)."""
+    parts = [".venv/bin/python bench/restart.py"]
+    if args.quick:
+        parts.append("--quick")
+    for flag, value, default in (("--keys", args.keys, None), ("--repeats", args.repeats, 5),
+                                 ("--repeats-large", args.repeats_large, None),
+                                 ("--variants", args.variants, ",".join(VARIANTS))):
+        if value is not None and value != default:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
 def main() -> int:
     p = parser(__doc__.split("\n", 1)[0])
     p.add_argument("--keys", default=None,
                    help="state sizes, comma-separated (default 1000000,4000000; quick 200000)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeats-large", type=int, default=None,
+                   help="restart repeats for sizes above 1 M keys (default: --repeats; at 4 M "
+                        "keys each round of 6 variants takes about 15 min on 2 cores)")
     p.add_argument("--child", choices=("build", "restart"), help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -960,29 +990,47 @@ def main() -> int:
     repeats = 1 if q and "--repeats" not in sys.argv else args.repeats
     variants = [VARIANTS[x] for x in args.variants.split(",") if x]
     t0 = time.monotonic()
+    load = LoadSampler()
     info0 = {"loadavg": os.getloadavg(), "other_jvms": other_jvms()}
     base = Path(tempfile.mkdtemp(prefix="dstl-bench-restart-"))
     raw: dict[int, Any] = {}
     figs: dict[int, dict[str, Any]] = {}
+    reps = {n: args.repeats_large if n > 1_000_000 and args.repeats_large else repeats
+            for n in sizes}
+    failed: dict[int, str] = {}
     try:
         for n in sizes:
-            meta, restarts = run_size(base / f"n{n}", n, variants, repeats, q, seed=13)
+            try:
+                meta, restarts = run_size(base / f"n{n}", n, variants, reps[n], q, seed=13)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                # the sizes measured so far are still reported; this one is named as failed
+                failed[n] = f"{type(exc).__name__}: {exc}"[-1500:]
+                print(f"[{n:,}] FAILED: {failed[n]}", flush=True)
+                continue
             raw[n] = {"meta": meta, "restarts": restarts}
             figs[n] = size_figures(meta, restarts)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    if not figs:
+        print("every size failed; nothing written", flush=True)
+        return 1
     total = time.monotonic() - t0
-    md = markdown(figs, raw, sizes, repeats, q, info0, total, args.tag)
+    info0["load"] = load.stop()
+    done = [n for n in sizes if n in figs]
+    md = markdown(figs, raw, done, reps, q, info0, total, args.tag)
+    if failed:
+        md += "\n\n" + "\n".join(f"**Failed at {n:,} keys** (not in the tables): `{e}`"
+                                  for n, e in failed.items())
     img = f"img/restart_keys{'-' + args.tag if args.tag else ''}.png"
     if not args.no_doc and not q:
         plot(figs, ROOT / "docs" / img)
         md = md.replace("IMG", img)
-    write_results("restart", {"sizes": sizes, "repeats": repeats, "figures": figs, "raw": raw,
+    write_results("restart", {"sizes": sizes, "failed": failed, "repeats": reps,
+                              "figures": figs, "raw": raw,
                               "total_s": total, "machine_start": info0},
-                  md, quick=q, command=".venv/bin/python bench/restart.py"
-                  + (" --quick" if q else ""), no_doc=args.no_doc, tag=args.tag)
+                  md, quick=q, command=command_line(args), no_doc=args.no_doc, tag=args.tag)
     print(md)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
