@@ -843,7 +843,10 @@ def floor_goals(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> dict[str, Any]:
 def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
     fa, fb, fc = figs["backends"], figs["state_size"], figs["log_length"]
     bare = figs["bare_replay"]
-    md: list[str] = ["### Recovery time (`bench/recovery.py`)", ""]
+    title = "### Recovery time (`bench/recovery.py`)"
+    if figs.get("tag") == "before":
+        title += " — before: baseline for issue #13, measured before any engine change"
+    md: list[str] = [title, ""]
     if figs.get("moto_error"):
         md += [f"_moto figures missing: {figs['moto_error']}_", ""]
     md += ["Stores: local fs = `LocalBlobStore` in a temp dir; moto-loopback + 20 ms = moto S3 "
@@ -1040,8 +1043,8 @@ def main() -> None:
     text, numbers = advice(figures["state_size"], figures["log_length"])
     figures["advice_text"], figures["advice"] = text, numbers
 
-    imgs = {"backends": "img/recovery_backends.png", "state_size": "img/recovery_state_size.png",
-            "log_length": "img/recovery_log_length.png"}
+    sfx = f"-{args.tag}" if args.tag else ""  # a tagged run keeps its own plots
+    imgs = {k: f"img/recovery_{k}{sfx}.png" for k in ("backends", "state_size", "log_length")}
     if not args.no_doc:
         IMG.mkdir(parents=True, exist_ok=True)
         plot_backends(fa, ROOT / "docs" / imgs["backends"])
@@ -1049,12 +1052,13 @@ def main() -> None:
         plot_log_length(figures["log_length"], ROOT / "docs" / imgs["log_length"])
     figures["wall_seconds"] = time.perf_counter() - t_start
     figures["wall_seconds_per_part"] = wall
+    figures["tag"] = args.tag
     figures["load"] = load.stop()
     figures["load_note"] = load.note()
     md = markdown(figures, imgs)
     write_results("recovery", figures, md, quick=q,
                   command=f"python bench/recovery.py{' --quick' if q else ''}",
-                  no_doc=args.no_doc)
+                  no_doc=args.no_doc, tag=args.tag)
     print(md)
     print(f"wall: {figures['wall_seconds']:.0f} s {wall}")
 
