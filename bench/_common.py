@@ -147,14 +147,16 @@ def other_jvms() -> int:
 
 
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
-                  command: str, no_doc: bool = False, tag: str | None = None) -> Path:
+                  command: str, no_doc: bool = False, tag: str | None = None,
+                  machine: dict[str, Any] | None = None) -> Path:
     """Write the JSON result file and this script's section of docs/benchmarks.md (with
-    ``tag``: ``<name>-<tag>``, a section of its own)."""
+    ``tag``: ``<name>-<tag>``, a section of its own). ``machine``: the machine info of the run
+    being re-rendered from its JSON (default: now)."""
     if tag:
         name = f"{name}-{tag}"
         command = f"{command} --tag {tag}"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
+    info = machine or machine_info()
     out = RESULTS / f"{name}{'-quick' if quick else ''}.json"
     out.write_text(json.dumps({"name": name, "quick": quick, "command": command, "machine": info,
                                "figures": figures}, indent=2, default=str) + "\n")

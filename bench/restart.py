@@ -920,7 +920,56 @@ def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[i
               "Where Spark's restart batch goes (medians, s):", "", *spark_breakdown_table(figs),
               ""]
     lines += ["#### The build (what the restart starts from)", "", *build_table(figs), ""]
+    lines += ["#### Reading it", "", *interpretation(figs)]
     return "\n".join(lines)
+
+
+def _m(f: dict[str, Any], k: str) -> float:
+    v = f.get(k)
+    return float(v["median"]) if v else float("nan")
+
+
+def interpretation(figs: dict[int, dict[str, Any]]) -> list[str]:
+    """What the tables say, from the figures (one bullet per finding)."""
+    out = []
+    for n, per in sorted(figs.items()):
+        sp = per.get("spark-snap") or per.get("spark")
+        lm = per.get("dstl-lmdb-snap") or per.get("dstl-lmdb")
+        if not sp or not lm:
+            continue
+        before = _m(lm, "first_task_after_s")
+        out.append(
+            f"- **{n:,} keys.** Spark's restart batch with snapshots took "
+            f"{_m(sp, 'trigger_s'):.1f} s, of which the RocksDB load (summed over its 4 "
+            f"partitions) was {_m(sp, 'load_s'):.2f} s; Spark's count runs in the JVM and needs "
+            f"no Python worker. DSTL LMDB ({'snapshots' if lm is per.get('dstl-lmdb-snap') else 'log only'}) "
+            f"took {_m(lm, 'trigger_s'):.1f} s: its first task started {before:.1f} s after the "
+            f"trigger (Python daemon up after {_m(lm, 'daemon_start_after_s'):.1f} s, first "
+            f"worker forked after {_m(lm, 'worker_start_after_s'):.1f} s, task code unpickled "
+            f"and imported after {_m(lm, 'worker_imported_after_s'):.1f} s), then the worker "
+            f"runtime and agent start took {_m(lm, 'runtime_init_s'):.2f} s and the slowest "
+            f"restore {_m(lm, 'load_s'):.2f} s ({_m(lm, 'entries'):,.0f} entries + "
+            f"{_m(lm, 'changes'):,.0f} changes over 4 partitions, "
+            f"{_m(lm, 'snapshot_s') + _m(lm, 'replay_s'):.1f} s summed over tasks). "
+            + ("Before any state is read, the Python side alone took longer than Spark's whole "
+               "restart batch." if before > _m(sp, "trigger_s") else
+               f"The Python start-up before the first task is {before / _m(lm, 'trigger_s'):.0%}"
+               " of the DSTL batch."))
+        snap = per.get("dstl-lmdb-snap")
+        if snap and snap["build"]["last_round_partitions"]:
+            b = snap["build"]
+            out.append(
+                f"- **Snapshots lag one batch ({n:,} keys).** With a 1 s interval the agent "
+                f"materialized {b['materializations']} times during the build (the last full "
+                f"round: {b['last_round_s']:.1f} s summed over partitions, "
+                f"{b['last_round_bytes'] / 1e6:.1f} MB), but a snapshot is only used once the "
+                "next task of its partition installs it, so the checkpoint the restart reads "
+                f"still had {b['tail_bytes'] / 1e6:.1f} MB of log after "
+                f"{b['snapshot_bytes'] / 1e6:.1f} MB of snapshots: the restart replayed "
+                f"{_m(snap, 'changes'):,.0f} changes on top of {_m(snap, 'entries'):,.0f} "
+                "snapshot entries. Spark uploads its snapshot of the last version in the "
+                "background and restores from it with no changelog to replay.")
+    return out
 
 
 def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
@@ -973,6 +1022,8 @@ def main() -> int:
     p.add_argument("--repeats-large", type=int, default=None,
                    help="restart repeats for sizes above 1 M keys (default: --repeats; at 4 M "
                         "keys each round of 6 variants takes about 15 min on 2 cores)")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="re-render the docs section and plot of a stored run, measuring nothing")
     p.add_argument("--child", choices=("build", "restart"), help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -985,6 +1036,8 @@ def main() -> int:
                     args.batches)
         Path(args.out).write_text(json.dumps(res, default=str))
         return 0
+    if args.render:
+        return render(Path(args.render), args.tag, args.no_doc)
     q = args.quick
     sizes = [int(x) for x in (args.keys or ("200000" if q else "1000000,4000000")).split(",")]
     repeats = 1 if q and "--repeats" not in sys.argv else args.repeats
@@ -1014,23 +1067,47 @@ def main() -> int:
     if not figs:
         print("every size failed; nothing written", flush=True)
         return 1
-    total = time.monotonic() - t0
     info0["load"] = load.stop()
-    done = [n for n in sizes if n in figs]
-    md = markdown(figs, raw, done, reps, q, info0, total, args.tag)
-    if failed:
+    results = {"sizes": sizes, "failed": failed, "repeats": reps, "figures": figs, "raw": raw,
+               "total_s": time.monotonic() - t0, "machine_start": info0, "quick": q,
+               "command": command_line(args)}
+    publish(results, args.tag, args.no_doc)
+    return 1 if failed else 0
+
+
+def _int_keys(d: dict[str, Any]) -> dict[int, Any]:
+    return {int(k): v for k, v in d.items()}
+
+
+def publish(results: dict[str, Any], tag: str | None, no_doc: bool,
+            machine: dict[str, Any] | None = None) -> None:
+    """JSON, plot and docs section of a run (``machine``: re-rendering a stored run)."""
+    figs, raw, q = results["figures"], results["raw"], results["quick"]
+    done = [n for n in results["sizes"] if n in figs]
+    md = markdown(figs, raw, done, results["repeats"], q, results["machine_start"],
+                  results["total_s"], tag)
+    if results["failed"]:
         md += "\n\n" + "\n".join(f"**Failed at {n:,} keys** (not in the tables): `{e}`"
-                                  for n, e in failed.items())
-    img = f"img/restart_keys{'-' + args.tag if args.tag else ''}.png"
-    if not args.no_doc and not q:
+                                  for n, e in results["failed"].items())
+    img = f"img/restart_keys{'-' + tag if tag else ''}.png"
+    if not no_doc and not q:
         plot(figs, ROOT / "docs" / img)
         md = md.replace("IMG", img)
-    write_results("restart", {"sizes": sizes, "failed": failed, "repeats": reps,
-                              "figures": figs, "raw": raw,
-                              "total_s": total, "machine_start": info0},
-                  md, quick=q, command=command_line(args), no_doc=args.no_doc, tag=args.tag)
+    write_results("restart", results, md, quick=q, command=results["command"], no_doc=no_doc,
+                  tag=tag, machine=machine)
     print(md)
-    return 1 if failed else 0
+
+
+def render(path: Path, tag: str | None, no_doc: bool) -> int:
+    """Re-render the docs section and plot of a stored run (``--render``), no measuring."""
+    doc = json.loads(path.read_text())
+    r = doc["figures"]
+    r["figures"], r["raw"] = _int_keys(r["figures"]), _int_keys(r["raw"])
+    r["repeats"], r["failed"] = _int_keys(r["repeats"]), _int_keys(r["failed"])
+    r.setdefault("quick", doc["quick"])
+    r.setdefault("command", doc["command"].split(" --tag ")[0])
+    publish(r, tag, no_doc, machine=doc["machine"])
+    return 0
 
 
 if __name__ == "__main__":
