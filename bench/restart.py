@@ -34,7 +34,7 @@ executor-local directory, so all state comes from the store, as after losing the
 restarts of all variants are interleaved per repeat, order rotated. Per restart: the batch's
 ``triggerExecution``/``addBatch``; the state load — DSTL: ``restore_seconds`` of the slowest task
 (``op.batch_stats``), and per task from a bench-only hook in the workers (wraps
-``dstl.spark.task.restore_backend`` to keep its ``RestoreStats``: snapshot-load and replay
+``dstl.spark.slots.restore_backend`` to keep its ``RestoreStats``: snapshot-load and replay
 seconds, entries, changes, GC pause time; and wraps ``_runtime`` to time each task's start, its
 worker's and the Python daemon's process start and the agent start-up, which is where a Python
 job's first batch goes); Spark: the RocksDB load metrics of the state operator;
@@ -228,12 +228,14 @@ def _install_worker_hook() -> None:
     materialization of the task code, with its figures. Measurement only; behaviour unchanged."""
     if not os.environ.get(HOOK_ENV):
         return
+    import dstl.spark.runtime as runtime_mod
+    import dstl.spark.slots as slots_mod
     import dstl.spark.task as task_mod
     from materializer.backend import ChangelogKeyedStateBackend
 
-    if getattr(task_mod.restore_backend, "_bench_hook", False):
+    if getattr(slots_mod.restore_backend, "_bench_hook", False):
         return
-    real_restore, real_runtime = task_mod.restore_backend, task_mod._runtime
+    real_restore, real_runtime = slots_mod.restore_backend, task_mod.runtime_for
     real_mat = ChangelogKeyedStateBackend.materialize_now
     clock = _GcClock()
 
@@ -250,7 +252,7 @@ def _install_worker_hook() -> None:
                     gc_collections=clock.collections, **dict(stats or {}))
 
     def runtime(cfg: Any) -> Any:
-        new = (cfg.state_uri, cfg.name) not in task_mod._RUNTIMES
+        new = (cfg.state_uri, cfg.name) not in runtime_mod._RUNTIMES
         started, t0 = time.time(), time.perf_counter()
         rt = real_runtime(cfg)
         _record("task", operator=cfg.name, runtime_seconds=time.perf_counter() - t0,
@@ -267,8 +269,8 @@ def _install_worker_hook() -> None:
         return ref
 
     restore_backend._bench_hook = True  # type: ignore[attr-defined]
-    task_mod.restore_backend = restore_backend
-    task_mod._runtime = runtime
+    slots_mod.restore_backend = restore_backend
+    task_mod.runtime_for = runtime
     ChangelogKeyedStateBackend.materialize_now = materialize_now  # type: ignore[method-assign]
 
 
