@@ -318,7 +318,7 @@ def dstl_operator(v: Variant, mod: Any, state: Path, local_dir: Path, restart: b
         opts, interval = BackendOptions(), 1.0
     else:  # no timer, no size trigger: the restart replays the whole log
         opts, interval = BackendOptions(materialization_interval_s=None,
-                                        materialize_log_ratio=None), 1e9
+                                        materialize_log_ratio=None), None
     return DstlStatefulOperator(
         name="count", processor=mod.RestartCount if restart else mod.Count, key_column="key",
         output_schema="key string, count long", state_uri=str(state), partitions=PARTITIONS,
