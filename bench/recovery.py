@@ -73,6 +73,7 @@ from dstl.stores import BlobStore, FsspecBlobStore, LocalBlobStore, ObjectInfo  
 from dstl.timer import ManualTimer  # noqa: E402
 from materializer.backend import ChangelogKeyedStateBackend  # noqa: E402
 from materializer.codecs import SafeCodec  # noqa: E402
+from materializer.file_snapshot import read_file_snapshot_layout  # noqa: E402
 from materializer.handles import ChangelogStateBackendHandle  # noqa: E402
 from materializer.options import BackendOptions  # noqa: E402
 from materializer.snapshot_format import (  # noqa: E402
@@ -298,22 +299,35 @@ def gen_shared(root: str, n_backends: int, rounds: int, per_round: int) -> DataS
 
 
 def gen_single(root: str, state_keys: int, log_changes: int, log_keys: int,
-               checkpoint_every: int) -> DataSet:
-    """(b)/(c): one backend owning every key group: ``state_keys`` keys materialized, then
-    ``log_changes`` updates over ``log_keys`` keys, one checkpoint per ``checkpoint_every``."""
+               checkpoint_every: int, *, table: str = "heap", materializations: int = 1
+               ) -> DataSet:
+    """(b)/(c)/(d): one backend owning every key group: ``state_keys`` keys materialized
+    (``materializations`` times, each after a checkpoint and one more update; the last one is
+    the restore's), then ``log_changes`` updates over ``log_keys`` keys, one checkpoint per
+    ``checkpoint_every``."""
     store = LocalBlobStore(root)
     rng = KeyGroupRange(0, MP - 1)
     with ChangelogStorage(store=CountingStore(store)) as storage:
-        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=OPTS)
+        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=OPTS, table=table)
         st = b.get_state(DESC)
-        for i in range(state_keys):
-            b.set_current_key(f"user-{i:08d}")
-            st.update(value(i))
-        t0 = time.perf_counter()
-        ref = b.materialize_now(600)
-        materialize_s = time.perf_counter() - t0
-        assert ref is not None
+        with b.write_batch():
+            for i in range(state_keys):
+                b.set_current_key(f"user-{i:08d}")
+                st.update(value(i))
         cp = 0
+        mat_s: list[float] = []
+        for m in range(materializations):
+            if m:
+                b.set_current_key("user-00000000")
+                st.update(value(0))
+                cp += 1
+                b.snapshot(cp).result(120)
+                b.notify_checkpoint_complete(cp)
+            t0 = time.perf_counter()
+            ref = b.materialize_now(600)
+            mat_s.append(time.perf_counter() - t0)
+            assert ref is not None
+        materialize_s = mat_s[-1]
         h: ChangelogStateBackendHandle | None = None
         for i in range(log_changes):
             b.set_current_key(f"user-{i % log_keys:08d}")
@@ -332,7 +346,8 @@ def gen_single(root: str, state_keys: int, log_changes: int, log_keys: int,
         b.close()
     ds = _finish(DataSet([h], [rng], [probe],
                          {"state_keys": state_keys, "log_changes": log_changes,
-                          "materialize_s": materialize_s, "checkpoints": cp}), store)
+                          "materialize_s": materialize_s, "materialize_runs_s": mat_s,
+                          "materialize_bytes": ref.size, "checkpoints": cp}), store)
     ds.info["change_sets"] = sum(len(x) for x in h.non_materialized)
     ds.info["segments"] = len(ds.segments)
     return ds
@@ -509,6 +524,99 @@ def bench_state_size(stores: Stores, sizes: list[int], nocache_max_keys: int,
 
 
 # ----------------------------------------------------------------- (c) log length
+
+
+# ----------------------------------------------------------------- (d) LMDB file snapshots
+
+
+def file_floor(place: Place, key: str, repeats: int) -> dict[str, Any]:
+    """The floor of a restore from the v2 (file-level) snapshot ``key``: one whole-object GET,
+    then zstd-decompress its data into memory (no file, no checks beyond zstd's)."""
+    get_s, total_s = [], []
+    raw = 0
+    dz = zstandard.ZstdDecompressor()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data = place.store.get(key)
+        t1 = time.perf_counter()
+        layout = read_file_snapshot_layout(lambda o, n, d=data: d[o:o + n], len(data), key=key)
+        raw = len(dz.decompress(data[layout.data_offset:layout.data_offset + layout.data_length]))
+        total_s.append(time.perf_counter() - t0)
+        get_s.append(t1 - t0)
+    return {"get_s": summary(get_s), "floor_s": summary(total_s), "raw_mb": raw / 1e6}
+
+
+def _half(ds: DataSet, n: int) -> DataSet:
+    """The same checkpoint restored by a backend owning the lower half of the key groups."""
+    half = KeyGroupRange(0, MP // 2 - 1)
+    i = next(i for i in range(n) if key_group_for(f"user-{i:08d}".encode(), MP) in half)
+    return DataSet(ds.handles, [half], [(f"user-{i:08d}", value(i))], ds.info)
+
+
+def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
+                         heap_max_keys: int) -> dict[str, Any]:
+    """Issue #13: one LMDB backend owning all key groups, materialized as a v2 (file-level)
+    snapshot with no log after it; its restore into LMDB (install by rename: the whole range;
+    range copy: half the key groups) and into the heap, against GET + zstd-decompress."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        name = f"filesnap-{n}"
+        ds = gen_single(stores.local_root(name), n, 0, n, 1, table="lmdb",
+                        materializations=repeats)
+        snap_key = ds.handles[0].materialized[0].key
+        for place in stores.place(name, ds.objects):
+            assert place.store.get_range(snap_key, 5, 1)[0] == 2, "not a v2 snapshot"
+            floor = file_floor(place, snap_key, repeats)
+            lm = measure(place, ds, repeats, cache=True, table="lmdb")
+            nc = measure(place, ds, repeats, cache=False, table="lmdb")
+            half = measure(place, _half(ds, n), repeats, cache=True, table="lmdb")
+            heap = (measure(place, ds, repeats, cache=True, table="heap")
+                    if n <= heap_max_keys else None)
+            f = floor["floor_s"]["median"]
+            out[f"{place.target}/{n}"] = {
+                "store": place.target, "keys": n,
+                "data": {k: v for k, v in ds.info.items() if k != "objects"},
+                "materialize_s": summary(ds.info["materialize_runs_s"]),
+                "floor": floor, "lmdb": lm, "lmdb_no_cache": nc, "lmdb_half": half,
+                "heap": heap,
+                "lmdb_vs_floor": lm["snapshot_s"]["median"] / f,
+                "lmdb_total_vs_floor": lm["seconds"]["median"] / f,
+                "lmdb_no_cache_vs_floor": nc["snapshot_s"]["median"] / f}
+            print(f"(d) {place.target} {n}: floor {f:.3f}s, lmdb load "
+                  f"{lm['snapshot_s']['median']:.3f}s (no cache "
+                  f"{nc['snapshot_s']['median']:.3f}s), half {half['snapshot_s']['median']:.3f}s"
+                  f", heap {heap['snapshot_s']['median'] if heap else float('nan'):.3f}s")
+    return out
+
+
+def markdown_file_snapshots(fd: dict[str, Any]) -> list[str]:
+    md = ["#### (d) LMDB file-level snapshots (format v2, issue #13)", "",
+          "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
+          "materialized as a v2 snapshot (the environment file copied from a read transaction, "
+          "zstd level 1) with no log after it. Materialize = `materialize_now` (copy, compress, "
+          "upload) of the same table, once per repeat. Restored into LMDB with the cache "
+          "(download + verify the object crc, staged decompress + check + rename: **install**) "
+          "and without it (one GET), into LMDB owning half the key groups (**range copy**: "
+          "append-mode `putmulti` of 64 of the 128 key groups) and into the heap (entry by "
+          "entry). Load = the snapshot phase of `RestoreStats`; total = the whole "
+          "`restore_backend` call (backend construction, replay of an empty log included). "
+          "Floor (same run) = one whole-object GET + zstd-decompress of the data into memory. "
+          "Goal: load within 2x of the floor.", "",
+          "| store | keys | object MB (file MB) | materialize s | GET ms | floor ms | "
+          "install load s | load / floor | total s | no cache load s | range copy (half) s | "
+          "heap load s |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(fd.values(), key=lambda r: (r["store"], r["keys"])):
+        fl, lm = r["floor"], r["lmdb"]
+        md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
+                  f"({fl['raw_mb']:.1f}) | {_s(r['materialize_s'])} | {_ms(fl['get_s'])} | "
+                  f"{_ms(fl['floor_s'])} | {_s(lm['snapshot_s'])} | "
+                  f"**{r['lmdb_vs_floor']:.1f}x** | {_s(lm['seconds'])} | "
+                  f"{_s(r['lmdb_no_cache']['snapshot_s'])} | "
+                  f"{_s(r['lmdb_half']['snapshot_s'])} | "
+                  f"{_s(r['heap']['snapshot_s']) if r['heap'] else 'not run'} |")
+    md.append("")
+    return md
 
 
 def bare_replay(n: int, repeats: int) -> dict[str, Any]:
@@ -878,8 +986,11 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            f"| snapshot restore within 2x of GET + zstd-decompress (issue #13), heap | "
            f"{_n(g['heap_vs_floor'], 1)}x (local fs, {g['floor_keys']:,} keys) | "
            f"{'met' if g['heap_floor_met'] else 'MISSED'} |",
-           f"| same, LMDB | {_n(g['lmdb_vs_floor'], 1)}x | "
-           f"{'met' if g['lmdb_floor_met'] else 'MISSED'} |", ""]
+           f"| same, LMDB, from that v1 (entries) snapshot | {_n(g['lmdb_vs_floor'], 1)}x | "
+           f"{'met' if g['lmdb_floor_met'] else 'MISSED'} |",
+           f"| same, LMDB, from a v2 (file-level) snapshot, (d) | "
+           f"{_n(g.get('lmdb_file_vs_floor'), 1)}x (local fs, {g.get('file_keys', 0):,} keys) | "
+           f"{'met' if g.get('lmdb_file_floor_met') else 'MISSED'} |", ""]
     # (a)
     any_a = next(iter(fa.values()))["data"]
     md += [f"#### (a) Backends per process sharing segments (restore time vs backends: "
@@ -979,12 +1090,47 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
                for t in p["top"][:8]]
         md += ["", "By layer: " + "; ".join(f"{g} {share * 100:.0f} %"
                                            for g, share in p["groups"].items()) + ".", ""]
+    if figs.get("file_snapshots"):
+        md += markdown_file_snapshots(figs["file_snapshots"])
     md += [figs["advice_text"], ""]
     return "\n".join(md)
 
 
+def main_file_snapshots(args: Any) -> None:
+    """``--only-file``: section (d) alone, as the docs section ``recovery-filesnap``."""
+    q, reps = args.quick, args.repeats
+    t0 = time.perf_counter()
+    sizes = [50_000] if q else [int(x) for x in args.file_keys.split(",")]
+    load = LoadSampler()
+    stores = Stores()
+    try:
+        fd = bench_file_snapshots(stores, sizes, reps, 100_000)
+    finally:
+        stores.close()
+    figures = {"repeats": reps, "file_snapshots": fd, "moto_error": stores.error,
+               "wall_seconds": time.perf_counter() - t0, "load": load.stop(),
+               "load_note": load.note()}
+    md = "\n".join([f"Median (min..max) of {reps} repeats. {figures['load_note']}. Total "
+                     f"{figures['wall_seconds'] / 60:.0f} min."
+                     + (f" _moto figures missing: {stores.error}_" if stores.error else ""),
+                     "", *markdown_file_snapshots(fd)])
+    cmd = (f"python bench/recovery.py --only-file{' --quick' if q else ''}"
+           + (f" --file-keys {args.file_keys}" if not q else ""))
+    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
+                  tag=args.tag or "filesnap")
+    print(md)
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    p.add_argument("--only-file", action="store_true",
+                   help="run only (d), the LMDB file-level snapshots (own docs section)")
+    p.add_argument("--file-keys", default="1000000",
+                   help="state sizes of (d) without --quick (comma-separated)")
+    args = p.parse_args()
+    if args.only_file:
+        main_file_snapshots(args)
+        return
     q, reps = args.quick, args.repeats
     t_start = time.perf_counter()
     counts = [1, 2, 4, 8]
@@ -1009,6 +1155,10 @@ def main() -> None:
         wall["state_size"], t = time.perf_counter() - t, time.perf_counter()
         figures["log_length"] = bench_log_length(stores, lengths, reps)
         wall["log_length"], t = time.perf_counter() - t, time.perf_counter()
+        figures["file_snapshots"] = bench_file_snapshots(
+            stores, [50_000] if q else [int(x) for x in args.file_keys.split(",")], reps,
+            100_000)
+        wall["file_snapshots"], t = time.perf_counter() - t, time.perf_counter()
         heap_local = max((r for r in figures["log_length"].values()
                           if r["store"] == LOCAL and r["table"] == "heap"),
                          key=lambda r: r["changes"])
@@ -1040,6 +1190,11 @@ def main() -> None:
         "replay_met": replay_heap >= REPLAY_GOAL,
     }
     figures["goals"].update(floor_goals(figures["state_size"], figures["log_length"]))
+    big_d = max((r for r in figures["file_snapshots"].values() if r["store"] == LOCAL),
+                key=lambda r: r["keys"])
+    figures["goals"].update({"file_keys": big_d["keys"],
+                             "lmdb_file_vs_floor": big_d["lmdb_vs_floor"],
+                             "lmdb_file_floor_met": big_d["lmdb_vs_floor"] <= FLOOR_GOAL})
     text, numbers = advice(figures["state_size"], figures["log_length"])
     figures["advice_text"], figures["advice"] = text, numbers
 

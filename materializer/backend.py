@@ -40,6 +40,7 @@ Theory of operation
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -108,6 +109,7 @@ from materializer.codecs import (
     codec_by_name,
     decode_hashable,
 )
+from materializer.file_snapshot import FileSnapshotMeta, write_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
@@ -178,6 +180,8 @@ class _BackendSnapshots:
         encode = b._encode_entry if b._heap else None
         zstd_level, store, retry = b.options.zstd_level, b._store, b._upload_retry
         max_block = b.options.max_snapshot_block_bytes
+        if not b._heap and b.options.lmdb_snapshot_format == "file":
+            return b._file_snapshot_writer(snap, materialization_id, up_to)
 
         def write() -> SnapshotRef:
             data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level,
@@ -327,6 +331,56 @@ class ChangelogKeyedStateBackend:
         return LmdbStateTable(env_dir, self.key_groups,
                               map_size_bytes=self.options.lmdb_map_size_bytes,
                               max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
+
+    def _file_snapshot_writer(self, snap: Any, materialization_id: int,
+                              up_to: int) -> Callable[[], SnapshotRef]:
+        """The write-out of a file-level snapshot (format v2) of the LMDB table from ``snap``'s
+        read transaction: the copy goes to a temporary file beside the table."""
+        meta = FileSnapshotMeta(self.key_groups, self.max_parallelism,
+                                {str(r.state_id): r.meta for r in self._by_id.values()},
+                                self.operator_id, materialization_id, extra={"up_to": up_to})
+        tmp_dir = os.path.dirname(self._tables.path)
+        zstd_level, store, retry = self.options.zstd_level, self._store, self._upload_retry
+
+        def write() -> SnapshotRef:
+            out = io.BytesIO()
+            try:
+                write_file_snapshot(snap.copy_to, meta, out, zstd_level=zstd_level,
+                                    tmp_dir=tmp_dir)
+            finally:
+                snap.release()
+            data = out.getvalue()
+            key = upload_snapshot(store, self.operator_id, materialization_id, data, retry)
+            return SnapshotRef(key, len(data), self.key_groups, materialization_id)
+
+        return write
+
+    def replace_table(self, directory: str) -> None:
+        """Restore only, before any state access: make the checked LMDB environment in
+        ``directory`` (on the table's filesystem; see :mod:`restore.file_restore`) this
+        backend's table. The (empty) table is closed, the environment renamed into its place —
+        the rename is the commit point: before it the old directory is in place, after it the
+        new one — and opened.
+
+        Raises:
+            UsageError: the table is the heap.
+        """
+        if self._heap:
+            raise UsageError(f"backend {self.operator_id!r}: a heap table has no directory")
+        path = self._tables.path
+        self._tables.close()
+        # named like a restore's staging directories, so a restore killed between the two
+        # renames leaves debris the next restore removes (restore.file_restore)
+        old = os.path.join(os.path.dirname(path),
+                           f".dstl-stage-{os.getpid()}-old-{secrets.token_hex(4)}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, old)
+        os.rename(directory, path)
+        shutil.rmtree(old, ignore_errors=True)
+        from materializer.lmdb_table import LmdbStateTable
+        self._tables = LmdbStateTable(path, self.key_groups,
+                                      map_size_bytes=self.options.lmdb_map_size_bytes,
+                                      max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
 
     def _reset_cursor(self) -> None:
         """No current key; the default namespace."""

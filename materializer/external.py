@@ -9,7 +9,11 @@ stalled), opens one read transaction, and reads the
 :class:`~materializer.table_marker.TableMarker` and every entry from that same transaction — the
 marker commits with the state it describes, so the two always agree. The snapshot object gets the
 marker's state registry as its metadata (the same snapshot format as an in-process
-materialization, so restore does not care who wrote it) and is uploaded under a fresh key.
+materialization, so restore does not care who wrote it) and is uploaded under a fresh key. By
+default that is the file-level format v2 (:mod:`materializer.file_snapshot`): a compacting copy
+of the environment from that read transaction, zstd-compressed — the copy holds the marker too
+(a restore deletes it before installing the file: only the restored backend may claim a
+checkpoint).
 
 The result names the marker's *boundary*; a backend installs it with
 :meth:`~materializer.backend.ChangelogKeyedStateBackend.install_materialization` only if its own
@@ -19,19 +23,24 @@ snapshot, or whose boundary was already materialized, is skipped (``None``).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from dstl.checks import check_choice
 from dstl.errors import UsageError
 from dstl.keygroups import KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from materializer.backend import upload_snapshot
+from materializer.file_snapshot import FileSnapshotMeta, write_file_snapshot
 from materializer.handles import SnapshotRef
-from materializer.lmdb_table import LmdbStateTable
+from materializer.lmdb_table import LmdbStateTable, LmdbTableSnapshot
+from materializer.options import LMDB_SNAPSHOT_FORMATS
 from materializer.table_marker import TableMarker
 
 __all__ = ["ExternalMaterialization", "materialize_table_directory"]
@@ -62,7 +71,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
                                 zstd_level: int = 1,
                                 skip_boundary: tuple[str, int] | None = None,
                                 max_block_bytes: int | None = None,
-                                retry: RetryPolicy | None = None
+                                retry: RetryPolicy | None = None,
+                                snapshot_format: str = "file"
                                 ) -> ExternalMaterialization | None:
     """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
 
@@ -73,9 +83,10 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         zstd_level: zstd level of the snapshot blocks.
         skip_boundary: a boundary already materialized (nothing new: skip).
         max_block_bytes: the limit on a block's content (the writer's
-            ``BackendOptions.max_snapshot_block_bytes``; default the format's).
+            ``BackendOptions.max_snapshot_block_bytes``; default the format's; v1 only).
         retry: how the upload retries (default: that of segment uploads at the default
             ``DstlOptions``).
+        snapshot_format: ``"file"`` (format v2, the environment file) or ``"entries"`` (v1).
 
     Returns:
         The materialization, or ``None`` when there is nothing to materialize (no marker yet,
@@ -87,7 +98,10 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         StateError, StorageError: reading the table or uploading failed.
     """
     t0 = time.monotonic()
-    taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary, max_block_bytes)
+    check_choice(snapshot_format, "snapshot_format", "materialize_table_directory",
+                 LMDB_SNAPSHOT_FORMATS)
+    taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary, max_block_bytes,
+                           snapshot_format)
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
@@ -114,7 +128,8 @@ class _TakenSnapshot:
 
 def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
                    skip_boundary: tuple[str, int] | None,
-                   max_block_bytes: int | None) -> _TakenSnapshot | None:
+                   max_block_bytes: int | None,
+                   snapshot_format: str = "file") -> _TakenSnapshot | None:
     """Open the table read-only, read its marker and write its snapshot from one read
     transaction; ``None`` when there is nothing to materialize."""
     table = LmdbStateTable(directory, key_groups, readonly=True)
@@ -132,15 +147,34 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
             if boundary is None or boundary == skip_boundary:
                 return None
             mat_id = marker.materialization_id + 1
-            metadata = json.dumps({"operator_id": marker.operator_id, "materialization_id": mat_id,
-                                   "checkpoint_id": marker.checkpoint_id,
-                                   "boundary": list(boundary), "states": marker.states},
-                                  sort_keys=True).encode("utf-8")
-            parts: list[bytes] = []
-            written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level,
-                                 max_block_bytes=max_block_bytes)
+            if snapshot_format == "file":
+                data, entries = _write_file(snap, directory, marker, mat_id, zstd_level)
+            else:
+                metadata = json.dumps({"operator_id": marker.operator_id,
+                                       "materialization_id": mat_id,
+                                       "checkpoint_id": marker.checkpoint_id,
+                                       "boundary": list(boundary), "states": marker.states},
+                                      sort_keys=True).encode("utf-8")
+                parts: list[bytes] = []
+                written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level,
+                                     max_block_bytes=max_block_bytes)
+                data, entries = b"".join(parts), written.entries
         finally:
             snap.release()
     finally:
         table.close()
-    return _TakenSnapshot(b"".join(parts), marker, boundary, mat_id, written.entries)
+    return _TakenSnapshot(data, marker, boundary, mat_id, entries)
+
+
+def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, mat_id: int,
+                zstd_level: int) -> tuple[bytes, int]:
+    """A file-level snapshot (format v2) of the read transaction; the copy goes beside the
+    table. Returns the object and the table's entry count (layout and marker not counted)."""
+    assert marker.boundary is not None
+    meta = FileSnapshotMeta(marker.key_groups, marker.max_parallelism, marker.states,
+                            marker.operator_id, mat_id, boundary=marker.boundary,
+                            extra={"checkpoint_id": marker.checkpoint_id})
+    out = io.BytesIO()
+    write_file_snapshot(snap.copy_to, meta, out, zstd_level=zstd_level,
+                        tmp_dir=os.path.dirname(os.path.abspath(directory)))
+    return out.getvalue(), max(snap.entry_count() - 2, 0)

@@ -91,6 +91,11 @@ __all__ = [
     "DEFAULT_GROW_WAIT_S",
     "DEFAULT_MAP_SIZE_BYTES",
     "DEFAULT_MAX_MAP_SIZE_BYTES",
+    "KEY_PREFIX",
+    "KG_SID",
+    "LAYOUT_KEY",
+    "LAYOUT_VERSION",
+    "MARKER_KEY",
     "ForkedTableError",
     "LmdbBulkLoad",
     "LmdbStateTable",
@@ -114,6 +119,13 @@ _LAYOUT_VERSION: Final = b"1"
 #: The table marker (:mod:`materializer.table_marker`): what the table reflects, written in the
 #: transaction of the state it describes. Outside every key-group range, like the layout record.
 _MARKER_KEY: Final = b"\xff\xff" + b"dstl-marker"
+#: The key layout's records, for code that reads environment files without a table
+#: (:mod:`materializer.lmdb_files`).
+KEY_PREFIX: Final = _PREFIX
+KG_SID: Final = _KG_SID
+LAYOUT_KEY: Final = _LAYOUT_KEY
+LAYOUT_VERSION: Final = _LAYOUT_VERSION
+MARKER_KEY: Final = _MARKER_KEY
 _SCAN_CHUNK: Final = 4096                # entries per guarded cursor pass of entries()
 
 # Environments of tables opened before a fork: the child keeps them referenced forever so that
@@ -929,6 +941,35 @@ class LmdbTableSnapshot(TablesSnapshot):
                 table._exit_read()
             yield kg, entries
             kg += 1
+
+    def copy_to(self, fd: int) -> None:
+        """Write a compacted copy of the whole environment, as of this snapshot's read
+        transaction, to the file descriptor ``fd`` (a file snapshot,
+        :mod:`materializer.file_snapshot`). Writers go on meanwhile; the marker and the layout
+        record are in the copy (same transaction as the entries)."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            table._env.copyfd(fd, compact=True, txn=self._txn)
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot copy") from exc
+        finally:
+            table._exit_read()
+
+    def entry_count(self) -> int:
+        """Records in the table as of this snapshot (the layout and marker records included)."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            return int(self._txn.stat(table._env.open_db())["entries"])
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot stat") from exc
+        finally:
+            table._exit_read()
 
     def marker(self) -> bytes | None:
         """The table marker as of this snapshot (same read transaction as the entries)."""

@@ -7,10 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dstl.checks import MAX_INT64, check_int, check_number
+from dstl.checks import MAX_INT64, check_choice, check_int, check_number
 from dstl.errors import ConfigError
 
-__all__ = ["BackendOptions"]
+__all__ = ["LMDB_SNAPSHOT_FORMATS", "BackendOptions"]
 
 _OWNER = "BackendOptions"
 #: Longest time trigger: a week (None turns the time trigger off). Far longer values only
@@ -24,6 +24,8 @@ MAX_FAILURES: Final = 1_000_000
 MIN_LMDB_MAP_SIZE_BYTES: Final = 1 << 20
 #: Largest LMDB map (64 TiB): the map is reserved address space, and x86-64 user space is 128 TiB.
 MAX_LMDB_MAP_SIZE_BYTES: Final = 1 << 46
+#: The values of ``lmdb_snapshot_format``.
+LMDB_SNAPSHOT_FORMATS: Final = ("file", "entries")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +60,10 @@ class BackendOptions:
     #: cannot make a restore allocate more (a 3 MB pickle can decode to 70 MB of dicts), and
     #: writing a larger value fails. Beyond Flink.
     max_value_decoded_bytes: int = 64 * 1024 * 1024
+    #: How an LMDB table is materialized: ``"file"`` (snapshot format v2: the environment file
+    #: copied from a read transaction and zstd-compressed; restored without per-entry work) or
+    #: ``"entries"`` (format v1, entry by entry, as the heap table always writes).
+    lmdb_snapshot_format: str = "file"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -81,6 +87,7 @@ def _validate(o: BackendOptions) -> None:
     _int(o, "lmdb_max_map_size_bytes", lo=MIN_LMDB_MAP_SIZE_BYTES, hi=MAX_LMDB_MAP_SIZE_BYTES)
     _int(o, "max_snapshot_block_bytes", lo=1 << 20, hi=1 << 30)
     _int(o, "max_value_decoded_bytes", lo=1 << 20)
+    check_choice(o.lmdb_snapshot_format, "lmdb_snapshot_format", _OWNER, LMDB_SNAPSHOT_FORMATS)
     if o.lmdb_max_map_size_bytes < o.lmdb_map_size_bytes:
         raise ConfigError("lmdb_max_map_size_bytes", o.lmdb_max_map_size_bytes,
                           f">= lmdb_map_size_bytes ({o.lmdb_map_size_bytes})", owner=_OWNER,

@@ -33,7 +33,10 @@ chained, so a restore from an untrusted store raises only DSTL errors.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import struct
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -66,6 +69,14 @@ from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.replay import BlockReplayer
 from materializer.state_tables import BlobRangeSource, RangeSource, SnapshotReader
+from restore.file_restore import (
+    StagedSnapshot,
+    install_file_snapshots,
+    is_file_snapshot,
+    read_at,
+    remove_stale_staging,
+    stage_file_snapshot,
+)
 from restore.gcpause import collector_paused
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, snapshot_verifier
@@ -214,7 +225,7 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                                          clear_local=True, auto_materialize=auto_materialize)
     try:
         with collector_paused(freeze=table == "heap"):
-            _execute(plan, backend, storage, cache, allow_pickle, st)
+            _execute(plan, backend, storage, cache, allow_pickle, st, local_directory)
     except DstlError as exc:
         backend.close()
         raise _with_checkpoint(exc, plan.checkpoint) from exc
@@ -263,13 +274,12 @@ def _check_arguments(handles: object, storage: object, key_groups: object, table
 
 
 def _execute(plan: RestorePlan, backend: ChangelogKeyedStateBackend, storage: ChangelogStorage,
-             cache: LeasingCache | None, allow_pickle: bool, st: RestoreStats) -> None:
+             cache: LeasingCache | None, allow_pickle: bool, st: RestoreStats,
+             local_directory: str | None = None) -> None:
     """Load the snapshots, replay the logs, install both as the backend's base."""
     t0 = time.monotonic()
-    entries = 0
-    for ref in plan.snapshots:
-        entries += _load_snapshot(backend, ref, storage.store, cache, plan.key_groups,
-                                  allow_pickle)
+    entries = _load_snapshots(plan, backend, storage.store, cache, allow_pickle, st,
+                               local_directory)
     st["snapshots"] = len(plan.snapshots)
     st["entries"] = entries
     t1 = time.monotonic()
@@ -297,9 +307,10 @@ def _with_checkpoint(exc: DstlError, checkpoint: str) -> DstlError:
 class _CacheRangeSource:
     """A snapshot's bytes through the restore cache (one download per cache)."""
 
+    verified = True   # the cache checked every byte (object crc; v1: every block) on download
+
     def __init__(self, cache: LeasingCache, store: BlobStore, key: str,
                  max_block_bytes: int | None = None) -> None:
-        # the whole object is verified once (object CRC, every block) before it is cached
         self._lease: ObjectLease = cache.lease(store, key,
                                                verify=snapshot_verifier(max_block_bytes))
 
@@ -331,29 +342,78 @@ def _placed(exc: BaseException, key: str, offset: int, context: str) -> DstlErro
                                    "(see the chained cause); restore from an earlier checkpoint")
 
 
-def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, store: BlobStore,
-                   cache: LeasingCache | None, key_groups: KeyGroupRange,
-                   allow_pickle: bool) -> int:
-    """Register the snapshot's states and load its blocks of ``key_groups``; return the entry
-    count."""
-    lease = _CacheRangeSource(cache, store, ref.key, backend.options.max_snapshot_block_bytes) \
-        if cache is not None else None
-    source: RangeSource = lease if lease is not None else BlobRangeSource(store, ref.key)
+class _StoreSource(BlobRangeSource):
+    """A snapshot's bytes by ranged reads of the store (v1 reads only the blocks it needs)."""
+
+    verified = False
+
+    def close(self) -> None:
+        """Nothing is held."""
+
+
+def _staging_parent(backend: ChangelogKeyedStateBackend, local_directory: str | None) -> str:
+    """Where file snapshots are decompressed: beside the LMDB table (one filesystem, so the
+    install is a rename), else the local directory or the system's temp directory."""
+    if backend.table_kind == "lmdb":
+        return str(os.path.dirname(backend.tables.path))
+    return local_directory or tempfile.gettempdir()
+
+
+def _load_snapshots(plan: RestorePlan, backend: ChangelogKeyedStateBackend, store: BlobStore,
+                    cache: LeasingCache | None, allow_pickle: bool, st: RestoreStats,
+                    local_directory: str | None = None) -> int:
+    """Load every snapshot of the plan: v1 objects entry by entry as they come, v2 (file-level)
+    ones staged, then installed together (:mod:`restore.file_restore`); returns the entries."""
+    parent = _staging_parent(backend, local_directory)
+    remove_stale_staging(parent)
+    staged: list[StagedSnapshot] = []
+    entries = 0
+    any_v1 = False
     try:
-        reader = SnapshotReader(source, key=ref.key,
-                                max_block_bytes=backend.options.max_snapshot_block_bytes)
-        remap = _register_snapshot_states(backend, reader, ref.key, allow_pickle)
-        entries = 0
-        for kg, offset, block in reader.read_located(
-                key_groups.intersection(reader.key_groups)):
+        for ref in plan.snapshots:
+            source = (_CacheRangeSource(cache, store, ref.key,
+                                        backend.options.max_snapshot_block_bytes)
+                      if cache is not None else _StoreSource(store, ref.key))
             try:
-                entries += backend.load_snapshot_entries(kg, block, remap)
-            except (DstlError, *_DECODER_BUGS) as exc:
-                raise _placed(exc, ref.key, offset, f"block of key group {kg}") from exc
-        return entries
+                if is_file_snapshot(source.read(0, min(8, source.size()))):
+                    if not source.verified:   # one GET of the whole object, verified here
+                        source.close()
+                        read, size = read_at(store, ref.key)
+                    else:
+                        read, size = source.read, source.size()
+                    staged.append(stage_file_snapshot(ref, read, size, parent,
+                                                      verified=source.verified))
+                else:
+                    any_v1 = True
+                    entries += _load_snapshot(backend, ref, source, plan.key_groups,
+                                              allow_pickle)
+            finally:
+                source.close()
+        t = time.monotonic()
+        entries += install_file_snapshots(backend, staged, plan.key_groups,
+                                          whole_table=not any_v1, allow_pickle=allow_pickle)
+        st["file_snapshots"] = len(staged)
+        st["install_seconds"] = time.monotonic() - t
     finally:
-        if lease is not None:
-            lease.close()
+        for s in staged:
+            shutil.rmtree(s.directory, ignore_errors=True)
+    return entries
+
+
+def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, source: RangeSource,
+                   key_groups: KeyGroupRange, allow_pickle: bool) -> int:
+    """Register a v1 snapshot's states and load its blocks of ``key_groups``; return the entry
+    count."""
+    reader = SnapshotReader(source, key=ref.key,
+                            max_block_bytes=backend.options.max_snapshot_block_bytes)
+    remap = _register_snapshot_states(backend, reader, ref.key, allow_pickle)
+    entries = 0
+    for kg, offset, block in reader.read_located(key_groups.intersection(reader.key_groups)):
+        try:
+            entries += backend.load_snapshot_entries(kg, block, remap)
+        except (DstlError, *_DECODER_BUGS) as exc:
+            raise _placed(exc, ref.key, offset, f"block of key group {kg}") from exc
+    return entries
 
 
 def _register_snapshot_states(backend: ChangelogKeyedStateBackend, reader: SnapshotReader,
