@@ -163,7 +163,7 @@ def test_good_metadata_parses() -> None:
                                   _OK.replace(b'"operator_id":"o"', b'"operator_id":7'),
                                   b"[" * 5000 + b"]" * 5000])
 def test_metadata_that_is_not_dstls_is_refused(meta: bytes) -> None:
-    with pytest.raises(CorruptObjectError, match="metadata|state 0|nested"):
+    with pytest.raises(CorruptObjectError, match=r"metadata|state 0|nested"):
         FileSnapshotMeta.from_bytes(meta, key=KEY, offset=8)
 
 
