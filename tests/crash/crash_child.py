@@ -26,13 +26,16 @@ job's own step between commit and journal:
 ``before-ack``      the commit returned; the ACK is not yet journaled
 ==================  ==========================================================================
 
-``--bug ack-before-durable`` journals the ACK before anything is durable and ``--bug drop-write``
-applies one write to the model only: both must be reported by the oracle (self-tests).
+``--bug ack-before-durable`` journals the ACK before anything is durable, ``--bug drop-write``
+applies one write to the model only, and ``--bug async-put`` makes every put return before the
+write is stored (a store that acknowledges early): all must be reported by the oracle
+(self-tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -58,8 +61,10 @@ _PREFIX = {"segment": SEGMENT_PREFIX, "snapshot": SNAPSHOT_PREFIX, "manifest": M
 class PausingStore:
     """A BlobStore wrapper that pauses forever at the N-th hit of one named point."""
 
-    def __init__(self, inner: Any, point: str | None, nth: int, marker: str) -> None:
+    def __init__(self, inner: Any, point: str | None, nth: int, marker: str, *,
+                 async_put: bool = False) -> None:
         self.inner = inner
+        self._async_put = async_put
         self.location = inner.location
         self._point = point
         self._nth = nth
@@ -85,6 +90,12 @@ class PausingStore:
         os._exit(3)  # the parent died first (the test run was stopped): do not linger
 
     def put(self, key: str, data: bytes) -> None:
+        if self._async_put:  # the bug under test: return before the write is stored
+            threading.Thread(target=self._put, args=(key, data), daemon=True).start()
+            return
+        self._put(key, data)
+
+    def _put(self, key: str, data: bytes) -> None:
         kind = next((k for k, p in _PREFIX.items() if key.startswith(p)), None)
         if kind is not None:
             self.hit(f"{kind}-put")
@@ -129,7 +140,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pause-at", default="", help="NAME:N (see the module docstring)")
     p.add_argument("--mat-interval", type=float, default=0.0,
                    help="materialization timer in seconds (0: explicit materializations only)")
-    p.add_argument("--bug", choices=("", "ack-before-durable", "drop-write"), default="")
+    p.add_argument("--materialize-probability", type=float, default=None,
+                   help="per backend and checkpoint (default: JobConfig's)")
+    p.add_argument("--bug", choices=("", "ack-before-durable", "drop-write", "async-put"),
+                   default="")
     return p.parse_args(argv)
 
 
@@ -142,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     if point and point not in POINTS:
         raise SystemExit(f"unknown kill point {point!r}; one of {POINTS}")
     store = PausingStore(open_store(a.store, json.loads(a.storage_options)), point or None,
-                         int(nth or 1), os.path.join(a.work, "paused"))
+                         int(nth or 1), os.path.join(a.work, "paused"),
+                         async_put=a.bug == "async-put")
     config = JobConfig(table=a.table, backend_options=BackendOptions(
         materialization_interval_s=a.mat_interval or None, materialize_log_ratio=None))
+    if a.materialize_probability is not None:
+        config = dataclasses.replace(config, materialize_probability=a.materialize_probability)
     journal = Journal(journal_path(a.work))
     local_dir = os.path.join(a.work, f"lmdb-{os.getpid()}")
     job = MiniJob.open(store, config, intents=JournalView.read(journal.path).intents,
