@@ -16,7 +16,10 @@ process. Every fault kind x operation is one case, in two phases:
   and after the fault clears the job recovers and the oracle passes again.
 
 Sizes: CI 6 kinds x 5 operations x 2 phases = 60 cases; ``DSTL_DEEP=1`` moves the transient
-faults to 4 positions (``SKIPS``): 120 + 30 = 150 cases.
+faults to 4 positions (``SKIPS``): 120 + 30 = 150 cases. Besides, the throttling backoff itself
+is measured at the proxy (503 ``SlowDown`` on each operation, 500 ``InternalError`` on put and
+get: 7 cases): with the jitter's draw fixed, each retry must wait at least its exponential
+backoff, and no retry may start past the deadline.
 
 Operations: ``put`` (segments, snapshots, manifests), ``get`` (manifests on recovery),
 ``ranged_get`` (restore), ``list`` (recovery, orphan collection), ``delete`` (retention, segment
@@ -28,6 +31,7 @@ The self-tests break the write path on purpose and require the oracle to notice.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import random
 import time
@@ -50,7 +54,7 @@ from support.job_model import (
 )
 from support.s3_fault_proxy import KINDS, FaultProxy, Rule
 
-from dstl import DstlOptions
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.errors import (
     DstlError,
@@ -60,7 +64,7 @@ from dstl.errors import (
 )
 from dstl.registry import SegmentRegistry
 from dstl.retry import RetryPolicy
-from dstl.stores import open_store
+from dstl.stores import FsspecBlobStore, open_store
 from materializer import BackendOptions
 
 moto_endpoint = moto_server.moto_endpoint
@@ -337,6 +341,95 @@ def test_permanent_fault_gives_a_typed_error_in_time(env: Env, op: str, kind: st
         job.close()
     problems = env.check(collect_orphans=op == "delete")
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- backoff, measured
+
+
+#: Throttling backoff seen from the proxy: the jitter's draw is fixed near its maximum, so the
+#: k-th throttled retry of one operation must arrive at least ``DRAW * min(max, base * 2**(k-1))``
+#: after the k-th failed request (latency, and s3fs's own short sleep, only add to the gap), and
+#: no retry may start past ``retry_deadline_s``. One attempt for non-throttling failures: every
+#: retry seen here is a throttled one, so more than one request also shows that throttled
+#: attempts do not use up the attempt limit.
+BACKOFF = DstlOptions(persist_delay_s=0.002, upload_timeout_s=10.0, upload_max_attempts=1,
+                      retry_backoff_base_s=0.1, retry_backoff_max_s=0.8, retry_deadline_s=3.0,
+                      read_max_attempts=1)
+DRAW = 0.999
+#: The proxy stamps arrivals with the wall clock of another process: allow this much skew.
+CLOCK_SLACK_S = 0.02
+
+
+def _backoff_ceilings() -> list[float]:
+    """The expected wait before each retry, and as many as fit in the deadline with no
+    latency at all (so no correct run makes more requests). Computed here from the options,
+    not with ``dstl.retry``: the oracle must not share the code it checks."""
+    o = BACKOFF
+    waits: list[float] = []
+    while True:
+        wait = DRAW * min(o.retry_backoff_max_s, o.retry_backoff_base_s * 2 ** len(waits))
+        if sum(waits) + wait > o.retry_deadline_s:
+            return waits
+        waits.append(wait)
+
+
+def _throttled_call(env: Env, op: str) -> tuple[Outcome, str]:
+    """Run one ``op`` through the proxy with the fixed draw; return its outcome and the path
+    part that marks its requests."""
+    proxied = env.proxied()
+    if op == "put":
+        storage = ChangelogStorage(store=proxied, options=BACKOFF, draw=lambda: DRAW)
+        try:
+            writer = storage.create_writer("w", KeyGroupRange(0, 127))
+            writer.append(1, b"x" * 100)
+            future = writer.persist(0, 1)
+            return _error_of(lambda: future.result(BACKOFF.retry_deadline_s + 30)), "/job/dstl/"
+        finally:
+            storage.close()
+    direct = env.direct()
+    try:
+        direct.put("probe/k", b"0123456789" * 10)
+    finally:
+        direct.close()
+    store = FsspecBlobStore(proxied.filesystem, f"{env.bucket}/job", location=proxied.location,
+                            retry=RetryPolicy.for_store(BACKOFF), draw=lambda: DRAW)
+    calls: dict[str, Callable[[], Any]] = {
+        "get": lambda: store.get("probe/k"),
+        "ranged_get": lambda: store.get_range("probe/k", 10, 20),
+        "list": lambda: list(store.list("probe/")),
+        "delete": lambda: store.delete(["probe/k"]),
+    }
+    try:
+        # a DeleteObjects request names its keys in the body, not in the path
+        return _error_of(calls[op]), "" if op == "delete" else "probe"
+    finally:
+        store.close()
+        proxied.close()
+
+
+@pytest.mark.parametrize(("op", "kind"), [(op, "slowdown") for op in OPERATIONS]
+                         + [("put", "internal_error"), ("get", "internal_error")])
+def test_throttling_backs_off_exponentially_until_the_deadline(env: Env, op: str,
+                                                              kind: str) -> None:
+    env.proxy.set_rules(Rule(op, kind, count=None))
+    out, mark = _throttled_call(env, op)
+    env.proxy.clear()
+    arrivals = [f["t"] for f in env.proxy.stats()["injected"]
+                if f["op"] == op and mark in f["path"]]
+    waits = _backoff_ceilings()
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    print(f"{op}/{kind}: {len(arrivals)} requests, gaps "
+          f"{[round(g, 3) for g in gaps]}, backoffs {[round(w, 3) for w in waits]}")
+    typed = UploadFailedError if op == "put" else ThrottledError
+    assert isinstance(out.error, typed), repr(out.error)
+    if op == "put":
+        assert isinstance(out.error.__cause__, ThrottledError), repr(out.error.__cause__)
+    assert 3 <= len(arrivals) <= len(waits) + 1, (arrivals, waits)
+    for k, (gap, wait) in enumerate(zip(gaps, waits), start=1):
+        assert gap >= wait - CLOCK_SLACK_S, f"retry {k} came {gap:.3f}s after the failure, " \
+            f"before its backoff of {wait:.3f}s (gaps {gaps})"
+    took = out.ended - arrivals[0]
+    assert took <= BACKOFF.retry_deadline_s + READ_TIMEOUT_S + 1.0, took
 
 
 # --------------------------------------------------------------------------- self-tests
