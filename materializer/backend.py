@@ -102,6 +102,7 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import (
+    BytesCodec,
     Codec,
     SafeCodec,
     StrOrBytesKeyCodec,
@@ -298,6 +299,7 @@ class ChangelogKeyedStateBackend:
         # states
         self._states: dict[str, _Registered] = {}
         self._by_id: dict[int, _Registered] = {}
+        self._raw: set[int] = set()  # raw states (internal indexes): no codecs applied
         self._meta_logged: set[int] = set()
         # checkpoints
         self._last_checkpoint: _Checkpoint | None = None
@@ -417,6 +419,28 @@ class ChangelogKeyedStateBackend:
     def get_current_key(self) -> Any:
         return self._key
 
+    @property
+    def current_key_bytes(self) -> bytes:
+        """The current key as the key codec encodes it.
+
+        Raises:
+            UsageError: no current key.
+        """
+        if self._kg < 0:
+            self.before_read()
+        return bytes(self._key_b)
+
+    @property
+    def current_key_group(self) -> int:
+        """The key group of the current key.
+
+        Raises:
+            UsageError: no current key.
+        """
+        if self._kg < 0:
+            self.before_read()
+        return self._kg
+
     def set_current_namespace(self, namespace: Any) -> None:
         """Set the namespace (e.g. a window); ``None`` is the default namespace."""
         nb = self._ns_codec.encode(namespace)
@@ -439,6 +463,9 @@ class ChangelogKeyedStateBackend:
             raise UsageError(f"state name {descriptor.name!r} is invalid: expected a non-empty "
                              "string of at most 255 characters")
         reg = self._states.get(descriptor.name)
+        if reg is not None and reg.state_id in self._raw:
+            raise UsageError(f"state {descriptor.name!r} is an internal index of backend "
+                             f"{self.operator_id!r}; choose another state name")
         if reg is not None and reg.state is not None:
             if reg.meta["kind"] != descriptor.kind:
                 raise UsageError(f"state {descriptor.name!r} is a {reg.meta['kind']} state; it "
@@ -568,6 +595,82 @@ class ChangelogKeyedStateBackend:
         finally:
             self.set_current_namespace(saved)
 
+    # ------------------------------------------------------------------ raw states
+    # Internal indexes (the timer service's time index, materializer/timers.py): entries at an
+    # explicit key group with raw key, namespace and value bytes. They are logged, snapshotted,
+    # restored and rescaled like every state, but no codec touches them, so the index chooses
+    # its own byte order (LMDB keeps a key group's entries sorted by key bytes).
+
+    def register_raw_state(self, name: str) -> int:
+        """Register (or look up) the raw state ``name``; returns its state id.
+
+        Raises:
+            UsageError: a state of that name exists and is not raw, or too many states.
+        """
+        self._check_open()
+        reg = self._states.get(name)
+        if reg is not None:
+            if reg.state_id not in self._raw:
+                raise UsageError(f"state {name!r} of backend {self.operator_id!r} is a "
+                                 f"{reg.meta['kind']} state, not an internal index")
+            return reg.state_id
+        if len(self._by_id) >= _MAX_STATES:
+            raise UsageError(f"backend {self.operator_id!r} has {_MAX_STATES} states; no "
+                             "more can be registered")
+        sid = max(self._by_id, default=-1) + 1
+        meta = {"name": name, "kind": "value", "value_codec": BytesCodec.name,
+                "key_codec": None, "raw": True}
+        reg = _Registered(sid, None, StateShape("value", BytesCodec()), meta)
+        self._states[name] = reg
+        self._by_id[sid] = reg
+        self._raw.add(sid)
+        return sid
+
+    def _raw_check(self, sid: int, key_group: int) -> None:
+        self._check_open()
+        if self._attention:
+            self._attend()
+        if sid not in self._raw:
+            raise UsageError(f"state id {sid} of backend {self.operator_id!r} is not a raw state")
+        if type(key_group) is not int or key_group not in self.key_groups:
+            raise KeyGroupError(key_group, f"backend {self.operator_id!r}", self.key_groups,
+                                "a raw entry lives in a key group of its backend")
+
+    def raw_put(self, sid: int, key_group: int, key: bytes, namespace: bytes,
+                value: bytes) -> None:
+        """Store and log a raw entry."""
+        self._raw_check(sid, key_group)
+        self._tables.put(sid, key_group, key, namespace, value)
+        self._log_raw(SET, sid, key_group, key, namespace, value)
+
+    def raw_remove(self, sid: int, key_group: int, key: bytes, namespace: bytes) -> bool:
+        """Remove a raw entry (logged when it existed); whether it existed."""
+        self._raw_check(sid, key_group)
+        if not self._tables.remove(sid, key_group, key, namespace):
+            return False
+        self._log_raw(CLEAR, sid, key_group, key, namespace, b"")
+        return True
+
+    def raw_get(self, sid: int, key_group: int, key: bytes, namespace: bytes) -> bytes | None:
+        """A raw entry's value, or ``None``."""
+        self._raw_check(sid, key_group)
+        v = self._tables.get(sid, key_group, key, namespace)
+        return None if v is None else bytes(v)
+
+    def raw_entries(self, sid: int, key_group: int) -> Iterator[tuple[bytes, bytes, bytes]]:
+        """``(key, namespace, value)`` of a raw state in one key group (LMDB: sorted by key
+        bytes; heap: in no particular order)."""
+        self._raw_check(sid, key_group)
+        return iter(list(self._tables.entries(sid, key_group)))
+
+    def _log_raw(self, op: int, sid: int, key_group: int, key: bytes, namespace: bytes,
+                 payload: bytes) -> None:
+        if sid not in self._meta_logged:
+            self._log_metadata(sid)
+        data = _pack_op_sid(op, sid) + encode_key_ns(key, namespace) + payload
+        self._writer.append(key_group, data)
+        self._mat.note_log(len(data))
+
     # ------------------------------------------------------------------ restore hooks
 
     def apply_change(self, key_group: int, payload: bytes, *, remap: dict[int, int] | None = None,
@@ -656,6 +759,11 @@ class ChangelogKeyedStateBackend:
         reg = _Registered(sid, None, StateShape(kind, codec, key_codec), dict(meta))
         self._states[name] = reg
         self._by_id[sid] = reg
+        if meta.get("raw") is True:
+            if kind != "value" or codec.name != "bytes":
+                raise StateError(f"raw state {name!r} must be a value state of bytes, not "
+                                 f"{kind}/{codec.name}")
+            self._raw.add(sid)
         return sid
 
     def load_snapshot_entries(self, key_group: int, entries: Iterable[Any],
@@ -738,6 +846,9 @@ class ChangelogKeyedStateBackend:
 
     def _apply(self, kg: int, reg: _Registered, ch: Change) -> None:
         t, shape, sid = self._tables, reg.shape, reg.state_id
+        if sid in self._raw:
+            self._apply_raw(kg, sid, ch)
+            return
         key: Any = ch.key
         ns: Any = ch.namespace
         if self._heap:
@@ -773,6 +884,15 @@ class ChangelogKeyedStateBackend:
                 t.remove(sid, kg, key, ns)
             else:
                 t.put(sid, kg, key, ns, obj if self._heap else shape.to_bytes(obj))
+
+    def _apply_raw(self, kg: int, sid: int, ch: Change) -> None:
+        """Replay one change of a raw state: bytes in, bytes stored, in either table."""
+        if ch.op == CLEAR:
+            self._tables.remove(sid, kg, ch.key, ch.namespace)
+        elif ch.op == SET:
+            self._tables.put(sid, kg, ch.key, ch.namespace, ch.payload)
+        else:
+            raise CorruptObjectError("<changelog>", 0, f"op code {ch.op} on raw state {sid}")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -896,12 +1016,16 @@ class ChangelogKeyedStateBackend:
         return self._mat.run_now(timeout_s)
 
     def _encode_entry(self, sid: int, key: Any, ns: Any, state: Any) -> tuple[bytes, bytes, bytes]:
+        if sid in self._raw:
+            return key, ns, state
         return (self._key_codec.encode(key), self._ns_codec.encode(ns),
                 self._by_id[sid].shape.to_bytes(state))
 
     def decode_entry(self, sid: int, key: bytes, ns: bytes, value: bytes
                      ) -> tuple[Any, Any, Any]:
         """Inverse of the snapshot encoder for the heap table (used by restore)."""
+        if sid in self._raw:
+            return key, ns, value
         return (self._key_codec.decode(key), self._ns_codec.decode(ns),
                 self._by_id[sid].shape.from_bytes(value))
 

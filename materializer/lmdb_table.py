@@ -474,6 +474,28 @@ class LmdbStateTable:
         finally:
             txn.abort()
 
+    def entries_up_to(self, state_id: int, key_group: int, key_len: int, max_key: bytes
+                      ) -> list[tuple[bytes, bytes, bytes]]:
+        """``(key, namespace, value)`` of one state in one key group whose key is ``key_len``
+        bytes long and at most ``max_key``, in key order: one cursor seek, then a scan that
+        stops at the first larger key (an ordered index: the timer service's due timers).
+        Reads through this thread's open batch, if any."""
+        self._check_usable()
+        check_state_id(state_id)
+        self._key(state_id, key_group, b"", b"")  # checks the key group
+        prefix = _PREFIX.pack(key_group, state_id, key_len)
+        txn = self._batch_txn()
+        if txn is not None:
+            return _scan_up_to(txn, prefix, key_len, max_key)
+        self._enter_read()
+        try:
+            with self._read_txn() as txn:
+                return _scan_up_to(txn, prefix, key_len, max_key)
+        except lmdb.Error as exc:
+            raise self._translate(exc, "entries_up_to") from exc
+        finally:
+            self._exit_read()
+
     def __len__(self) -> int:
         """Entries of all states in the key-group range."""
         self._check_usable()
@@ -872,6 +894,20 @@ def _scan_prefix(txn: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes, bytes]
                 return
             _, _, k, ns = LmdbStateTable._split(raw)
             yield k, ns, value
+
+
+def _scan_up_to(txn: Any, prefix: bytes, key_len: int, max_key: bytes
+                ) -> list[tuple[bytes, bytes, bytes]]:
+    out: list[tuple[bytes, bytes, bytes]] = []
+    n, end = len(prefix), len(prefix) + key_len
+    with txn.cursor() as cur:
+        if not cur.set_range(prefix):
+            return out
+        for raw, value in cur.iternext():
+            if raw[:n] != prefix or raw[n:end] > max_key:
+                break
+            out.append((raw[n:end], raw[end:], value))
+    return out
 
 
 def _scan_chunk(txn: Any, prefix: bytes, start: bytes, skip_first: bool,

@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from dstl.checkpoint.manifest import (
     MAX_ID_CHARS,
@@ -76,6 +76,7 @@ from dstl.checkpoint.manifest import (
     MAX_RETAINED,
     Manifest,
     TaskEntry,
+    check_properties,
     decode_manifest,
     validate_id,
 )
@@ -125,6 +126,10 @@ DEFAULT_RETAINED = 3
 _ABORTED_MEMORY = 16
 #: Keys shown in a log line before "...".
 _LOG_KEYS = 5
+
+
+def _usage_properties(field: str, reason: str) -> NoReturn:
+    raise UsageError(f"set_properties: {field}: {reason}")
 
 
 class CheckpointCommitError(StorageError):
@@ -207,6 +212,8 @@ class _Pending:
     acks: dict[str, tuple[TaskEntry, float]] = field(default_factory=dict)
     #: manifest keys whose put was attempted for this checkpoint and failed (they may exist).
     uncertain_keys: list[str] = field(default_factory=list)
+    #: the job's own values for the manifest (``set_properties``)
+    properties: dict[str, Any] = field(default_factory=dict)
 
     def keys(self) -> set[str]:
         return {k for entry, _ in self.acks.values() for k in entry.referenced_keys}
@@ -632,6 +639,21 @@ class CheckpointCoordinator:
             manifest, subsumed = self._commit_locked(p)
         return self._after_commit(manifest, subsumed)
 
+    def set_properties(self, checkpoint_id: int, properties: Mapping[str, Any]) -> None:
+        """Values the pending checkpoint's manifest commits with it (``Manifest.properties``:
+        e.g. the Spark operator's watermark); replaces earlier ones. Call it before the last
+        acknowledgement.
+
+        Raises:
+            UsageError: the checkpoint is not pending, or a name or value is not allowed
+                (:func:`~dstl.checkpoint.manifest.check_properties`).
+            ClosedError: the coordinator is closed.
+        """
+        checked = dict(check_properties(dict(properties), _usage_properties))
+        with self._lock:
+            self._check_open()
+            self._pending_for(checkpoint_id, "set_properties").properties = checked
+
     def abort(self, checkpoint_id: int, reason: str) -> AbortedCheckpoint:
         """Abort the pending checkpoint ``checkpoint_id``.
 
@@ -936,7 +958,8 @@ class CheckpointCoordinator:
             created_ms=self._wall_ms(), tasks=[p.acks[t][0] for t in p.tasks],
             trigger_ms=p.trigger_ms,
             duration_ms=max(0.0, (self._clock() - p.trigger_mono) * 1000.0),
-            ack_latency_ms={t: p.acks[t][1] for t in p.tasks}, retained=self._retain)
+            ack_latency_ms={t: p.acks[t][1] for t in p.tasks}, retained=self._retain,
+            properties=p.properties)
 
     def _put_manifest_locked(self, p: _Pending, manifest: Manifest) -> None:
         """The commit: put the manifest, or raise :class:`CheckpointCommitError`."""

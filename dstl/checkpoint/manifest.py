@@ -26,9 +26,13 @@ time, duration, per-task acknowledgement latency, total sizes). See ``docs/coord
 the field table.
 
 **Versions.** Version 2 added ``body.retained``. Version-1 manifests (written before it) stay
-readable: their retention is ``None``, "unknown", and ``dstl gc`` is conservative with them. A
-manifest is encoded in the version its fields need (2, or 1 when it records no retention), so
-decoding and encoding round-trip; this build writes only version 2.
+readable: their retention is ``None``, "unknown", and ``dstl gc`` is conservative with them.
+Version 3 added ``body.properties``: the job's own small values committed with the checkpoint
+(the Spark operator's watermark), a JSON object of at most ``MAX_PROPERTIES`` names (identifier
+characters, at most 64) to JSON scalars (integers in the signed 64-bit range, finite floats,
+strings of at most 1024 characters, booleans, null). A manifest is encoded in the version its
+fields need (3 with properties, else 2, or 1 when it records no retention), so decoding and
+encoding round-trip and a job without properties writes exactly what it wrote before.
 
 **Decoding is strict** — a checkpoint directory is untrusted input. In order: size limit
 (:data:`MAX_MANIFEST_BYTES`, or the caller's), then — **before any JSON is parsed** — the CRC over
@@ -87,13 +91,16 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
+    "MAX_PROPERTIES",
     "MAX_RETAINED",
+    "PROPERTIES_VERSION",
     "READ_VERSIONS",
     "CheckpointStats",
     "CorruptManifestError",
     "Manifest",
     "TaskEntry",
     "UnsafeManifestKeyError",
+    "check_properties",
     "decode_manifest",
     "encode_manifest",
     "validate_id",
@@ -101,11 +108,18 @@ __all__ = [
 
 #: Value of the top-level ``format`` field.
 FORMAT_NAME = "dstl-manifest"
-#: The manifest format this build writes (a manifest without a recorded retention, decoded
-#: from version 1, is written back as version 1).
+#: The manifest format this build writes without properties (a manifest without a recorded
+#: retention, decoded from version 1, is written back as version 1; one with properties as 3).
 FORMAT_VERSION = 2
-#: The manifest formats this build reads. Version 2 added ``body.retained``.
-READ_VERSIONS = (1, 2)
+#: The format of a manifest that carries ``body.properties``.
+PROPERTIES_VERSION = 3
+#: The manifest formats this build reads. Version 2 added ``body.retained``, 3
+#: ``body.properties``.
+READ_VERSIONS = (1, 2, 3)
+#: At most this many properties per manifest.
+MAX_PROPERTIES = 64
+_PROPERTY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+_MAX_PROPERTY_TEXT = 1024
 #: Largest retention (checkpoints kept) a manifest may record; recovery reads that many.
 MAX_RETAINED = 1000
 #: Larger manifests are rejected before parsing, and a coordinator refuses to commit one
@@ -126,7 +140,8 @@ _READABLE = f"{FORMAT_NAME} " + ", ".join(f"v{v}" for v in READ_VERSIONS)
 _TOP_FIELDS = frozenset({"body", "crc32", "format", "version"})
 _BODY_FIELDS_V1 = frozenset({"attempt", "checkpoint_id", "created_ms", "job_id", "stats",
                              "tasks"})
-_BODY_FIELDS = {1: _BODY_FIELDS_V1, 2: _BODY_FIELDS_V1 | {"retained"}}
+_BODY_FIELDS = {1: _BODY_FIELDS_V1, 2: _BODY_FIELDS_V1 | {"retained"},
+                3: _BODY_FIELDS_V1 | {"retained", "properties"}}
 _TASK_FIELDS = frozenset({"full_size", "incremental_size", "referenced_keys", "state",
                           "task_id"})
 _STATS_FIELDS = frozenset({"ack_latency_ms", "duration_ms", "full_size", "incremental_size",
@@ -210,6 +225,32 @@ def _check_number(v: object, field: str, fail: _Fail) -> float:
     if not math.isfinite(v) or v < 0:
         fail(field, f"{v!r} is not a finite number >= 0")
     return float(v)
+
+
+def check_properties(props: object, fail: _Fail) -> Mapping[str, Any]:
+    """``props`` if it is a valid properties object (module docstring), else ``fail``."""
+    if not isinstance(props, Mapping):
+        fail("properties", f"expected an object, got {type(props).__name__}")
+    if len(props) > MAX_PROPERTIES:
+        fail("properties", f"{len(props)} properties; at most {MAX_PROPERTIES}")
+    for name, v in props.items():
+        if not isinstance(name, str) or _PROPERTY_NAME.fullmatch(name) is None:
+            fail("properties", f"name {name!r:.80} is not 1-64 identifier characters")
+        where = f"properties.{name}"
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, int):
+            _check_int_range(v, -(1 << 63), (1 << 63) - 1, where, fail)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                fail(where, f"{v!r} is not finite")
+        elif isinstance(v, str):
+            if len(v) > _MAX_PROPERTY_TEXT or any(ord(c) < 0x20 for c in v):
+                fail(where, f"longer than {_MAX_PROPERTY_TEXT} characters or has control "
+                            "characters")
+        else:
+            fail(where, f"expected a JSON scalar, got {type(v).__name__}")
+    return props
 
 
 def _check_id(v: object, field: str, fail: _Fail) -> str:
@@ -340,6 +381,8 @@ class Manifest:
     #: How many checkpoints the job retained when it committed this one (its coordinator's
     #: ``retained``); ``None``: not recorded (a version-1 manifest). ``dstl gc`` reads it.
     retained: int | None = None
+    #: The job's own values committed with this checkpoint (version 3; empty: none).
+    properties: Mapping[str, Any] = field(default_factory=dict)
     referenced_keys: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -349,7 +392,8 @@ class Manifest:
     @classmethod
     def build(cls, *, job_id: str, checkpoint_id: int, attempt: int, created_ms: int,
               tasks: Sequence[TaskEntry], trigger_ms: int, duration_ms: float,
-              ack_latency_ms: Mapping[str, float], retained: int) -> Manifest:
+              ack_latency_ms: Mapping[str, float], retained: int,
+              properties: Mapping[str, Any] | None = None) -> Manifest:
         """Validate and build a manifest; the stats' sizes are the sums over ``tasks``.
 
         Args:
@@ -362,6 +406,7 @@ class Manifest:
             duration_ms: trigger to commit.
             ack_latency_ms: per task id, trigger to acknowledgement; same task ids as ``tasks``.
             retained: the job's retention (checkpoints kept), 1..``MAX_RETAINED``.
+            properties: the job's own values (module docstring: names and value types).
 
         Returns:
             The manifest.
@@ -374,7 +419,8 @@ class Manifest:
                                 {k: round(float(v), 3) for k, v in ack_latency_ms.items()},
                                 sum(t.full_size for t in tasks),
                                 sum(t.incremental_size for t in tasks))
-        m = cls(job_id, checkpoint_id, attempt, created_ms, tuple(tasks), stats, retained)
+        m = cls(job_id, checkpoint_id, attempt, created_ms, tuple(tasks), stats, retained,
+                dict(check_properties(properties or {}, _usage)))
         if retained is None:
             _usage("retained", "the job's retention is required (an integer >= 1)")
         _validate(m, _usage)
@@ -402,8 +448,10 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        """The format version this manifest encodes as: 2, or 1 without a recorded
-        retention."""
+        """The format version this manifest encodes as: 3 with properties, else 2, or 1
+        without a recorded retention."""
+        if self.properties:
+            return PROPERTIES_VERSION
         return 1 if self.retained is None else FORMAT_VERSION
 
     def to_json_obj(self) -> dict[str, Any]:
@@ -414,6 +462,8 @@ class Manifest:
                 "stats": self.stats.to_json_obj()}
         if self.retained is not None:
             body["retained"] = self.retained
+        if self.properties:
+            body["properties"] = dict(self.properties)
         return body
 
     def encode(self) -> bytes:
@@ -429,6 +479,9 @@ def _validate(m: Manifest, fail: _Fail) -> None:
     _check_int_range(m.created_ms, 0, None, "created_ms", fail)
     if m.retained is not None:
         _check_int_range(m.retained, 1, MAX_RETAINED, "retained", fail)
+    if m.properties and m.retained is None:
+        fail("properties", "a manifest with properties records its retention too")
+    check_properties(m.properties, fail)
     if not m.tasks:
         fail("tasks", "a checkpoint has at least one task")
     ids = [t.task_id for t in m.tasks]
@@ -567,8 +620,13 @@ def _decode_body(body: dict[str, Any], version: int, key: str, fail: _Fail) -> M
     tasks = [_decode_task(t, f"body.tasks[{i}]", key, fail) for i, t in enumerate(tasks_raw)]
     stats = _decode_stats(body["stats"], fail)
     # v1 records no retention: None ("unknown"); in v2 it is required (checked by _validate)
+    props = body.get("properties", {})
+    if not isinstance(props, dict):
+        fail("body.properties", f"expected an object, got {type(props).__name__}")
+    if version >= PROPERTIES_VERSION and not props:
+        fail("body.properties", "empty (a manifest without properties is version 2)")
     m = Manifest(body["job_id"], body["checkpoint_id"], body["attempt"], body["created_ms"],
-                 tuple(tasks), stats, body.get("retained"))
+                 tuple(tasks), stats, body.get("retained"), props)
     if version >= 2 and m.retained is None:
         fail("body.retained", "expected an integer, got null")
     _validate(m, lambda f, r: fail(f"body.{f}", r))

@@ -18,8 +18,10 @@ Usage (see docs/spark.md)::
     stream_df.writeStream.foreachBatch(op.foreach_batch).option("checkpointLocation", ck).start()
 """
 
+from dstl.spark.heartbeat import with_heartbeat
 from dstl.spark.operator import DstlStatefulOperator
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle, ValueStateView
+from dstl.spark.timing import ExpiredTimerInfo, TimerValues
 
-__all__ = ["DstlStatefulOperator", "StatefulProcessor", "StatefulProcessorHandle",
-           "ValueStateView"]
+__all__ = ["DstlStatefulOperator", "ExpiredTimerInfo", "StatefulProcessor",
+           "StatefulProcessorHandle", "TimerValues", "ValueStateView", "with_heartbeat"]

@@ -23,6 +23,7 @@ from dstl.checks import (
 from dstl.errors import ConfigTypeError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
 from dstl.options import DstlOptions
+from dstl.spark.timing import TIME_MODES
 from materializer.options import BackendOptions
 
 __all__ = ["OperatorConfig", "TaskInput"]
@@ -46,6 +47,7 @@ class OperatorConfig:
     backend_options: BackendOptions  # its materialization_interval_s is the operator's
     local_dir: str | None = None
     agent: bool = True
+    time_mode: str = "none"  # one of dstl.spark.timing.TIME_MODES
 
     def __post_init__(self) -> None:
         _check(self)
@@ -88,6 +90,7 @@ def _check(c: OperatorConfig) -> None:
     check_instance(c.backend_options, "backend_options", owner, BackendOptions)
     check_optional_path(c.local_dir, "local_dir", owner)
     check_bool(c.agent, "agent", owner)
+    check_choice(c.time_mode, "time_mode", owner, TIME_MODES)
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,14 @@ class TaskInput:
         base_handles: partition -> the base checkpoint's backend handle (JSON) of that
             partition.
         retained: the checkpoint ids the coordinator still retains.
+        processing_time_ms: the batch's processing time (epoch ms; the driver's clock at the
+            batch's start; ``-1``: unknown).
+        watermark_ms: the batch's watermark (epoch ms; ``-1``: no watermark configured).
     """
 
     batch_id: int
     base_checkpoint: int
     base_handles: dict[int, str] = field(default_factory=dict)
     retained: tuple[int, ...] = ()
+    processing_time_ms: int = -1
+    watermark_ms: int = -1

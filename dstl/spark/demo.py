@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
+from dstl.spark.timing import TimerValues
 
 PAGES = ["/", "/search", "/item", "/cart", "/checkout", "/help", "/account", "/deals"]
 
@@ -35,8 +36,8 @@ class ClickStats(StatefulProcessor):
         self.pages = handle.get_map_state("pages")
         self.last = handle.get_value_state("last_page")
 
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]],
+                          timer_values: TimerValues | None = None) -> Iterator[dict[str, Any]]:
         n = self.clicks.get() or 0
         last = None
         for row in rows:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator, Completion
-from dstl.checkpoint.manifest import MAX_RETAINED
+from dstl.checkpoint.manifest import MAX_RETAINED, Manifest
 from dstl.checks import (
     check_bool,
     check_callable,
@@ -43,13 +43,21 @@ from dstl.checks import (
     check_optional_path,
     check_str,
 )
-from dstl.errors import ConfigError, ConfigTypeError, UsageError
+from dstl.errors import ConfigError, ConfigTypeError, CorruptObjectError, UsageError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.processor import StatefulProcessor
 from dstl.spark.report import REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.spark.timing import (
+    EVENT_TIME_COLUMN,
+    HEARTBEAT_COLUMN,
+    LATE_ROWS,
+    next_watermark,
+    parse_delay_ms,
+    parse_time_mode,
+)
 from dstl.stores import check_store_uri
 from dstl.stores.base import BlobStore
 from materializer.options import MAX_MATERIALIZATION_INTERVAL_S, BackendOptions
@@ -59,6 +67,48 @@ __all__ = ["DstlStatefulOperator"]
 logger = logging.getLogger(__name__)
 
 _KEY_TYPES = ("string", "binary", "int", "bigint", "smallint", "tinyint")
+_INT_TYPES = ("int", "bigint", "smallint", "tinyint")
+#: The manifest property that carries the watermark after the checkpoint's batch.
+WATERMARK_PROPERTY = "watermark_ms"
+
+
+@dataclass(frozen=True)
+class TimeSettings:
+    """The operator's time settings, checked (:func:`_check_time`)."""
+
+    mode: str  # dstl.spark.timing.TIME_MODES
+    event_time_column: str | None
+    delay_ms: int  # 0 without a watermark
+    late_rows: str
+    late_sink: Callable[[Any, int], None] | None
+
+
+def _without_heartbeat(df: Any) -> Any:
+    """``df`` without the heartbeat rows and marker column of :func:`with_heartbeat`."""
+    if HEARTBEAT_COLUMN not in df.columns:
+        return df
+    from pyspark.sql import functions as F
+
+    return df.where(F.col(HEARTBEAT_COLUMN).isNull()).drop(HEARTBEAT_COLUMN)
+
+
+def _event_time_ms(df: Any, column: str) -> Any:
+    """The event time of ``column`` as epoch ms (a long column expression).
+
+    Raises:
+        UsageError: the column is missing or not a timestamp or integer column.
+    """
+    from pyspark.sql import functions as F
+
+    kind = dict(df.dtypes).get(column)
+    quoted = f"`{column}`"
+    if kind in ("timestamp", "timestamp_ntz"):
+        return F.expr(f"cast(floor(unix_micros(cast({quoted} as timestamp)) / 1000) as bigint)")
+    if kind in _INT_TYPES:
+        return F.expr(f"cast({quoted} as bigint)")
+    raise UsageError(f"event_time_column {column!r} is "
+                     f"{'missing' if kind is None else 'of type ' + kind}; DSTL takes a "
+                     "timestamp column or an integer column of epoch milliseconds")
 
 
 class DstlStatefulOperator:
@@ -93,6 +143,18 @@ class DstlStatefulOperator:
         agent: group-commit the segments of all tasks of an executor in one executor agent
             process (one object per executor per flush window); ``False``: each task writes its
             own segment (no extra process).
+        time_mode: ``"none"`` (no timers), ``"processing_time"`` or ``"event_time"`` (Spark's
+            ``"None"``, ``"ProcessingTime"``, ``"EventTime"`` too): what a timer's time means
+            (:mod:`dstl.spark.timing`). ``event_time`` needs a watermark.
+        event_time_column: the column with each row's event time (``timestamp``, or an integer
+            column of epoch milliseconds); with ``watermark_delay``, the operator keeps a
+            watermark: the largest event time seen in earlier batches minus the delay, never
+            decreasing, stored in each checkpoint's manifest.
+        watermark_delay: how late rows may be (seconds, a ``timedelta`` or ``"10 seconds"``).
+        late_rows: rows at or below the batch's watermark: ``"drop"`` them, or
+            ``"side_output"``: hand them to ``late_sink``.
+        late_sink: ``late_sink(late_df, batch_id)`` (with ``late_rows="side_output"``), after
+            the batch's checkpoint and sink.
     """
 
     def __init__(self, *, name: str, processor: type, key_column: str, output_schema: str,
@@ -102,7 +164,10 @@ class DstlStatefulOperator:
                  options: DstlOptions | None = None,
                  backend_options: BackendOptions | None = None, retained: int = 3,
                  materialization_interval_s: float | None = 60.0, local_dir: str | None = None,
-                 agent: bool = True) -> None:
+                 agent: bool = True, time_mode: str = "none",
+                 event_time_column: str | None = None, watermark_delay: Any = None,
+                 late_rows: str = "drop",
+                 late_sink: Callable[[Any, int], None] | None = None) -> None:
         _check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
                          partitions=partitions, max_parallelism=max_parallelism, table=table,
@@ -110,6 +175,8 @@ class DstlStatefulOperator:
                          backend_options=backend_options, retained=retained,
                          materialization_interval_s=materialization_interval_s,
                          local_dir=local_dir, agent=agent)
+        self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
+                                late_sink, key_column)
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -132,6 +199,8 @@ class DstlStatefulOperator:
         self.batch_stats: list[dict[str, Any]] = []
         #: the executor agents' latest log lines, as reported with the last batch
         self.agent_logs: list[str] = []
+        #: the processing-time clock, epoch ms (the driver's wall clock; tests replace it)
+        self.clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)
 
     # ------------------------------------------------------------------ set-up
 
@@ -174,7 +243,7 @@ class DstlStatefulOperator:
             dstl_options=self._options or DstlOptions.from_mapping(conf, "spark.dstl."),
             backend_options=_with_interval(self._backend_options, conf,
                                            self.materialization_interval_s),
-            local_dir=self.local_dir, agent=self.agent)
+            local_dir=self.local_dir, agent=self.agent, time_mode=self.time.mode)
 
     def validate(self, spark: Any) -> None:
         """Check the store and settings now (``foreach_batch`` does it on the first batch)."""
@@ -192,23 +261,59 @@ class DstlStatefulOperator:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``)."""
         started = time.monotonic()
         ready = self._ensure_ready(df.sparkSession)
+        df = _without_heartbeat(df)
         key_type = self._key_type(df)
         task_input = self._task_input(ready.coordinator, batch_id)
+        df, late_df = self._split_late(df, task_input.watermark_ms)
         checkpoint_id = ready.coordinator.trigger([f"p{i}" for i in range(self.partitions)],
                                        checkpoint_id=batch_id)
         result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
         tasks_done = time.monotonic()
         reports = self._reports(ready.coordinator, checkpoint_id, result)
+        next_wm = self._commit_watermark(ready.coordinator, checkpoint_id, task_input, reports)
         completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
         acknowledged = time.monotonic()
         rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
+        if late_df is not None and self.time.late_sink is not None:
+            self.time.late_sink(late_df, batch_id)
         times = _BatchTimes(started, tasks_done, acknowledged, time.monotonic())
         stats = _batch_stats(batch_id, reports, completion, rows_out, times)
+        stats.update(processing_time_ms=task_input.processing_time_ms,
+                     watermark_ms=task_input.watermark_ms, next_watermark_ms=next_wm)
         self.batch_stats.append(stats)
         self.agent_logs = [line for r in reports for line in r.agent_log][-10:]
-        logger.info("operator %s batch %d: %d rows in, %d out, %d objects, %.3fs",
+        logger.info("operator %s batch %d: %d rows in, %d out, %d timers, %d objects, %.3fs",
                     self.name, batch_id, stats["rows_in"], stats["rows_out"],
-                    stats["objects_written"], stats["batch_seconds"])
+                    stats["timers_fired"], stats["objects_written"], stats["batch_seconds"])
+
+    # ------------------------------------------------------------------ time
+
+    def _split_late(self, df: Any, watermark_ms: int) -> tuple[Any, Any]:
+        """With a watermark: ``df`` with the event-time column (epoch ms) the tasks take the
+        maximum of, its late rows removed; and the late rows (user columns) for the side output
+        (``None``: dropped, or no watermark)."""
+        event_col = self.time.event_time_column
+        if event_col is None:
+            return df, None
+        from pyspark.sql import functions as F
+
+        with_ms = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_col))
+        late = F.col(EVENT_TIME_COLUMN) <= F.lit(watermark_ms)
+        on_time = with_ms.where(F.col(EVENT_TIME_COLUMN).isNull() | ~late)
+        if self.time.late_rows != "side_output":
+            return on_time, None
+        return on_time, with_ms.where(late).drop(EVENT_TIME_COLUMN)
+
+    def _commit_watermark(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
+                          task_input: TaskInput, reports: list[TaskReport]) -> int:
+        """The watermark after this batch, put into the checkpoint's manifest (-1: none)."""
+        if self.time.event_time_column is None:
+            return -1
+        seen = [r.max_event_time_ms for r in reports if r.max_event_time_ms is not None]
+        wm = next_watermark(task_input.watermark_ms, max(seen) if seen else None,
+                            self.time.delay_ms)
+        coordinator.set_properties(checkpoint_id, {WATERMARK_PROPERTY: wm})
+        return wm
 
     def _key_type(self, df: Any) -> str:
         """The key column's Spark type.
@@ -242,7 +347,25 @@ class DstlStatefulOperator:
                          base_checkpoint=base.checkpoint_id if base is not None else -1,
                          base_handles={int(t.task_id[1:]): json.dumps(t.state)
                                        for t in base.tasks} if base is not None else {},
-                         retained=tuple(sorted(m.checkpoint_id for m in retained)))
+                         retained=tuple(sorted(m.checkpoint_id for m in retained)),
+                         processing_time_ms=int(self.clock_ms()),
+                         watermark_ms=self._base_watermark(base))
+
+    def _base_watermark(self, base: Manifest | None) -> int:
+        """The batch's watermark: the one its base checkpoint committed (0 before any; -1: no
+        watermark configured).
+
+        Raises:
+            CorruptObjectError: the base manifest's watermark is not an integer.
+        """
+        if self.time.event_time_column is None:
+            return -1
+        wm = base.properties.get(WATERMARK_PROPERTY, 0) if base is not None else 0
+        if isinstance(wm, bool) or not isinstance(wm, int):
+            assert base is not None
+            raise CorruptObjectError(base.key, 0, f"properties.{WATERMARK_PROPERTY} is "
+                                                  f"{wm!r}, not an integer")
+        return wm
 
     def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
                    checkpoint_id: int) -> Any:
@@ -366,6 +489,7 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
         "deleted": len(completion.deleted) if completion is not None else 0,
         "agents": {int(r.agent_metrics["agent.pid"]): r.agent_metrics for r in reports
                    if r.agent_metrics},
+        "timers_fired": sum(r.timers_fired for r in reports),
     }
 
 
@@ -421,7 +545,7 @@ def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:
 
 _OWNER = "DstlStatefulOperator"
 #: Columns the operator adds to the input (routing) or output (task reports).
-_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid")
+_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid", EVENT_TIME_COLUMN, HEARTBEAT_COLUMN)
 
 
 def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schema: Any,
@@ -506,6 +630,49 @@ def _check_output_schema(output_schema: Any) -> None:
         raise ConfigError("output_schema", output_schema, "unique column names, none of "
                           f"{_RESERVED_COLUMNS}", owner=_OWNER,
                           fix=f"rename {dup or reserved}")
+
+
+def _check_time(time_mode: Any, event_time_column: Any, watermark_delay: Any, late_rows: Any,
+                late_sink: Any, key_column: str) -> TimeSettings:
+    """The time settings: a known mode; a watermark is a column and a delay, both or neither;
+    event-time timers need one; late rows go to a sink only when there is one and a watermark.
+
+    Raises:
+        ConfigError: naming the argument and the fix (ConfigTypeError: a wrong type).
+    """
+    mode = parse_time_mode(time_mode, _OWNER)
+    if event_time_column is not None:
+        check_str(event_time_column, "event_time_column", _OWNER, forbidden="`",
+                  fix="the input column with each row's event time")
+        if event_time_column in _RESERVED_COLUMNS or event_time_column == key_column:
+            raise ConfigError("event_time_column", event_time_column,
+                              f"a column other than the key and {_RESERVED_COLUMNS}",
+                              owner=_OWNER)
+    if (event_time_column is None) != (watermark_delay is None):
+        missing = "watermark_delay" if watermark_delay is None else "event_time_column"
+        raise ConfigError(missing, None, "set together with "
+                          f"{'event_time_column' if missing == 'watermark_delay' else 'watermark_delay'}"
+                          " (a watermark needs both)", owner=_OWNER)
+    delay_ms = 0 if watermark_delay is None else parse_delay_ms(watermark_delay, _OWNER)
+    if mode == "event_time" and event_time_column is None:
+        raise ConfigError("time_mode", time_mode, "'event_time' only with a watermark",
+                          owner=_OWNER, fix="set event_time_column and watermark_delay, or "
+                                            "use time_mode='processing_time'")
+    check_choice(late_rows, "late_rows", _OWNER, LATE_ROWS)
+    if late_rows == "side_output":
+        if event_time_column is None:
+            raise ConfigError("late_rows", late_rows, "'drop' without a watermark",
+                              owner=_OWNER, fix="late rows exist only with event_time_column "
+                                                "and watermark_delay")
+        if late_sink is None:
+            raise ConfigError("late_sink", None, "a callable late_sink(late_df, batch_id) with "
+                              "late_rows='side_output'", owner=_OWNER)
+    if late_sink is not None:
+        check_callable(late_sink, "late_sink", _OWNER, args=2, fix="late_sink(late_df, batch_id)")
+        if late_rows != "side_output":
+            raise ConfigError("late_sink", late_sink, "None unless late_rows='side_output'",
+                              owner=_OWNER, fix="pass late_rows='side_output' to use it")
+    return TimeSettings(mode, event_time_column, delay_ms, late_rows, late_sink)
 
 
 def _check_interval(interval: Any, backend_options: BackendOptions | None) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal, cast, get_args
 from dstl.errors import DstlError, UsageError
 from dstl.spark.fields import Fields
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.timers import MIN_TIMESTAMP_MS
 
 __all__ = ["REPORT_COLUMN", "Access", "SlotAccess", "TaskReport", "TaskReportError"]
 
@@ -75,6 +76,9 @@ class TaskReport:
         snapshot: the snapshot this checkpoint took or installed (``None``: none).
         agent_metrics: the executor agent's metrics after the commit (``None``: no agent).
         agent_log: the agent's last log lines.
+        max_event_time_ms: the largest event time (epoch ms) among the task's input rows
+            (``None``: no watermark, or no row with an event time); the driver's watermark.
+        timers_fired: expired timers the task delivered to the processor.
     """
 
     partition: int
@@ -92,6 +96,8 @@ class TaskReport:
     snapshot: SnapshotRef | None
     agent_metrics: dict[str, float] | None
     agent_log: tuple[str, ...]
+    max_event_time_ms: int | None = None
+    timers_fired: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -110,6 +116,7 @@ class TaskReport:
             "segment_keys": list(self.segment_keys), "log_bytes": self.log_bytes,
             "snapshot": None if self.snapshot is None else self.snapshot.to_json_obj(),
             "agent_metrics": self.agent_metrics, "agent_log": list(self.agent_log),
+            "max_event_time_ms": self.max_event_time_ms, "timers_fired": self.timers_fired,
         }, separators=(",", ":"))
 
     @classmethod
@@ -127,7 +134,8 @@ class TaskReport:
                    f.integer("keys"), f.number("process_seconds"), f.number("commit_seconds"),
                    f.texts("segment_keys"), f.integer("log_bytes"), _snapshot(f),
                    None if f.get("agent_metrics") is None else f.numbers("agent_metrics"),
-                   f.texts("agent_log"))
+                   f.texts("agent_log"), f.opt_integer("max_event_time_ms", MIN_TIMESTAMP_MS),
+                   f.integer("timers_fired"))
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from dstl.spark.agent import (
     executor_pid,
 )
 from dstl.spark.config import OperatorConfig
-from dstl.spark.processor import StatefulProcessor
+from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
 from restore.cache import LocalFileCache
@@ -59,11 +59,15 @@ class Slot:
         backend: the partition's backend.
         processor: the user's processor instance, initialised on ``backend``.
         checkpoint_id: the checkpoint (batch id) the backend's state is at.
+        handle: the processor's handle (the task sets its current key; it owns the timers).
+        timer_values_arg: the processor's ``handle_input_rows`` takes ``timer_values``.
     """
 
     backend: ChangelogKeyedStateBackend
     processor: StatefulProcessor
     checkpoint_id: int
+    handle: StatefulProcessorHandle | None = None
+    timer_values_arg: bool = True
 
     def close(self) -> None:
         """Close the processor (its optional hook), then the backend, even if the hook fails."""

@@ -29,7 +29,7 @@ import time
 
 from dstl.keygroups import KeyGroupRange
 from dstl.spark.config import TaskInput
-from dstl.spark.processor import StatefulProcessorHandle
+from dstl.spark.processor import StatefulProcessorHandle, input_rows_takes_timer_values
 from dstl.spark.report import SlotAccess
 from dstl.spark.runtime import Slot, WorkerRuntime
 from materializer.backend import ChangelogKeyedStateBackend
@@ -53,8 +53,10 @@ def acquire(rt: WorkerRuntime, partition: int, task_input: TaskInput
     backend, access = _open_at_base(rt, partition, task_input)
     access = dataclasses.replace(access, restore_seconds=time.monotonic() - started)
     processor = rt.cfg.processor()
-    processor.init(StatefulProcessorHandle(backend))
-    slot = Slot(backend, processor, task_input.base_checkpoint)
+    handle = StatefulProcessorHandle(backend, rt.cfg.time_mode)
+    processor.init(handle)
+    slot = Slot(backend, processor, task_input.base_checkpoint, handle,
+                input_rows_takes_timer_values(processor))
     rt.slots[partition] = slot
     return slot, access
 

@@ -7,8 +7,12 @@ Theory of operation
 
 1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
    adopt, restore or new);
-2. groups the task's rows by key and calls the processor once per key, inside one write batch
-   (with LMDB: one write transaction);
+2. inside one write batch (with LMDB: one write transaction) delivers the partition's expired
+   timers to ``handle_expired_timer`` in timestamp order (processing-time mode: timers at or
+   before the batch's processing time; event-time mode: at or before its watermark; found
+   through the timer index, :mod:`materializer.timers`, so even a partition without rows fires
+   its timers), then groups the task's rows by key and calls ``handle_input_rows`` once per
+   key; it also takes the largest event time of its rows for the driver's watermark;
 3. checkpoints: ``snapshot(batch_id)`` waits only for the log of this batch to be durable. With
    LMDB the table marker of the checkpoint (:mod:`materializer.table_marker`) is written into
    the same transaction, which commits only once the log is durable;
@@ -45,6 +49,7 @@ from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.report import REPORT_COLUMN, SlotAccess, TaskReport
 from dstl.spark.runtime import Slot, WorkerRuntime, runtime_for
 from dstl.spark.slots import acquire
+from dstl.spark.timing import EVENT_TIME_COLUMN, ExpiredTimerInfo, TimerValues
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 
@@ -68,6 +73,8 @@ class _BatchRun:
     handle: ChangelogStateBackendHandle
     snapshot: SnapshotRef | None  # taken in the task or installed from the agent
     new_refs: list[ChangeSetRef]  # this batch's change sets
+    max_event_time_ms: int | None = None
+    timers_fired: int = 0
 
 
 def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
@@ -81,7 +88,7 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     with rt.lock:
         try:
             slot, access = acquire(rt, partition, task_input)
-            run = _run_batch(rt, slot, task_input.batch_id, batches)
+            run = _run_batch(rt, slot, task_input, batches)
             slot.checkpoint_id = task_input.batch_id
             if cfg.table == "lmdb":
                 rt.write_table_batch_id(partition, task_input.batch_id)
@@ -110,16 +117,19 @@ def _task_identity(partition: int | None) -> tuple[int, int]:
     return partition, ctx.attemptNumber() if ctx is not None else 0
 
 
-def _run_batch(rt: WorkerRuntime, slot: Slot, batch_id: int, batches: Iterable[Any]
+def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: Iterable[Any]
                ) -> _BatchRun:
-    """Process the task's rows and checkpoint them as ``batch_id`` (steps 2 and 3)."""
+    """Process the task's rows and checkpoint them as the batch (steps 2 and 3)."""
     cfg = rt.cfg
     backend = slot.backend
+    batch_id = task_input.batch_id
     first_sqn = backend.writer.next_sqn()
-    groups, rows_in = _group_rows(batches, cfg.key_column)
+    rows = _group_rows(batches, cfg.key_column)
+    times = TimerValues(task_input.processing_time_ms, task_input.watermark_ms)
     materializing_agent = rt.agent if cfg.agent_materializes else None
     with backend.write_batch():
-        outputs = _process(slot, groups)
+        outputs, fired = _fire_timers(slot, cfg.time_mode, times)
+        outputs.extend(_process(slot, rows.groups, times))
         processed_at = time.monotonic()
         checkpointed: tuple[ChangelogStateBackendHandle, SnapshotRef | None] | None = None
         if materializing_agent is not None:
@@ -131,28 +141,87 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, batch_id: int, batches: Iterable[A
         # LMDB: the marker lets another worker adopt the table without reads
         checkpointed = _checkpoint(backend, batch_id, write_marker=cfg.table == "lmdb"), snapshot
     handle, snapshot = checkpointed
-    return _BatchRun(outputs, rows_in, len(groups), processed_at, handle, snapshot,
-                     _refs_since(backend, first_sqn))
+    return _BatchRun(outputs, rows.count, len(rows.groups), processed_at, handle, snapshot,
+                     _refs_since(backend, first_sqn), rows.max_event_time_ms, fired)
 
 
-def _group_rows(batches: Iterable[Any], key_column: str
-                ) -> tuple[dict[Any, list[dict[str, Any]]], int]:
-    """The task's rows by key, in arrival order; and how many rows there were."""
-    groups: dict[Any, list[dict[str, Any]]] = {}
-    rows_in = 0
+@dataclass
+class _Rows:
+    """The task's input: rows by key in arrival order, how many, the largest event time."""
+
+    groups: dict[Any, list[dict[str, Any]]]
+    count: int
+    max_event_time_ms: int | None
+
+
+#: Columns the driver adds for routing and the watermark; processors never see them.
+_INTERNAL_COLUMNS = ("_dstl_pid", EVENT_TIME_COLUMN)
+
+
+def _group_rows(batches: Iterable[Any], key_column: str) -> _Rows:
+    import pyarrow.compute as pc
+
+    out = _Rows({}, 0, None)
     for batch in batches:
-        for row in batch.to_pylist():
-            groups.setdefault(row[key_column], []).append(row)
-            rows_in += 1
-    return groups, rows_in
+        internal = [c for c in _INTERNAL_COLUMNS if c in batch.schema.names]
+        if EVENT_TIME_COLUMN in internal and batch.num_rows:
+            m = pc.max(batch.column(EVENT_TIME_COLUMN)).as_py()
+            if m is not None and (out.max_event_time_ms is None or m > out.max_event_time_ms):
+                out.max_event_time_ms = int(m)
+        for row in batch.drop_columns(internal).to_pylist() if internal else batch.to_pylist():
+            out.groups.setdefault(row[key_column], []).append(row)
+            out.count += 1
+    return out
 
 
-def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _backend_key(key: Any) -> Any:
+    """The backend's key of a key column value (integers are keyed by their decimal string)."""
+    return key if isinstance(key, (str, bytes)) else str(key)
+
+
+def _fire_timers(slot: Slot, time_mode: str, times: TimerValues
+                 ) -> tuple[list[dict[str, Any]], int]:
+    """Deliver the partition's expired timers, in timestamp order, each with its key's state in
+    scope; the output rows and how many fired."""
+    handle = slot.handle
+    service = handle.timer_service if handle is not None else None
+    now = times.current_processing_time_ms if time_mode == "processing_time" \
+        else times.current_watermark_ms
+    if service is None or handle is None or now < 0:
+        return [], 0
+    outputs: list[dict[str, Any]] = []
+    fired = 0
+    for timer in service.due(now):
+        slot.backend.set_current_key(_backend_key(timer.key))
+        if not service.consume(timer):
+            continue  # a handler that ran before deleted it
+        handle.set_key(timer.key)
+        try:
+            outputs.extend(slot.processor.handle_expired_timer(
+                timer.key, times, ExpiredTimerInfo(timer.timestamp_ms)))
+        finally:
+            handle.clear_key()
+        fired += 1
+    return outputs, fired
+
+
+def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerValues
+             ) -> list[dict[str, Any]]:
     """Call the processor once per key, with the backend's current key set to it."""
     outputs: list[dict[str, Any]] = []
+    handle, with_times = slot.handle, slot.timer_values_arg
     for key, rows in groups.items():
-        slot.backend.set_current_key(key if isinstance(key, (str, bytes)) else str(key))
-        outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))
+        slot.backend.set_current_key(_backend_key(key))
+        if handle is not None:
+            handle.set_key(key)
+        try:
+            if with_times:
+                outputs.extend(slot.processor.handle_input_rows(key, iter(rows), times))
+            else:
+                outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))  # type: ignore[call-arg]
+        finally:
+            if handle is not None:
+                handle.clear_key()
     return outputs
 
 
@@ -239,7 +308,8 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
         # the segments this task's change sets went to (shared with other tasks under the agent)
         segment_keys=tuple(sorted({r.key for r in run.new_refs})),
         log_bytes=sum(r.length for r in run.new_refs), snapshot=run.snapshot,
-        agent_metrics=agent_metrics, agent_log=agent_log)
+        agent_metrics=agent_metrics, agent_log=agent_log,
+        max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired)
 
 
 def _record_batches(cfg: OperatorConfig, outputs: list[dict[str, Any]], report: TaskReport

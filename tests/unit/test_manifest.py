@@ -232,7 +232,7 @@ def test_body_must_match_the_object_name() -> None:
     (b"\xff\xfe{}", CorruptObjectError),
     (b"{not json", CorruptObjectError),
     (b"[]", UnsupportedFormatError),
-    (b'{"format":"dstl-manifest","version":3}', UnsupportedFormatError),
+    (b'{"format":"dstl-manifest","version":4}', UnsupportedFormatError),
     (b'{"format":"dstl-manifest","version":true}', UnsupportedFormatError),
     (b'{"format":"zarr","version":1}', UnsupportedFormatError),
     (b'{"body":{},"crc32":NaN,"format":"dstl-manifest","version":1}', CorruptObjectError),
