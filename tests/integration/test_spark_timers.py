@@ -225,3 +225,44 @@ def test_reserved_state_names_and_timers_outside_a_key(tmp_path: Path) -> None:
         h.register_timer(5)
     b.close()
     storage.close()
+
+
+def test_heartbeat_runs_batches_that_fire_timers_without_input(spark: Any,  # noqa: F811
+                                                               tmp_path: Path) -> None:
+    import json
+    import time
+
+    from dstl.spark import with_heartbeat
+
+    src = tmp_path / "src"
+    src.mkdir()
+    due = int(time.time() * 1000) + 2_500
+    keys = [f"k{i}" for i in range(6)]
+    (src / "part-0.json").write_text("".join(
+        json.dumps({"key": k, "op": "set", "at": due + i}) + "\n" for i, k in enumerate(keys)))
+    fired: list[tuple[Any, ...]] = []
+    o = DstlStatefulOperator(name="beat", processor=Remind, key_column="key",
+                             output_schema=OUT, state_uri=str(tmp_path / "store"),
+                             partitions=3, max_parallelism=16, table="heap", agent=False,
+                             local_dir=str(tmp_path / "local"), time_mode="processing_time",
+                             sink=lambda df, b: fired.extend(tuple(r) for r in df.collect()))
+    stream = with_heartbeat(spark.readStream.schema(SCHEMA).json(str(src)))
+    q = (stream.writeStream.foreachBatch(o.foreach_batch)
+         .option("checkpointLocation", str(tmp_path / "ck"))
+         .trigger(processingTime="1 second").start())
+    try:
+        deadline = time.monotonic() + 90
+        while len(fired) < len(keys) and time.monotonic() < deadline and q.isActive:
+            time.sleep(0.5)
+    finally:
+        q.stop()
+        o.close()
+    assert q.exception() is None
+    assert sorted((r[0], r[1]) for r in fired) == [(k, due + i) for i, k in enumerate(keys)]
+    assert all(r[2] >= r[1] for r in fired)  # fired at a processing time at or after it
+    quiet = [s for s in o.batch_stats if s["rows_in"] == 0]
+    assert quiet and any(s["timers_fired"] for s in quiet), "fired by a heartbeat-only batch"
+    with pytest.raises(ConfigError, match="rows_per_second"):
+        with_heartbeat(stream, rows_per_second=0)
+    with pytest.raises(ConfigError, match="once"):
+        with_heartbeat(stream)
