@@ -36,7 +36,7 @@ bench-quick: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dstl materializer restore tests bench
+	$(VENV)/bin/ruff check dstl materializer restore tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
