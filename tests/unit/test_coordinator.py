@@ -624,3 +624,24 @@ def test_orphan_collection_refuses_a_store_with_unknown_newer_checkpoints(
     with pytest.raises(UsageError, match="recover"):
         stranger.collect_orphans(min_age_s=0, now_ms=T0_MS)
     assert a in store.names() and len(store.names("checkpoints/")) == 2
+
+
+def test_set_properties_commits_them_with_the_manifest_and_recover_reads_them(
+        store: RecordingStore, clock: FakeClock) -> None:
+    coord = coordinator(store, clock, retained=3)
+    key = upload(store, clock)
+    cid = coord.trigger(["t"])
+    coord.set_properties(cid, {"watermark_ms": 10})
+    coord.set_properties(cid, {"watermark_ms": 42})  # the last call wins
+    with pytest.raises(UsageError, match="properties"):
+        coord.set_properties(cid, {"bad name": 1})
+    with pytest.raises(UsageError, match="not pending|pending"):
+        coord.set_properties(cid + 1, {"watermark_ms": 1})
+    done = coord.acknowledge(cid, "t", {"task": "t"}, [key], full_size=1, incremental_size=1)
+    assert done is not None and done.manifest.properties == {"watermark_ms": 42}
+    with pytest.raises(UsageError):
+        coord.set_properties(cid, {"watermark_ms": 1})  # committed: no longer pending
+    run_checkpoint(coord, {"t": [key]})  # a checkpoint without properties: a v2 manifest
+    again = CheckpointCoordinator.recover(store, "job", retained=3, clock=clock.monotonic,
+                                          wall_clock=clock.wall)
+    assert [dict(m.properties) for m in again.manifests()] == [{"watermark_ms": 42}, {}]

@@ -359,3 +359,52 @@ def test_building_a_manifest_needs_a_valid_retention(retained: int) -> None:
         Manifest.build(job_id="j", checkpoint_id=1, attempt=1, created_ms=0,
                        tasks=[TaskEntry.of("t", {}, [], 0, 0)], trigger_ms=0, duration_ms=0,
                        ack_latency_ms={"t": 0.0}, retained=retained)
+
+
+# --------------------------------------------------------------------------- v3: properties
+
+
+def _with_properties(props: dict[str, Any]) -> Manifest:
+    m = make_manifest()
+    return Manifest.build(job_id=m.job_id, checkpoint_id=m.checkpoint_id, attempt=m.attempt,
+                          created_ms=m.created_ms, tasks=list(m.tasks),
+                          trigger_ms=m.stats.trigger_ms, duration_ms=m.stats.duration_ms,
+                          ack_latency_ms=dict(m.stats.ack_latency_ms), retained=3,
+                          properties=props)
+
+
+def test_properties_round_trip_as_version_3_and_only_then() -> None:
+    props = {"watermark_ms": -5, "big": (1 << 63) - 1, "f": 0.5, "s": "x", "b": True, "n": None}
+    m = _with_properties(props)
+    data = m.encode()
+    assert json.loads(data)["version"] == 3
+    back = decode_manifest(data, m.key)
+    assert back.properties == props and back == m and back.encode() == data
+    assert json.loads(make_manifest().encode())["version"] == 2  # no properties: v2 as before
+    assert _with_properties({}).encode() == make_manifest().encode()
+
+
+@pytest.mark.parametrize("props,where", [
+    ({"": 1}, "name"), ({"1abc": 1}, "name"), ({"a b": 1}, "name"), ({"x" * 65: 1}, "name"),
+    ({"a": 1 << 63}, "properties.a"), ({"a": float("inf")}, "properties.a"),
+    ({"a": [1]}, "properties.a"), ({"a": {"b": 1}}, "properties.a"),
+    ({"a": "x" * 1025}, "properties.a"), ({"a": "line\nbreak"}, "properties.a"),
+    ({f"p{i}": i for i in range(65)}, "at most 64"),
+])
+def test_bad_properties_are_refused_when_built_and_when_decoded(props: dict[str, Any],
+                                                                where: str) -> None:
+    with pytest.raises(UsageError, match=where):
+        _with_properties(props)
+    body = body_of(_with_properties({"ok": 1}))
+    body["properties"] = props
+    with pytest.raises(CorruptObjectError, match="properties|Infinity is not allowed"):
+        decode_manifest(resign(body, version=3), "checkpoints/x.manifest")
+
+
+def test_properties_need_version_3_and_version_3_needs_properties() -> None:
+    body = body_of(_with_properties({"watermark_ms": 1}))
+    with pytest.raises(CorruptManifestError, match="unknown field"):
+        decode_manifest(resign(body, version=2), "checkpoints/x.manifest")
+    body["properties"] = {}
+    with pytest.raises(CorruptManifestError, match="empty"):
+        decode_manifest(resign(body, version=3), "checkpoints/x.manifest")
