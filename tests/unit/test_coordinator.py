@@ -635,7 +635,7 @@ def test_set_properties_commits_them_with_the_manifest_and_recover_reads_them(
     coord.set_properties(cid, {"watermark_ms": 42})  # the last call wins
     with pytest.raises(UsageError, match="properties"):
         coord.set_properties(cid, {"bad name": 1})
-    with pytest.raises(UsageError, match="not pending|pending"):
+    with pytest.raises(UsageError, match=r"not pending|pending"):
         coord.set_properties(cid + 1, {"watermark_ms": 1})
     done = coord.acknowledge(cid, "t", {"task": "t"}, [key], full_size=1, incremental_size=1)
     assert done is not None and done.manifest.properties == {"watermark_ms": 42}

@@ -397,7 +397,7 @@ def test_bad_properties_are_refused_when_built_and_when_decoded(props: dict[str,
         _with_properties(props)
     body = body_of(_with_properties({"ok": 1}))
     body["properties"] = props
-    with pytest.raises(CorruptObjectError, match="properties|Infinity is not allowed"):
+    with pytest.raises(CorruptObjectError, match=r"properties|Infinity is not allowed"):
         decode_manifest(resign(body, version=3), "checkpoints/x.manifest")
 
 
