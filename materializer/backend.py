@@ -705,6 +705,10 @@ class ChangelogKeyedStateBackend:
                                                     f"{reg.shape.kind} state {reg.meta['name']!r}")
         self._apply(key_group, reg, ch)
 
+    def is_raw_state(self, state_id: int) -> bool:
+        """Whether ``state_id`` is a raw state (bytes in, bytes stored; no codec)."""
+        return state_id in self._raw
+
     def registered_state(self, state_id: int) -> _Registered | None:
         """The registration of this backend's ``state_id`` (its shape and metadata), if any."""
         return self._by_id.get(state_id)

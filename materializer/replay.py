@@ -17,8 +17,9 @@ one loop instead, with one ``struct`` call and three slices per change:
   (:meth:`~materializer.lmdb_table.LmdbBulkLoad.put_raw`) in their order, so a later change of a
   key overwrites an earlier one exactly as the per-change path does.
 * **Heap**: key, namespace and value are decoded (the value through the state's codec, whose
-  scalar fast path makes a small int one comparison) and a run of SETs of one state goes into the
-  key group's map with :meth:`~materializer.cow_map.CopyOnWriteStateMap.put_all`.
+  scalar fast path makes a small int one comparison; a raw state — an internal index — keeps its
+  bytes, :func:`heap_decoders`) and a run of SETs of one state goes into the key group's map with
+  :meth:`~materializer.cow_map.CopyOnWriteStateMap.put_all`.
 
 Everything that is not a plain SET (``SET``/``SET_INTERNAL``) — CLEAR, the merging ops, an
 unknown op — first flushes the pending run and then goes through ``backend.apply_change``, as do
@@ -164,12 +165,13 @@ class BlockReplayer:
     def _heap_block(self, kg: int, body: bytes, pos: int, end: int, key: str,
                     offset: int) -> int:
         tables = self._b.tables
-        kdec = self._b.key_codec.decode
-        nsdec = self._b.namespace_codec.decode
         run: list[tuple[Any, Any, Any]] = []
         run_sid = -1
         new_sid = -1
+        kdec: Any = None
+        nsdec: Any = None
         vdec: Any = None
+        no_ns: Any = None
         head = _HEAD.unpack_from
         u32 = _U32.unpack_from
         n = 0
@@ -188,9 +190,10 @@ class BlockReplayer:
                             tables.table(new_sid).map_for(kg).put_all(run)
                             run = []
                         reg = self._registered(sid, key, offset)
-                        run_sid, new_sid, vdec = sid, reg.state_id, value_decoder(reg.shape)
+                        run_sid, new_sid = sid, reg.state_id
+                        kdec, nsdec, vdec, no_ns = heap_decoders(self._b, new_sid)
                     run.append((kdec(body[pos + 11:kend]),
-                                nsdec(body[kend + 4:nend]) if nl else None,
+                                nsdec(body[kend + 4:nend]) if nl else no_ns,
                                 vdec(body[nend:cend])))
                 else:
                     if run:
@@ -236,11 +239,12 @@ def _unknown_state(key_group: int, index: int, sid: int) -> CorruptObjectError:
 def _load_heap(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
                remap: dict[int, int]) -> int:
     tables = backend.tables
-    kdec = backend.key_codec.decode
-    nsdec = backend.namespace_codec.decode
     run: list[tuple[Any, Any, Any]] = []
     run_sid = new = -1
+    kdec: Any = None
+    nsdec: Any = None
     vdec: Any = None
+    no_ns: Any = None
     n = 0
     for sid, kb, nb, vb in entries:
         if sid != run_sid:
@@ -251,8 +255,8 @@ def _load_heap(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes,
             if got is None:
                 raise _unknown_state(key_group, n, sid)
             run_sid, new = sid, got
-            vdec = value_decoder(backend.registered_state(new).shape)
-        run.append((kdec(kb), nsdec(nb) if nb else None, vdec(vb)))
+            kdec, nsdec, vdec, no_ns = heap_decoders(backend, new)
+        run.append((kdec(kb), nsdec(nb) if nb else no_ns, vdec(vb)))
         n += 1
     if run:
         tables.table(new).map_for(key_group).put_all(run)
@@ -329,8 +333,9 @@ def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
     the maps are sized for the block's entries up front (a snapshot's keys are distinct)."""
     content, count = blk.content, blk.entry.entry_count
     tables = backend.tables
-    kdec = backend.key_codec.decode
-    nsdec = backend.namespace_codec.decode
+    kdec: Any = None
+    nsdec: Any = None
+    no_ns: Any = None
     end = len(content)
     pos = BLOCK_ENTRIES_OFFSET
     head = _SNAP_HEAD.unpack_from
@@ -364,8 +369,8 @@ def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
             if got is None:
                 raise _unknown_state(key_group, i, sid)
             run_sid, new = sid, got
-            vdec = value_decoder(backend.registered_state(new).shape)
-        run.append((kdec(content[pos + 6:kend]), nsdec(content[kend + 4:nend]) if nlen else None,
+            kdec, nsdec, vdec, no_ns = heap_decoders(backend, new)
+        run.append((kdec(content[pos + 6:kend]), nsdec(content[kend + 4:nend]) if nlen else no_ns,
                     vdec(content[nend + 4:vend])))
         pos = vend
     else:
@@ -374,6 +379,21 @@ def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
                 tables.table(new).map_for(key_group).put_all(run, distinct=True)
             return count
     raise block_framing_error(blk.key, blk.entry, end, pos)
+
+
+def _same(data: bytes) -> bytes:
+    return data
+
+
+def heap_decoders(backend: Any, state_id: int) -> tuple[Any, Any, Any, Any]:
+    """How the heap stores ``state_id``'s entries: the key, namespace and value decoders and
+    the namespace an empty one stands for. A raw state (an internal index: the timer service's)
+    keeps its bytes as they are (``b""`` stays ``b""``); other states decode with the backend's
+    key and namespace codecs (empty: ``None``, the default namespace) and the state's codec."""
+    if backend.is_raw_state(state_id):
+        return _same, _same, _same, b""
+    return (backend.key_codec.decode, backend.namespace_codec.decode,
+            value_decoder(backend.registered_state(state_id).shape), None)
 
 
 def value_decoder(shape: Any) -> Any:
