@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, summary, write_results  # noqa: E402
+from bench._common import LoadSampler, fmt, parser, summary, write_results  # noqa: E402
 from bench.spark_job import new_session, write_file  # noqa: E402
 from dstl.spark import StatefulProcessor as DstlProcessor  # noqa: E402
 
@@ -96,7 +96,7 @@ def _spark_processor() -> Any:
             return pd.DataFrame({"user": [key[0]], "start_ms": [int(s[0])],
                                  "end_ms": [int(s[1])], "clicks": [int(s[2])]})
 
-        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # noqa: N802,N803
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
             s = self.session.get() if self.session.exists() else None
             if s is not None and s[1] + GAP_MS <= timerValues.getCurrentWatermarkInMs():
                 self.handle.deleteTimer(int(s[1]) + GAP_MS)
@@ -111,8 +111,8 @@ def _spark_processor() -> Any:
             self.handle.registerTimer(end + GAP_MS)
             self.session.update((start, end, (int(s[2]) if s is not None else 0) + len(ts)))
 
-        def handleExpiredTimer(self, key: Any, timerValues: Any,  # noqa: N802,N803
-                               expiredTimerInfo: Any) -> Any:  # noqa: N803
+        def handleExpiredTimer(self, key: Any, timerValues: Any,
+                               expiredTimerInfo: Any) -> Any:
             s = self.session.get()
             self.session.clear()
             yield self._out(key, s)
@@ -231,6 +231,7 @@ def main() -> None:
     events = 300 if q and "--events" not in sys.argv else args.events
     repeats = 1 if q and "--repeats" not in sys.argv else args.repeats
     t0 = time.monotonic()
+    load = LoadSampler()
     base = Path(tempfile.mkdtemp(prefix="dstl-bench-tws-"))
     raw: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     equal = True
@@ -245,6 +246,7 @@ def main() -> None:
             equal &= raw["dstl"][-1]["sessions"] == raw["spark"][-1]["sessions"]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    load.stop()
     figs = {v: figures(raw[v]) for v in VARIANTS}
     d, s = figs["dstl"], figs["spark"]
 
@@ -267,10 +269,10 @@ def main() -> None:
         f"{events:,} clicks by {args.users} users, P = {args.partitions}, `local[2]`, "
         f"{repeats} repeat(s){' (quick)' if q else ''}; {d['sessions']} sessions emitted; "
         f"the two variants' sessions are equal: {'yes' if equal else '**NO**'}. "
-        f"Total {time.monotonic() - t0:.0f} s."])
+        f"Total {time.monotonic() - t0:.0f} s. {load.note()}"])
     write_results("tws", {"config": vars(args) | {"batches": n1, "restart_batches": k,
                                                   "events": events, "repeats": repeats},
-                          "summary": figs, "equal": equal,
+                          "summary": figs, "equal": equal, "load": load.summary,
                           "raw": {v: [{kk: r[kk] for kk in ("run1", "run2")} for r in raw[v]]
                                   for v in VARIANTS}},
                   md, quick=q, command=f"python bench/tws.py{' --quick' if q else ''}",
