@@ -288,6 +288,10 @@ class SafeCodec:
             if n == 5 and data[2] == 0x4B and data[4] == 0x2E and data[0] == 0x80 \
                     and data[1] == 5:
                 return data[3]
+            if n > 15 and data[2] == 0x95 and data[-2] == 0x94 and type(data) is bytes:
+                short = _short_bytes_or_str(data, n)
+                if short is not None and n * _PER_BYTE <= self.max_decoded_bytes:
+                    return short
             if n <= _MEMO_MAX_BYTES and type(data) is bytes:
                 hit = self._memo.get(data, _MISS)
                 if hit is not _MISS:
@@ -318,6 +322,26 @@ class SafeCodec:
                                                          f"{len(data)} bytes: "
                                                          f"{type(exc).__name__}: {exc}") from exc
         return value
+
+
+def _short_bytes_or_str(data: bytes, n: int) -> bytes | str | None:
+    """The value of a protocol-5 pickle of ONE short bytes or str object, exactly as
+    ``pickle.dumps`` writes it (``80 05 95 <u64 frame length> 43|8C <u8 length> <payload> 94
+    2E``: PROTO, FRAME, SHORT_BINBYTES or SHORT_BINUNICODE, MEMOIZE, STOP), or ``None`` for
+    anything else (the unpickler decides). The decode of a str is the unpickler's
+    (UTF-8, ``surrogatepass``); a payload that is not such UTF-8 falls back too."""
+    op = data[11]
+    length = data[12]
+    if (op != 0x43 and op != 0x8C) or n != length + 15 or data[0] != 0x80 or data[1] != 5 \
+            or data[-1] != 0x2E or int.from_bytes(data[3:11], "little") != length + 4:
+        return None
+    payload = data[13:13 + length]
+    if op == 0x43:
+        return payload
+    try:
+        return payload.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
 
 
 class _Refused(Exception):

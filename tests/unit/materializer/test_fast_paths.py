@@ -23,7 +23,8 @@ from materializer.lmdb_table import LmdbBulkLoad, LmdbStateTable
 from restore import gcpause
 
 _scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-            | st.text(max_size=12) | st.binary(max_size=12))
+            | st.text(max_size=12) | st.binary(max_size=12) | st.text(max_size=300)
+            | st.binary(max_size=300))
 _values = st.recursive(_scalars, lambda c: st.lists(c, max_size=3)
                        | st.tuples(c, c) | st.dictionaries(st.text(max_size=3), c, max_size=3),
                        max_leaves=6)
@@ -53,8 +54,20 @@ def test_safe_codec_fast_path_and_memo_equal_the_unpickler(values: list[Any]) ->
         assert _fast(codec, data) == _slow(data)
 
 
-@given(data=st.binary(max_size=40) | st.builds(lambda b, n: b"\x80\x05K" + bytes([n]) + b,
-                                                st.binary(max_size=2), st.integers(0, 255)))
+def _near_miss(value: Any, pos: int, byte: int) -> bytes:
+    """A valid short bytes/str pickle with one byte replaced: the fast path's structural checks
+    must fall back (or agree with the unpickler) for every such variant."""
+    data = bytearray(pickle.dumps(value, protocol=5))
+    data[pos % len(data)] = byte
+    return bytes(data)
+
+
+@given(data=st.binary(max_size=40)
+       | st.builds(lambda b, n: b"\x80\x05K" + bytes([n]) + b, st.binary(max_size=2),
+                   st.integers(0, 255))
+       | st.builds(_near_miss, st.binary(min_size=1, max_size=255) | st.text(min_size=1,
+                                                                             max_size=80),
+                   st.integers(0, 400), st.integers(0, 255)))
 def test_safe_codec_fast_path_on_any_bytes_decodes_or_refuses_as_the_unpickler(
         data: bytes) -> None:
     codec = SafeCodec()
