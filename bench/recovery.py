@@ -19,6 +19,12 @@ spread min..max, ratios next to the absolute numbers):
     ``RestoreStats``) into the heap table (goal >= 500 k changes/s) and into LMDB; baseline: a bare
     replay loop (zstd-1 decompress -> ``struct`` decode -> dict set / LMDB put in one write
     transaction) over records of the same shape, as in reference B.4.
+(e) **Log replay rates** (issue #13, ``--only-replay``, its own docs section ``recovery-replay``):
+    (c)'s replay at 200 k and 1 M changes (quick: 50 k) into heap and LMDB against the
+    download-and-decompress floor and the bare loop of the same run, and the count job (small
+    int values: replay of N changes and load of a v1 snapshot of N keys, heap and LMDB, 1 M;
+    quick: 50 k) against its floors; ``--before RESULT.json`` shows a run of earlier code beside
+    (run that code's tree with this script and ``--no-doc --tag replay-before``).
 
 Stores: the local filesystem (``LocalBlobStore`` in a temp dir) and a moto S3 server on loopback
 behind ``FaultyFileSystem(latency_s=0.020)`` ("moto-loopback + 20 ms"; moto understates real S3
@@ -41,6 +47,7 @@ import cProfile
 import gc
 import hashlib
 import io
+import json
 import os
 import pstats
 import shutil
@@ -67,7 +74,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import zstandard  # noqa: E402
 
-from bench._common import LoadSampler, fmt, parser, summary, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    LoadSampler,
+    fmt,
+    machine_info,
+    parser,
+    summary,
+    write_results,
+)
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for  # noqa: E402
 from dstl.stores import BlobStore, FsspecBlobStore, LocalBlobStore, ObjectInfo  # noqa: E402  # noqa: E402
 from dstl.timer import ManualTimer  # noqa: E402
@@ -90,6 +104,7 @@ LATENCY_S = 0.020
 VALUE_BYTES = 64
 REPLAY_GOAL = 500_000  # heap table, changes/s
 REPLAY_GOAL_LMDB = 1_000_000  # LMDB table, changes/s
+REPLAY_GOALS = {"heap": REPLAY_GOAL, "lmdb": REPLAY_GOAL_LMDB}
 FLOOR_GOAL = 2.0  # snapshot restore within this multiple of GET + zstd-decompress
 SPEEDUP_GOAL = 3.0
 #: timers off: a benchmark backend must not materialize on its own
@@ -1121,13 +1136,177 @@ def main_file_snapshots(args: Any) -> None:
     print(md)
 
 
+# ----------------------------------------------------------------- (e) replay rates (issue #13)
+
+
+def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    """Section (e): replay rates into heap and LMDB against the download+decompress floor and
+    the bare loop (the same run), with a previous run's rates (``--before``) beside them."""
+    bare = fig["bare_replay"]
+    old = (before or {}).get("log_length", {})
+    md = ["### (e) Log replay rates (issue #13)", "",
+          f"Replay of a log of N value changes (64 B values over 100 k keys, one value state, "
+          f"`SafeCodec`) on top of a 1,000-key snapshot, through a fresh `LocalFileCache`; median (min..max) of "
+          f"{fig['repeats']} repeats. *floor* = GET every segment + zstd-decompress every change "
+          f"set the handles name; *bare loop* = the reference replay loop (decompress, `struct` "
+          f"decode, dict set / LMDB put in one transaction) over {bare['records']:,} records in "
+          f"the same run: dict {_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])} "
+          "(its ratio to DSTL's rate does not depend on the machine's load)."
+          + (" *before*: the same bench on the code before the bulk replay "
+             f"({before.get('git', '?')}), run right before this one." if before else ""), "",
+          "| store | table | changes | replay s | changes/s | floor s | replay / floor "
+          "| rate / bare loop | goal |" + (" before changes/s | speed-up |" if before else ""),
+          "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if before else "")]
+    for key, r in fig["log_length"].items():
+        if not r["changes"]:
+            continue
+        rate = r["cache"]["replay_per_s"]
+        goal = REPLAY_GOALS[r["table"]]
+        bare_rate = bare["dict_per_s" if r["table"] == "heap" else "lmdb_per_s"]["median"]
+        row = (f"| {r['store']} | {r['table']} | {r['changes']:,} | "
+               f"{_s(r['cache']['replay_s'])} | {_rate(rate)} | {_s(r['floor_s'])} | "
+               f"{_n(r['replay_vs_floor'], 1)}x | {rate['median'] / bare_rate:.2f} | "
+               f">= {goal / 1e3:,.0f} k/s: {'met' if rate['median'] >= goal else 'not met'} |")
+        if before:
+            b = old.get(key, {}).get("cache", {}).get("replay_per_s")
+            row += (f" {_rate(b)} | {rate['median'] / b['median']:.1f}x |" if b else " - | - |")
+        md.append(row)
+    return [*md, ""]
+
+
+def gen_counts(root: str, state_keys: int, log_changes: int) -> DataSet:
+    """(e) The restart job's data: keys ``k%08d``, one value state holding a small int (what
+    ``groupBy(key).count()`` keeps): ``state_keys`` keys materialized by a heap backend (a v1
+    snapshot), then ``log_changes`` increments over them, a checkpoint every 200 k changes."""
+    store = LocalBlobStore(root)
+    rng = KeyGroupRange(0, MP - 1)
+    keys = max(state_keys, 1)
+    with ChangelogStorage(store=CountingStore(store)) as storage:
+        b = ChangelogKeyedStateBackend(storage, "count", rng, MP, options=OPTS)
+        st = b.get_state(DESC)
+        for i in range(keys):
+            b.set_current_key(f"k{i:08d}")
+            st.update(1)
+        assert b.materialize_now(900) is not None
+        h: ChangelogStateBackendHandle | None = None
+        cp = 0
+        for i in range(log_changes):
+            b.set_current_key(f"k{i % keys:08d}")
+            st.update(2 + i // keys)
+            if (i + 1) % 200_000 == 0 or i + 1 == log_changes:
+                cp += 1
+                h = b.snapshot(cp).result(300)
+                b.notify_checkpoint_complete(cp)
+        if h is None:
+            h = b.snapshot(cp + 1).result(300)
+            b.notify_checkpoint_complete(cp + 1)
+        b.set_current_key("k00000000")
+        probe = ("k00000000", st.value())
+        b.close()
+    return _finish(DataSet([h], [rng], [probe], {"state_keys": keys,
+                                                  "log_changes": log_changes}), store)
+
+
+def bench_count_job(stores: Stores, n: int, repeats: int) -> dict[str, Any]:
+    """(e) The count job on local fs: replay of ``n`` changes (on 1,000 keys materialized)
+    and load of a v1 snapshot of ``n`` keys, into heap and LMDB, against their floors."""
+    out: dict[str, Any] = {}
+    log = gen_counts(stores.local_root("count-log"), 1000, n)
+    snap = gen_counts(stores.local_root("count-snap"), n, 0)
+    place_log = stores.place("count-log", {})[0]
+    place_snap = stores.place("count-snap", {})[0]
+    log_floor_s = log_floor(place_log, log, repeats)
+    snap_key = snap.handles[0].materialized[0].key
+    snap_floor = download_floor(place_snap, snap_key, repeats)
+    for table in ("heap", "lmdb"):
+        r = measure(place_log, log, repeats, cache=True, table=table)
+        out[f"replay/{table}"] = {"what": "replay", "table": table, "n": n, "cache": r,
+                                  "rate": r["replay_per_s"], "phase_s": r["replay_s"],
+                                  "floor_s": log_floor_s,
+                                  "vs_floor": r["replay_s"]["median"] / log_floor_s["median"]}
+        s = measure(place_snap, snap, repeats, cache=True, table=table)
+        out[f"snapshot/{table}"] = {"what": "snapshot load (v1)", "table": table, "n": n,
+                                    "cache": s, "rate": s["load_entries_per_s"],
+                                    "phase_s": s["snapshot_s"], "floor_s": snap_floor["floor_s"],
+                                    "vs_floor": (s["snapshot_s"]["median"]
+                                                 / snap_floor["floor_s"]["median"])}
+        print(f"(e) count job {table}: replay {r['replay_per_s']['median']:,.0f}/s, "
+              f"snapshot load {s['load_entries_per_s']['median']:,.0f}/s")
+    return out
+
+
+def markdown_count_job(fig: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    old = (before or {}).get("count_job", {})
+    md = ["The count job (keys `k%08d`, one value state holding a small int, what "
+          "`groupBy(key).count()` keeps; local fs, through a fresh `LocalFileCache`): replay of "
+          "N changes on top of a 1,000-key snapshot, and load of a v1 snapshot of N keys "
+          "(written by a heap backend; LMDB-made snapshots are file-level, section (d)). *floor*: "
+          "GET + zstd-decompress of the change sets / of every snapshot block.", "",
+          "| what | table | N | seconds | rate | floor s | / floor | goal |"
+          + (" before rate | speed-up |" if before else ""),
+          "|---|---|---|---|---|---|---|---|" + ("---|---|" if before else "")]
+    for key, r in fig.items():
+        goal = (f">= {REPLAY_GOALS[r['table']] / 1e3:,.0f} k/s: "
+                f"{'met' if r['rate']['median'] >= REPLAY_GOALS[r['table']] else 'not met'}"
+                if r["what"] == "replay" else f"<= {FLOOR_GOAL:.0f}x floor: "
+                f"{'met' if r['vs_floor'] <= FLOOR_GOAL else 'not met'}")
+        row = (f"| {r['what']} | {r['table']} | {r['n']:,} | {_s(r['phase_s'])} | "
+               f"{_rate(r['rate'])} | {_s(r['floor_s'])} | {r['vs_floor']:.1f}x | {goal} |")
+        if before:
+            b = old.get(key, {}).get("rate")
+            row += (f" {_rate(b)} | {r['rate']['median'] / b['median']:.1f}x |" if b
+                    else " - | - |")
+        md.append(row)
+    return [*md, ""]
+
+
+def main_replay(args: Any) -> None:
+    """``--only-replay``: section (e) alone (bare loop + log replay rates, heap and LMDB)."""
+    q, reps = args.quick, args.repeats
+    t0 = time.perf_counter()
+    lengths = [50_000] if q else [int(x) for x in args.replay_lengths.split(",")]
+    load = LoadSampler()
+    stores = Stores()
+    try:
+        figures: dict[str, Any] = {"repeats": reps,
+                                   "bare_replay": bare_replay(50_000 if q else 200_000, reps),
+                                   "log_length": bench_log_length(stores, lengths, reps),
+                                   "count_job": bench_count_job(stores, 50_000 if q else
+                                                                1_000_000, reps)}
+    finally:
+        stores.close()
+    figures.update({"moto_error": stores.error, "wall_seconds": time.perf_counter() - t0,
+                    "load": load.stop(), "load_note": load.note(),
+                    "git": machine_info()["git_sha"]})
+    before = json.loads(Path(args.before).read_text())["figures"] if args.before else None
+    md = "\n".join([f"{figures['load_note']}. Total {figures['wall_seconds'] / 60:.0f} min."
+                    + (f" _moto figures missing: {stores.error}_" if stores.error else ""), "",
+                    *markdown_replay(figures, before),
+                    *markdown_count_job(figures["count_job"], before)])
+    cmd = (f"python bench/recovery.py --only-replay{' --quick' if q else ''}"
+           + (f" --replay-lengths {args.replay_lengths}" if not q else "")
+           + (f" --before {args.before}" if args.before else ""))
+    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
+                  tag=args.tag or "replay")
+    print(md)
+
+
 def main() -> None:
     p = parser(__doc__ or "")
+    p.add_argument("--only-replay", action="store_true",
+                   help="run only (e), the log replay rates into heap and LMDB (own docs section)")
+    p.add_argument("--replay-lengths", default="200000,1000000",
+                   help="log lengths of (e) without --quick (comma-separated)")
+    p.add_argument("--before", default=None,
+                   help="(e): the JSON of a run on earlier code, shown beside this run's rates")
     p.add_argument("--only-file", action="store_true",
                    help="run only (d), the LMDB file-level snapshots (own docs section)")
     p.add_argument("--file-keys", default="1000000",
                    help="state sizes of (d) without --quick (comma-separated)")
     args = p.parse_args()
+    if args.only_replay:
+        main_replay(args)
+        return
     if args.only_file:
         main_file_snapshots(args)
         return
