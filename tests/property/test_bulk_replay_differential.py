@@ -291,3 +291,50 @@ def test_every_state_kind_accepts_both_fast_ops() -> None:
     from materializer.changes import OPS_BY_KIND
 
     assert all({SET, SET_INTERNAL} <= ops for ops in OPS_BY_KIND.values())
+
+
+def test_a_failed_bulk_replay_into_lmdb_leaves_no_marker_and_the_next_restore_starts_clean(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bulk load commits as it goes (every COMMIT_BYTES, here 1 byte: after every change
+    set), so a replay that fails late leaves committed rows — but no table marker (nothing
+    adopts the table), and the next restore into the directory clears them."""
+    from materializer.lmdb_table import LmdbBulkLoad, LmdbStateTable
+    from restore import restore as restore_mod
+
+    monkeypatch.setattr(LmdbBulkLoad, "COMMIT_BYTES", 1)
+    store, h = _log(7, 200, 3)
+    storage = ChangelogStorage(store=store)
+    local = str(tmp_path / "local")
+    real = restore_mod.BlockReplayer.apply
+    calls = {"n": 0}
+
+    def failing_third(self: Any, body: bytes, blocks: Any, key: str, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise CorruptObjectError(key, offset, "injected: the third change set is damaged")
+        return real(self, body, blocks, key, offset)
+
+    monkeypatch.setattr(restore_mod.BlockReplayer, "apply", failing_third)
+    try:
+        with pytest.raises(CorruptObjectError, match="injected"):
+            restore_backend([h], storage, RANGE, table="lmdb", options=OPTS,
+                            local_directory=local)
+        env = [p for p in (tmp_path / "local").rglob("data.mdb")]
+        assert len(env) == 1
+        t = LmdbStateTable(env[0].parent, RANGE)
+        try:
+            assert len(t) > 0  # two change sets were committed ...
+            assert t.read_marker() is None  # ... but nothing says which checkpoint they are
+        finally:
+            t.close()
+        monkeypatch.setattr(restore_mod.BlockReplayer, "apply", real)
+        ref = _per_change_restore(storage, h, "lmdb", str(tmp_path / "ref"))
+        again = restore_backend([h], storage, RANGE, table="lmdb", options=OPTS,
+                                local_directory=local)
+        try:
+            assert _dump(again) == _dump(ref)
+        finally:
+            again.close()
+            ref.close()
+    finally:
+        storage.close()
