@@ -500,6 +500,37 @@ class ChangelogKeyedStateBackend:
     def state_names(self) -> list[str]:
         return sorted(self._states)
 
+    def delete_state_entries(self, name: str) -> int:
+        """Remove every entry of state ``name`` — all keys and namespaces of this backend —
+        and return how many (no such state: 0). Each removal is logged as a ``CLEAR`` of its
+        key and namespace, so a replay removes the same entries. The state stays registered:
+        ``get_state`` opens it again, empty (Spark's ``deleteIfExists``).
+
+        Raises:
+            UsageError: ``name`` is an internal index (raw state).
+        """
+        self._check_open()
+        reg = self._states.get(name)
+        if reg is None:
+            return 0
+        sid = reg.state_id
+        if sid in self._raw:
+            raise UsageError(f"state {name!r} is an internal index of backend "
+                             f"{self.operator_id!r}; it cannot be deleted")
+        if self._attention:
+            self._attend()
+        removed = 0
+        for kg in range(self.key_groups.start, self.key_groups.end + 1):
+            for key, ns, _ in list(self._tables.entries(sid, kg)):
+                if self._heap:  # the heap table holds objects; the log holds their encodings
+                    kb, nb = self._key_codec.encode(key), self._ns_codec.encode(ns)
+                else:
+                    kb, nb = bytes(key), bytes(ns)
+                self._tables.remove(sid, kg, key, ns)
+                self._log_raw(CLEAR, sid, kg, kb, nb, b"")
+                removed += 1
+        return removed
+
     # ------------------------------------------------------------------ StateAccess (the states)
     # materializer.states.StateAccess: how the state objects reach the table and the log.
 

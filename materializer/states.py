@@ -1,4 +1,4 @@
-"""State descriptors and the user-facing state objects (PyFlink's method names).
+"""State descriptors and the user-facing state objects (PyFlink's and Spark's method names).
 
 Every mutation is a double write: the backend's state table first, then one change record in the
 log (:mod:`materializer.changes`). Reads never log. Reducing and aggregating ``add`` log the whole
@@ -12,6 +12,13 @@ The states reach their backend only through :class:`StateAccess`: the current ke
 slot in the state table, and the log. :class:`~materializer.backend.ChangelogKeyedStateBackend`
 implements it with public members; this module does not import the backend (the backend imports
 the states), so the two have no import cycle.
+
+Both APIs' names work on the same objects (docs/spark.md has the table): Spark's
+``transformWithState`` names (``exists``, ``get``, ``put``, ``append_value``, ``append_list``,
+``get_value``, ``contains_key``, ``update_value``, ``remove_key``) are thin methods over the PyFlink
+ones, so each mutation is logged exactly once, by the PyFlink method. Where the two APIs mean
+different things by one name, the call shape decides: ``MapState.iterator()`` yields entries that
+are both PyFlink ``MapEntry`` objects and Spark's ``(key, value)`` pairs.
 
 Representation per kind: on the heap a state is a Python object (value, ``list``, ``dict``); in
 LMDB and in snapshots it is bytes: the codec's encoding for value/reducing/aggregating, a framed
@@ -323,6 +330,15 @@ class KeyedState:
         b.remove_state(self._sid)
         b.log_change(CLEAR, self._sid, b"")
 
+    def exists(self) -> bool:
+        """Whether the current key and namespace has a value (Spark's ``exists``); lists and
+        maps exist while they have an element (an emptied one is removed)."""
+        b = self._b
+        b.before_read()
+        if self._shape.kind in ("list", "map"):
+            return bool(b.read_state(self._sid, self._shape))
+        return b.read_state_raw(self._sid) is not None
+
     def _read(self) -> Any:
         """The state for a caller: never the table's own mutable object."""
         b = self._b
@@ -342,6 +358,10 @@ class ValueState(KeyedState):
         """The value, or ``None``."""
         v = self._read()
         return v
+
+    def get(self) -> Any:
+        """The value, or ``None`` when it does not exist (Spark's name for :meth:`value`)."""
+        return self._read()
 
     def update(self, value: Any) -> None:
         """Set the value (``None`` clears it, as in Flink)."""
@@ -406,6 +426,18 @@ class ListState(KeyedState):
                    [self._shape.stored(v, e) for v, e in zip(values, enc)])
         b.log_change(SET_INTERNAL, self._sid, frame(enc))
 
+    def put(self, values: Iterable[Any]) -> None:
+        """Replace the list (Spark's name for :meth:`update`; empty clears it)."""
+        self.update(values)
+
+    def append_value(self, value: Any) -> None:
+        """Append one element (Spark's name for :meth:`add`)."""
+        self.add(value)
+
+    def append_list(self, values: Iterable[Any]) -> None:
+        """Append the elements in order (Spark's name for :meth:`add_all`)."""
+        self.add_all(values)
+
     def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
         """Append the lists of ``sources`` to ``target`` (in order) and clear the sources."""
         self._b.merge_state_namespaces(self._sid, self._shape, target, sources,
@@ -413,7 +445,11 @@ class ListState(KeyedState):
 
 
 class MapEntry:
-    """An entry seen through :meth:`MapState.iterator`; ``set_value`` is logged."""
+    """An entry seen through :meth:`MapState.iterator`; ``set_value`` is logged.
+
+    It is also Spark's ``(key, value)`` pair: it unpacks (``for k, v in s.iterator()``),
+    indexes (``[0]``, ``[1]``), has length 2 and equals the tuple ``(key, value)``.
+    """
 
     __slots__ = ("_state", "key", "value")
 
@@ -421,6 +457,28 @@ class MapEntry:
         self._state = state
         self.key = key
         self.value = value
+
+    def _pair(self) -> tuple[Any, Any]:
+        return (self.key, self.value)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._pair())
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        return self._pair()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MapEntry):
+            return self._pair() == other._pair()
+        return isinstance(other, tuple) and self._pair() == other
+
+    __hash__ = None  # type: ignore[assignment]  # mutable (set_value): not hashable
+
+    def __repr__(self) -> str:
+        return f"MapEntry({self.key!r}, {self.value!r})"
 
     def set_value(self, value: Any) -> None:
         self._state.put(self.key, value)
@@ -513,6 +571,22 @@ class MapState(KeyedState):
             b.write_state_object(self._sid, self._shape, d)
         b.log_change(REMOVE_ELEMENT, self._sid, kb)
 
+    def get_value(self, key: Any) -> Any:
+        """The value at ``key``, or ``None`` (Spark's name for :meth:`get`)."""
+        return self.get(key)
+
+    def contains_key(self, key: Any) -> bool:
+        """Whether ``key`` is in the map (Spark's name for :meth:`contains`)."""
+        return self.contains(key)
+
+    def update_value(self, key: Any, value: Any) -> None:
+        """Set the value at ``key`` (Spark's name for :meth:`put`)."""
+        self.put(key, value)
+
+    def remove_key(self, key: Any) -> None:
+        """Remove ``key`` (absent: nothing happens; Spark's name for :meth:`remove`)."""
+        self.remove(key)
+
     def keys(self) -> list[Any]:
         return copy_out(list(self._map().keys()))  # type: ignore[no-any-return]
 
@@ -529,7 +603,8 @@ class MapState(KeyedState):
         return iter(self.keys())
 
     def iterator(self) -> MapIterator:
-        """An iterator of :class:`MapEntry` whose ``remove``/``set_value`` are logged."""
+        """An iterator of :class:`MapEntry` whose ``remove``/``set_value`` are logged (each
+        entry is also Spark's ``(key, value)`` pair)."""
         return MapIterator(self, self.items())
 
 

@@ -3,7 +3,8 @@
 Shaped like Spark's ``transformWithState`` (``init(handle)``, ``handle_input_rows(key, rows,
 timer_values)`` — the two-argument form ``handle_input_rows(key, rows)`` works too —,
 ``handle_expired_timer(key, timer_values, expired_timer_info)``, ``close()``), but state calls
-go to the local DSTL backend (microseconds, no RPC to the JVM). Timers (``register_timer``,
+go to the local DSTL backend (microseconds, no RPC to the JVM). The states answer to Spark's
+method names and to PyFlink's (:mod:`materializer.states`). Timers (``register_timer``,
 ``delete_timer``, ``list_timers``) are DSTL state too (:mod:`materializer.timers`); the task
 sets the handle's current key before each call. State names starting with ``$`` are DSTL's.
 """
@@ -25,6 +26,7 @@ from materializer.states import (
     ListStateDescriptor,
     MapStateDescriptor,
     ReducingStateDescriptor,
+    ValueState,
     ValueStateDescriptor,
 )
 from materializer.timers import TimerService
@@ -44,28 +46,9 @@ def _state_name(name: Any) -> Any:
     return name
 
 
-class ValueStateView:
-    """A value state with Spark's method names (``get``/``update``/``exists``/``clear``)."""
-
-    __slots__ = ("_s",)
-
-    def __init__(self, state: Any) -> None:
-        self._s = state
-
-    def get(self) -> Any:
-        return self._s.value()
-
-    def value(self) -> Any:
-        return self._s.value()
-
-    def exists(self) -> bool:
-        return self._s.value() is not None
-
-    def update(self, value: Any) -> None:
-        self._s.update(value)
-
-    def clear(self) -> None:
-        self._s.clear()
+#: The former wrapper type of value states: value states now have Spark's names themselves
+#: (``get``/``update``/``exists``/``clear``) and PyFlink's (``value``).
+ValueStateView = ValueState
 
 
 class StatefulProcessorHandle:
@@ -78,9 +61,9 @@ class StatefulProcessorHandle:
         self._key: Any = None
         self._has_key = False
 
-    def get_value_state(self, name: str, serializer: Codec | None = None) -> ValueStateView:
-        return ValueStateView(self._backend.get_state(
-            ValueStateDescriptor(_state_name(name), serializer)))
+    def get_value_state(self, name: str, serializer: Codec | None = None) -> ValueState:
+        return self._backend.get_state(  # type: ignore[no-any-return]
+            ValueStateDescriptor(_state_name(name), serializer))
 
     def get_list_state(self, name: str, serializer: Codec | None = None) -> Any:
         return self._backend.get_state(ListStateDescriptor(_state_name(name), serializer))
@@ -99,6 +82,15 @@ class StatefulProcessorHandle:
                               serializer: Codec | None = None) -> Any:
         return self._backend.get_state(AggregatingStateDescriptor(_state_name(name), agg,
                                                                   serializer))
+
+    def delete_if_exists(self, name: str) -> None:
+        """Delete state ``name`` for every key of this partition (Spark's ``deleteIfExists``;
+        a name never used: nothing happens). Logged, so restores and rescales agree; the state
+        objects stay usable and see no value until written again."""
+        if not isinstance(name, str):
+            raise UsageError(f"delete_if_exists: the state name must be a str, not "
+                             f"{type(name).__name__}; pass the name given to get_*_state")
+        self._backend.delete_state_entries(_state_name(name))
 
     # ------------------------------------------------------------------ timers
 

@@ -1,0 +1,126 @@
+"""The processor API through a real local SparkSession: Spark's state method names in a running
+operator across a restart, and output rows of every Spark SQL type (one schema with all of them)
+plus rows that do not match the schema (typed error naming the processor, the key, the field)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from spark_support import spark  # noqa: F401
+
+from dstl.spark import DstlStatefulOperator, StatefulProcessor
+
+pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
+
+
+class SparkNames(StatefulProcessor):
+    """Per key: a count (value state), the last 3 items (list state), item counts (map state);
+    the item ``reset`` deletes the item counts of every key of the partition."""
+
+    def init(self, handle: Any) -> None:
+        self.handle = handle
+        self.count = handle.get_value_state("count")
+        self.recent = handle.get_list_state("recent")
+        self.items = handle.get_map_state("items")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]], timer_values: Any
+                          ) -> Iterator[dict[str, Any]]:
+        items = [r["item"] for r in rows]
+        if "reset" in items:
+            self.handle.delete_if_exists("items")
+        self.count.update((self.count.get() if self.count.exists() else 0) + len(items))
+        if self.recent.exists():
+            self.recent.append_list(items)
+            self.recent.put(list(self.recent.get())[-3:])
+        else:
+            self.recent.put(items[:1])
+            self.recent.append_list(items[1:])
+            self.recent.put(list(self.recent.get())[-3:])
+        for it in items:
+            if it == "reset":
+                continue
+            n = self.items.get_value(it) if self.items.contains_key(it) else 0
+            self.items.update_value(it, n + 1)
+        if self.items.contains_key("drop"):
+            self.items.remove_key("drop")
+        pairs = sorted(f"{k}={v}" for k, v in self.items.iterator())
+        yield {"key": key, "count": self.count.get(), "recent": ",".join(self.recent.get()),
+               "items": ";".join(pairs)}
+
+
+def _model(batches: list[list[tuple[str, str]]], partition_of: Any
+           ) -> list[dict[str, dict[str, Any]]]:
+    """The expected output per batch: the processor's rules on plain dicts."""
+    count: dict[str, int] = {}
+    recent: dict[str, list[str]] = {}
+    items: dict[str, dict[str, int]] = {}
+    out = []
+    for batch in batches:
+        by_key: dict[str, list[str]] = {}
+        for k, it in batch:
+            by_key.setdefault(k, []).append(it)
+        resets = {partition_of(k) for k, its in by_key.items() if "reset" in its}
+        for k in list(items):
+            if partition_of(k) in resets:
+                del items[k]
+        got = {}
+        for k, its in by_key.items():
+            count[k] = count.get(k, 0) + len(its)
+            recent[k] = (recent.get(k, []) + its)[-3:]
+            m = items.setdefault(k, {})
+            for it in its:
+                if it != "reset":
+                    m[it] = m.get(it, 0) + 1
+            m.pop("drop", None)
+            got[k] = {"count": count[k], "recent": ",".join(recent[k]),
+                      "items": ";".join(sorted(f"{a}={b}" for a, b in m.items()))}
+        out.append(got)
+    return out
+
+
+def test_spark_state_names_in_a_running_operator(spark: Any, tmp_path: Path  # noqa: F811
+                                                 ) -> None:
+    # heap: the restart restores from the store, so every Spark-named write must be in the log
+    # (both tables against a model: tests/unit/materializer/test_spark_names.py)
+    from dstl import key_group_for
+    from materializer.codecs import StrOrBytesKeyCodec
+
+    mp, parts = 16, 2
+
+    def partition_of(k: str) -> int:
+        return key_group_for(StrOrBytesKeyCodec().encode(k), mp) * parts // mp
+
+    got: list[dict[str, dict[str, Any]]] = []
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        got.append({r["key"]: {"count": r["count"], "recent": r["recent"], "items": r["items"]}
+                    for r in out_df.collect()})
+
+    def run(batch_id: int, rows: list[tuple[str, str]], op: DstlStatefulOperator) -> None:
+        op.foreach_batch(spark.createDataFrame(rows, "key string, item string"), batch_id)
+
+    def new_op() -> DstlStatefulOperator:
+        return DstlStatefulOperator(
+            name="names", processor=SparkNames, key_column="key",
+            output_schema="key string, count long, recent string, items string",
+            state_uri=str(tmp_path / "state"), partitions=parts, max_parallelism=mp,
+            table="heap", sink=sink, local_dir=str(tmp_path / "local"),
+            materialization_interval_s=None)
+
+    keys = [f"k{i}" for i in range(6)]
+    batches = [[(k, f"i{(j * 3 + n) % 4}") for n, k in enumerate(keys) for j in range(2)],
+               [("k2", "reset")],  # alone: it deletes the partition's maps before any other key
+               [("k0", "drop"), ("k1", "i1"), ("k3", "i9"), ("k4", "drop"), ("k4", "i0")],
+               [(k, "i2") for k in keys]]
+    op = new_op()
+    for i, b in enumerate(batches[:3]):
+        run(i, b, op)
+    op.close()
+    op = new_op()  # a restart: the state comes back from the store (the Spark names' log)
+    run(3, batches[3], op)
+    op.close()
+    assert got == _model(batches, partition_of)
+    assert any(partition_of(k) == partition_of("k2") for k in keys if k != "k2")  # reset seen
