@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── ConfigError                    an option is out of range; names field, value and fix
     │   │   └── ConfigTypeError(TypeError) an option has the wrong type
     │   ├── KeyGroupError                  key group outside the owner's range
+    │   ├── OutputSchemaError              a processor's output row does not fit output_schema
     │   └── UnsafePathError                an object key would escape the storage root
     ├── ClosedError(RuntimeError)          use after close
     ├── StorageError(OSError)              the environment failed (after retries, if any)
@@ -60,6 +61,7 @@ __all__ = [
     "MalformedHandleError",
     "ObjectExistsError",
     "ObjectNotFoundError",
+    "OutputSchemaError",
     "StateError",
     "StateTableFullError",
     "StorageError",
@@ -124,6 +126,11 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     except Exception:  # noqa: BLE001 - any broken __repr__: the type still identifies it
         return f"<{type(value).__name__} object>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class OutputSchemaError(UsageError):
+    """A stateful processor yielded a row that does not match the operator's output schema
+    (the message names the processor, the key and the field)."""
 
 
 class KeyGroupError(UsageError):

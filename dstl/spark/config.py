@@ -48,6 +48,8 @@ class OperatorConfig:
     local_dir: str | None = None
     agent: bool = True
     time_mode: str = "none"  # one of dstl.spark.timing.TIME_MODES
+    #: the Spark session's time zone: naive datetimes in timestamp outputs are in it
+    session_time_zone: str = "UTC"
 
     def __post_init__(self) -> None:
         _check(self)
@@ -91,6 +93,7 @@ def _check(c: OperatorConfig) -> None:
     check_optional_path(c.local_dir, "local_dir", owner)
     check_bool(c.agent, "agent", owner)
     check_choice(c.time_mode, "time_mode", owner, TIME_MODES)
+    check_str(c.session_time_zone, "session_time_zone", owner)
 
 
 @dataclass(frozen=True)

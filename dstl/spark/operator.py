@@ -43,7 +43,13 @@ from dstl.checks import (
     check_optional_path,
     check_str,
 )
-from dstl.errors import ConfigError, ConfigTypeError, CorruptObjectError, UsageError
+from dstl.errors import (
+    ConfigError,
+    ConfigTypeError,
+    CorruptObjectError,
+    OutputSchemaError,
+    UsageError,
+)
 from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
@@ -211,7 +217,7 @@ class DstlStatefulOperator:
 
         conf = dict(spark.sparkContext.getConf().getAll())
         out = _spark_schema(spark, self.output_schema)
-        config = self._task_config(conf, out)
+        config = self._task_config(conf, out, _session_time_zone(spark))
         # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's
         # reads and deletes retry as the tasks' do.
         store = open_store(self.state_uri, self.storage_options, validate=True,
@@ -228,13 +234,15 @@ class DstlStatefulOperator:
                     store.location, self.table, latest.checkpoint_id if latest else "none")
         return self._ready
 
-    def _task_config(self, conf: Mapping[str, str], out_schema: Any) -> OperatorConfig:
+    def _task_config(self, conf: Mapping[str, str], out_schema: Any,
+                     time_zone: str = "UTC") -> OperatorConfig:
         """What every task gets: the settings, and the Arrow schema of its output and report
-        rows."""
+        rows (timestamps as UTC instants, which is what Spark reads back from Arrow)."""
         import pyarrow as pa
         from pyspark.sql.pandas.types import to_arrow_schema
 
-        arrow = to_arrow_schema(out_schema).append(pa.field(REPORT_COLUMN, pa.string()))
+        arrow = to_arrow_schema(out_schema, timezone="UTC").append(
+            pa.field(REPORT_COLUMN, pa.string()))
         return OperatorConfig(
             name=self.name, processor=self.processor, key_column=self.key_column,
             output_columns=tuple(f.name for f in out_schema.fields), arrow_schema=arrow,
@@ -243,7 +251,8 @@ class DstlStatefulOperator:
             dstl_options=self._options or DstlOptions.from_mapping(conf, "spark.dstl."),
             backend_options=_with_interval(self._backend_options, conf,
                                            self.materialization_interval_s),
-            local_dir=self.local_dir, agent=self.agent, time_mode=self.time.mode)
+            local_dir=self.local_dir, agent=self.agent, time_mode=self.time.mode,
+            session_time_zone=time_zone)
 
     def validate(self, spark: Any) -> None:
         """Check the store and settings now (``foreach_batch`` does it on the first batch)."""
@@ -372,6 +381,7 @@ class DstlStatefulOperator:
         """Route the rows to partitions by key group in the JVM and run one task per partition;
         the tasks' output and report rows as one Arrow table. A failed job aborts the checkpoint."""
         from pyspark.sql import functions as F
+        from pyspark.sql.types import StringType, StructField, StructType
 
         from dstl.spark.task import run_partition
 
@@ -384,8 +394,8 @@ class DstlStatefulOperator:
         def task(batches: Any) -> Any:
             return run_partition(cfg, task_input, batches)
 
-        schema = f"{ready.out_schema.simpleString()[7:-1]}, {REPORT_COLUMN} string" \
-            if ready.out_schema.fields else f"{REPORT_COLUMN} string"
+        schema = StructType([*ready.out_schema.fields,
+                             StructField(REPORT_COLUMN, StringType(), True)])
         try:
             return (df.withColumn("_dstl_pid", pid)
                     .repartitionById(self.partitions, "_dstl_pid")
@@ -393,6 +403,9 @@ class DstlStatefulOperator:
                     .toArrow())
         except BaseException as exc:
             ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
+            typed = _task_output_error(exc)
+            if typed is not None:
+                raise typed from exc
             raise
 
     def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int, result: Any
@@ -737,6 +750,25 @@ def _split_top_level(ddl: str) -> list[str] | None:
         return None
     parts.append(ddl[start:])
     return parts
+
+
+def _session_time_zone(spark: Any) -> str:
+    """The session's time zone (``spark.sql.session.timeZone``; the JVM's default when unset)."""
+    tz = spark.conf.get("spark.sql.session.timeZone", None)
+    return str(tz) if tz else "UTC"
+
+
+#: How an executor's OutputSchemaError appears in the text of the Spark job's failure.
+_OUTPUT_ERROR_RE = re.compile(r"(?:dstl\.errors\.)?OutputSchemaError: (.+)")
+
+
+def _task_output_error(exc: BaseException) -> OutputSchemaError | None:
+    """The executor's :class:`OutputSchemaError` (its message) when it failed the Spark job,
+    else None: Spark wraps a Python worker's exception in its own, as text."""
+    if isinstance(exc, OutputSchemaError):
+        return exc
+    m = _OUTPUT_ERROR_RE.search(str(exc))
+    return OutputSchemaError(m.group(1).strip()) if m else None
 
 
 def _spark_schema(spark: Any, output_schema: Any) -> Any:

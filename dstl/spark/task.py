@@ -46,6 +46,7 @@ from dstl.handle import ChangeSetRef
 from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
 from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.outputs import OutputRows
 from dstl.spark.report import REPORT_COLUMN, SlotAccess, TaskReport
 from dstl.spark.runtime import Slot, WorkerRuntime, runtime_for
 from dstl.spark.slots import acquire
@@ -66,7 +67,8 @@ _AGENT_QUICK_TIMEOUT_S = 60.0
 class _BatchRun:
     """What processing and checkpointing one batch of a partition produced."""
 
-    outputs: list[dict[str, Any]]
+    outputs: Any  # the output rows as an Arrow record batch (None: no rows)
+    rows_out: int
     rows_in: int
     keys: int
     processed_at: float  # monotonic time the processor finished
@@ -127,9 +129,13 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
     rows = _group_rows(batches, cfg.key_column)
     times = TimerValues(task_input.processing_time_ms, task_input.watermark_ms)
     materializing_agent = rt.agent if cfg.agent_materializes else None
+    outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
+                         f"{cfg.name!r}", cfg.session_time_zone)
     with backend.write_batch():
-        outputs, fired = _fire_timers(slot, cfg.time_mode, times)
-        outputs.extend(_process(slot, rows.groups, times))
+        fired = _fire_timers(slot, cfg.time_mode, times, outputs)
+        _process(slot, rows.groups, times, outputs)
+        # before the checkpoint: rows that do not fit the schema fail the batch uncommitted
+        out_batch = _output_batch(cfg, outputs)
         processed_at = time.monotonic()
         checkpointed: tuple[ChangelogStateBackendHandle, SnapshotRef | None] | None = None
         if materializing_agent is not None:
@@ -141,7 +147,8 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
         # LMDB: the marker lets another worker adopt the table without reads
         checkpointed = _checkpoint(backend, batch_id, write_marker=cfg.table == "lmdb"), snapshot
     handle, snapshot = checkpointed
-    return _BatchRun(outputs, rows.count, len(rows.groups), processed_at, handle, snapshot,
+    return _BatchRun(out_batch, len(outputs), rows.count, len(rows.groups), processed_at,
+                     handle, snapshot,
                      _refs_since(backend, first_sqn), rows.max_event_time_ms, fired)
 
 
@@ -179,17 +186,15 @@ def _backend_key(key: Any) -> Any:
     return key if isinstance(key, (str, bytes)) else str(key)
 
 
-def _fire_timers(slot: Slot, time_mode: str, times: TimerValues
-                 ) -> tuple[list[dict[str, Any]], int]:
+def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: OutputRows) -> int:
     """Deliver the partition's expired timers, in timestamp order, each with its key's state in
-    scope; the output rows and how many fired."""
+    scope; their rows go to ``outputs``; returns how many fired."""
     handle = slot.handle
     service = handle.timer_service if handle is not None else None
     now = times.current_processing_time_ms if time_mode == "processing_time" \
         else times.current_watermark_ms
     if service is None or handle is None or now < 0:
-        return [], 0
-    outputs: list[dict[str, Any]] = []
+        return 0
     fired = 0
     for timer in service.due(now):
         slot.backend.set_current_key(_backend_key(timer.key))
@@ -197,18 +202,18 @@ def _fire_timers(slot: Slot, time_mode: str, times: TimerValues
             continue  # a handler that ran before deleted it
         handle.set_key(timer.key)
         try:
-            outputs.extend(slot.processor.handle_expired_timer(
+            outputs.extend(timer.key, slot.processor.handle_expired_timer(
                 timer.key, times, ExpiredTimerInfo(timer.timestamp_ms)))
         finally:
             handle.clear_key()
         fired += 1
-    return outputs, fired
+    return fired
 
 
-def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerValues
-             ) -> list[dict[str, Any]]:
-    """Call the processor once per key, with the backend's current key set to it."""
-    outputs: list[dict[str, Any]] = []
+def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerValues,
+             outputs: OutputRows) -> None:
+    """Call the processor once per key, with the backend's current key set to it; its rows go
+    to ``outputs``."""
     handle, with_times = slot.handle, slot.timer_values_arg
     for key, rows in groups.items():
         slot.backend.set_current_key(_backend_key(key))
@@ -216,13 +221,24 @@ def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerVa
             handle.set_key(key)
         try:
             if with_times:
-                outputs.extend(slot.processor.handle_input_rows(key, iter(rows), times))
+                outputs.extend(key, slot.processor.handle_input_rows(key, iter(rows), times))
             else:
-                outputs.extend(slot.processor.handle_input_rows(key, iter(rows)))  # type: ignore[call-arg]
+                outputs.extend(key, slot.processor.handle_input_rows(key, iter(rows)))  # type: ignore[call-arg]
         finally:
             if handle is not None:
                 handle.clear_key()
-    return outputs
+
+
+def _output_schema(cfg: OperatorConfig) -> Any:
+    """The Arrow schema of the output columns (without the report column)."""
+    return cfg.arrow_schema.remove(cfg.arrow_schema.get_field_index(REPORT_COLUMN))
+
+
+def _output_batch(cfg: OperatorConfig, outputs: OutputRows) -> Any:
+    """The output rows as a record batch (report column null), or None without rows."""
+    if not len(outputs):
+        return None
+    return outputs.to_batch(cfg.arrow_schema, {REPORT_COLUMN: [None] * len(outputs)})
 
 
 def _checkpoint(backend: ChangelogKeyedStateBackend, batch_id: int, *, write_marker: bool
@@ -302,7 +318,7 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
             agent_log: tuple[str, ...]) -> TaskReport:
     return TaskReport(
         partition=partition, attempt=attempt, pid=os.getpid(), handle=run.handle, slot=access,
-        rows_in=run.rows_in, rows_out=len(run.outputs), keys=run.keys,
+        rows_in=run.rows_in, rows_out=run.rows_out, keys=run.keys,
         process_seconds=run.processed_at - started,
         commit_seconds=committed_at - run.processed_at,
         # the segments this task's change sets went to (shared with other tasks under the agent)
@@ -312,16 +328,14 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
         max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired)
 
 
-def _record_batches(cfg: OperatorConfig, outputs: list[dict[str, Any]], report: TaskReport
-                    ) -> Iterator[Any]:
-    """The output rows (report column null), then the report row (every other column null)."""
+def _record_batches(cfg: OperatorConfig, outputs: Any, report: TaskReport) -> Iterator[Any]:
+    """The output rows (report column null; built and checked before the checkpoint), then
+    the report row (every other column null)."""
     import pyarrow as pa
 
     names = list(cfg.output_columns)
-    if outputs:
-        cols: dict[str, list[Any]] = {n: [o.get(n) for o in outputs] for n in names}
-        cols[REPORT_COLUMN] = [None] * len(outputs)
-        yield pa.RecordBatch.from_pydict(cols, schema=cfg.arrow_schema)
+    if outputs is not None:
+        yield outputs
     report_cols: dict[str, list[Any]] = {n: [None] for n in names}
     report_cols[REPORT_COLUMN] = [report.to_json()]
     yield pa.RecordBatch.from_pydict(report_cols, schema=cfg.arrow_schema)

@@ -4,13 +4,16 @@ plus rows that do not match the schema (typed error naming the processor, the ke
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
 
+from dstl.errors import OutputSchemaError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
@@ -124,3 +127,72 @@ def test_spark_state_names_in_a_running_operator(spark: Any, tmp_path: Path  # n
     op.close()
     assert got == _model(batches, partition_of)
     assert any(partition_of(k) == partition_of("k2") for k in keys if k != "k2")  # reset seen
+
+
+ALL_TYPES = ("key string, n long, ts timestamp, ntz timestamp_ntz, d date, dec decimal(10,2), "
+             "b binary, arr array<int>, m map<string,double>, st struct<a:int,b:string>, "
+             "nested array<struct<x:array<long>,y:map<string,array<date>>>>, f float, "
+             "by byte, bo boolean, sh short")
+
+
+def _typed_row(key: str, n: int) -> dict[str, Any]:
+    return {"key": key, "n": n,
+            "ts": dt.datetime(2024, 1, 2, 3, 4, 5, 6000 + n, tzinfo=dt.UTC),
+            "ntz": dt.datetime(2024, 1, 2, 3, 4, n), "d": dt.date(2024, 2, 29),
+            "dec": Decimal(n) / 100, "b": bytes([n, 255]), "arr": [n, None],
+            "m": {"x": n / 2}, "st": {"a": n, "b": key},
+            "nested": [{"x": [n], "y": {key: [dt.date(2020, 1, n)]}}],
+            "f": 1.5, "by": n, "bo": n % 2 == 0, "sh": 300 + n}
+
+
+class Typed(StatefulProcessor):
+    """Counts rows per key and yields one row of every Spark SQL type; an input row's ``bad``
+    column makes the output row wrong in that way (missing/extra/nested-type)."""
+
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        rows = list(rows)
+        n = (self.count.get() or 0) + len(rows)
+        self.count.update(n)
+        out = _typed_row(key, n)
+        bad = {r["bad"] for r in rows} - {None}
+        if "missing" in bad:
+            del out["ts"]
+        if "nested" in bad:
+            out["nested"][0]["y"][key] = ["2020-01-01"]
+        yield out
+
+
+def test_every_spark_sql_type_and_mismatched_rows(spark: Any, tmp_path: Path  # noqa: F811
+                                                  ) -> None:
+    got: list[Any] = []
+    op = DstlStatefulOperator(
+        name="typed", processor=Typed, key_column="key", output_schema=ALL_TYPES,
+        state_uri=str(tmp_path / "state"), partitions=2, max_parallelism=8, table="lmdb",
+        agent=False, sink=lambda df, b: got.extend(df.collect()),
+        local_dir=str(tmp_path / "local"), materialization_interval_s=None)
+
+    def run(batch_id: int, rows: list[tuple[str, str | None]]) -> None:
+        op.foreach_batch(spark.createDataFrame(rows, "key string, bad string"), batch_id)
+
+    run(0, [("a", None), ("b", None), ("b", None)])
+    by_key = {r["key"]: r.asDict(recursive=True) for r in got}
+    for key, n in (("a", 1), ("b", 2)):
+        want = _typed_row(key, n)
+        row = by_key[key]
+        assert row.pop("ts").astimezone(dt.UTC) == want.pop("ts")  # collect: local
+        want["m"], want["st"] = {"x": n / 2}, {"a": n, "b": key}
+        assert row == want, key
+    for bad, field in (("missing", "'ts'"), ("nested", "\"nested[0].y['b'][0]\"")):
+        with pytest.raises(OutputSchemaError) as ei:
+            run(1, [("a", None), ("b", bad)])
+        msg = str(ei.value)
+        assert "Typed of operator 'typed'" in msg and "key 'b'" in msg, msg
+        assert f"field {field}" in msg, msg
+    got.clear()
+    run(1, [("a", None), ("b", None)])  # the failed attempts committed nothing
+    assert sorted((r["key"], r["n"]) for r in got) == [("a", 2), ("b", 3)]
+    op.close()
