@@ -55,7 +55,7 @@ from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.processor import StatefulProcessor
-from dstl.spark.report import REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
 from dstl.spark.timing import (
     EVENT_TIME_COLUMN,
     HEARTBEAT_COLUMN,
@@ -161,6 +161,10 @@ class DstlStatefulOperator:
             ``"side_output"``: hand them to ``late_sink``.
         late_sink: ``late_sink(late_df, batch_id)`` (with ``late_rows="side_output"``), after
             the batch's checkpoint and sink.
+        initial_state: a (batch) DataFrame with the key column: in the first batch of a query
+            without a checkpoint, each of its rows goes to the processor's
+            ``handle_initial_state(key, initial_state, timer_values)`` (a dict of the row)
+            before the batch's input; never again (a restart starts from its checkpoint).
     """
 
     def __init__(self, *, name: str, processor: type, key_column: str, output_schema: str,
@@ -173,7 +177,8 @@ class DstlStatefulOperator:
                  agent: bool = True, time_mode: str = "none",
                  event_time_column: str | None = None, watermark_delay: Any = None,
                  late_rows: str = "drop",
-                 late_sink: Callable[[Any, int], None] | None = None) -> None:
+                 late_sink: Callable[[Any, int], None] | None = None,
+                 initial_state: Any = None) -> None:
         _check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
                          partitions=partitions, max_parallelism=max_parallelism, table=table,
@@ -183,6 +188,7 @@ class DstlStatefulOperator:
                          local_dir=local_dir, agent=agent)
         self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
                                 late_sink, key_column)
+        self.initial_state = _check_initial_state(initial_state, processor, key_column)
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -274,6 +280,8 @@ class DstlStatefulOperator:
         key_type = self._key_type(df)
         task_input = self._task_input(ready.coordinator, batch_id)
         df, late_df = self._split_late(df, task_input.watermark_ms)
+        if self.initial_state is not None and task_input.base_checkpoint < 0:
+            df = self._with_initial_state(df)  # no checkpoint yet: the query's first batch
         checkpoint_id = ready.coordinator.trigger([f"p{i}" for i in range(self.partitions)],
                                        checkpoint_id=batch_id)
         result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
@@ -294,6 +302,21 @@ class DstlStatefulOperator:
         logger.info("operator %s batch %d: %d rows in, %d out, %d timers, %d objects, %.3fs",
                     self.name, batch_id, stats["rows_in"], stats["rows_out"],
                     stats["timers_fired"], stats["objects_written"], stats["batch_seconds"])
+
+    def _with_initial_state(self, df: Any) -> Any:
+        """``df`` plus one row per row of ``initial_state``: its key (cast to the input's key
+        type) and the whole row packed into the ``INITIAL_STATE_COLUMN`` struct (null on input
+        rows), so both are routed by key in one job."""
+        from pyspark.sql import functions as F
+
+        init = self.initial_state
+        key_type = df.schema[self.key_column].dataType
+        packed = init.select(F.col(f"`{self.key_column}`").cast(key_type).alias(self.key_column),
+                             F.struct(*[F.col(f"`{c}`") for c in init.columns]).alias(
+                                 INITIAL_STATE_COLUMN))
+        struct_type = packed.schema[INITIAL_STATE_COLUMN].dataType
+        return df.withColumn(INITIAL_STATE_COLUMN, F.lit(None).cast(struct_type)).unionByName(
+            packed, allowMissingColumns=True)
 
     # ------------------------------------------------------------------ time
 
@@ -558,7 +581,30 @@ def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:
 
 _OWNER = "DstlStatefulOperator"
 #: Columns the operator adds to the input (routing) or output (task reports).
-_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid", EVENT_TIME_COLUMN, HEARTBEAT_COLUMN)
+_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid", EVENT_TIME_COLUMN, HEARTBEAT_COLUMN,
+                     INITIAL_STATE_COLUMN)
+
+
+def _check_initial_state(initial_state: Any, processor: Any, key_column: str) -> Any:
+    """``initial_state``: None, or a batch DataFrame with the key column, for a processor that
+    implements ``handle_initial_state``."""
+    if initial_state is None:
+        return None
+    if not (hasattr(initial_state, "columns") and hasattr(initial_state, "sparkSession")):
+        raise ConfigTypeError("initial_state", initial_state, "a pyspark DataFrame or None",
+                              owner=_OWNER)
+    if initial_state.isStreaming:
+        raise ConfigError("initial_state", "a streaming DataFrame", "a batch DataFrame",
+                          owner=_OWNER, fix="read the initial state with spark.read")
+    if key_column not in initial_state.columns:
+        raise ConfigError("initial_state", f"columns {initial_state.columns}",
+                          f"a DataFrame with the key column {key_column!r}", owner=_OWNER)
+    if getattr(processor, "handle_initial_state", None) is StatefulProcessor.handle_initial_state:
+        raise ConfigError("initial_state", "given", "a processor that overrides "
+                          "handle_initial_state", owner=_OWNER,
+                          fix=f"implement {processor.__name__}.handle_initial_state(key, "
+                              "initial_state, timer_values)")
+    return initial_state
 
 
 def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schema: Any,

@@ -145,6 +145,15 @@ class StatefulProcessor(ABC):
         """Process one key's rows of the micro-batch; yield output rows. Subclasses may leave
         out ``timer_values`` (the two-argument form)."""
 
+    def handle_initial_state(self, key: Any, initial_state: dict[str, Any],
+                             timer_values: TimerValues) -> None:
+        """One row of the operator's ``initial_state`` DataFrame (a dict) for ``key``, with
+        the key's state in scope: called in the first batch of a query without a checkpoint,
+        before the batch's timers and input, never again. Override it to use
+        ``initial_state``."""
+        raise UsageError(f"{type(self).__name__} got an initial_state row but does not "
+                         "implement handle_initial_state(key, initial_state, timer_values)")
+
     def handle_expired_timer(self, key: Any, timer_values: TimerValues,
                              expired_timer_info: ExpiredTimerInfo
                              ) -> Iterator[dict[str, Any]]:

@@ -25,10 +25,13 @@ from dstl.spark.fields import Fields
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.timers import MIN_TIMESTAMP_MS
 
-__all__ = ["REPORT_COLUMN", "Access", "SlotAccess", "TaskReport", "TaskReportError"]
+__all__ = ["INITIAL_STATE_COLUMN", "REPORT_COLUMN", "Access", "SlotAccess", "TaskReport", "TaskReportError"]
 
 #: The column of a task's report row (null in output rows).
 REPORT_COLUMN = "_dstl_report"
+#: The column carrying an ``initial_state`` row (a struct) to its key's task, in a query's
+#: first batch; null on input rows.
+INITIAL_STATE_COLUMN = "_dstl_init"
 
 #: How a task got its partition's state at the base checkpoint (see :mod:`dstl.spark.slots`):
 #: its own backend (``hit``), another worker's table on this executor (``adopt``), the store

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dstl.errors import BackendFailedError
@@ -47,7 +47,7 @@ from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.outputs import OutputRows
-from dstl.spark.report import REPORT_COLUMN, SlotAccess, TaskReport
+from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, SlotAccess, TaskReport
 from dstl.spark.runtime import Slot, WorkerRuntime, runtime_for
 from dstl.spark.slots import acquire
 from dstl.spark.timing import EVENT_TIME_COLUMN, ExpiredTimerInfo, TimerValues
@@ -132,6 +132,7 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
     outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
                          f"{cfg.name!r}", cfg.session_time_zone)
     with backend.write_batch():
+        _apply_initial_state(slot, rows.initial, times)
         fired = _fire_timers(slot, cfg.time_mode, times, outputs)
         _process(slot, rows.groups, times, outputs)
         # before the checkpoint: rows that do not fit the schema fail the batch uncommitted
@@ -159,10 +160,12 @@ class _Rows:
     groups: dict[Any, list[dict[str, Any]]]
     count: int
     max_event_time_ms: int | None
+    #: the ``initial_state`` rows by key (only in a query's first batch)
+    initial: dict[Any, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 #: Columns the driver adds for routing and the watermark; processors never see them.
-_INTERNAL_COLUMNS = ("_dstl_pid", EVENT_TIME_COLUMN)
+_INTERNAL_COLUMNS = ("_dstl_pid", EVENT_TIME_COLUMN, INITIAL_STATE_COLUMN)
 
 
 def _group_rows(batches: Iterable[Any], key_column: str) -> _Rows:
@@ -175,10 +178,45 @@ def _group_rows(batches: Iterable[Any], key_column: str) -> _Rows:
             m = pc.max(batch.column(EVENT_TIME_COLUMN)).as_py()
             if m is not None and (out.max_event_time_ms is None or m > out.max_event_time_ms):
                 out.max_event_time_ms = int(m)
+        if INITIAL_STATE_COLUMN in internal:
+            batch = _take_initial_state(batch, key_column, out.initial)
         for row in batch.drop_columns(internal).to_pylist() if internal else batch.to_pylist():
             out.groups.setdefault(row[key_column], []).append(row)
             out.count += 1
     return out
+
+
+def _take_initial_state(batch: Any, key_column: str,
+                        initial: dict[Any, list[dict[str, Any]]]) -> Any:
+    """Move the batch's ``initial_state`` rows (their struct column is set) to ``initial``;
+    the input rows that remain."""
+    import pyarrow.compute as pc
+
+    col = batch.column(INITIAL_STATE_COLUMN)
+    is_init = pc.is_valid(col)
+    if not pc.any(is_init).as_py():
+        return batch
+    for key, row in zip(batch.column(key_column).filter(is_init).to_pylist(),
+                        col.filter(is_init).to_pylist()):
+        initial.setdefault(key, []).append(row)
+    return batch.filter(pc.invert(is_init))
+
+
+def _apply_initial_state(slot: Slot, initial: dict[Any, list[dict[str, Any]]],
+                         times: TimerValues) -> None:
+    """Give each ``initial_state`` row to ``handle_initial_state`` with its key's state in
+    scope (before the batch's timers and input)."""
+    handle = slot.handle
+    for key, states in initial.items():
+        slot.backend.set_current_key(_backend_key(key))
+        if handle is not None:
+            handle.set_key(key)
+        try:
+            for state in states:
+                slot.processor.handle_initial_state(key, state, times)
+        finally:
+            if handle is not None:
+                handle.clear_key()
 
 
 def _backend_key(key: Any) -> Any:

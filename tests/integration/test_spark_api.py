@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from spark_support import spark  # noqa: F401
 
-from dstl.errors import OutputSchemaError
+from dstl.errors import ConfigError, OutputSchemaError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
@@ -196,3 +196,65 @@ def test_every_spark_sql_type_and_mismatched_rows(spark: Any, tmp_path: Path  # 
     run(1, [("a", None), ("b", None)])  # the failed attempts committed nothing
     assert sorted((r["key"], r["n"]) for r in got) == [("a", 2), ("b", 3)]
     op.close()
+
+
+class Seeded(StatefulProcessor):
+    """A count per key, seeded from the initial state's ``start`` column (plus ``bonus``)."""
+
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_initial_state(self, key: Any, initial_state: dict[str, Any],
+                             timer_values: Any) -> None:
+        self.count.update((self.count.get() or 0) + initial_state["start"]
+                          + initial_state["bonus"])
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        rows = list(rows)
+        assert all("_dstl_init" not in r for r in rows)  # internal columns never shown
+        n = (self.count.get() or 0) + len(rows)
+        self.count.update(n)
+        yield {"key": key, "count": n}
+
+
+def test_initial_state_applied_in_the_first_batch_only(spark: Any, tmp_path: Path  # noqa: F811
+                                                       ) -> None:
+    got: dict[int, dict[str, int]] = {}
+
+    def sink(df: Any, batch_id: int) -> None:
+        got[batch_id] = {r["key"]: r["count"] for r in df.collect()}
+
+    init = spark.createDataFrame([("a", 10, 0), ("b", 20, 1), ("b", 100, 0)],
+                                 "key string, start long, bonus int")
+
+    def new_op() -> DstlStatefulOperator:
+        return DstlStatefulOperator(
+            name="seeded", processor=Seeded, key_column="key", output_schema="key string, "
+            "count long", state_uri=str(tmp_path / "state"), partitions=2, max_parallelism=8,
+            table="heap", sink=sink, local_dir=str(tmp_path / "local"),
+            materialization_interval_s=None, initial_state=init)
+
+    def run(op: DstlStatefulOperator, batch_id: int, keys: list[str]) -> None:
+        op.foreach_batch(spark.createDataFrame([(k,) for k in keys], "key string"), batch_id)
+
+    op = new_op()
+    run(op, 0, ["a", "c"])
+    assert got[0] == {"a": 11, "c": 1}
+    run(op, 1, ["b"])
+    assert got[1] == {"b": 122}  # both initial rows of b, applied once
+    run(op, 1, ["b"])  # a re-run of batch 1 starts from checkpoint 0: not applied again
+    assert got[1] == {"b": 122}
+    op.close()
+    op = new_op()  # a restart of the query (its checkpoint exists): never applied again
+    run(op, 2, ["a", "b", "c"])
+    assert got[2] == {"a": 12, "b": 123, "c": 2}
+    op.close()
+    with pytest.raises(ConfigError, match="handle_initial_state"):
+        DstlStatefulOperator(name="x", processor=Typed, key_column="key",
+                             output_schema="key string", state_uri=str(tmp_path / "x"),
+                             initial_state=init)
+    with pytest.raises(ConfigError, match="key column 'user'"):
+        DstlStatefulOperator(name="x", processor=Seeded, key_column="user",
+                             output_schema="key string", state_uri=str(tmp_path / "x"),
+                             initial_state=init)
