@@ -800,8 +800,12 @@ def _split_top_level(ddl: str) -> list[str] | None:
 
 def _session_time_zone(spark: Any) -> str:
     """The session's time zone (``spark.sql.session.timeZone``; the JVM's default when unset)."""
+    from dstl.spark.outputs import time_zone
+
     tz = spark.conf.get("spark.sql.session.timeZone", None)
-    return str(tz) if tz else "UTC"
+    name = str(tz) if tz else "UTC"
+    time_zone(name)  # an id Python cannot read fails here, before any batch runs
+    return name
 
 
 #: How an executor's OutputSchemaError appears in the text of the Spark job's failure.

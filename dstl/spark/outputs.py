@@ -30,13 +30,40 @@ converting the column's values one at a time. Every mismatch raises
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
-from dstl.errors import OutputSchemaError
+from dstl.errors import OutputSchemaError, UsageError
 
-__all__ = ["OutputRows"]
+__all__ = ["OutputRows", "time_zone"]
+
+#: Spark's fixed-offset zone ids: ``+08:00``, ``-0530``, ``UTC+2``, ``GMT-03:00``.
+_OFFSET_RE = re.compile(r"^(?:UTC|GMT)?([+-])(\d{1,2})(?::?(\d{2}))?$")
+
+
+def time_zone(name: str) -> dt.tzinfo:
+    """The zone of a Spark session time zone id (a region such as ``Europe/Paris``, ``UTC``,
+    or a fixed offset).
+
+    Raises:
+        UsageError: an id that is neither.
+    """
+    if name in ("UTC", "Z", "GMT", "Etc/UTC"):
+        return dt.UTC
+    m = _OFFSET_RE.match(name)
+    if m and int(m.group(2)) <= 18 and int(m.group(3) or 0) < 60:
+        minutes = int(m.group(2)) * 60 + int(m.group(3) or 0)
+        return dt.timezone(dt.timedelta(minutes=-minutes if m.group(1) == "-" else minutes))
+    from zoneinfo import ZoneInfo
+
+    try:
+        return ZoneInfo(name)
+    except (KeyError, ValueError, OSError) as exc:  # not found (a KeyError), malformed id
+        raise UsageError(f"Spark session time zone {name!r} is unknown to Python's zoneinfo; "
+                         "set spark.sql.session.timeZone to a region id or an offset "
+                         "such as '+02:00'") from exc
 
 #: A column checker: the value (possibly converted for Arrow), or :class:`_Mismatch`.
 Checker = Callable[[Any], Any]
@@ -177,6 +204,9 @@ def checker_for(t: Any, nullable: bool, zone: dt.tzinfo | None) -> Checker:
     else:
         return lambda x: x
     return _nullable(c, nullable)
+
+
+_zone_of = time_zone  # OutputRows' argument is named time_zone too
 
 
 class OutputRows:

@@ -35,7 +35,7 @@ from pyspark.sql.types import (
 )
 
 from dstl.errors import OutputSchemaError, UsageError
-from dstl.spark.outputs import OutputRows
+from dstl.spark.outputs import OutputRows, time_zone
 
 INNER = StructType([StructField("x", ArrayType(LongType())),
                     StructField("y", MapType(StringType(), ArrayType(DateType())))])
@@ -132,3 +132,18 @@ def test_mismatches_name_processor_key_and_field(change: Any, field: str, says: 
 def test_a_row_that_is_not_a_dict(row: Any) -> None:
     with pytest.raises(OutputSchemaError, match="must be a dict"):
         _rows().extend(7, [row])
+
+
+@pytest.mark.parametrize(("name", "offset_min"), [
+    ("UTC", 0), ("Etc/UTC", 0), ("+08:00", 480), ("-0530", -330), ("GMT+2", 120),
+    ("UTC-03:00", -180), ("Asia/Kolkata", 330)])
+def test_session_time_zone_ids(name: str, offset_min: int) -> None:
+    zone = time_zone(name)
+    assert dt.datetime(2024, 1, 1, tzinfo=zone).utcoffset() == dt.timedelta(minutes=offset_min)
+
+
+@pytest.mark.parametrize("name", ["Mars/Olympus", "+99:00x", "+99:00", "+01:75", "",
+                                  "../etc/passwd"])
+def test_unknown_time_zone_is_a_usage_error(name: str) -> None:
+    with pytest.raises(UsageError, match="session time zone"):
+        time_zone(name)
