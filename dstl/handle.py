@@ -11,13 +11,17 @@ a handle's sqn range is checked against its list of references before anything i
 it, so a 100-byte handle cannot ask for a list of 2^62 sqns. Every failure is a
 :class:`~dstl.errors.MalformedHandleError` (a ``CorruptObjectError`` and a ``UsageError``) naming
 where the handle was read from (``key=``), an offset and the field.
+
+A handle may be *restricted* to part of its writer's key groups (``restrict``): after a rescale a
+restored backend keeps the old logs only for the key groups it owns, so a later restore applies
+each change set to each key group exactly once (``docs/guarantees.md`` G2).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from dstl.errors import (
@@ -125,11 +129,15 @@ class ChangelogHandle:
 
     Attributes:
         log_id: the writer.
-        key_groups: the writer's key-group range.
+        key_groups: the writer's key-group range (every change of the log lies in it, or is
+            metadata).
         from_sqn, to_sqn: the half-open sqn range; ``change_sets`` has one ref per sqn in it.
         change_sets: refs in sqn order.
         incremental_size: payload bytes uploaded for the persist that produced this handle (the
             rest were uploaded earlier and reused) — Flink's ``incrementalSize``.
+        restrict: ``None``, or the non-empty part of ``key_groups`` this handle stands for (a
+            restored backend's share of an older log); other key groups of the log are not
+            part of it. Normalized: never equal to ``key_groups``.
     """
 
     log_id: str
@@ -138,6 +146,7 @@ class ChangelogHandle:
     to_sqn: int
     change_sets: tuple[ChangeSetRef, ...]
     incremental_size: int = 0
+    restrict: KeyGroupRange | None = None
 
     def __post_init__(self) -> None:
         if self.to_sqn < self.from_sqn:
@@ -149,6 +158,26 @@ class ChangelogHandle:
             raise UsageError(f"handle for {self.log_id!r} lists {len(self.change_sets)} sqns "
                              f"({sqns}...) which are not exactly [{self.from_sqn}, "
                              f"{self.to_sqn})")
+        r = self.restrict
+        if r is not None:
+            if not len(r) or r.intersection(self.key_groups) != r:
+                raise UsageError(f"handle for {self.log_id!r}: restrict={r} must be a non-empty "
+                                 f"part of the writer's key groups {self.key_groups}")
+            if r == self.key_groups:
+                object.__setattr__(self, "restrict", None)
+
+    @property
+    def replay_key_groups(self) -> KeyGroupRange:
+        """The key groups this handle stands for: ``restrict``, else the writer's range."""
+        return self.key_groups if self.restrict is None else self.restrict
+
+    def restricted(self, key_groups: KeyGroupRange) -> ChangelogHandle | None:
+        """This handle for the key groups it shares with ``key_groups`` only; ``None`` when it
+        shares none, ``self`` when it stands for none other."""
+        r = self.replay_key_groups.intersection(key_groups)
+        if not len(r):
+            return None
+        return self if r == self.replay_key_groups else replace(self, restrict=r)
 
     @property
     def size(self) -> int:
@@ -171,7 +200,7 @@ class ChangelogHandle:
         return len(self.change_sets)
 
     def to_json_obj(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "v": _JSON_VERSION,
             "log_id": self.log_id,
             "key_groups": self.key_groups.to_json_obj(),
@@ -180,6 +209,9 @@ class ChangelogHandle:
             "incremental_size": self.incremental_size,
             "change_sets": [r.to_json_obj() for r in self.change_sets],
         }
+        if self.restrict is not None:  # absent in handles of unrestricted logs (and older ones)
+            obj["restrict"] = self.restrict.to_json_obj()
+        return obj
 
     def to_json(self) -> str:
         """Serialize as compact JSON."""
@@ -228,8 +260,16 @@ class ChangelogHandle:
                                        f"[{from_sqn}, {to_sqn})")
         refs = tuple(ChangeSetRef.from_json_obj(r, key=key, field=f"{at}change_sets[{i}]")
                      for i, r in enumerate(raw))
+        restrict = None
+        if obj.get("restrict") is not None:
+            restrict = handle_key_groups(obj["restrict"], key, at + "restrict")
+            if not len(restrict) or restrict.intersection(kgr) != restrict:
+                raise MalformedHandleError(key, 0, at + "restrict",
+                                           f"{restrict} is not a non-empty part of the writer's "
+                                           f"key groups "
+                                           f"{kgr}")
         try:
-            return cls(log_id, kgr, from_sqn, to_sqn, refs, inc)
+            return cls(log_id, kgr, from_sqn, to_sqn, refs, inc, restrict)
         except UsageError as exc:
             raise MalformedHandleError(key, 0, at + "change_sets", str(exc)) from exc
 

@@ -230,10 +230,13 @@ class BatchingUploadScheduler:
             self._queued_bytes = 0
             if not tasks:
                 return
-            self._upload_no += 1
-            up = _SegmentUpload(self, tasks, self._upload_no)
-            self._uploads.add(up)
-        up.run_step(up.start)
+            ups = []
+            for group in _segment_groups(tasks):
+                self._upload_no += 1
+                ups.append(_SegmentUpload(self, group, self._upload_no))
+            self._uploads.update(ups)
+        for up in ups:
+            up.run_step(up.start)
 
     def _finished(self, up: _SegmentUpload) -> None:
         with self._cond:
@@ -266,6 +269,22 @@ class BatchingUploadScheduler:
         if stuck:
             logger.warning("closed with %d segment uploads still running; their threads finish "
                            "in the background and their objects are orphans", len(stuck))
+
+
+def _segment_groups(tasks: Sequence[UploadTask]) -> list[list[UploadTask]]:
+    """The queued tasks in order, cut into segments so that no segment holds a change set
+    ``(log id, sqn)`` twice (a writer closed with an upload queued and a new writer of the same
+    log id in the same window); decoders refuse such a segment."""
+    groups: list[list[UploadTask]] = []
+    seen: set[tuple[str, int]] = set()
+    for t in tasks:
+        ids = {(cs.log_id, cs.sqn) for cs in t.change_sets}
+        if not groups or ids & seen:
+            groups.append([])
+            seen = set()
+        groups[-1].append(t)
+        seen |= ids
+    return groups
 
 
 class _SegmentUpload:

@@ -33,6 +33,10 @@ the footer's CRC covers every byte before it, so any single-bit flip or truncati
 detected when it is read whole; a record's CRC covers its frame, so a flipped bit inside a ranged
 read is detected too; decompression happens only after the CRC matched (so a damaged size field can
 never trigger a huge allocation); the record's log id and sqn equal what the handle expects.
+Semantic checks on top (a log never holds what its writer refuses to append): one segment holds a
+change set ``(log id, sqn)`` at most once (the scheduler starts a new segment rather than repeat
+one); every block of a record lies in its index entry's ``[kg_min, kg_max]``; and a reader that
+knows the writer's key-group range (the handle's) refuses a change outside it.
 """
 
 from __future__ import annotations
@@ -216,6 +220,13 @@ def encode_segment(change_sets: Sequence[ChangeSet], zstd_level: int = 1, *,
     """
     if not change_sets:
         raise UsageError("refusing to encode an empty segment (no change sets)")
+    ids = {(cs.log_id, cs.sqn) for cs in change_sets}
+    if len(ids) != len(change_sets):
+        dup = next(cs for i, cs in enumerate(change_sets)
+                   if (cs.log_id, cs.sqn) in {(c.log_id, c.sqn) for c in change_sets[:i]})
+        raise UsageError(f"refusing to encode change set ({dup.log_id!r}, sqn {dup.sqn}) twice "
+                         "into one segment (a reader could not tell them apart); upload it in "
+                         "another segment")
     fmt = segment_format(max_change_set_bytes)
     parts: list[bytes] = [encode_header(fmt)]
     entries: list[IndexEntry] = []
@@ -282,6 +293,7 @@ def decode_segment(data: bytes | memoryview, key: str = "<segment>", *,
         raise CorruptObjectError(key, foot, f"index at {index_offset}+{index_len} does not end at "
                                             f"the footer ({foot})")
     entries = _decode_index(mv, index_offset, foot, count, key)
+    _check_unique(entries, key)
     pos = HEADER_SIZE
     for e in entries:
         if e.offset != pos:
@@ -289,13 +301,40 @@ def decode_segment(data: bytes | memoryview, key: str = "<segment>", *,
                                                     f"{e.offset}, expected {pos}")
         body = _open_change_set(mv[e.offset:e.offset + e.length], key, e.offset, fmt,
                                 e.length)
-        _check_body_identity(body, key, e.offset, e.log_id, e.sqn)
+        head_end = _check_body_identity(body, key, e.offset, e.log_id, e.sqn)
+        _check_blocks_in_range(body, head_end, e, key)
         del body  # before the next record is opened: one body at a time
         pos += e.length
     if pos != index_offset:
         raise CorruptObjectError(key, pos, f"records end at {pos} but the index starts at "
                                            f"{index_offset}")
     return SegmentContents(key, tuple(entries), n)
+
+
+def _check_unique(entries: Sequence[IndexEntry], key: str) -> None:
+    """A change set appears once per segment (two records of one ``(log id, sqn)`` would make
+    every handle naming it ambiguous)."""
+    seen: set[tuple[str, int]] = set()
+    for e in entries:
+        if (e.log_id, e.sqn) in seen:
+            raise CorruptObjectError(key, e.offset, f"the index names change set ({e.log_id!r}, "
+                                                    f"sqn {e.sqn}) twice")
+        seen.add((e.log_id, e.sqn))
+
+
+def _check_blocks_in_range(body: bytes, pos: int, e: IndexEntry, key: str) -> None:
+    """Every key-group block of a record lies in its index entry's ``[kg_min, kg_max]``."""
+    end = len(body)
+    (n_blocks,) = _U32.unpack_from(body, pos - 4)
+    for _ in range(n_blocks):
+        if end - pos < _BLOCK.size:
+            raise TruncatedObjectError(key, e.offset, pos + _BLOCK.size, end, "block header")
+        kg, blen = _BLOCK.unpack_from(body, pos)
+        if not e.kg_min <= kg <= e.kg_max:
+            raise CorruptObjectError(key, e.offset, f"change set ({e.log_id!r}, sqn {e.sqn}) "
+                                                    f"holds key group {kg}, outside its indexed "
+                                                    f"range [{e.kg_min}, {e.kg_max}]")
+        pos += _BLOCK.size + blen
 
 
 def _decode_index(mv: memoryview, start: int, end: int, count: int, key: str
@@ -374,8 +413,17 @@ def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: 
     return body
 
 
+def _check_in_log_range(kg: int, log_range: tuple[int, int], key: str, offset: int) -> None:
+    """A block's key group lies in the writer's range (the handle's), or the object is corrupt."""
+    if not log_range[0] <= kg <= log_range[1]:
+        raise CorruptObjectError(key, offset, f"change set holds key group {kg}, outside its "
+                                              f"log's range [{log_range[0]}, {log_range[1]}]",
+                                 hint="the handle and the object disagree")
+
+
 def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
-                key_groups: object = None) -> list[tuple[int, int, int]]:
+                key_groups: object = None,
+                log_range: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
     """The key-group blocks of a verified body, as ``(key_group, start, end)``: the byte range
     of the block's ``u32 len | payload`` changes in ``body``, key groups ascending.
 
@@ -387,6 +435,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
         body: a body returned by :func:`decode_record` (already checksum-verified).
         key, offset: for error messages.
         key_groups: if given, a container of key groups to keep; metadata (-1) is always kept.
+        log_range: as for :func:`iter_body_changes`: a block outside the writer's range is
+            corruption, kept or not.
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and ``offset``.
@@ -410,6 +460,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
         bend = pos + blen
         if bend > end:
             raise TruncatedObjectError(key, offset, bend, end, "key-group block")
+        if log_range is not None and kg != -1:
+            _check_in_log_range(kg, log_range, key, offset)
         if key_groups is None or kg == -1 or kg in key_groups:  # type: ignore[operator]
             out.append((kg, pos, bend))
         pos = bend
@@ -419,7 +471,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
 
 
 def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0,
-                      key_groups: object = None) -> Iterator[tuple[int, bytes]]:
+                      key_groups: object = None,
+                      log_range: tuple[int, int] | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield ``(key_group, payload)`` of a verified body, key groups ascending, append order kept.
 
     Args:
@@ -427,6 +480,11 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
         key, offset: for error messages.
         key_groups: if given, a container of key groups to keep (``kg in key_groups``); the
             metadata key group (-1) is always yielded.
+        log_range: if given, the writer's inclusive key-group range ``(start, end)``: a block
+            outside it (other than metadata) is corruption, whether kept or not.
+
+    Raises:
+        CorruptObjectError: (or a subclass) naming ``key`` and ``offset``.
     """
     (lid_len,) = _U16.unpack_from(body, 0)
     pos = 2 + lid_len
@@ -443,6 +501,8 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
         bend = pos + blen
         if bend > end:
             raise TruncatedObjectError(key, offset, bend, end, "key-group block")
+        if log_range is not None and kg != -1:
+            _check_in_log_range(kg, log_range, key, offset)
         if key_groups is not None and kg != -1 and kg not in key_groups:  # type: ignore[operator]
             pos = bend
             continue

@@ -46,8 +46,6 @@ import logging
 import os
 import random
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -112,6 +110,7 @@ from materializer.codecs import (
 )
 from materializer.file_snapshot import FileSnapshotMeta, write_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.local_dirs import OwnDirectory, prepare_environment
 from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
 from materializer.policy import MaterializationRules
@@ -219,7 +218,8 @@ def check_layout(key_groups: object, max_parallelism: object, owner: str,
 def _check_arguments(storage: object, operator_id: object, key_groups: object,
                      max_parallelism: object, table: object, options: object,
                      key_codec: object, local_directory: object, timer: object,
-                     clear_local: object, auto_materialize: object) -> BackendOptions:
+                     clear_local: object, adopt_local: object,
+                     auto_materialize: object) -> BackendOptions:
     """The constructor's arguments, checked before anything is opened (one place); returns the
     options to use."""
     owner = "ChangelogKeyedStateBackend"
@@ -233,6 +233,7 @@ def _check_arguments(storage: object, operator_id: object, key_groups: object,
     check_optional_path(local_directory, "local_directory", owner)
     check_timer(timer, "timer", owner)
     check_bool(clear_local, "clear_local", owner)
+    check_bool(adopt_local, "adopt_local", owner)
     check_bool(auto_materialize, "auto_materialize", owner)
     return options if isinstance(options, BackendOptions) else BackendOptions()
 
@@ -244,6 +245,19 @@ def check_storage(storage: object, field: str, owner: str) -> None:
                    "a dstl.ChangelogStorage", fix="create one per process: "
                    "dstl.ChangelogStorage(uri)")
     check_store(getattr(storage, "store", None), f"{field}.store", owner)
+
+
+def _check_local(operator_id: str, table: str, local_directory: str | None, clear_local: bool,
+                 adopt_local: bool) -> None:
+    if not adopt_local:
+        return
+    why = ("table='heap' has nothing on disk" if table != "lmdb"
+           else "no local_directory was given (a new temporary directory holds no table)"
+           if local_directory is None
+           else "clear_local=True removes the table it would adopt" if clear_local else None)
+    if why is not None:
+        raise UsageError(f"backend {operator_id!r}: adopt_local=True opens an existing LMDB "
+                         f"table, but {why}; drop adopt_local or fix the other argument")
 
 
 class ChangelogKeyedStateBackend:
@@ -258,8 +272,13 @@ class ChangelogKeyedStateBackend:
         options: :class:`~materializer.options.BackendOptions`.
         key_codec: encodes keys (default: str -> UTF-8, bytes as is).
         local_directory: where the LMDB environment lives (default: a fresh temporary directory,
-            removed on close).
-        clear_local: remove an existing LMDB environment of this operator first (restore).
+            removed on close; those of killed processes are removed by the next one).
+        clear_local: an existing LMDB environment of this operator is expected and removed
+            (a restore). Without it one is removed too, with a warning: a new backend never
+            takes over rows a previous process left (:mod:`materializer.local_dirs`).
+        adopt_local: open the existing LMDB environment of this operator in ``local_directory``
+            as it is, rows included — only for a caller that knows they are exactly the
+            checkpoint it installs (the Spark task's adopt path checks the table marker).
         timer: timer of the periodic materialization (default: a thread of its own).
         auto_materialize: ``False``: the backend never starts a materialization by itself (no
             timer, no size trigger); its owner asks ``materialization.due()`` and calls
@@ -267,17 +286,20 @@ class ChangelogKeyedStateBackend:
 
     Raises:
         ConfigError: bad table kind or options.
-        UsageError: the operator id is already open on this storage.
+        UsageError: the operator id is already open on this storage; ``adopt_local`` with a
+            heap table, without ``local_directory`` or with ``clear_local``.
+        StateError: an old LMDB environment cannot be removed.
     """
 
     def __init__(self, storage: Any, operator_id: str, key_groups: KeyGroupRange,
                  max_parallelism: int, table: str = "heap", options: BackendOptions | None = None,
                  *, key_codec: Codec | None = None, local_directory: str | None = None,
                  timer: Timer | None = None, clear_local: bool = False,
-                 auto_materialize: bool = True) -> None:
+                 adopt_local: bool = False, auto_materialize: bool = True) -> None:
         self.options = _check_arguments(storage, operator_id, key_groups, max_parallelism,
                                         table, options, key_codec, local_directory, timer,
-                                        clear_local, auto_materialize)
+                                        clear_local, adopt_local, auto_materialize)
+        _check_local(operator_id, table, local_directory, clear_local, adopt_local)
         self.operator_id = operator_id
         self.key_groups = key_groups
         self.max_parallelism = max_parallelism
@@ -290,9 +312,23 @@ class ChangelogKeyedStateBackend:
         self._heap = table == "heap"
         self._key_codec: Codec = key_codec or StrOrBytesKeyCodec()
         self._ns_codec = _NamespaceCodec(self.options.max_value_decoded_bytes)
-        self._own_dir: str | None = None
-        self._tables: Any = self._open_tables(local_directory, clear_local)
+        rules = MaterializationRules.of(self.options)  # may refuse the options: before opening
+        self._own_dir: OwnDirectory | None = None
+        self._tables: Any = None
+        # the writer first: it refuses an operator id that is live in this storage before any
+        # local table of that operator is touched
         self._writer = storage.create_writer(operator_id, key_groups)
+        try:
+            self._tables = self._open_tables(local_directory, clear_local, adopt_local)
+            self._init_state(rules, timer, auto_materialize)
+        except BaseException:
+            self._abandon()
+            raise
+        logger.info("backend %s opened: %s table, key groups %s", operator_id, table, key_groups)
+
+    def _init_state(self, rules: MaterializationRules, timer: Timer | None,
+                    auto_materialize: bool) -> None:
+        operator_id = self.operator_id
         self._metrics = MetricsRegistry(f"ChangelogBackend.{operator_id}.")
         self._lock = threading.Lock()  # checkpoint bookkeeping shared with the materializer
         self._reset_cursor()
@@ -315,24 +351,32 @@ class ChangelogKeyedStateBackend:
         self._closed = False
         self._attention = False  # the materialization manager wants the owner thread
         self._mat = MaterializationManager(
-            operator_id, MaterializationRules.of(self.options), _BackendSnapshots(self),
-            self._metrics, wake=self._wake, timer=timer, automatic=auto_materialize,
-            defer_in_batch=not self._heap)
-        logger.info("backend %s opened: %s table, key groups %s", operator_id, table, key_groups)
+            operator_id, rules, _BackendSnapshots(self), self._metrics, wake=self._wake,
+            timer=timer, automatic=auto_materialize, defer_in_batch=not self._heap)
 
-    def _open_tables(self, local_directory: str | None, clear_local: bool) -> Any:
+    def _abandon(self) -> None:
+        """A constructor failed midway: release what it opened (log id, table, own directory)."""
+        self._writer.close()
+        if self._tables is not None:
+            self._tables.close()
+        if self._own_dir is not None:
+            self._own_dir.remove()
+
+    def _open_tables(self, local_directory: str | None, clear_local: bool,
+                     adopt_local: bool) -> Any:
         if self._heap:
             from materializer.state_tables import HeapStateTables
             return HeapStateTables(self.key_groups)
-        from materializer.lmdb_table import LmdbStateTable
+        from materializer import lmdb_table
         if local_directory is None:
-            local_directory = self._own_dir = tempfile.mkdtemp(prefix="dstl-lmdb-")
+            self._own_dir = OwnDirectory.create()
+            local_directory = self._own_dir.path
         env_dir = os.path.join(local_directory, operator_dir(self.operator_id))
-        if clear_local:
-            shutil.rmtree(env_dir, ignore_errors=True)  # a restore starts from an empty table
-        return LmdbStateTable(env_dir, self.key_groups,
-                              map_size_bytes=self.options.lmdb_map_size_bytes,
-                              max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
+        prepare_environment(env_dir, adopt=adopt_local, expected=clear_local,
+                            owner=repr(self.operator_id))
+        return lmdb_table.LmdbStateTable(env_dir, self.key_groups,
+                                         map_size_bytes=self.options.lmdb_map_size_bytes,
+                                         max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
 
     def _file_snapshot_writer(self, snap: Any, materialization_id: int,
                               up_to: int) -> Callable[[], SnapshotRef]:
@@ -710,11 +754,13 @@ class ChangelogKeyedStateBackend:
 
         A metadata record (key group -1) registers its state and, when ``remap`` is given, maps
         the log's state id to this backend's id for that name (backends being merged by a
-        rescale may have numbered their states differently). A data change of a key group
-        outside this backend's range is skipped (rescaling).
+        rescale may have numbered their states differently). The restore hands over only the
+        changes of key groups this backend owns (it filters while reading); one of another key
+        group is corruption, never skipped: skipping would hide a wrong plan or reader.
 
         Raises:
-            CorruptObjectError: malformed record, or a change before its state's metadata.
+            CorruptObjectError: malformed record, a change before its state's metadata, or a
+                change of a key group outside this backend's range.
             StateError: the log names a state with a different kind than this backend knows.
         """
         if key_group == META_KEY_GROUP:
@@ -724,7 +770,9 @@ class ChangelogKeyedStateBackend:
                 remap[sid] = new
             return
         if not self.key_groups.start <= key_group <= self.key_groups.end:
-            return
+            raise CorruptObjectError("<changelog>", 0, f"a change of key group {key_group} was "
+                                                       f"handed to backend {self.operator_id!r}, "
+                                                       f"which owns {self.key_groups}")
         ch = decode_change(payload)
         sid = ch.state_id if remap is None else remap.get(ch.state_id, -1)
         reg = self._by_id.get(sid)
@@ -818,8 +866,13 @@ class ChangelogKeyedStateBackend:
                          non_materialized: Iterable[ChangelogHandle],
                          materialization_id: int) -> None:
         """Make the restored parts the base of the next checkpoints (until the first
-        materialization): they keep being referenced, as in Flink."""
-        self._mat.restored(MaterializedBase(tuple(materialized), 0, tuple(non_materialized),
+        materialization): they keep being referenced, as in Flink — restricted to the key
+        groups this backend owns (a part that names none of them is dropped), so its handles
+        never claim another backend's share of an older log or snapshot."""
+        snapshots = (r.restricted(self.key_groups) for r in materialized)
+        logs = (h.restricted(self.key_groups) for h in non_materialized)
+        self._mat.restored(MaterializedBase(tuple(r for r in snapshots if r is not None), 0,
+                                            tuple(h for h in logs if h is not None),
                                             materialization_id))
 
     def table_marker(self, handle: ChangelogStateBackendHandle) -> TableMarker:
@@ -942,17 +995,26 @@ class ChangelogKeyedStateBackend:
         self._check_open()
         if self._attention:
             self._attend()
-        base = self._mat.base
-        from_sqn, mat_id = base.up_to, base.materialization_id
-        persist = self._writer.persist(from_sqn, checkpoint_id)
+        # In flight from the moment it reads its base: a materialization ending while persist()
+        # waits (back-pressure) must not truncate [from_sqn, ..). _maybe_truncate reads the base
+        # and the registrations under the same lock, so it sees this one or a base at least as
+        # new as the one read here.
+        with self._lock:
+            base = self._mat.base
+            from_sqn, mat_id = base.up_to, base.materialization_id
+            self._pending_from[checkpoint_id] = from_sqn
+        try:
+            persist = self._writer.persist(from_sqn, checkpoint_id)
+        except BaseException:
+            with self._lock:
+                self._pending_from.pop(checkpoint_id, None)
+            raise
         to_sqn = self._writer.next_sqn()
         # the log after this checkpoint describes its states again, so a snapshot taken at this
         # checkpoint's boundary (install_materialization) leaves a self-describing log to replay
         self._meta_logged.clear()
         self._last_checkpoint = _Checkpoint(checkpoint_id, from_sqn, to_sqn, mat_id)
         self._checkpoint_up_to[checkpoint_id] = (to_sqn, mat_id)
-        with self._lock:
-            self._pending_from[checkpoint_id] = from_sqn
         out: Future[ChangelogStateBackendHandle] = Future()
         out.set_running_or_notify_cancel()
 
@@ -1011,8 +1073,8 @@ class ChangelogKeyedStateBackend:
         self._maybe_truncate()
 
     def _maybe_truncate(self) -> None:
-        base = self._mat.base  # only moves forward: an older one truncates less
         with self._lock:
+            base = self._mat.base  # under the lock: see snapshot()
             if self._subsumed_up_to is None or base.materialization_id == 0:
                 return
             # Flink's rule, bounded also by checkpoints still in flight: their range must stay
@@ -1109,7 +1171,7 @@ class ChangelogKeyedStateBackend:
         self._writer.truncate_and_close(cp.to_sqn if cp is not None else 0)
         self._tables.close()
         if self._own_dir is not None:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir.remove()
         logger.info("backend %s closed", self.operator_id)
 
 
@@ -1121,13 +1183,16 @@ def _log_after(base: MaterializedBase, own: tuple[ChangeSetRef, ...],
     (``own``) contain that change set."""
     key, offset = boundary
     restored = base.restored_log
-    for i, h in enumerate(restored):
+    # from the end: a restored change set may appear in several handles (one per contiguous
+    # range of key groups it applies to); the table reflects all of them up to the last one
+    for i in range(len(restored) - 1, -1, -1):
+        h = restored[i]
         j = next((j for j, r in enumerate(h.change_sets) if r.key == key and r.offset == offset),
                  None)
         if j is not None:
             rest = h.change_sets[j + 1:]
-            head = (ChangelogHandle(h.log_id, h.key_groups, rest[0].sqn, h.to_sqn, rest),
-                    ) if rest else ()
+            head = (ChangelogHandle(h.log_id, h.key_groups, rest[0].sqn, h.to_sqn, rest, 0,
+                                    h.restrict),) if rest else ()
             return head + restored[i + 1:], base.up_to
     mine = next((r for r in own
                  if r.key == key and r.offset == offset and r.sqn >= base.up_to), None)

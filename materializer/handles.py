@@ -11,7 +11,7 @@ the handle was read from and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dstl.errors import MalformedHandleError
@@ -39,12 +39,28 @@ def _int(obj: dict[str, Any], name: str, key: str, field: str, minimum: int = 0,
 
 @dataclass(frozen=True, slots=True)
 class SnapshotRef:
-    """A materialized snapshot object."""
+    """A materialized snapshot object.
+
+    Attributes:
+        key: the object.
+        size: its bytes.
+        key_groups: the key groups this reference stands for: the snapshot's own range, or the
+            part of it a restored backend owns (:meth:`restricted`).
+        materialization_id: the materialization that wrote it.
+    """
 
     key: str
     size: int
     key_groups: KeyGroupRange
     materialization_id: int
+
+    def restricted(self, key_groups: KeyGroupRange) -> SnapshotRef | None:
+        """This reference for the key groups it shares with ``key_groups`` only (``None``:
+        none)."""
+        r = self.key_groups.intersection(key_groups)
+        if not len(r):
+            return None
+        return self if r == self.key_groups else replace(self, key_groups=r)
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"key": self.key, "size": self.size, "key_groups": self.key_groups.to_json_obj(),
@@ -93,11 +109,14 @@ class ChangelogStateBackendHandle:
 
     @property
     def materialized_size(self) -> int:
-        return sum(s.size for s in self.materialized)
+        """Bytes of the snapshot objects (each once, however many ranges name it)."""
+        return sum({s.key: s.size for s in self.materialized}.values())
 
     @property
     def non_materialized_size(self) -> int:
-        return sum(h.stored_bytes for h in self.non_materialized)
+        """Stored bytes of the change sets (each once, however many ranges name it)."""
+        return sum({(r.key, r.offset): r.length for h in self.non_materialized
+                    for r in h.change_sets}.values())
 
     @property
     def full_size(self) -> int:

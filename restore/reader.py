@@ -216,7 +216,8 @@ class ChangelogReader:
 
         Raises:
             ObjectNotFoundError: a segment is missing (names the segment and the writer).
-            CorruptObjectError: a record fails verification (names segment and offset).
+            CorruptObjectError: a record fails verification, or holds a change outside the
+                writer's key-group range (names segment and offset).
             CacheFullError: (with a cache) a segment cannot be cached.
         """
         for _ref, kg, payload in self.read_located(handle, key_groups):
@@ -224,26 +225,36 @@ class ChangelogReader:
 
     def read_located(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
                      ) -> Iterator[tuple[ChangeSetRef, int, bytes]]:
-        """:meth:`read`, each change with the reference of its change set (its segment and
-        record offset: where an error found in the change is)."""
+        """:meth:`read`, each change with the reference of its change set (where it lies).
+
+        Every change must lie in the writer's key-group range (``handle.key_groups``) or be
+        metadata, whether ``key_groups`` keeps it or not.
+
+        Raises:
+            CorruptObjectError: as :meth:`read`, and for a change outside the writer's range
+                (names the segment and the record's offset).
+        """
+        log_range = (handle.key_groups.start, handle.key_groups.end)
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
                                  sqn=ref.sqn, max_change_set_bytes=self._max)
             for kg, payload in iter_body_changes(body, key=ref.key, offset=ref.offset,
-                                                 key_groups=key_groups):
+                                                 key_groups=key_groups, log_range=log_range):
                 yield ref, kg, payload
 
     def read_blocks(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
                     ) -> Iterator[tuple[ChangeSetRef, bytes, list[tuple[int, int, int]]]]:
         """Each change set of the handle, in sqn order, as its verified body and its key-group
         blocks ``(key_group, start, end)`` (:func:`~dstl.segment.body_blocks`): what the bulk
-        replay applies, one block at a time. Same checks and errors as :meth:`read`; the
-        changes' own framing is checked by whoever parses the blocks."""
+        replay applies, one block at a time. Same checks and errors as :meth:`read` (a block
+        outside the writer's range is corrupt, kept or not); the changes' own framing is checked
+        by whoever parses the blocks."""
+        log_range = (handle.key_groups.start, handle.key_groups.end)
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
                                  sqn=ref.sqn, max_change_set_bytes=self._max)
             yield ref, body, body_blocks(body, key=ref.key, offset=ref.offset,
-                                         key_groups=key_groups)
+                                         key_groups=key_groups, log_range=log_range)
 
     def _records(self, handle: ChangelogHandle) -> Iterator[tuple[ChangeSetRef, bytes]]:
         refs = list(handle.change_sets)

@@ -3,24 +3,31 @@
 Theory of operation (Flink's ``ChangelogBackendRestoreOperation``, plus what it lacks)
 --------------------------------------------------------------------------------------
 1. Parse and validate the handles (untrusted input; JSON strings are accepted).
-2. Build an empty backend for the new key-group range (the range may differ from the old ones:
-   several old handles on scale-in, part of one on scale-out; old handles that do not intersect
-   the new range are not read at all).
-3. Load the materialized snapshots: for each snapshot object, read its tail, its metadata block
-   (the state registry at that time) and ONLY the key-group blocks in the new range — with ranged
-   reads, or through the process's :class:`~restore.cache.LocalFileCache`.
-4. Replay the non-materialized change sets in sqn order, per handle, WITHOUT logging them again;
-   metadata records rebuild the state registry. State ids are mapped by state name per snapshot
-   and per log, so backends that numbered their states differently can be merged.
-5. Install the restored snapshot and log handles as the base of the new backend's next
-   checkpoints (until its first materialization), as Flink does; its new writer continues.
+2. Plan (:func:`restore.plan.plan_restore`, pure): for every key group of the new range, the
+   history the handles tell of it — which snapshot, then which change sets in which order —
+   each change set once per key group whatever handles are passed (after any sequence of
+   rescales, the same handle twice, two checkpoints of one backend); handles that tell two
+   different histories of a key group are refused.
+3. Build an empty backend for the new key-group range.
+4. Load the planned snapshots: for each snapshot reference, read its tail, its metadata block
+   (the state registry at that time) and ONLY the key-group blocks it is loaded for — with
+   ranged reads, or through the process's :class:`~restore.cache.LocalFileCache`.
+5. Replay the planned change sets in plan order, each for its key groups only, WITHOUT logging
+   them again; metadata records rebuild the state registry. State ids are mapped by state name
+   per snapshot and per log (log id and writer range), so backends that numbered their states
+   differently can be merged. A change outside its log's key-group range, or outside the
+   key groups the plan replays it for, is corruption (:class:`CorruptObjectError` naming the
+   segment and the record's offset), never skipped.
+6. Install the planned snapshot and log handles — the new backend's share of the old ones,
+   nothing more — as the base of its next checkpoints (until its first materialization), as
+   Flink does; its new writer continues.
 
-Steps 1 and the choice of what to read are a pure planner, :func:`plan_restore` (handles + the new
-range -> :class:`RestorePlan`: which snapshot objects and which changelog handles to read, which
-operator id and parallelism); :func:`restore_backend` builds the backend and executes the plan
-(steps 3-5, the I/O). Strict: a missing or corrupt object is a typed error that names the object,
-the offset and the checkpoint. A restore that fails closes what it opened (no leaked threads or
-writers).
+Steps 1-2 are a pure planner, :func:`restore.plan.plan_restore` (handles + the new range ->
+:class:`~restore.plan.RestorePlan`: which snapshot references and which changelog handles to
+read, for which key groups, which operator id and parallelism); :func:`restore_backend` builds
+the backend and executes the plan (steps 3-6, the I/O). Strict: a missing or corrupt object is a
+typed error that names the object, the offset and the checkpoint. A restore that fails closes
+what it opened (no leaked threads or writers).
 
 Every error of a stored object names the object: decoders of its parts (a change payload, a
 state value, a metadata record, an entry) name placeholders, and the replay and the snapshot
@@ -58,8 +65,8 @@ from dstl.errors import (
     UsageError,
     located,
 )
-from dstl.handle import ChangelogHandle
-from dstl.keygroups import KeyGroupRange
+from dstl.handle import ChangelogHandle, ChangeSetRef
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.storage import ChangelogStorage
 from dstl.stores.base import BlobStore
 from dstl.timer import Timer, check_timer
@@ -79,6 +86,7 @@ from restore.file_restore import (
 )
 from restore.gcpause import collector_paused
 from restore.leasing import LeasingCache, ObjectLease
+from restore.plan import RestorePlan, plan_restore
 from restore.reader import ChangelogReader, snapshot_verifier
 
 __all__ = ["RestorePlan", "RestoreStats", "plan_restore", "restore_backend"]
@@ -89,90 +97,6 @@ logger = logging.getLogger(__name__)
 class RestoreStats(dict[str, float]):
     """Figures of one restore: snapshots/change sets read, entries loaded, changes replayed,
     seconds per phase."""
-
-
-# --------------------------------------------------------------------------- the plan (pure)
-
-
-@dataclass(frozen=True, slots=True)
-class RestorePlan:
-    """What one restore reads, decided from the handles alone (no I/O).
-
-    Attributes:
-        operator_id: the restored backend's id.
-        max_parallelism: the job's number of key groups (the handles' own).
-        key_groups: the restored backend's range.
-        checkpoint: the checkpoint id(s) of the handles, for messages (``"?"`` without handles).
-        snapshots: the snapshot objects to load (each once, only those intersecting
-            ``key_groups``), in handle order.
-        logs: the changelog handles to replay after the snapshots (only those intersecting
-            ``key_groups``), in handle order.
-        materialization_id: the newest materialization among the handles.
-    """
-
-    operator_id: str
-    max_parallelism: int
-    key_groups: KeyGroupRange
-    checkpoint: str
-    snapshots: tuple[SnapshotRef, ...]
-    logs: tuple[ChangelogHandle, ...]
-    materialization_id: int
-
-
-def plan_restore(handles: Sequence[ChangelogStateBackendHandle], key_groups: KeyGroupRange, *,
-                 operator_id: str | None = None,
-                 max_parallelism: int | None = None) -> RestorePlan:
-    """Decide what a restore of ``key_groups`` from ``handles`` reads.
-
-    Args:
-        handles: the backends' handles of one checkpoint (parsed).
-        key_groups: the restored backend's range (rescaling: any range).
-        operator_id: default: the handles' id, when they agree.
-        max_parallelism: default: the handles' value (they must agree).
-
-    Raises:
-        UsageError: the operator id or max parallelism cannot be inferred, or ``max_parallelism``
-            differs from the handles' (key groups cannot be remapped).
-    """
-    snapshots: list[SnapshotRef] = []
-    logs: list[ChangelogHandle] = []
-    seen: set[str] = set()
-    for h in handles:
-        for ref in h.materialized:
-            if ref.key not in seen and len(ref.key_groups.intersection(key_groups)):
-                seen.add(ref.key)
-                snapshots.append(ref)
-        logs.extend(n for n in h.non_materialized if len(n.key_groups.intersection(key_groups)))
-    return RestorePlan(
-        operator_id=_operator_id(handles, operator_id),
-        max_parallelism=_max_parallelism(handles, max_parallelism),
-        key_groups=key_groups,
-        checkpoint=",".join(sorted({str(h.checkpoint_id) for h in handles})) or "?",
-        snapshots=tuple(snapshots), logs=tuple(logs),
-        materialization_id=max((h.materialization_id for h in handles), default=0))
-
-
-def _operator_id(handles: Sequence[ChangelogStateBackendHandle], given: str | None) -> str:
-    if given is not None:
-        return given
-    ids = {h.operator_id for h in handles}
-    if len(ids) != 1:
-        raise UsageError(f"cannot infer operator_id from handles of {sorted(ids)}; pass "
-                         "operator_id=")
-    return ids.pop()
-
-
-def _max_parallelism(handles: Sequence[ChangelogStateBackendHandle], given: int | None) -> int:
-    mps = {h.max_parallelism for h in handles}
-    if given is None:
-        if len(mps) != 1:
-            raise UsageError(f"handles disagree on max_parallelism ({sorted(mps)}); pass "
-                             "max_parallelism=")
-        return mps.pop()
-    if mps and mps != {given}:
-        raise UsageError(f"handles were written with max_parallelism {sorted(mps)}, not "
-                         f"{given}: key groups cannot be remapped")
-    return given
 
 
 def _parse(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
@@ -283,7 +207,7 @@ def _execute(plan: RestorePlan, backend: ChangelogKeyedStateBackend, storage: Ch
     st["snapshots"] = len(plan.snapshots)
     st["entries"] = entries
     t1 = time.monotonic()
-    _replay(backend, plan.logs, storage, cache, plan.key_groups, allow_pickle, st)
+    _replay(backend, plan.logs, storage, cache, allow_pickle, st)
     t2 = time.monotonic()
     backend.install_restored(plan.snapshots, plan.logs, plan.materialization_id)
     st.update({"snapshot_seconds": t1 - t0, "replay_seconds": t2 - t1, "total_seconds": t2 - t0})
@@ -385,7 +309,7 @@ def _load_snapshots(plan: RestorePlan, backend: ChangelogKeyedStateBackend, stor
                                                       verified=source.verified))
                 else:
                     any_v1 = True
-                    entries += _load_snapshot(backend, ref, source, plan.key_groups,
+                    entries += _load_snapshot(backend, ref, source, ref.key_groups,
                                               allow_pickle)
             finally:
                 source.close()
@@ -430,20 +354,38 @@ def _register_snapshot_states(backend: ChangelogKeyedStateBackend, reader: Snaps
     return remap
 
 
+def _check_scope(blocks: Sequence[tuple[int, int, int]], scope: KeyGroupRange,
+                 h: ChangelogHandle, ref: ChangeSetRef, backend: ChangelogKeyedStateBackend
+                 ) -> None:
+    """The reader filters by ``scope``; a block outside it means the filter failed: corrupt,
+    never applied."""
+    for kg, _, _ in blocks:
+        if kg != META_KEY_GROUP and kg not in scope:
+            raise CorruptObjectError(
+                ref.key, ref.offset, f"change set ({h.log_id!r}, sqn {ref.sqn}) gave key group "
+                f"{kg} for a replay of {scope} only (backend {backend.operator_id!r} owns "
+                f"{backend.key_groups})")
+
+
 def _replay(backend: ChangelogKeyedStateBackend, logs: Sequence[ChangelogHandle],
-            storage: ChangelogStorage, cache: LeasingCache | None, key_groups: KeyGroupRange,
-            allow_pickle: bool, st: RestoreStats) -> None:
-    """Apply the logs' change sets block by block (:mod:`materializer.replay`), inside the
-    table's bulk-restore batch; every error names the segment, the record and the change set."""
+            storage: ChangelogStorage, cache: LeasingCache | None, allow_pickle: bool,
+            st: RestoreStats) -> None:
+    """Apply the planned change sets block by block (:mod:`materializer.replay`), each for the
+    key groups it is planned for only, inside the table's bulk-restore batch; every error names
+    the segment, the record and the change set."""
     reader = ChangelogReader(storage, cache=cache,
                              max_change_set_bytes=storage.options.max_change_set_bytes)
     changes = 0
     sets = 0
+    # a log's state ids, by log (the same log id may name writers of different ranges)
+    remaps: dict[tuple[str, KeyGroupRange], dict[int, int]] = {}
     with backend.bulk_restore() as loader:
         for h in logs:
-            remap: dict[int, int] = {}  # each handle's log is self-describing
+            remap = remaps.setdefault((h.log_id, h.key_groups), {})
             replayer = BlockReplayer(backend, loader, remap, allow_pickle)
-            for ref, body, blocks in reader.read_blocks(h, key_groups=key_groups):
+            scope = h.replay_key_groups
+            for ref, body, blocks in reader.read_blocks(h, key_groups=scope):
+                _check_scope(blocks, scope, h, ref, backend)
                 try:
                     if loader is not None:
                         loader.step(len(body))

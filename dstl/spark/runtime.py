@@ -26,6 +26,7 @@ process its own :class:`~restore.cache.LocalFileCache` in ``<operator dir>/cache
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -178,9 +179,22 @@ def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
             logger.warning("executor agent connection lost; resetting DSTL runtime %s", key)
             rt.close()
             rt = None
+        if rt is not None and rt.pid == os.getpid() and not _same_operator(rt.cfg, cfg):
+            # the query restarted with other settings (e.g. `partitions`: a rescale) on the same
+            # Python workers: backends of the old layout must not serve the new one
+            logger.info("operator %s changed its configuration; resetting DSTL runtime %s",
+                        cfg.name, key)
+            rt.close()
+            rt = None
         if rt is None or rt.pid != os.getpid():  # never reuse across fork
             rt = _RUNTIMES[key] = WorkerRuntime(cfg)
         return rt
+
+
+def _same_operator(a: OperatorConfig, b: OperatorConfig) -> bool:
+    """Whether a runtime built for ``a`` serves ``b``: everything but the processor class, which
+    cloudpickle may ship as a new (equal) class with every task."""
+    return dataclasses.replace(a, processor=None) == dataclasses.replace(b, processor=None)
 
 
 def runtime_of(cfg: OperatorConfig) -> WorkerRuntime | None:

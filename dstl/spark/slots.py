@@ -63,7 +63,8 @@ def acquire(rt: WorkerRuntime, partition: int, task_input: TaskInput
 
 def _is_at_base(rt: WorkerRuntime, slot: Slot, partition: int, task_input: TaskInput) -> bool:
     """Whether this worker's backend of the partition is current."""
-    if slot.checkpoint_id != task_input.base_checkpoint:
+    if (slot.checkpoint_id != task_input.base_checkpoint
+            or slot.backend.key_groups != rt.cfg.key_groups(partition)):
         return False
     # An LMDB table is shared on disk by every worker of the executor: this worker's backend is
     # current only if no other worker has written the table since (the batch-id file says which
@@ -144,7 +145,7 @@ def _adopt(rt: WorkerRuntime, operator_id: str, key_groups: KeyGroupRange,
     backend = ChangelogKeyedStateBackend(rt.storage, operator_id, key_groups,
                                          cfg.max_parallelism, table=cfg.table,
                                          options=cfg.backend_options,
-                                         local_directory=rt.operator_dir,
+                                         local_directory=rt.operator_dir, adopt_local=True,
                                          auto_materialize=False)
     try:
         marker = _marker(backend)

@@ -1,0 +1,167 @@
+"""Replay refuses what the log could never contain (issue #12, item 3): a change whose key group
+lies outside its change set's recorded range, two change sets of one log with the same sqn in one
+segment, and a change for a key group the restoring backend does not own are corruption —
+typed errors naming the object and the offset, never silently applied or skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.segments import make_change_set
+
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
+from dstl.envelope import encode_header, encode_record, encode_trailer
+from dstl.errors import CorruptObjectError, UsageError
+from dstl.segment import (
+    SEGMENT_FORMAT,
+    ChangeSet,
+    IndexEntry,
+    _encode_index,
+    decode_segment,
+    encode_segment,
+)
+from dstl.stores import MemoryBlobStore
+from dstl.timer import ManualTimer
+from materializer.backend import ChangelogKeyedStateBackend
+from materializer.handles import ChangelogStateBackendHandle
+from materializer.options import BackendOptions
+from materializer.states import ValueStateDescriptor
+from restore import ChangelogReader, LocalFileCache
+from restore.restore import restore_backend
+
+MP = 32
+OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+WAIT = 10.0
+
+
+def _assemble(change_sets: list[ChangeSet]) -> bytes:
+    """A segment exactly as the encoder lays it out, without the encoder's checks (so tests can
+    build what a foreign or broken writer might have written)."""
+    parts = [encode_header(SEGMENT_FORMAT)]
+    entries = []
+    pos = len(parts[0])
+    for cs in change_sets:
+        record = encode_record(cs.body, SEGMENT_FORMAT, zstd_level=1, what="test")
+        parts.append(record)
+        entries.append(IndexEntry(cs.log_id, cs.sqn, cs.kg_min, cs.kg_max, pos, len(record),
+                                  cs.change_count, cs.payload_bytes))
+        pos += len(record)
+    index = _encode_index(entries)
+    parts += [index, struct.pack(">QII", pos, len(index), len(entries))]
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return b"".join([*parts, encode_trailer(crc)])
+
+
+def test_a_change_outside_its_indexed_key_group_range_is_corrupt() -> None:
+    cs = make_change_set("op", 0, [(-1, b"meta"), (3, b"a"), (7, b"b")])
+    assert (cs.kg_min, cs.kg_max) == (-1, 7)
+    decode_segment(_assemble([cs]), "seg")  # the honest one decodes
+    lying = dataclasses.replace(cs, kg_max=5)  # the index claims [-1, 5]; the body holds 7
+    data = _assemble([make_change_set("other", 4, [(1, b"x")]), lying])
+    with pytest.raises(CorruptObjectError, match=r"key group 7.*\[-1, 5\]") as info:
+        decode_segment(data, "segments/x.seg")
+    assert info.value.key == "segments/x.seg"
+    assert info.value.offset > 8  # the second record, not the header
+
+
+def test_duplicate_sqns_of_one_log_in_one_segment_are_corrupt() -> None:
+    a = make_change_set("op", 3, [(1, b"a")])
+    b = make_change_set("op", 3, [(1, b"b")])
+    with pytest.raises(CorruptObjectError, match=r"'op'.*sqn 3.*twice") as info:
+        decode_segment(_assemble([a, b]), "segments/dup.seg")
+    assert info.value.key == "segments/dup.seg"
+    # the same sqn of two different logs is fine
+    decode_segment(_assemble([a, make_change_set("op2", 3, [(1, b"b")])]), "ok")
+    with pytest.raises(UsageError, match="twice"):
+        encode_segment([a, b])
+
+
+def test_the_scheduler_never_puts_one_change_set_twice_into_a_segment() -> None:
+    """A writer closed with an upload still queued, and a new writer of the same log id in the
+    same flush window (a retry restoring in the same process): two segments, not one."""
+    timer = ManualTimer()
+    store = MemoryBlobStore()
+    with ChangelogStorage(store=store, timer=timer,
+                          options=DstlOptions(persist_delay_s=0.25)) as s:
+        first = s.create_writer("op", KeyGroupRange(0, 7))
+        first.append(1, b"old")
+        f_old = first.persist(0, 1)
+        first.close()
+        second = s.create_writer("op", KeyGroupRange(0, 7))
+        second.append(1, b"new")
+        f_new = second.persist(0, 1)
+        timer.advance(0.25)
+        h = f_new.result(WAIT)
+        assert f_old.exception(WAIT) is not None  # closed before its upload completed
+        assert [p for _, p in ChangelogReader(store).read(h)] == [b"new"]
+        segments = [o.key for o in store.list() if o.key.endswith(".seg")] or \
+            [o.key for o in store.list()]
+        for key in segments:
+            decode_segment(store.get(key), key)
+        assert len(segments) == 2
+
+
+@pytest.fixture
+def storage() -> Iterator[ChangelogStorage]:
+    s = ChangelogStorage(store=MemoryBlobStore(), options=DstlOptions(persist_delay_s=0.0))
+    yield s
+    s.close()
+
+
+def _one_backend_handle(storage: ChangelogStorage) -> ChangelogStateBackendHandle:
+    b = ChangelogKeyedStateBackend(storage, "op", KeyGroupRange(0, MP - 1), MP, options=OPTS)
+    v = b.get_state(ValueStateDescriptor("v"))
+    for i in range(40):
+        b.set_current_key(f"k{i}")
+        v.update(i)
+    h = b.snapshot(1).result(WAIT)
+    b.notify_checkpoint_complete(1)
+    b.close()
+    return h
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_change_outside_its_logs_range_is_corrupt_on_replay(storage: ChangelogStorage,
+                                                              tmp_path: Path,
+                                                              cached: bool) -> None:
+    """A handle says its writer owned [0, 7]; the change set holds other key groups: the
+    handle and the object disagree — refused, even for a restore of [0, 7] that would have
+    skipped them."""
+    h = _one_backend_handle(storage)
+    small = KeyGroupRange(0, 7)
+    log = h.non_materialized[0]
+    forged = dataclasses.replace(h, key_groups=small, non_materialized=(
+        dataclasses.replace(log, key_groups=small),))
+    cache = LocalFileCache(str(tmp_path / "cache")) if cached else None
+    try:
+        with pytest.raises(CorruptObjectError, match=r"outside.*\[0, 7\]") as info:
+            restore_backend([forged], storage, small, cache=cache)
+        assert info.value.key == log.change_sets[0].key
+        assert info.value.offset == log.change_sets[0].offset
+    finally:
+        if cache is not None:
+            cache.close()
+
+
+def test_a_change_the_backend_does_not_own_is_never_skipped(storage: ChangelogStorage) -> None:
+    h = _one_backend_handle(storage)
+    log = h.non_materialized[0]
+    changes = list(ChangelogReader(storage).read(log))
+    meta = [p for kg, p in changes if kg == -1]
+    kg, payload = next((kg, p) for kg, p in changes if kg >= 8)
+    b = ChangelogKeyedStateBackend(storage, "small", KeyGroupRange(0, 7), MP, options=OPTS)
+    try:
+        remap: dict[int, int] = {}
+        for m in meta:
+            b.apply_change(-1, m, remap=remap)
+        with pytest.raises(CorruptObjectError, match=rf"key group {kg}.*\[0, 7\]"):
+            b.apply_change(kg, payload, remap=remap)
+    finally:
+        b.close()
