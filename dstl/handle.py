@@ -31,7 +31,7 @@ from dstl.errors import (
     UnsafePathError,
     UsageError,
 )
-from dstl.keygroups import KeyGroupRange
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, KeyGroupRange
 from dstl.stores.base import check_key
 from dstl.untrusted import load_json
 
@@ -89,7 +89,12 @@ def handle_key_groups(v: object, key: str, field: str) -> KeyGroupRange:
 
 @dataclass(frozen=True, slots=True)
 class ChangeSetRef:
-    """Where one change set lives: a record ``[offset, offset + length)`` of segment ``key``."""
+    """Where one change set lives: a record ``[offset, offset + length)`` of segment ``key``.
+
+    ``kg_min``/``kg_max``: the key-group range the writer recorded for the change set (as in the
+    segment's index; -1 = metadata), so a ranged read, which never reads the index, can check
+    the record against it. ``None`` in references written before issue #12.
+    """
 
     sqn: int
     key: str
@@ -97,10 +102,23 @@ class ChangeSetRef:
     length: int
     change_count: int
     payload_bytes: int
+    kg_min: int | None = None
+    kg_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kg_min is None) != (self.kg_max is None) or (
+                self.kg_min is not None and self.kg_max is not None
+                and not -1 <= self.kg_min <= self.kg_max < MAX_PARALLELISM_LIMIT):
+            raise UsageError(f"change-set reference ({self.key}@{self.offset}): key-group range "
+                             f"[{self.kg_min}, {self.kg_max}] is not -1 <= min <= max < "
+                             f"{MAX_PARALLELISM_LIMIT}")
 
     def to_json_obj(self) -> list[Any]:
-        return [self.sqn, self.key, self.offset, self.length, self.change_count,
-                self.payload_bytes]
+        out: list[Any] = [self.sqn, self.key, self.offset, self.length, self.change_count,
+                          self.payload_bytes]
+        if self.kg_min is not None:
+            out += [self.kg_min, self.kg_max]
+        return out
 
     @classmethod
     def from_json_obj(cls, obj: Any, *, key: str = DEFAULT_WHERE,
@@ -109,18 +127,24 @@ class ChangeSetRef:
 
         Raises:
             MalformedHandleError: not ``[sqn, key, offset, length, change_count,
-                payload_bytes]`` with each in range.
+                payload_bytes]`` (or that plus ``[kg_min, kg_max]``) with each in range.
             UnsafeHandleKeyError: the segment key could escape the storage root.
         """
-        if not isinstance(obj, list) or len(obj) != 6:
+        if not isinstance(obj, list) or len(obj) not in (6, 8):
             raise MalformedHandleError(key, 0, field, f"{obj!r:.120} is not [sqn, key, offset, "
-                                                      "length, change_count, payload_bytes]")
-        sqn, seg, offset, length, cc, pb = obj
+                                                      "length, change_count, payload_bytes] or "
+                                                      "that plus [kg_min, kg_max]")
+        sqn, seg, offset, length, cc, pb = obj[:6]
+        kgs = [handle_int(v, key, f"{field}[{6 + i}]", -1, MAX_PARALLELISM_LIMIT - 1)
+               for i, v in enumerate(obj[6:])]
+        if kgs and kgs[0] > kgs[1]:
+            raise MalformedHandleError(key, 0, f"{field}[6]", f"key-group range [{kgs[0]}, "
+                                                              f"{kgs[1]}] is inverted")
         return cls(handle_int(sqn, key, f"{field}[0]"), handle_key(seg, key, f"{field}[1]"),
                    handle_int(offset, key, f"{field}[2]"),
                    handle_int(length, key, f"{field}[3]", 8, MAX_RECORD_LENGTH),
                    handle_int(cc, key, f"{field}[4]", 0, (1 << 32) - 1),
-                   handle_int(pb, key, f"{field}[5]"))
+                   handle_int(pb, key, f"{field}[5]"), *kgs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -507,7 +507,7 @@ class _SegmentUpload:
                 e = entries[i]
                 i += 1
                 pairs.append((cs, ChangeSetRef(cs.sqn, key, e.offset, e.length, cs.change_count,
-                                               cs.payload_bytes)))
+                                               cs.payload_bytes, cs.kg_min, cs.kg_max)))
             results.append(pairs)
         if not self._claim_resolution():
             return

@@ -413,17 +413,22 @@ def decode_record(record: bytes | memoryview, *, key: str, offset: int, log_id: 
     return body
 
 
-def _check_in_log_range(kg: int, log_range: tuple[int, int], key: str, offset: int) -> None:
-    """A block's key group lies in the writer's range (the handle's), or the object is corrupt."""
-    if not log_range[0] <= kg <= log_range[1]:
+def _check_block_range(kg: int, log_range: tuple[int, int] | None,
+                       recorded: tuple[int, int] | None, key: str, offset: int) -> None:
+    """A block's key group lies in the writer's range (the handle's; metadata excepted) and in
+    the range recorded for its change set (index entry or reference), or the object is corrupt."""
+    if log_range is not None and kg != -1 and not log_range[0] <= kg <= log_range[1]:
         raise CorruptObjectError(key, offset, f"change set holds key group {kg}, outside its "
                                               f"log's range [{log_range[0]}, {log_range[1]}]",
                                  hint="the handle and the object disagree")
+    if recorded is not None and not recorded[0] <= kg <= recorded[1]:
+        raise CorruptObjectError(key, offset, f"change set holds key group {kg}, outside its "
+                                              f"recorded range [{recorded[0]}, {recorded[1]}]")
 
 
 def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
-                key_groups: object = None,
-                log_range: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
+                key_groups: object = None, log_range: tuple[int, int] | None = None,
+                recorded: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
     """The key-group blocks of a verified body, as ``(key_group, start, end)``: the byte range
     of the block's ``u32 len | payload`` changes in ``body``, key groups ascending.
 
@@ -435,8 +440,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
         body: a body returned by :func:`decode_record` (already checksum-verified).
         key, offset: for error messages.
         key_groups: if given, a container of key groups to keep; metadata (-1) is always kept.
-        log_range: as for :func:`iter_body_changes`: a block outside the writer's range is
-            corruption, kept or not.
+        log_range, recorded: as for :func:`iter_body_changes`: a block outside the writer's
+            range or the recorded range is corruption, kept or not.
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and ``offset``.
@@ -460,8 +465,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
         bend = pos + blen
         if bend > end:
             raise TruncatedObjectError(key, offset, bend, end, "key-group block")
-        if log_range is not None and kg != -1:
-            _check_in_log_range(kg, log_range, key, offset)
+        if log_range is not None or recorded is not None:
+            _check_block_range(kg, log_range, recorded, key, offset)
         if key_groups is None or kg == -1 or kg in key_groups:  # type: ignore[operator]
             out.append((kg, pos, bend))
         pos = bend
@@ -471,8 +476,8 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
 
 
 def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0,
-                      key_groups: object = None,
-                      log_range: tuple[int, int] | None = None) -> Iterator[tuple[int, bytes]]:
+                      key_groups: object = None, log_range: tuple[int, int] | None = None,
+                      recorded: tuple[int, int] | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield ``(key_group, payload)`` of a verified body, key groups ascending, append order kept.
 
     Args:
@@ -482,6 +487,8 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
             metadata key group (-1) is always yielded.
         log_range: if given, the writer's inclusive key-group range ``(start, end)``: a block
             outside it (other than metadata) is corruption, whether kept or not.
+        recorded: if given, the ``(kg_min, kg_max)`` recorded for the change set (index entry,
+            or the handle's reference): every block, metadata included, must lie in it.
 
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and ``offset``.
@@ -501,8 +508,8 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
         bend = pos + blen
         if bend > end:
             raise TruncatedObjectError(key, offset, bend, end, "key-group block")
-        if log_range is not None and kg != -1:
-            _check_in_log_range(kg, log_range, key, offset)
+        if log_range is not None or recorded is not None:
+            _check_block_range(kg, log_range, recorded, key, offset)
         if key_groups is not None and kg != -1 and kg not in key_groups:  # type: ignore[operator]
             pos = bend
             continue

@@ -228,7 +228,8 @@ class ChangelogReader:
         """:meth:`read`, each change with the reference of its change set (where it lies).
 
         Every change must lie in the writer's key-group range (``handle.key_groups``) or be
-        metadata, whether ``key_groups`` keeps it or not.
+        metadata, and in the range recorded for its change set (the reference's ``kg_min``/
+        ``kg_max``, when it has them), whether ``key_groups`` keeps it or not.
 
         Raises:
             CorruptObjectError: as :meth:`read`, and for a change outside the writer's range
@@ -238,8 +239,11 @@ class ChangelogReader:
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
                                  sqn=ref.sqn, max_change_set_bytes=self._max)
+            recorded = (None if ref.kg_min is None or ref.kg_max is None
+                        else (ref.kg_min, ref.kg_max))
             for kg, payload in iter_body_changes(body, key=ref.key, offset=ref.offset,
-                                                 key_groups=key_groups, log_range=log_range):
+                                                 key_groups=key_groups, log_range=log_range,
+                                                 recorded=recorded):
                 yield ref, kg, payload
 
     def read_blocks(self, handle: ChangelogHandle, key_groups: Container[int] | None = None
@@ -247,14 +251,17 @@ class ChangelogReader:
         """Each change set of the handle, in sqn order, as its verified body and its key-group
         blocks ``(key_group, start, end)`` (:func:`~dstl.segment.body_blocks`): what the bulk
         replay applies, one block at a time. Same checks and errors as :meth:`read` (a block
-        outside the writer's range is corrupt, kept or not); the changes' own framing is checked
-        by whoever parses the blocks."""
+        outside the writer's range or its reference's recorded range is corrupt, kept or not);
+        the changes' own framing is checked by whoever parses the blocks."""
         log_range = (handle.key_groups.start, handle.key_groups.end)
         for ref, record in self._records(handle):
             body = decode_record(record, key=ref.key, offset=ref.offset, log_id=handle.log_id,
                                  sqn=ref.sqn, max_change_set_bytes=self._max)
+            recorded = (None if ref.kg_min is None or ref.kg_max is None
+                        else (ref.kg_min, ref.kg_max))
             yield ref, body, body_blocks(body, key=ref.key, offset=ref.offset,
-                                         key_groups=key_groups, log_range=log_range)
+                                         key_groups=key_groups, log_range=log_range,
+                                         recorded=recorded)
 
     def _records(self, handle: ChangelogHandle) -> Iterator[tuple[ChangeSetRef, bytes]]:
         refs = list(handle.change_sets)

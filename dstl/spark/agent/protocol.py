@@ -409,7 +409,7 @@ class PersistReply(Reply):
     def change_set_refs(self, sets: tuple[ChangeSet, ...]) -> list[tuple[ChangeSet, ChangeSetRef]]:
         """The upload scheduler's success pairs for the request's change sets."""
         return [(cs, ChangeSetRef(cs.sqn, key, offset, length, cs.change_count,
-                                  cs.payload_bytes))
+                                  cs.payload_bytes, cs.kg_min, cs.kg_max))
                 for cs, (key, offset, length) in zip(sets, self.refs, strict=True)]
 
 

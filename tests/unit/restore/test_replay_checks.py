@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.fakes import ScriptedStore
 from support.segments import make_change_set
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.envelope import encode_header, encode_record, encode_trailer
 from dstl.errors import CorruptObjectError, UsageError
+from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.segment import (
     SEGMENT_FORMAT,
     ChangeSet,
@@ -87,7 +89,7 @@ def test_the_scheduler_never_puts_one_change_set_twice_into_a_segment() -> None:
     """A writer closed with an upload still queued, and a new writer of the same log id in the
     same flush window (a retry restoring in the same process): two segments, not one."""
     timer = ManualTimer()
-    store = MemoryBlobStore()
+    store = ScriptedStore()  # records every put
     with ChangelogStorage(store=store, timer=timer,
                           options=DstlOptions(persist_delay_s=0.25)) as s:
         first = s.create_writer("op", KeyGroupRange(0, 7))
@@ -101,11 +103,8 @@ def test_the_scheduler_never_puts_one_change_set_twice_into_a_segment() -> None:
         h = f_new.result(WAIT)
         assert f_old.exception(WAIT) is not None  # closed before its upload completed
         assert [p for _, p in ChangelogReader(store).read(h)] == [b"new"]
-        segments = [o.key for o in store.list() if o.key.endswith(".seg")] or \
-            [o.key for o in store.list()]
-        for key in segments:
-            decode_segment(store.get(key), key)
-        assert len(segments) == 2
+        decode_segment(store.get(h.change_sets[0].key), h.change_sets[0].key)
+        assert len(store.puts) == 2, store.puts  # one window, two segments
 
 
 @pytest.fixture
@@ -165,3 +164,42 @@ def test_a_change_the_backend_does_not_own_is_never_skipped(storage: ChangelogSt
             b.apply_change(kg, payload, remap=remap)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_change_outside_its_recorded_range_is_corrupt_on_every_read_path(
+        storage: ChangelogStorage, tmp_path: Path, cached: bool) -> None:
+    """The index and the handle's reference both record [0, 5]; the body holds key group 7
+    (inside the writer's range [0, 31]): ranged reads check the reference, the cache checks the
+    index when it verifies the whole segment."""
+    lying = dataclasses.replace(make_change_set("op", 0, [(7, b"junk")]), kg_min=0, kg_max=5)
+    data = _assemble([lying])
+    key = "dstl/forged.seg"
+    storage.store.put(key, data)
+    offset = 8  # the first record follows the header
+    length = len(encode_record(lying.body, SEGMENT_FORMAT, zstd_level=1, what="test"))
+    ref = ChangeSetRef(0, key, offset, length, 1, 4, 0, 5)
+    log = ChangelogHandle("op", KeyGroupRange(0, MP - 1), 0, 1, (ref,))
+    h = ChangelogStateBackendHandle("op", KeyGroupRange(0, MP - 1), 1, 0, (), (log,), 0, MP)
+    cache = LocalFileCache(str(tmp_path / "cache")) if cached else None
+    try:
+        with pytest.raises(CorruptObjectError, match=r"key group 7.*\[0, 5\]") as info:
+            restore_backend([h], storage, KeyGroupRange(0, MP - 1), cache=cache)
+        assert info.value.key == key and info.value.offset == offset
+    finally:
+        if cache is not None:
+            cache.close()
+
+
+def test_references_record_their_key_group_range(storage: ChangelogStorage) -> None:
+    h = _one_backend_handle(storage)
+    refs = [r for log in h.non_materialized for r in log.change_sets]
+    assert refs and all(r.kg_min == -1 and r.kg_max is not None and r.kg_max < MP for r in refs)
+    assert ChangelogStateBackendHandle.from_json(h.to_json()) == h
+    # references of older handles (six fields) still parse
+    old = ChangeSetRef.from_json_obj([0, "dstl/k.seg", 8, 10, 1, 1])
+    assert (old.kg_min, old.kg_max) == (None, None)
+    for bad in ([0, "dstl/k.seg", 8, 10, 1, 1, 5], [0, "dstl/k.seg", 8, 10, 1, 1, 5, 4],
+                [0, "dstl/k.seg", 8, 10, 1, 1, -2, 4], [0, "dstl/k.seg", 8, 10, 1, 1, 0, True]):
+        with pytest.raises(UsageError):
+            ChangeSetRef.from_json_obj(bad)
