@@ -20,6 +20,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -44,7 +45,7 @@ KEYS = [f"k{i}" for i in range(24)]
 WAIT = 10.0
 OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
 DEEP = os.environ.get("DSTL_DEEP") == "1" or os.environ.get("HYPOTHESIS_PROFILE") == "deep"
-EXAMPLES, STEPS = (300, 100) if DEEP else (25, 50)
+EXAMPLES, STEPS = (200, 100) if DEEP else (25, 50)
 TABLES = st.lists(st.sampled_from(["heap", "lmdb"]), min_size=8, max_size=8)
 
 #: figures over the whole run (printed at the end)
@@ -183,6 +184,7 @@ class RescaleMachine(RuleBasedStateMachine):
             SEQUENCES.append(" -> ".join(self.sequence))
 
 
+@pytest.mark.timeout(3600 if DEEP else 300)
 def test_rescale_sequences_match_a_dict_model() -> None:
     n = int(os.environ.get("DSTL_RESCALE_SEED", "0" if not DEEP else random.randrange(1 << 30)))
     print(f"rescale machine: seed={n} (DSTL_RESCALE_SEED={n} replays it), examples={EXAMPLES}, "
