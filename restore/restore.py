@@ -46,7 +46,6 @@ import struct
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from dstl.checks import (
     check_bool,
@@ -62,7 +61,6 @@ from dstl.errors import (
     DstlError,
     ObjectNotFoundError,
     StorageError,
-    UsageError,
     located,
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
