@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.envelope import encode_header, encode_record, encode_trailer
 from dstl.errors import CorruptObjectError, UsageError
 from dstl.handle import ChangelogHandle, ChangeSetRef
+from dstl.scheduler import UploadTask
 from dstl.segment import (
     SEGMENT_FORMAT,
     ChangeSet,
@@ -86,25 +88,32 @@ def test_duplicate_sqns_of_one_log_in_one_segment_are_corrupt() -> None:
 
 
 def test_the_scheduler_never_puts_one_change_set_twice_into_a_segment() -> None:
-    """A writer closed with an upload still queued, and a new writer of the same log id in the
-    same flush window (a retry restoring in the same process): two segments, not one."""
+    """Two queued tasks carrying the same change set ``(log id, sqn)`` in one flush window (a
+    writer closed with an upload queued and a new writer of the same log id, e.g. a retry
+    restoring in the same process): two segments, each decodable, not one that every reader
+    refuses. Fails without ``_segment_groups`` (one segment: encode_segment refuses it and both
+    tasks fail)."""
     timer = ManualTimer()
     store = ScriptedStore()  # records every put
     with ChangelogStorage(store=store, timer=timer,
                           options=DstlOptions(persist_delay_s=0.25)) as s:
-        first = s.create_writer("op", KeyGroupRange(0, 7))
-        first.append(1, b"old")
-        f_old = first.persist(0, 1)
-        first.close()
-        second = s.create_writer("op", KeyGroupRange(0, 7))
-        second.append(1, b"new")
-        f_new = second.persist(0, 1)
+        results: list[object] = []
+
+        def task(payload: bytes) -> UploadTask:
+            cs = make_change_set("op", 1, [(1, payload)])
+            return UploadTask([cs], on_success=lambda refs: results.append(refs[0][1]),
+                              on_failure=lambda _cs, exc: results.append(exc))
+
+        s.scheduler.upload(task(b"old"))
+        s.scheduler.upload(task(b"new"))
         timer.advance(0.25)
-        h = f_new.result(WAIT)
-        assert f_old.exception(WAIT) is not None  # closed before its upload completed
-        assert [p for _, p in ChangelogReader(store).read(h)] == [b"new"]
-        decode_segment(store.get(h.change_sets[0].key), h.change_sets[0].key)
+        deadline = time.monotonic() + WAIT
+        while len(results) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(results) == 2 and all(isinstance(r, ChangeSetRef) for r in results), results
         assert len(store.puts) == 2, store.puts  # one window, two segments
+        for key in store.puts:
+            decode_segment(store.get(key), key)
 
 
 @pytest.fixture
