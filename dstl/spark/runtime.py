@@ -194,7 +194,8 @@ def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
 def _same_operator(a: OperatorConfig, b: OperatorConfig) -> bool:
     """Whether a runtime built for ``a`` serves ``b``: everything but the processor class, which
     cloudpickle may ship as a new (equal) class with every task."""
-    return dataclasses.replace(a, processor=None) == dataclasses.replace(b, processor=None)
+    return all(getattr(a, f.name) == getattr(b, f.name)
+               for f in dataclasses.fields(a) if f.name != "processor")
 
 
 def runtime_of(cfg: OperatorConfig) -> WorkerRuntime | None:
