@@ -46,6 +46,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator

@@ -13,13 +13,15 @@ dead processes (a restore killed midway) are removed by the next restore in that
 
 Then one of three ways, chosen by :func:`install_file_snapshots`:
 
-1. **install** — LMDB target, one snapshot, its key groups inside the restored range, the same
-   state ids: check the staged environment (layout, key-group bounds) and delete its table
-   marker (:func:`materializer.lmdb_files.check_environment`), then rename it into the table's
-   place (:meth:`~materializer.backend.ChangelogKeyedStateBackend.replace_table`). No per-entry
-   work.
+1. **install** — LMDB target, one snapshot, its key groups inside the restored range and its
+   reference standing for all of them (the restore plan did not restrict it), the same state
+   ids: check the staged environment (layout, key-group bounds) and delete its table marker
+   (:func:`materializer.lmdb_files.check_environment`), then rename it into the table's place
+   (:meth:`~materializer.backend.ChangelogKeyedStateBackend.replace_table`). No per-entry work.
 2. **range copy** — LMDB target, several snapshots or only part of one (rescaling), or state ids
-   that differ: build a new environment from the owned key-group ranges of every staged file
+   that differ: build a new environment from the key groups each staged file is loaded for
+   (those of the restored range that its reference, as the restore plan restricted it, stands
+   for; the rest of the object is another snapshot's history or nobody's)
    (:func:`materializer.lmdb_files.build_environment`: sorted cursor reads, append-mode
    ``putmulti``, state ids rewritten when needed), then rename it into place as in 1.
 3. **entries** — the heap table, or an LMDB restore that also loads v1 snapshots (their entries
@@ -175,8 +177,8 @@ def install_file_snapshots(backend: ChangelogKeyedStateBackend, staged: Sequence
         entries = check_environment(s.directory, s.layout.meta.key_groups, key=s.ref.key)
         backend.replace_table(s.directory)
         return entries
-    sources = [RangeSource(s.directory, s.ref.key, s.layout.meta.key_groups.intersection(key_groups),
-                           r) for s, r in zip(staged, remaps)]
+    sources = [RangeSource(s.directory, s.ref.key, _share(s, key_groups), r)
+               for s, r in zip(staged, remaps)]
     for s in staged:   # bounds and layout of every source before copying
         check_environment(s.directory, s.layout.meta.key_groups, key=s.ref.key)
     target = os.path.join(new_staging_directory(parent), "env")
@@ -188,16 +190,26 @@ def install_file_snapshots(backend: ChangelogKeyedStateBackend, staged: Sequence
     return entries
 
 
+def _share(s: StagedSnapshot, key_groups: KeyGroupRange) -> KeyGroupRange:
+    """The key groups this snapshot is loaded for: those of the restored range that its
+    reference stands for (a restore plan restricts a reference to the key groups whose history
+    it starts; the rest of the object's range is another snapshot's, or nobody's)."""
+    return s.layout.meta.key_groups.intersection(s.ref.key_groups).intersection(key_groups)
+
+
 def _installable(s: StagedSnapshot, remap: dict[int, int], key_groups: KeyGroupRange) -> bool:
+    """The staged table may become the backend's as it is: it holds only key groups of the
+    restored range, its reference stands for all of them, and its state ids are the backend's."""
     kgs = s.layout.meta.key_groups
     return (kgs.start >= key_groups.start and kgs.end <= key_groups.end
+            and _share(s, key_groups) == kgs
             and all(a == b for a, b in remap.items()))
 
 
 def _load_entries(backend: ChangelogKeyedStateBackend, s: StagedSnapshot, remap: dict[int, int],
                   key_groups: KeyGroupRange) -> int:
     """Entry by entry (heap table, or mixed with v1 snapshots)."""
-    wanted = s.layout.meta.key_groups.intersection(key_groups)
+    wanted = _share(s, key_groups)
     if not len(wanted):
         return 0
     n = 0
