@@ -375,8 +375,15 @@ def rename(src, dst):
     if installing and mode == "after-rename":
         os.kill(os.getpid(), signal.SIGKILL)
 backend_mod.os.rename = rename
+real_open_tables = backend_mod.ChangelogKeyedStateBackend._open_tables
+def open_tables(self, *args):
+    # "restoring" once the restore has replaced the previous table by an empty one: a kill
+    # before that point would find the previous table as it was, which no restore can help
+    tables = real_open_tables(self, *args)
+    print("restoring", flush=True)
+    return tables
+backend_mod.ChangelogKeyedStateBackend._open_tables = open_tables
 storage = ChangelogStorage(store=LocalBlobStore(store_dir), options=DstlOptions(persist_delay_s=0))
-print("restoring", flush=True)
 r = restore_backend([handle], storage, KeyGroupRange(0, 63), table="lmdb", local_directory=local)
 print("done", flush=True)
 r.close()

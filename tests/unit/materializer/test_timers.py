@@ -206,7 +206,7 @@ def test_lmdb_adopting_backend_sees_the_index_without_a_rebuild(storage: Changel
     states = {str(sid): m for sid, m in b.table_marker(h).states.items()}
     b.close()
     # another worker opens the same on-disk table (the Spark adopt path): no restore
-    a = _backend(storage, "lmdb", local_directory=str(tmp_path))
+    a = _backend(storage, "lmdb", local_directory=str(tmp_path), adopt_local=True)
     for sid, meta in states.items():
         a.register_restored_state(meta, int(sid))
     at = TimerService(a)
