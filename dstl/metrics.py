@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["Counter", "Histogram", "MetricsRegistry"]
+__all__ = ["Counter", "Histogram", "MetricsRegistry", "merged_snapshot"]
 
 _WINDOW = 1000
 
@@ -46,18 +46,26 @@ class Histogram:
             self._samples.append(value)
             self.count += 1
 
-    def summary(self) -> dict[str, float]:
+    def state(self) -> tuple[list[float], int]:
+        """The window's samples and the total count (for merging histograms)."""
         with self._lock:
-            xs = sorted(self._samples)
-            count = self.count
-        if not xs:
-            return {"count": float(count), "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+            return list(self._samples), self.count
 
-        def pct(p: float) -> float:
-            return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
+    def summary(self) -> dict[str, float]:
+        xs, count = self.state()
+        return _summary(sorted(xs), count)
 
-        return {"count": float(count), "mean": sum(xs) / len(xs), "p50": pct(0.50),
-                "p99": pct(0.99), "max": xs[-1]}
+
+def _summary(xs: list[float], count: int) -> dict[str, float]:
+    """The exported figures of sorted samples ``xs`` (``count``: all samples ever)."""
+    if not xs:
+        return {"count": float(count), "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+
+    def pct(p: float) -> float:
+        return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
+
+    return {"count": float(count), "mean": sum(xs) / len(xs), "p50": pct(0.50),
+            "p99": pct(0.99), "max": xs[-1]}
 
 
 class MetricsRegistry:
@@ -97,3 +105,34 @@ class MetricsRegistry:
         for name, fn in gauges.items():
             out[f"{p}{name}"] = float(fn())
         return out
+
+    def parts(self) -> tuple[dict[str, float], dict[str, Histogram]]:
+        """Counters and gauges as values, and the histograms themselves (by full name)."""
+        with self._lock:
+            counters = dict(self._counters)
+            hists = dict(self._histograms)
+            gauges = dict(self._gauges)
+        p = self.prefix
+        values = {f"{p}{n}": c.value for n, c in counters.items()}
+        values.update({f"{p}{n}": float(fn()) for n, fn in gauges.items()})
+        return values, {f"{p}{n}": h for n, h in hists.items()}
+
+
+def merged_snapshot(registries: list[MetricsRegistry]) -> dict[str, float]:
+    """The :meth:`MetricsRegistry.snapshot` of several registries as one: counters and gauges
+    summed, histograms merged from their samples (a percentile or mean of several histograms is
+    not the sum, nor the mean, of theirs; the max is the max)."""
+    out: dict[str, float] = {}
+    merged: dict[str, tuple[list[float], int]] = {}
+    for reg in registries:
+        values, hists = reg.parts()
+        for k, v in values.items():
+            out[k] = out.get(k, 0.0) + v
+        for name, h in hists.items():
+            xs, count = h.state()
+            acc = merged.setdefault(name, ([], 0))
+            merged[name] = (acc[0] + xs, acc[1] + count)
+    for name, (xs, count) in merged.items():
+        for k, v in _summary(sorted(xs), count).items():
+            out[f"{name}.{k}"] = v
+    return out

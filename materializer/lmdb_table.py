@@ -513,6 +513,22 @@ class LmdbStateTable:
             self._exit_read()
         return n
 
+    def stats(self) -> dict[str, int]:
+        """Cheap figures for progress reports, O(1) (no scan, unlike ``len``): ``entries``
+        (records in the environment, the layout and marker records included) and
+        ``disk_bytes`` (the pages in use: what a copy of the environment would hold)."""
+        self._check_usable()
+        self._enter_read()
+        try:
+            st = self._env.stat()
+            info = self._env.info()
+        except lmdb.Error as exc:
+            raise self._translate(exc, "stat") from exc
+        finally:
+            self._exit_read()
+        return {"entries": int(st["entries"]),
+                "disk_bytes": (int(info["last_pgno"]) + 1) * int(st["psize"])}
+
     # ------------------------------------------------------------------ writes
 
     def put(self, state_id: int, key_group: int, key: bytes, namespace: bytes,

@@ -449,6 +449,11 @@ class HeapStateTables:
                 count += 1
         return count
 
+    def stats(self) -> dict[str, int]:
+        """Figures for progress reports: ``entries`` over all states (``disk_bytes`` 0: the
+        heap has no file; its memory is not measured)."""
+        return {"entries": sum(len(t) for t in self._tables.values()), "disk_bytes": 0}
+
     def close(self) -> None:
         """Drop all tables. Idempotent."""
         self._closed = True

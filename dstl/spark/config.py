@@ -109,6 +109,8 @@ class TaskInput:
         processing_time_ms: the batch's processing time (epoch ms; the driver's clock at the
             batch's start; ``-1``: unknown).
         watermark_ms: the batch's watermark (epoch ms; ``-1``: no watermark configured).
+        driver_version: the driver's DSTL version; a task whose own differs fails at once
+            (``""``: not checked).
     """
 
     batch_id: int
@@ -117,3 +119,4 @@ class TaskInput:
     retained: tuple[int, ...] = ()
     processing_time_ms: int = -1
     watermark_ms: int = -1
+    driver_version: str = ""

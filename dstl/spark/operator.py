@@ -55,6 +55,8 @@ from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.processor import StatefulProcessor
+from dstl.spark.progress import RECENT_PROGRESS, ProgressListener, ProgressTracker, progress_record
+from dstl.spark.prometheus import MetricsSnapshot, PrometheusExporter
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
 from dstl.spark.timing import (
     EVENT_TIME_COLUMN,
@@ -165,6 +167,10 @@ class DstlStatefulOperator:
             without a checkpoint, each of its rows goes to the processor's
             ``handle_initial_state(key, initial_state, timer_values)`` (a dict of the row)
             before the batch's input; never again (a restart starts from its checkpoint).
+        metrics_port: serve Prometheus metrics on this driver port (``0``: any free port;
+            :attr:`metrics_port` then holds it); ``None`` (default): Spark conf
+            ``spark.dstl.metrics.port``, else no endpoint. Needs ``prometheus_client``
+            (``pip install 'dstl[metrics]'``); see :mod:`dstl.spark.prometheus`.
     """
 
     def __init__(self, *, name: str, processor: type, key_column: str, output_schema: str,
@@ -178,7 +184,8 @@ class DstlStatefulOperator:
                  event_time_column: str | None = None, watermark_delay: Any = None,
                  late_rows: str = "drop",
                  late_sink: Callable[[Any, int], None] | None = None,
-                 initial_state: Any = None) -> None:
+                 initial_state: Any = None,
+                 metrics_port: int | None = None) -> None:
         _check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
                          partitions=partitions, max_parallelism=max_parallelism, table=table,
@@ -189,6 +196,12 @@ class DstlStatefulOperator:
         self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
                                 late_sink, key_column)
         self.initial_state = _check_initial_state(initial_state, processor, key_column)
+        if metrics_port is not None:
+            check_int(metrics_port, "metrics_port", _OWNER, lo=0, hi=65535,
+                      fix="a TCP port for the driver's Prometheus endpoint, or None")
+        self.metrics_port = metrics_port
+        self._exporter: PrometheusExporter | None = None
+        self._totals: dict[str, float] = {}
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -207,8 +220,10 @@ class DstlStatefulOperator:
         self.local_dir = check_optional_path(local_dir, "local_dir", _OWNER)
         self.agent = agent
         self._ready: _Ready | None = None
-        #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics
+        #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics; the
+        #: last RECENT_PROGRESS batches (older entries are dropped: the driver stays flat)
         self.batch_stats: list[dict[str, Any]] = []
+        self._progress = ProgressTracker(RECENT_PROGRESS)
         #: the executor agents' latest log lines, as reported with the last batch
         self.agent_logs: list[str] = []
         #: the processing-time clock, epoch ms (the driver's wall clock; tests replace it)
@@ -221,7 +236,8 @@ class DstlStatefulOperator:
             return self._ready
         from dstl.stores import open_store
 
-        conf = dict(spark.sparkContext.getConf().getAll())
+        static = dict(spark.sparkContext.getConf().getAll())
+        conf = {**static, **_runtime_conf(spark)}
         out = _spark_schema(spark, self.output_schema)
         config = self._task_config(conf, out, _session_time_zone(spark))
         # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's
@@ -234,11 +250,38 @@ class DstlStatefulOperator:
         except BaseException:
             store.close()
             raise
-        self._ready = _Ready(store, coordinator, config, out)
+        try:
+            self._start_exporter(conf)
+        except BaseException:
+            coordinator.close()
+            store.close()
+            raise
+        self._ready = _Ready(store, coordinator, config, out, _dstl_keys(static),
+                             _dstl_keys(conf))
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
                     store.location, self.table, latest.checkpoint_id if latest else "none")
         return self._ready
+
+    def _start_exporter(self, conf: Mapping[str, str]) -> None:
+        """Start the Prometheus endpoint if a port is set (argument, else conf)."""
+        port = self.metrics_port
+        raw = conf.get(_METRICS_PORT_KEY)
+        if port is None and raw not in (None, "", "none", "None"):
+            try:
+                port = int(str(raw))
+            except ValueError:
+                port = -1
+            if not 0 <= port <= 65535:
+                raise ConfigError(_METRICS_PORT_KEY, raw, "a TCP port 0 … 65535",
+                                  owner="spark conf")
+        if port is None or self._exporter is not None:
+            return
+        self._exporter = PrometheusExporter(self.name, port,
+                                            conf.get(_METRICS_HOST_KEY, "0.0.0.0"))
+        self.metrics_port = self._exporter.port
+        logger.info("operator %s serves Prometheus metrics on port %d", self.name,
+                    self._exporter.port)
 
     def _task_config(self, conf: Mapping[str, str], out_schema: Any,
                      time_zone: str = "UTC") -> OperatorConfig:
@@ -272,11 +315,38 @@ class DstlStatefulOperator:
 
     # ------------------------------------------------------------------ per batch
 
+    @property
+    def last_progress(self) -> dict[str, Any] | None:
+        """The last batch's progress record (shaped like Spark's ``StreamingQueryProgress``,
+        :mod:`dstl.spark.progress`); ``None`` before the first batch."""
+        return self._progress.last
+
+    @property
+    def recent_progress(self) -> list[dict[str, Any]]:
+        """The last (at most ``RECENT_PROGRESS`` = 100) batches' progress records, oldest
+        first."""
+        return self._progress.recent
+
+    def add_listener(self, listener: ProgressListener) -> None:
+        """Call ``listener(progress)`` after each batch (after the sink returned); an exception
+        it raises is logged and ignored.
+
+        Raises:
+            ConfigTypeError: not callable.
+        """
+        self._progress.add_listener(listener)
+
+    def remove_listener(self, listener: ProgressListener) -> bool:
+        """Stop calling ``listener``; whether it was registered."""
+        return self._progress.remove_listener(listener)
+
     def foreach_batch(self, df: Any, batch_id: int) -> None:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``)."""
         started = time.monotonic()
+        wall_start = time.time()
         ready = self._ensure_ready(df.sparkSession)
         df = _without_heartbeat(df)
+        _check_conf_unchanged(self.name, ready, df.sparkSession, batch_id)
         key_type = self._key_type(df)
         task_input = self._task_input(ready.coordinator, batch_id)
         df, late_df = self._split_late(df, task_input.watermark_ms)
@@ -298,10 +368,34 @@ class DstlStatefulOperator:
         stats.update(processing_time_ms=task_input.processing_time_ms,
                      watermark_ms=task_input.watermark_ms, next_watermark_ms=next_wm)
         self.batch_stats.append(stats)
+        del self.batch_stats[:-RECENT_PROGRESS]
         self.agent_logs = [line for r in reports for line in r.agent_log][-10:]
-        logger.info("operator %s batch %d: %d rows in, %d out, %d timers, %d objects, %.3fs",
-                    self.name, batch_id, stats["rows_in"], stats["rows_out"],
-                    stats["timers_fired"], stats["objects_written"], stats["batch_seconds"])
+        progress = progress_record(self.name, self.partitions, self.table, stats, reports,
+                                   wall_start)
+        logger.info("operator %s progress %s", self.name,
+                    json.dumps(progress, separators=(",", ":")))
+        self._progress.record(progress)
+        if self._exporter is not None:
+            self._exporter.update(self._metrics_snapshot(ready.coordinator, stats, progress))
+
+    def _metrics_snapshot(self, coordinator: CheckpointCoordinator, stats: dict[str, Any],
+                          progress: dict[str, Any]) -> MetricsSnapshot:
+        """The Prometheus endpoint's view after this batch (running totals, the last batch,
+        the coordinator's and the agents' metrics)."""
+        t = self._totals
+        for name, key in _TOTALS:
+            t[name] = t.get(name, 0.0) + float(stats[key])
+        t["numberOfCompletedBatches"] = t.get("numberOfCompletedBatches", 0.0) + 1
+        state = progress["stateOperators"][0]
+        last = {"lastBatchId": float(stats["batch_id"]),
+                "lastBatchDurationMs": stats["batch_seconds"] * 1000,
+                "lastBatchTasksMs": stats["job_seconds"] * 1000,
+                "lastBatchManifestMs": stats["manifest_seconds"] * 1000,
+                "lastBatchRestoreMs": stats["restore_seconds"] * 1000,
+                "numRowsTotal": float(state["numRowsTotal"]),
+                "stateDiskBytes": float(state["diskBytes"])}
+        return MetricsSnapshot(self.name, dict(t), last, coordinator.stats(),
+                               dict(stats["agents"]))
 
     def _with_initial_state(self, df: Any) -> Any:
         """``df`` plus one row per row of ``initial_state``: its key (cast to the input's key
@@ -381,7 +475,8 @@ class DstlStatefulOperator:
                                        for t in base.tasks} if base is not None else {},
                          retained=tuple(sorted(m.checkpoint_id for m in retained)),
                          processing_time_ms=int(self.clock_ms()),
-                         watermark_ms=self._base_watermark(base))
+                         watermark_ms=self._base_watermark(base),
+                         driver_version=_driver_version())
 
     def _base_watermark(self, base: Manifest | None) -> int:
         """The batch's watermark: the one its base checkpoint committed (0 before any; -1: no
@@ -426,6 +521,10 @@ class DstlStatefulOperator:
                     .toArrow())
         except BaseException as exc:
             ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
+            deployment = _deployment_problem(str(exc))
+            if deployment is not None:
+                raise UsageError(f"operator {self.name!r}, batch {checkpoint_id}: "
+                                 f"{deployment}") from exc
             typed = _task_output_error(exc)
             if typed is not None:
                 raise typed from exc
@@ -462,7 +561,11 @@ class DstlStatefulOperator:
         return int(outputs.num_rows)
 
     def close(self) -> None:
-        """Stop the coordinator (pending deletions finish) and release the store."""
+        """Stop the coordinator (pending deletions finish), the metrics endpoint, and release
+        the store."""
+        exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.close()
         ready, self._ready = self._ready, None
         if ready is not None:
             ready.coordinator.close()
@@ -477,6 +580,8 @@ class _Ready:
     coordinator: CheckpointCoordinator
     task_config: OperatorConfig
     out_schema: Any  # the Spark schema of the output rows
+    static_conf: dict[str, str]  # spark.dstl.* of the SparkContext's conf (fixed for its life)
+    conf: dict[str, str]  # spark.dstl.* in effect: the SparkContext's and the session's
 
 
 @dataclass(frozen=True)
@@ -530,6 +635,85 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
 
 
 _INTERVAL_KEY = "spark.dstl.backend.materialization_interval_s"
+_METRICS_PORT_KEY = "spark.dstl.metrics.port"
+_METRICS_HOST_KEY = "spark.dstl.metrics.host"
+#: Prometheus running totals of the operator <- the batch_stats key they add up.
+_TOTALS = (("numRecordsIn", "rows_in"), ("numRecordsOut", "rows_out"),
+           ("numberOfSegments", "segments"), ("numberOfUploadedObjects", "objects_written"),
+           ("uploadedBytes", "bytes_written"), ("numberOfRestores", "restores"),
+           ("numberOfMaterializations", "materializations"),
+           ("numberOfDeletedObjects", "deleted"))
+
+
+def _same_jvm_session(a: Any, b: Any) -> bool:
+    """Whether two Python session objects wrap the same JVM session (a batch's DataFrame often
+    hands out a new wrapper of the user's session)."""
+    ja, jb = getattr(a, "_jsparkSession", None), getattr(b, "_jsparkSession", None)
+    return ja is not None and jb is not None and bool(ja.equals(jb))
+
+
+def _driver_version() -> str:
+    """The DSTL version the driver runs (every task checks its own against it)."""
+    import dstl
+
+    return dstl.__version__
+
+
+def _deployment_problem(error_text: str) -> str | None:
+    """What a failed job's error says about the executors' DSTL, if anything: a version other
+    than the driver's, or none at all (the user's code runs, DSTL cannot be imported)."""
+    from dstl.spark.task import VERSION_MISMATCH
+
+    for line in error_text.splitlines():
+        if VERSION_MISMATCH in line:
+            return line[line.index(VERSION_MISMATCH):][:800]
+    if "No module named 'dstl'" in error_text or "No module named 'materializer'" in \
+            error_text:
+        return ("the executors' Python cannot import DSTL (No module named 'dstl'): set "
+                "PYSPARK_PYTHON to an interpreter that has the driver's DSTL installed, or ship "
+                "it with a packed virtualenv (--archives) or a container image (docs/deploy.md)")
+    return None
+
+
+def _runtime_conf(spark: Any) -> dict[str, str]:
+    """The session's runtime conf (``spark.conf``: what ``spark.conf.set`` changed)."""
+    return {str(k): str(v) for k, v in spark.conf.getAll.items()}
+
+
+def _dstl_keys(conf: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in conf.items() if k.startswith("spark.dstl.")}
+
+
+def _check_conf_unchanged(name: str, ready: _Ready, session: Any, batch_id: int) -> None:
+    """Refuse to run a batch under ``spark.dstl.*`` settings other than those the operator
+    started with: they are read once (the executors' workers and agent keep the options they
+    started with), so a change made with ``spark.conf.set`` after the first batch would otherwise
+    be ignored. Looks at the batch's session (under Structured Streaming a clone of the user's,
+    taken when the query started) and at the user's session (where ``spark.conf.set`` lands).
+
+    Raises:
+        ConfigError: naming the changed key(s), the value in effect and the fix.
+    """
+    from pyspark.sql import SparkSession
+
+    sessions = [session]
+    default = getattr(SparkSession, "_instantiatedSession", None)
+    if default is not None and default is not session and not _same_jvm_session(default,
+                                                                                session):
+        sessions.append(default)  # each read is one py4j round trip with every key
+    for s in sessions:
+        now = {**ready.static_conf, **_dstl_keys(_runtime_conf(s))}
+        changed = sorted(k for k in now.keys() | ready.conf.keys()
+                         if now.get(k) != ready.conf.get(k))
+        if changed:
+            key = changed[0]
+            raise ConfigError(key, now.get(key, "<unset>"), "the value the operator started "
+                              f"with ({ready.conf.get(key, '<unset>')!r})", owner="spark conf",
+                              fix=f"operator {name!r} (batch {batch_id}): spark.dstl.* settings "
+                                  "are read once, at the first batch, and the executors keep "
+                                  "them; changed since: " + ", ".join(changed) + ". Set them "
+                                  "back (spark.conf.set / unset), or stop the query and start "
+                                  "a new Spark application with the new values")
 
 
 def _with_interval(explicit: BackendOptions | None, conf: Mapping[str, str],

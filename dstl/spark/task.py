@@ -36,12 +36,13 @@ also writes its own segment.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstl.errors import BackendFailedError
+from dstl.errors import BackendFailedError, UsageError
 from dstl.handle import ChangeSetRef
 from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
@@ -84,6 +85,7 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     """The body of one ``mapInArrow`` task (see the module docstring); ``partition`` defaults
     to the Spark task's partition id. Yields Arrow record batches: the output rows, then the
     report row."""
+    check_version(task_input.driver_version)
     partition, attempt = _task_identity(partition)
     rt = runtime_for(cfg)
     started = time.monotonic()
@@ -95,6 +97,7 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
             if cfg.table == "lmdb":
                 rt.write_table_batch_id(partition, task_input.batch_id)
             committed_at = time.monotonic()
+            table = _table_stats(slot.backend)
         except BaseException:
             rt.drop(partition)
             rt.write_table_batch_id(partition, None)
@@ -104,8 +107,30 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     if rt.agent is not None:
         agent_metrics, agent_log = _register_commit(rt.agent, cfg, slot.backend, run.handle)
     report = _report(partition, attempt, access, run, started, committed_at, agent_metrics,
-                     agent_log)
+                     agent_log, table)
     yield from _record_batches(cfg, run.outputs, report)
+
+
+#: The start of the message of a task whose DSTL differs from the driver's (the driver finds it
+#: in the failed job's error).
+VERSION_MISMATCH = "DSTL version mismatch"
+
+
+def check_version(driver_version: str) -> None:
+    """Fail the task at once when this executor imports another DSTL than the driver runs: the
+    task reports and handles they exchange are only defined within one version.
+
+    Raises:
+        UsageError: naming both versions, where this one was imported from, and the fix.
+    """
+    import dstl
+
+    if driver_version and driver_version != dstl.__version__:
+        raise UsageError(f"{VERSION_MISMATCH}: the driver runs DSTL {driver_version}, this "
+                         f"executor's Python ({sys.executable}) imports DSTL {dstl.__version__} "
+                         f"from {os.path.dirname(dstl.__file__ or '?')}; ship the driver's DSTL "
+                         "to the executors (a packed virtualenv through --archives with "
+                         "PYSPARK_PYTHON, or a container image: docs/deploy.md)")
 
 
 def _task_identity(partition: int | None) -> tuple[int, int]:
@@ -353,7 +378,7 @@ def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: Changelog
 
 def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, started: float,
             committed_at: float, agent_metrics: dict[str, float] | None,
-            agent_log: tuple[str, ...]) -> TaskReport:
+            agent_log: tuple[str, ...], table: dict[str, int]) -> TaskReport:
     return TaskReport(
         partition=partition, attempt=attempt, pid=os.getpid(), handle=run.handle, slot=access,
         rows_in=run.rows_in, rows_out=run.rows_out, keys=run.keys,
@@ -363,7 +388,14 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
         segment_keys=tuple(sorted({r.key for r in run.new_refs})),
         log_bytes=sum(r.length for r in run.new_refs), snapshot=run.snapshot,
         agent_metrics=agent_metrics, agent_log=agent_log,
-        max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired)
+        max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired,
+        state_entries=table["entries"], state_disk_bytes=table["disk_bytes"])
+
+
+def _table_stats(backend: ChangelogKeyedStateBackend) -> dict[str, int]:
+    """The partition table's O(1) figures for the driver's progress record, as committed."""
+    stats: dict[str, int] = backend.tables.stats()
+    return stats
 
 
 def _record_batches(cfg: OperatorConfig, outputs: Any, report: TaskReport) -> Iterator[Any]:

@@ -14,7 +14,12 @@ base URI.
 plain path, file://    :class:`LocalBlobStore` (temp file + fsync + atomic link + dir fsync)
 memory://              :class:`FsspecBlobStore` over fsspec's memory filesystem (process-wide)
 s3://, s3a://          :class:`FsspecBlobStore` over ``s3fs.S3FileSystem``
-hdfs://host:port/path  :class:`FsspecBlobStore` over fsspec's Arrow HDFS filesystem
+hdfs://host:port/path  :class:`FsspecBlobStore` over fsspec's Arrow HDFS filesystem (needs a
+                       Hadoop client: libhdfs, a JVM, the Hadoop classpath)
+gs://, gcs://          :class:`FsspecBlobStore` over ``gcsfs`` (>= 2024.12: write-once through
+                       ``ifGenerationMatch=0``)
+abfs://, abfss://, az://  :class:`FsspecBlobStore` over ``adlfs`` (write-once through
+                       ``overwrite=False``: an ``If-None-Match: *`` upload)
 ``filesystem=fs``      :class:`FsspecBlobStore` over the given filesystem (wrappers, fakes)
 =====================  ====================================================================
 
@@ -56,7 +61,7 @@ from dstl.stores.base import (
     is_retryable,
     translate_error,
 )
-from dstl.stores.fsspec_store import FsspecBlobStore
+from dstl.stores.fsspec_store import FsspecBlobStore, write_once_primitive
 from dstl.stores.local import LocalBlobStore
 from dstl.stores.memory import MemoryBlobStore
 
@@ -64,7 +69,11 @@ __all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "LocalBlobStore"
            "MemoryBlobStore", "ObjectInfo", "check_key", "check_store", "check_store_uri",
            "is_retryable", "open_store", "translate_error"]
 
-SUPPORTED_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs")
+SUPPORTED_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs", "gs", "gcs", "abfs", "abfss", "az")
+#: Azure URIs may name the account: ``abfs://container@account.dfs.core.windows.net/path``.
+_AZURE_SCHEMES = ("abfs", "abfss", "az")
+#: The first gcsfs whose ``pipe_file(mode="create")`` is a ``ifGenerationMatch=0`` upload.
+GCSFS_MIN_VERSION = "2024.12.0"
 #: RFC 3986 scheme syntax.
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: A "path" starting like a URI scheme of two or more characters (one letter would be a
@@ -93,7 +102,8 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
 
     Args:
         base_uri: a local path (``str`` or ``os.PathLike``), or a ``file://``, ``memory://``,
-            ``s3://``/``s3a://`` or ``hdfs://`` URI (form rules: :func:`check_store_uri`);
+            ``s3://``/``s3a://``, ``gs://``/``gcs://``, ``abfs://``/``abfss://``/``az://`` or
+            ``hdfs://`` URI (form rules: :func:`check_store_uri`);
             with ``filesystem``, a path (or URL) that filesystem understands.
         storage_options: passed to the fsspec filesystem (for S3: ``key``, ``secret``,
             ``token``, ``profile``, ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``,
@@ -110,7 +120,9 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
         The store.
 
     Raises:
-        ConfigError: unsupported scheme, malformed URI (also ``s3:/x``-like "paths"),
+        ConfigError: unsupported scheme, malformed URI (also ``s3:/x``-like "paths"), a
+            missing filesystem package (gcsfs, adlfs: named) or one without a write-once
+            primitive, no Hadoop client for ``hdfs://``,
             credentials embedded in the URI, ``storage_options`` for a store that takes none
             or together with ``filesystem``; ConfigTypeError: an argument of the wrong type.
         AccessDeniedError: (with ``validate``) missing or wrong credentials, no such bucket, or
@@ -138,7 +150,8 @@ def check_store_uri(base_uri: object, storage_options: Mapping[str, Any] | None 
                     owner: str = "open_store", field: str = "base_uri") -> str:
     """``base_uri`` as a string if its form is one :func:`open_store` accepts — checked without
     touching any store (the Spark operator checks its ``state_uri`` on the driver this way) —
-    and ``storage_options`` are given only to a store that takes them (``s3://``, ``hdfs://``).
+    and ``storage_options`` are given only to a store that takes them (not ``file://``,
+    ``memory://`` or a path).
 
     A plain path is a local directory. Anything that starts like a URI scheme (``s3:``,
     ``file:``, ``ftp:``) must be a complete ``scheme://`` URI of a supported scheme: ``s3:/typo``
@@ -159,7 +172,8 @@ def check_store_uri(base_uri: object, storage_options: Mapping[str, Any] | None 
         raise ConfigError(field, _redact(uri), _SUPPORTED_TEXT, owner=owner,
                           fix=f"{scheme_text!r:.40} is not a supported scheme")
     parts = urllib.parse.urlsplit(uri)
-    if parts.username is not None or parts.password is not None:
+    if parts.password is not None or (parts.username is not None
+                                       and scheme not in _AZURE_SCHEMES):
         raise ConfigError(field, _redact(uri), "a URI without user info", owner=owner,
                           fix="pass credentials in storage_options")
     if parts.query or parts.fragment or uri.endswith(("?", "#")):
@@ -211,7 +225,7 @@ def _check_uri_location(scheme: str, parts: urllib.parse.SplitResult, uri: str, 
     if scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise ConfigError(field, uri, "file:///absolute/path (no host)", owner=owner)
-    elif scheme in ("s3", "s3a"):
+    elif scheme in ("s3", "s3a", "gs", "gcs"):
         if _BUCKET_RE.fullmatch(parts.netloc) is None:
             raise ConfigError(field, _redact(uri), f"{scheme}://bucket/prefix with a bucket "
                               "name of letters, digits, '.', '-' and '_'", owner=owner)
@@ -219,6 +233,13 @@ def _check_uri_location(scheme: str, parts: urllib.parse.SplitResult, uri: str, 
         if any(seg in ("", ".", "..") for seg in segments):
             raise ConfigError(field, _redact(uri), f"{scheme}://bucket/prefix without empty, "
                               "'.' or '..' path segments", owner=owner)
+    elif scheme in _AZURE_SCHEMES:
+        container = parts.username if parts.username is not None else parts.netloc
+        if _BUCKET_RE.fullmatch(container or "") is None or (
+                parts.username is not None and not parts.hostname):
+            raise ConfigError(field, _redact(uri), f"{scheme}://container/path or "
+                              f"{scheme}://container@account.dfs.core.windows.net/path",
+                              owner=owner)
     elif scheme == "hdfs":
         try:
             parts.port  # noqa: B018 - parsing the port is the check
@@ -232,7 +253,7 @@ def _no_storage_options(storage_options: Mapping[str, Any] | None, what: str,
     if storage_options:
         raise ConfigError("storage_options", f"<{len(storage_options)} options>",
                           f"None or empty for {what}", owner=owner,
-                          fix="storage_options configure s3:// and hdfs:// stores; was the "
+                          fix="storage_options configure s3://, gs://, abfs:// and hdfs:// stores; was the "
                               "URI meant to be one?")
 
 
@@ -259,6 +280,10 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
                                 location=base_uri.rstrip("/"), retry=retry)
     elif scheme in ("s3", "s3a"):
         store = _open_s3(scheme, parts, storage_options, retry)
+    elif scheme in ("gs", "gcs"):
+        store = _open_gcs(scheme, parts, storage_options, retry)
+    elif scheme in _AZURE_SCHEMES:
+        store = _open_azure(scheme, parts, storage_options, retry)
     else:
         store = _open_hdfs(parts, storage_options, retry)
     return _validated(store) if validate else store
@@ -309,9 +334,84 @@ def _open_hdfs(parts: urllib.parse.SplitResult, storage_options: dict[str, Any] 
         raise ConfigError("base_uri", parts.geturl(), "hdfs://host:port/path with a numeric "
                           "port", owner="open_store") from exc
     opts = {**(storage_options or {}), "skip_instance_cache": True}
-    fs = fsspec.filesystem("hdfs", host=host, port=port, **opts)
+    try:
+        fs = fsspec.filesystem("hdfs", host=host, port=port, **opts)
+    except (OSError, ImportError) as exc:
+        text = str(exc)
+        if not any(s in text for s in _HADOOP_CLIENT_MISSING) and not isinstance(
+                exc, ImportError):
+            raise translate_error(exc, op="open", key=None,
+                                  location=f"hdfs://{parts.netloc}") from exc
+        raise ConfigError("base_uri", parts.geturl(), "hdfs:// with a working Hadoop client on "
+                          "this host", owner="open_store",
+                          fix="install a Hadoop client (libhdfs) and a JVM on the driver and "
+                              "every executor, and set JAVA_HOME, HADOOP_HOME (or "
+                              "ARROW_LIBHDFS_DIR) and CLASSPATH=$(hadoop classpath --glob); "
+                              f"pyarrow said: {text.splitlines()[0] if text else exc!r:.200}"
+                          ) from exc
     location = f"hdfs://{parts.netloc}{parts.path}".rstrip("/")
     return FsspecBlobStore(fs, parts.path or "/", location=location, retry=retry)
+
+
+#: Messages of pyarrow's HadoopFileSystem when the client, not the cluster, is missing.
+_HADOOP_CLIENT_MISSING = ("libjvm", "libhdfs", "JAVA_HOME", "CLASSPATH", "HADOOP_HOME",
+                          "NoClassDefFoundError", "ClassNotFoundException")
+
+
+def _import_filesystem(module: str, scheme: str, uri: str, package: str) -> Any:
+    """``module`` imported, or a ConfigError naming the package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError("base_uri", _redact(uri), f"{scheme}:// with the {package!r} "
+                          "package installed", owner="open_store",
+                          fix=f"pip install '{package}' on the driver and every executor "
+                              f"({exc})") from exc
+
+
+def _open_gcs(scheme: str, parts: urllib.parse.SplitResult,
+              storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+              ) -> FsspecBlobStore:
+    """GCS through gcsfs, refused unless its ``pipe_file`` creates objects only if absent."""
+    uri = parts.geturl()
+    gcsfs = _import_filesystem("gcsfs", scheme, uri, f"gcsfs>={GCSFS_MIN_VERSION}")
+    fs = gcsfs.GCSFileSystem(**{**(storage_options or {}), "skip_instance_cache": True})
+    if write_once_primitive(fs) != "mode":
+        raise ConfigError("base_uri", _redact(uri), f"{scheme}:// with a gcsfs that writes "
+                          "an object only if absent (pipe_file(mode='create'))",
+                          owner="open_store",
+                          fix=f"pip install 'gcsfs>={GCSFS_MIN_VERSION}' (installed: "
+                              f"{getattr(gcsfs, '__version__', 'unknown')}); DSTL's objects "
+                              "are write-once")
+    prefix = parts.path.strip("/")
+    root = f"{parts.netloc}/{prefix}" if prefix else parts.netloc
+    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=parts.netloc,
+                           retry=retry)
+
+
+def _open_azure(scheme: str, parts: urllib.parse.SplitResult,
+                storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+                ) -> FsspecBlobStore:
+    """Azure Blob / ADLS Gen2 through adlfs (``overwrite=False`` is its write-once upload);
+    ``container@account.<host>`` sets ``account_name`` unless storage_options do."""
+    uri = parts.geturl()
+    adlfs = _import_filesystem("adlfs", scheme, uri, "adlfs")
+    opts = {**(storage_options or {}), "skip_instance_cache": True}
+    container = parts.netloc
+    if parts.username is not None:
+        container = parts.username
+        opts.setdefault("account_name", (parts.hostname or "").split(".", 1)[0])
+    fs = adlfs.AzureBlobFileSystem(**opts)
+    if write_once_primitive(fs) is None:
+        raise ConfigError("base_uri", _redact(uri), f"{scheme}:// with an adlfs that writes "
+                          "an object only if absent", owner="open_store",
+                          fix="pip install --upgrade adlfs; DSTL's objects are write-once")
+    prefix = parts.path.strip("/")
+    root = f"{container}/{prefix}" if prefix else container
+    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=container,
+                           retry=retry)
 
 
 _S = TypeVar("_S", LocalBlobStore, FsspecBlobStore)

@@ -66,11 +66,25 @@ T = TypeVar("T")
 _DELETE_BATCH = 1000
 
 
-def _takes_mode(fs: fsspec.AbstractFileSystem) -> bool:
+#: Azure filesystems (adlfs): ``overwrite=False`` is an ``If-None-Match: *`` upload.
+_AZURE_PROTOCOLS = frozenset({"abfs", "abfss", "az"})
+
+
+def write_once_primitive(fs: fsspec.AbstractFileSystem) -> str | None:
+    """How ``fs`` creates an object only if absent, atomically in the service: ``"mode"``
+    (``pipe_file(mode="create")``: s3fs's ``If-None-Match: *``, gcsfs's ``ifGenerationMatch=0``),
+    ``"overwrite"`` (adlfs: ``overwrite=False``), or ``None`` (no such primitive: an existence
+    check before the write, which is not atomic)."""
     try:
-        return "mode" in inspect.signature(fs.pipe_file).parameters
+        params = inspect.signature(fs.pipe_file).parameters
     except (TypeError, ValueError):  # builtins or C callables without a signature
-        return False
+        return None
+    if "mode" in params:
+        return "mode"
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "overwrite" in params and _AZURE_PROTOCOLS.intersection(protocols):
+        return "overwrite"
+    return None
 
 
 class FsspecBlobStore:
@@ -108,10 +122,11 @@ class FsspecBlobStore:
         self._sleep = sleep
         self._draw = draw
         self._bucket = bucket
-        self._create_mode = _takes_mode(fs)
+        self._create = write_once_primitive(fs)
         self._lock = threading.Lock()
         _log.info("opened fsspec blob store %s (%s, write-once via %s)", self.location,
-                  type(fs).__name__, "mode='create'" if self._create_mode else "existence check")
+                  type(fs).__name__, {"mode": "mode='create'", "overwrite": "overwrite=False"}
+                  .get(self._create or "", "existence check"))
 
     def __repr__(self) -> str:
         return f"FsspecBlobStore({self.location!r})"
@@ -353,8 +368,17 @@ class FsspecBlobStore:
         return f"{self._root}/{check_key(key)}"
 
     def _pipe(self, fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-        if self._create_mode:
+        if self._create == "mode":
             fs.pipe_file(path, data, mode="create")
+            return
+        if self._create == "overwrite":
+            try:
+                fs.pipe_file(path, data, overwrite=False)
+            except Exception as exc:
+                # older adlfs lets azure's ResourceExistsError through
+                if type(exc).__name__ == "ResourceExistsError":
+                    raise FileExistsError(path) from exc
+                raise
             return
         try:
             fs.info(path)

@@ -89,7 +89,7 @@ def test_missing_credentials_fail_at_open_and_say_how_to_pass_them(
     assert boto3_client(moto_endpoint).list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 0
 
 
-@pytest.mark.parametrize("uri", ["ftp://host/dir", "gs://bucket/app", "abfs://c/app",
+@pytest.mark.parametrize("uri", ["ftp://host/dir", "wasb://c/app", "adl://c/app",
                                  "http://example.com/x"])
 def test_unknown_scheme_lists_supported_ones(uri: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 
 from dstl.errors import ClosedError, DstlError
 from dstl.handle import ChangeSetRef
+from dstl.metrics import merged_snapshot
 from dstl.scheduler import UploadTask
 from dstl.segment import ChangeSet
 from dstl.spark.agent.cache import AgentCacheService
@@ -179,14 +180,14 @@ class AgentServer:
             return ()
 
     def metrics(self) -> dict[str, float]:
-        """``agent.*``: the agent's own counters, its storages' metrics summed, its cache's
+        """``agent.*``: the agent's own counters, its storages' metrics merged, its cache's
         stats and its materializer's counters."""
         out: dict[str, float] = {"agent.pid": float(os.getpid()),
                                  "agent.requests": float(self.requests_served),
                                  "agent.connections": float(self.connections_accepted)}
-        for st in list(self.storages.values()):
-            for k, v in st.metrics().items():
-                out[f"agent.{k}"] = out.get(f"agent.{k}", 0.0) + v
+        # one storage per store the agent writes to: counters add up, histograms merge
+        merged = merged_snapshot([st.metrics_registry for st in list(self.storages.values())])
+        out.update({f"agent.{k}": v for k, v in merged.items()})
         cache = self.cache_service
         if cache is not None:
             out.update({f"agent.cache.{k}": float(v) for k, v in cache.stats().items()})

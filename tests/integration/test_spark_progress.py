@@ -1,0 +1,196 @@
+"""Issue #17 on a real local SparkSession: per-batch progress records (bounded, with a listener
+that raises), the bounded ``batch_stats``, the driver's Prometheus endpoint scraped and parsed,
+and runtime ``spark.conf.set("spark.dstl.…")`` changes refused instead of ignored — also inside
+a real streaming query, whose batches run on a clone of the user's session."""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from spark_support import spark  # noqa: F401
+
+import dstl.spark.operator as operator_module
+from dstl.errors import ConfigError, UsageError
+from dstl.spark import DstlStatefulOperator, StatefulProcessor
+
+pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
+
+
+class Count(StatefulProcessor):
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        c = (self.count.get() or 0) + sum(1 for _ in rows)
+        self.count.update(c)
+        yield {"key": key, "count": c}
+
+
+def _op(tmp: Path, table: str, **kw: Any) -> DstlStatefulOperator:
+    return DstlStatefulOperator(name="prog", processor=Count, key_column="key",
+                                output_schema="key string, count long",
+                                state_uri=str(tmp / "store"), partitions=2, max_parallelism=16,
+                                table=table, local_dir=str(tmp / "local"),
+                                materialization_interval_s=0.0, **kw)
+
+
+def _scrape(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_progress_listener_prometheus_and_bounded_stats(
+        spark: Any, tmp_path: Path, table: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(operator_module, "RECENT_PROGRESS", 3)
+    op = _op(tmp_path, table, metrics_port=0)
+    seen: list[dict[str, Any]] = []
+
+    def broken(progress: dict[str, Any]) -> None:
+        raise RuntimeError("monitoring hook bug")
+
+    op.add_listener(broken)
+    op.add_listener(seen.append)
+    batches = [[f"k{i % (3 + b)}" for i in range(10 + b)] for b in range(5)]
+    try:
+        with caplog.at_level(logging.INFO, logger="dstl.spark"):
+            for batch_id, keys in enumerate(batches):
+                op.foreach_batch(spark.createDataFrame([(k,) for k in keys], "key string"),
+                                 batch_id)
+        assert [p["batchId"] for p in seen] == [0, 1, 2, 3, 4]
+        assert [p["numInputRows"] for p in seen] == [len(b) for b in batches]
+        assert len(op.batch_stats) == 3 and [s["batch_id"] for s in op.batch_stats] == [2, 3, 4]
+        assert [p["batchId"] for p in op.recent_progress] == [2, 3, 4]
+        last = op.last_progress
+        assert last is not None and last == seen[-1]
+        distinct = len(set().union(*map(set, batches)))
+        st = last["stateOperators"][0]
+        assert st["numRowsUpdated"] == len(set(batches[-1]))
+        if table == "heap":
+            assert st["numRowsTotal"] == distinct  # one value state: one entry per key
+            assert st["diskBytes"] == 0
+        else:  # LMDB counts its layout and marker records too, and has pages on disk
+            assert distinct < st["numRowsTotal"] <= distinct + 16
+            assert st["diskBytes"] > 0
+        assert st["customMetrics"]["materializations"] >= 1
+        assert last["durationMs"]["triggerExecution"] >= last["durationMs"]["tasks"] > 0
+        # one progress line per batch, parseable JSON; the broken listener logged 5 times
+        lines = [r.getMessage() for r in caplog.records if " progress {" in r.getMessage()]
+        assert len(lines) == 5
+        assert json.loads(lines[-1].split(" progress ", 1)[1]) == last
+        assert sum("monitoring hook bug" in (r.exc_text or "") for r in caplog.records) == 5
+
+        assert op.metrics_port is not None and op.metrics_port > 0
+        fams = _scrape(op.metrics_port)
+        assert fams["dstl_operator_numRecordsIn"].samples[0].value == sum(map(len, batches))
+        assert fams["dstl_operator_numberOfCompletedBatches"].samples[0].value == 5
+        assert fams["dstl_operator_lastBatchId"].samples[0].value == 4
+        assert fams["dstl_CheckpointCoordinator_numberOfCompletedCheckpoints"].samples[0].value \
+            == 5
+        agents = {s.labels["agent"] for s in
+                  fams["dstl_ChangelogStorage_numberOfUploadRequests"].samples}
+        assert agents and all(a.isdigit() for a in agents)
+        assert fams["dstl_ChangelogStorage_uploadSizes"].type == "summary"
+    finally:
+        op.close()
+    with pytest.raises(OSError):  # the endpoint is gone with the operator
+        _scrape(op.metrics_port)
+
+
+def test_runtime_conf_changes_are_read_at_start_and_refused_after(
+        spark: Any, tmp_path: Path) -> None:  # noqa: F811
+    df = spark.createDataFrame([("a",), ("b",)], "key string")
+    try:
+        # set on the session before the first batch: read (it used to be ignored)
+        spark.conf.set("spark.dstl.zstd_level", "5")
+        spark.conf.set("spark.dstl.upload_threads", "0")
+        with pytest.raises(ConfigError, match="upload_threads"):
+            _op(tmp_path / "bad", "heap").validate(spark)
+        spark.conf.unset("spark.dstl.upload_threads")
+        op = _op(tmp_path / "ok", "heap")
+        op.foreach_batch(df, 0)
+        assert op.coordinator is not None
+        ready = op._ready
+        assert ready is not None and ready.task_config.dstl_options.zstd_level == 5
+        # changed at runtime: the next batch is refused, naming the key and both values
+        spark.conf.set("spark.dstl.backend.max_failures", "9")
+        with pytest.raises(ConfigError, match=r"spark\.dstl\.backend\.max_failures") as e:
+            op.foreach_batch(df, 1)
+        assert "'9'" in str(e.value) and "<unset>" in str(e.value)
+        spark.conf.set("spark.dstl.zstd_level", "6")
+        spark.conf.unset("spark.dstl.backend.max_failures")
+        with pytest.raises(ConfigError, match=r"zstd_level.*'5'"):
+            op.foreach_batch(df, 1)
+        spark.conf.set("spark.dstl.zstd_level", "5")  # set back: runs, state intact
+        out: list[Any] = []
+        op.sink = lambda d, b: out.extend(d.collect())
+        op.foreach_batch(df, 1)
+        assert sorted((r["key"], r["count"]) for r in out) == [("a", 2), ("b", 2)]
+        op.close()
+    finally:
+        for k in ("spark.dstl.zstd_level", "spark.dstl.upload_threads",
+                  "spark.dstl.backend.max_failures"):
+            spark.conf.unset(k)
+
+
+def test_streaming_query_refuses_a_runtime_change(spark: Any, tmp_path: Path) -> None:  # noqa: F811
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "0.json").write_text("\n".join(json.dumps({"key": k}) for k in "abca"))
+    totals: Counter[str] = Counter()
+    op = _op(tmp_path, "heap")
+    op.sink = lambda d, b: totals.update({r["key"]: 0 for r in d.collect()})
+
+    def run() -> Any:
+        return (spark.readStream.schema("key string").json(str(src)).writeStream
+                .foreachBatch(op.foreach_batch).trigger(availableNow=True)
+                .option("checkpointLocation", str(tmp_path / "ck")).start())
+
+    try:
+        q = run()
+        q.awaitTermination(120)
+        assert q.exception() is None and op.last_progress is not None
+        assert op.last_progress["numInputRows"] == 4
+        # the query's batches run on a clone of this session; the change is still seen
+        spark.conf.set("spark.dstl.persist_delay_s", "0.5")
+        (src / "1.json").write_text(json.dumps({"key": "z"}))
+        q = run()
+        with pytest.raises(Exception, match=r"spark\.dstl\.persist_delay_s"):
+            q.awaitTermination(120)
+        assert op.last_progress["batchId"] == 0
+    finally:
+        spark.conf.unset("spark.dstl.persist_delay_s")
+        op.close()
+
+
+def test_first_batch_fails_clearly_when_executors_run_another_dstl(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The driver claims another version than the executors import: every task refuses, and
+    the batch fails with a message naming both versions and the fix; nothing is committed."""
+    import dstl
+
+    df = spark.createDataFrame([("a",), ("b",)], "key string")
+    op = _op(tmp_path, "heap")
+    monkeypatch.setattr(operator_module, "_driver_version", lambda: "0.0.0-driver")
+    try:
+        with pytest.raises(UsageError) as e:
+            op.foreach_batch(df, 0)
+        text = str(e.value)
+        assert "DSTL version mismatch" in text and "0.0.0-driver" in text
+        assert f"DSTL {dstl.__version__}" in text and "deploy.md" in text
+        assert op.coordinator is not None and op.coordinator.latest() is None
+        monkeypatch.undo()
+        op.foreach_batch(df, 0)  # the same version: runs
+        assert op.last_progress is not None and op.last_progress["numInputRows"] == 2
+    finally:
+        op.close()
