@@ -173,10 +173,15 @@ class _BackendSnapshots:
     def take_snapshot(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
         b = self._b
         snap = b._tables.snapshot()
-        metadata = json.dumps({"operator_id": b.operator_id,
-                               "materialization_id": materialization_id, "up_to": up_to,
-                               "states": {str(r.state_id): r.meta for r in b._by_id.values()}},
-                              sort_keys=True).encode("utf-8")
+        meta: dict[str, Any] = {
+            "operator_id": b.operator_id, "materialization_id": materialization_id,
+            "up_to": up_to, "states": {str(r.state_id): r.meta for r in b._by_id.values()}}
+        boundary = b._boundary_at(up_to)
+        if boundary is not None:
+            # cut exactly at a checkpoint: every change in it was in some checkpoint's log (what
+            # a change feed needs to know; the executor agent's snapshots record the same)
+            meta["boundary"] = list(boundary)
+        metadata = json.dumps(meta, sort_keys=True).encode("utf-8")
         b._meta_logged.clear()  # the log after up_to must describe its states again
         encode = b._encode_entry if b._heap else None
         zstd_level, store, retry = b.options.zstd_level, b._store, b._upload_retry
@@ -345,6 +350,8 @@ class ChangelogKeyedStateBackend:
         self._subsumed_up_to: int | None = None
         #: the log part of the newest checkpoint that this backend's writer produced
         self.last_delta: ChangelogHandle | None = None
+        #: (to_sqn, boundary) of the newest durable checkpoint (see _boundary_at)
+        self._checkpoint_boundary: tuple[int, tuple[str, int] | None] | None = None
         self._non_mat_sizes = {"lastFullSizeOfNonMaterialization": 0.0,
                                "lastIncSizeOfNonMaterialization": 0.0}
         for name in self._non_mat_sizes:
@@ -575,6 +582,11 @@ class ChangelogKeyedStateBackend:
                 self._log_raw(CLEAR, sid, kg, kb, nb, b"")
                 removed += 1
         return removed
+
+    def state_metadata(self) -> dict[int, dict[str, Any]]:
+        """Every registered state by id: its metadata (``name``, ``kind``, ``value_codec``,
+        ``key_codec``), as recorded in snapshots and metadata records (a copy)."""
+        return {sid: dict(r.meta) for sid, r in sorted(self._by_id.items())}
 
     # ------------------------------------------------------------------ StateAccess (the states)
     # materializer.states.StateAccess: how the state objects reach the table and the log.
@@ -1027,6 +1039,7 @@ class ChangelogKeyedStateBackend:
             delta = f.result()
             self.last_delta = delta
             non_mat = base.restored_log + ((delta,) if len(delta) else ())
+            self._checkpoint_boundary = (to_sqn, boundary_of(non_mat))
             h = ChangelogStateBackendHandle(self.operator_id, self.key_groups, checkpoint_id,
                                             mat_id, base.snapshots, non_mat,
                                             delta.incremental_size, self.max_parallelism)
@@ -1038,6 +1051,12 @@ class ChangelogKeyedStateBackend:
 
         persist.add_done_callback(done)
         return out
+
+    def _boundary_at(self, up_to: int) -> tuple[str, int] | None:
+        """The last change set of the newest durable checkpoint if its log ends exactly at
+        ``up_to`` (a snapshot cut there reflects exactly that checkpoint), else ``None``."""
+        cb = self._checkpoint_boundary
+        return cb[1] if cb is not None and cb[0] == up_to else None
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """The checkpoint completed: hand its log over, unblock the next materialization."""

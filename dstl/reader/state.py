@@ -1,0 +1,149 @@
+"""State rows of a checkpoint: restore one split read-only, then walk every state.
+
+Theory of operation
+-------------------
+A split (:class:`~dstl.reader.plan.StateSplit`: one task's backend handle, a key-group range)
+is read by the same code a job restores with — :func:`restore.restore_backend`: the snapshot
+blocks of the split's key groups only (ranged reads, or whole objects through a
+:class:`~restore.LocalFileCache` shared by the process's splits), then the log after them. The
+backend it builds lives in this process (a heap table by default, or LMDB in a temporary
+directory for states larger than memory) on a :class:`~dstl.ChangelogStorage` whose store is a
+:class:`~dstl.reader.store.ReadOnlyBlobStore`: the restored backend's writer exists but nothing
+is appended (replay does not log), and any write would be refused rather than reach the job's
+store. The storage uses a manual timer, so a read starts no timer thread.
+
+The rows are then every entry of every registered state, state by state and key group by key
+group (:class:`~dstl.reader.rows.StateRow`; map states one row per map entry), decoded with the
+codecs the state's metadata names — ``pickle`` only with ``allow_pickle``.
+
+A checkpoint of a running job can be deleted by its retention while a split reads it; a missing
+object is then re-checked against the manifest: gone too is
+:class:`~dstl.reader.errors.CheckpointDeletedError`, still there is an
+:class:`~dstl.errors.ObjectNotFoundError` naming the object and the checkpoint (a damaged store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+from dstl.errors import ObjectNotFoundError
+from dstl.keygroups import KeyGroupRange
+from dstl.layout import MANIFEST_PREFIX
+from dstl.reader.errors import CheckpointDeletedError
+from dstl.reader.plan import StateSplit
+from dstl.reader.rows import StateRow
+from dstl.reader.store import ReadOnlyBlobStore
+from dstl.storage import ChangelogStorage
+from dstl.stores.base import BlobStore
+from dstl.timer import ManualTimer
+from materializer.backend import ChangelogKeyedStateBackend
+from materializer.handles import ChangelogStateBackendHandle
+from restore.leasing import LeasingCache
+from restore.restore import restore_backend
+
+__all__ = ["entries", "read_state_split", "restored", "translate_missing"]
+
+#: The operator id of the backends a reader restores (never written anywhere).
+_READER_ID = "dstl-reader"
+
+
+def _read_only(store: BlobStore) -> ReadOnlyBlobStore:
+    return store if isinstance(store, ReadOnlyBlobStore) else ReadOnlyBlobStore(store)
+
+
+@contextlib.contextmanager
+def restored(store: BlobStore, handles: Sequence[ChangelogStateBackendHandle],
+             key_groups: KeyGroupRange, *, cache: LeasingCache | None = None,
+             table: str = "heap", allow_pickle: bool = False
+             ) -> Iterator[ChangelogKeyedStateBackend]:
+    """A backend holding ``handles``' state of ``key_groups``, restored read-only (see the
+    module docstring); closed when the block ends. With no handles, an empty backend."""
+    storage = ChangelogStorage(store=_read_only(store), timer=ManualTimer())
+    backend: ChangelogKeyedStateBackend | None = None
+    try:
+        if handles:
+            # one id for however many handles meet the range (after a rescale: several)
+            backend = restore_backend(handles, storage, key_groups, table=table, cache=cache,
+                                      operator_id=_READER_ID, allow_pickle=allow_pickle,
+                                      auto_materialize=False)
+        else:
+            backend = ChangelogKeyedStateBackend(storage, _READER_ID, key_groups,
+                                                 key_groups.end + 1, table=table,
+                                                 auto_materialize=False)
+        yield backend
+    finally:
+        if backend is not None:
+            backend.close()
+        storage.close()
+
+
+def translate_missing(store: BlobStore, checkpoint_id: int, exc: ObjectNotFoundError
+                      ) -> ObjectNotFoundError:
+    """The error for an object found missing while reading ``checkpoint_id``: the checkpoint was
+    deleted (its manifest is gone too), or the store is damaged."""
+    prefix = f"{MANIFEST_PREFIX}{checkpoint_id:016x}-"
+    key = exc.key or "?"
+    if next(iter(store.list(prefix)), None) is None:
+        return CheckpointDeletedError(checkpoint_id, key, store.location)
+    return ObjectNotFoundError(f"{exc} (checkpoint {checkpoint_id} still exists, but an object "
+                               "it names is missing: the store is damaged; run dstl verify)",
+                               key=key)
+
+
+def entries(backend: ChangelogKeyedStateBackend, key_groups: KeyGroupRange,
+            states: Collection[str] | None = None
+            ) -> Iterator[tuple[str, str, int, Any, bytes, Any, Any]]:
+    """``(state, kind, key group, key, key bytes, namespace, value)`` of every entry, decoded."""
+    heap = backend.table_kind == "heap"
+    tables = backend.tables
+    for sid, meta in backend.state_metadata().items():
+        name, kind = meta["name"], meta["kind"]
+        if states is not None and name not in states:
+            continue
+        for kg in key_groups:
+            for k, ns, v in tables.entries(sid, kg):
+                if heap:
+                    yield name, kind, kg, k, k.encode("utf-8") if type(k) is str else k, ns, v
+                else:
+                    key, namespace, value = backend.decode_entry(sid, k, ns, v)
+                    yield name, kind, kg, key, k, namespace, value
+
+
+def read_state_split(store: BlobStore, split: StateSplit, *, cache: LeasingCache | None = None,
+                     table: str = "heap", allow_pickle: bool = False,
+                     keys: Collection[bytes] | None = None,
+                     states: Collection[str] | None = None) -> Iterator[StateRow]:
+    """The state rows of one split.
+
+    Args:
+        store: the job's store (wrapped read-only here if it is not already).
+        split: from :func:`~dstl.reader.plan.plan_state_splits`.
+        cache: a restore cache shared by the process's reads, or ``None`` for ranged reads.
+        table: ``"heap"`` (memory) or ``"lmdb"`` (a temporary directory).
+        allow_pickle: decode states whose codec is ``pickle`` (runs code from the store).
+        keys: only these keys (their key-codec bytes).
+        states: only these state names.
+
+    Raises:
+        CheckpointDeletedError: the checkpoint was deleted while it was read.
+        ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged.
+        UsageError: a state uses the pickle codec and ``allow_pickle`` is off.
+    """
+    handle = ChangelogStateBackendHandle.from_json(split.handle)
+    rng = split.key_group_range
+    cp, task = split.checkpoint_id, split.task_id
+    try:
+        with restored(store, [handle], rng, cache=cache, table=table,
+                      allow_pickle=allow_pickle) as backend:
+            for name, kind, kg, key, kb, ns, value in entries(backend, rng, states):
+                if keys is not None and kb not in keys:
+                    continue
+                if kind == "map":
+                    for uk, uv in value.items():
+                        yield StateRow(cp, task, kg, key, kb, name, kind, ns, uk, uv)
+                else:
+                    yield StateRow(cp, task, kg, key, kb, name, kind, ns, None, value)
+    except ObjectNotFoundError as exc:
+        raise translate_missing(store, cp, exc) from exc

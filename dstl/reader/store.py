@@ -1,0 +1,93 @@
+"""A read-only view of a blob store: the reader's guarantee that it never writes.
+
+Every reader path (the state reader, the change feed, ``dstl verify``, ``dstl state dump``) opens
+the store through :class:`ReadOnlyBlobStore`. Restoring a split goes through the same
+:func:`~restore.restore_backend` as a job's restore, which builds a backend with a changelog
+writer; on this store any write — an upload, a snapshot, a delete — is refused with a
+:class:`~dstl.errors.UsageError` instead of reaching the job's store. Reads are passed through.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from dstl.errors import UsageError
+from dstl.stores import open_store
+from dstl.stores.base import BlobStore, ObjectInfo
+
+__all__ = ["ReadOnlyBlobStore", "open_read_only"]
+
+
+class ReadOnlyBlobStore:
+    """Reads of ``store``; ``put`` and ``delete`` raise.
+
+    Args:
+        store: the store to read.
+        owned: close ``store`` when this view is closed (``False``: the caller closes it).
+    """
+
+    def __init__(self, store: BlobStore, *, owned: bool = False) -> None:
+        self._store = store
+        self._owned = owned
+        self.location = store.location
+
+    @property
+    def inner(self) -> BlobStore:
+        """The wrapped store."""
+        return self._store
+
+    def put(self, key: str, data: bytes) -> None:
+        raise UsageError(f"put {self.location}/{key}: refused — the state reader opens the store "
+                         "read-only and never writes")
+
+    def delete(self, keys: Iterable[str]) -> None:
+        raise UsageError(f"delete under {self.location}: refused — the state reader opens the "
+                         "store read-only and never deletes")
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self._store.get_range(key, offset, length)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self._store.head(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._store.list(prefix)
+
+    def close(self) -> None:
+        if self._owned:
+            self._store.close()
+
+    def __enter__(self) -> ReadOnlyBlobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_read_only(state_uri: str, storage_options: dict[str, Any] | None = None
+                   ) -> ReadOnlyBlobStore:
+    """Open ``state_uri`` (any URI :func:`dstl.stores.open_store` takes) read-only; closing the
+    view closes the store. Nothing is written to validate it (a local directory must exist).
+
+    Raises:
+        ConfigError: unsupported scheme or options.
+        UsageError: a local directory that does not exist.
+    """
+    local = _local_path(state_uri)
+    if local is not None and not os.path.isdir(local):
+        raise UsageError(f"state directory {local} does not exist; pass the state_uri the job "
+                         "writes to")
+    return ReadOnlyBlobStore(open_store(state_uri, storage_options, validate=False), owned=True)
+
+
+def _local_path(uri: str) -> str | None:
+    if "://" not in uri:
+        return os.path.expanduser(uri) if uri else None
+    parts = urllib.parse.urlsplit(uri)
+    return urllib.parse.unquote(parts.path) if parts.scheme.lower() == "file" else None
