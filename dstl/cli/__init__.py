@@ -1,42 +1,66 @@
-"""Operator commands: ``dstl demo``, ``dstl inspect``, ``dstl gc`` — one module each
-(:mod:`dstl.cli.demo`, :mod:`dstl.cli.inspect`, :mod:`dstl.cli.gc`), each with ``run(argv)``.
+"""Operator commands, one module per command group, each with ``run(argv)``:
 
-- ``dstl gc <state_uri> --job <name>`` deletes orphaned objects of a stopped job;
-- ``dstl inspect <segment file or URI>`` verifies a segment object and prints its index;
-- ``dstl demo`` runs the Spark demo job (:mod:`dstl.spark.demo`), or with ``--log-only`` the
-  log-only demo.
+- ``dstl checkpoints list|show`` (:mod:`dstl.cli.checkpoints`): the checkpoints of a store; one
+  in detail;
+- ``dstl verify`` (:mod:`dstl.cli.verify`): every object a checkpoint needs exists and every
+  checksum holds (progress bar);
+- ``dstl state dump|changes`` (:mod:`dstl.cli.state`): a checkpoint's state / the changes
+  between checkpoints, as JSON lines or Parquet;
+- ``dstl inspect`` (:mod:`dstl.cli.inspect`): verify and describe a segment, snapshot or
+  manifest;
+- ``dstl gc`` (:mod:`dstl.cli.gc`): delete orphaned objects of a stopped job;
+- ``dstl demo`` (:mod:`dstl.cli.demo`): the Spark demo job (``--log-only``: the log demo).
 
-:func:`main` imports a command's module only when that command runs, so ``dstl gc`` never loads
-Spark and a usage error loads nothing.
+Every command takes ``--help`` (exit 0) and ``--storage-option key=value`` for S3 and other
+fsspec stores (:mod:`dstl.cli.common`); a usage error (bad arguments, or a
+:class:`~dstl.errors.ConfigError` such as a malformed URI or storage option) exits 2, any other
+:class:`~dstl.errors.DstlError` 1 with its message. :func:`main` imports a command's module only
+when that command runs, so ``dstl gc`` never loads Spark and a usage error loads nothing.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 
 from dstl.errors import ConfigError, DstlError
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "checkpoints": ("checkpoints", "list the checkpoints of a store, or show one"),
+    "verify": ("verify", "check every object and checksum of a checkpoint"),
+    "state": ("state", "dump a checkpoint's state, or the changes between checkpoints"),
+    "inspect": ("inspect", "verify and describe a segment, snapshot or manifest"),
+    "gc": ("gc", "delete orphaned objects of a stopped job"),
+    "demo": ("demo", "run the demo job"),
+}
+
+
+def _usage() -> str:
+    return ("usage: dstl {" + ",".join(COMMANDS) + "} [options]   (dstl <command> --help)\n" +
+            "\n".join(f"  {k:<12} {v}" for k, (_, v) in COMMANDS.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dstl`` command and ``python -m dstl``; returns the exit status:
     0 done, 2 usage error (bad arguments or configuration), 1 any other DSTL error."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "run the demo job", "inspect": "verify and list a segment object",
-                "gc": "delete orphaned objects of a stopped job"}
-    usage = ("usage: dstl {" + ",".join(commands) + "} [options]\n" +
-             "\n".join(f"  {k:<9} {v}" for k, v in commands.items()))
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage)
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage())
         return 0
-    if not argv or argv[0] not in commands:
-        print(usage, file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        if argv:
+            print(f"dstl: unknown command {argv[0]!r}", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
         return 2
     cmd, rest = argv[0], argv[1:]
     try:
-        return _run(cmd, rest)
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        module = importlib.import_module(f"dstl.cli.{COMMANDS[cmd][0]}")
+        return int(module.run(rest))
+    except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     except ConfigError as exc:
         print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -44,17 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except DstlError as exc:
         print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-
-
-def _run(cmd: str, rest: list[str]) -> int:
-    if cmd == "demo":
-        from dstl.cli import demo
-
-        return demo.run(rest)
-    if cmd == "gc":
-        from dstl.cli import gc
-
-        return gc.run(rest)
-    from dstl.cli import inspect
-
-    return inspect.run(rest)
+    except BrokenPipeError:
+        # the reader of stdout went away (| head): stop quietly, and keep Python's own flush at
+        # exit from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dstl.cli.common import add_storage_options, storage_options
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
 from dstl.layout import SEGMENT_PREFIX
@@ -74,7 +75,8 @@ def run(argv: list[str] | None = None) -> int:
 
         return spark_demo(argv)
     argv.remove("--log-only")
-    args = _parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
     tmp = None
     uri = args.state_uri
     if uri is None:
@@ -83,7 +85,8 @@ def run(argv: list[str] | None = None) -> int:
     print(f"DSTL log demo: {args.writers} writers on {args.threads} threads for "
           f"{args.seconds:.1f}s, checkpoint every {args.checkpoint_interval * 1000:.0f} ms, "
           f"store {uri}")
-    storage = ChangelogStorage(uri, options=DstlOptions())
+    storage = ChangelogStorage(uri, options=DstlOptions(),
+                               storage_options=storage_options(p, args))
     try:
         backends = [_Backend(storage.create_writer(
             f"demo-op/{i}", KeyGroupRange.of_operator(MAX_PARALLELISM, args.writers, i)))
@@ -98,8 +101,9 @@ def run(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _parse_args(argv: list[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dstl demo --log-only", description=__doc__)
+    add_storage_options(p)
     p.add_argument("--state-uri", default=None,
                    help="store root (default: a fresh temporary directory)")
     p.add_argument("--writers", type=int, default=8)
@@ -107,7 +111,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--checkpoint-interval", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=7)
-    return p.parse_args(argv)
+    return p
 
 
 def _drive_all(backends: list[_Backend], args: argparse.Namespace) -> float:

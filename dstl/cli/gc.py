@@ -20,9 +20,10 @@ The decision itself is :meth:`CheckpointCoordinator.collect_orphans` on a coordi
 with that retention (recovery only reads); ``--dry-run`` asks the same question with
 ``dry_run=True`` and prints the answer, deleting nothing.
 
-``--storage-option key=value`` (repeatable) is passed to the store like ``storage_options``: the
-value is parsed as JSON when it parses (``retries=3``, ``client_kwargs={"endpoint_url": ...}``),
-else taken as a string (``key=AKIA...``). Values are never printed.
+``--storage-option key=value`` (repeatable) is passed to the store like ``storage_options``, as
+every ``dstl`` command does (:mod:`dstl.cli.common`): the value is parsed as JSON when it parses
+(``retries=3``, ``client_kwargs={"endpoint_url": ...}``), else taken as a string
+(``key=AKIA...``); a dotted key nests. Values are never printed.
 
 Exit status: 0 done; 2 usage error (bad arguments, ``--retained`` below the job's retention, a
 malformed URI or storage option); 1 any other DSTL error (the store, a damaged newest manifest,
@@ -32,13 +33,13 @@ another job's store).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.checkpoint.manifest import MAX_RETAINED
+from dstl.cli.common import add_storage_options, storage_options
 from dstl.errors import UsageError
 from dstl.layout import MANIFEST_PREFIX, parse_manifest_key
 from dstl.stores import BlobStore, open_store
@@ -55,12 +56,9 @@ class _Refused(Exception):
 
 def run(argv: list[str]) -> int:
     """Run ``dstl gc`` with ``argv`` (the arguments after the command name); the exit status."""
-    args = _parser().parse_args(argv)  # exits 0 for --help, 2 for a usage error
-    try:
-        options = _storage_options(args.storage_option)
-    except _Refused as exc:
-        print(f"dstl gc: {exc}", file=sys.stderr)
-        return USAGE
+    parser = _parser()
+    args = parser.parse_args(argv)  # exits 0 for --help, 2 for a usage error
+    options = storage_options(parser, args)  # a malformed one: exit 2
     store = open_store(args.state_uri, options)
     try:
         retained, note = _retention(store, args.job, args.retained)
@@ -89,9 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                         "manifests); smaller than the job's is refused")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would be deleted; delete nothing")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a storage option (repeatable); VALUE is JSON if it parses, else a "
-                        "string, e.g. client_kwargs='{\"endpoint_url\": \"http://...\"}'")
+    add_storage_options(p)
     return p
 
 
@@ -113,27 +109,6 @@ def _retained(text: str) -> int:
     if not 1 <= value <= MAX_RETAINED:
         raise argparse.ArgumentTypeError(f"{value} is not in [1, {MAX_RETAINED}]")
     return value
-
-
-def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
-    """``--storage-option`` values as a dict (see the module docstring).
-
-    Raises:
-        _Refused: a pair without ``=``, an empty key, or a key given twice.
-    """
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise _Refused(f"--storage-option {key or pair!r:.60}: expected KEY=VALUE")
-        if key in options:
-            raise _Refused(f"--storage-option {key!r} is given twice")
-        try:
-            options[key] = json.loads(raw)
-        except ValueError:
-            options[key] = raw
-    return options or None
 
 
 def _retention(store: BlobStore, job: str, asked: int | None) -> tuple[int, str]:

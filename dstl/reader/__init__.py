@@ -34,7 +34,7 @@ from dstl.reader.plan import (
     plan_state_splits,
 )
 from dstl.reader.read import key_bytes_of, read_changes, read_state
-from dstl.reader.rows import ChangeRow, StateRow, from_json, to_json
+from dstl.reader.rows import ChangeRow, StateRow, from_json, to_json, to_plain
 from dstl.reader.state import read_state_split
 from dstl.reader.store import ReadOnlyBlobStore, open_read_only
 from dstl.reader.verify import VerifyProblem, VerifyReport, verify_checkpoint
@@ -70,5 +70,6 @@ __all__ = [
     "read_state_split",
     "task_states",
     "to_json",
+    "to_plain",
     "verify_checkpoint",
 ]

@@ -147,7 +147,10 @@ def plan_change_range(catalog: CheckpointCatalog, start: int | None, end: int | 
             cache[ref.key] = snapshot_boundary(catalog.store, ref)
         return cache[ref.key]
 
-    splits = plan_changes(first, after, boundary, key_groups=key_groups)
+    try:
+        splits = plan_changes(first, after, boundary, key_groups=key_groups)
+    except ObjectNotFoundError as exc:
+        raise translate_missing(catalog.store, end, exc) from exc
     return ChangePlan(start, end, tuple(splits), lost)
 
 

@@ -32,7 +32,7 @@ import json
 from typing import Any, NamedTuple
 
 __all__ = ["CHANGE_COLUMNS", "STATE_COLUMNS", "ChangeRow", "StateRow", "from_json",
-           "to_json"]
+           "to_json", "to_plain"]
 
 _TAGS = frozenset({"$b64", "$map", "$tuple"})
 
@@ -74,20 +74,21 @@ STATE_COLUMNS = StateRow._fields
 CHANGE_COLUMNS = ChangeRow._fields
 
 
-def _plain(v: Any) -> Any:
+def to_plain(v: Any) -> Any:
+    """``v`` as JSON-able data (the tagged form of :func:`to_json`)."""
     t = type(v)
     if v is None or t in (bool, int, float, str):
         return v
     if t is bytes or t is bytearray:
         return {"$b64": base64.b64encode(v).decode("ascii")}
     if t is list:
-        return [_plain(x) for x in v]
+        return [to_plain(x) for x in v]
     if t is tuple:
-        return {"$tuple": [_plain(x) for x in v]}
+        return {"$tuple": [to_plain(x) for x in v]}
     if t is dict:
         if all(type(k) is str for k in v) and not (len(v) == 1 and next(iter(v)) in _TAGS):
-            return {k: _plain(x) for k, x in v.items()}
-        return {"$map": [[_plain(k), _plain(x)] for k, x in v.items()]}
+            return {k: to_plain(x) for k, x in v.items()}
+        return {"$map": [[to_plain(k), to_plain(x)] for k, x in v.items()]}
     return {"$repr": repr(v)}  # only values of a pickle codec get here
 
 
@@ -98,7 +99,7 @@ def to_json(value: Any) -> str | None:
     t = type(value)
     if t is int or t is str:
         return json.dumps(value)
-    return json.dumps(_plain(value), separators=(",", ":"))
+    return json.dumps(to_plain(value), separators=(",", ":"))
 
 
 def _unplain(v: Any) -> Any:

@@ -50,7 +50,9 @@ _READER_ID = "dstl-reader"
 
 
 def _read_only(store: BlobStore) -> ReadOnlyBlobStore:
-    return store if isinstance(store, ReadOnlyBlobStore) else ReadOnlyBlobStore(store)
+    """A view that refuses writes and whose ``close`` (the storage closes its store) leaves
+    ``store`` open for the caller's next split."""
+    return ReadOnlyBlobStore(store.inner if isinstance(store, ReadOnlyBlobStore) else store)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+from dstl.cli.common import add_storage_options, storage_options
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.spark.timing import TimerValues
 
@@ -159,7 +160,8 @@ def run(argv: list[str] | None = None) -> int:
     ck = os.path.join(work, "spark-checkpoint")
     os.makedirs(src)
     state_uri = args.state_uri or os.path.join(work, "state")
-    storage_options = json.loads(args.storage_options) if args.storage_options else None
+    storage_options = {**(json.loads(args.storage_options) if args.storage_options else {}),
+                       **(args.storage_option_values or {})} or None
     files = click_events(args.files, args.events, args.users, args.seed)
     print(f"DSTL demo: {args.files} micro-batches of {args.events} clicks by {args.users} users, "
           f"{args.partitions} partitions, {args.table} tables, store {state_uri}")
@@ -191,6 +193,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dstl demo", description=__doc__)
     p.add_argument("--state-uri", default=None, help="DSTL store (default: a temp directory)")
     p.add_argument("--storage-options", default=None, help="JSON fsspec options (S3 etc.)")
+    add_storage_options(p)
     p.add_argument("--files", type=int, default=8, help="micro-batches in all")
     p.add_argument("--restart-after", type=int, default=4, help="stop after this many batches")
     p.add_argument("--events", type=int, default=3000, help="events per micro-batch")
@@ -198,7 +201,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--table", choices=["lmdb", "heap"], default="lmdb")
     p.add_argument("--seed", type=int, default=42)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.storage_option_values = storage_options(p, args)
+    return args
 
 
 def _expected_results(files: list[list[dict[str, Any]]]) -> dict[str, tuple[int, int, str]]:

@@ -82,7 +82,7 @@ class MiniJob:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self.storage = ChangelogStorage(store=self.store)
+        self.storage = ChangelogStorage(store=_Borrowed(self.store))
         self.coordinator = CheckpointCoordinator(self.store, job_id=self.name,
                                                  retained=self.retained)
         self.backends: list[ChangelogKeyedStateBackend] = []
@@ -269,6 +269,21 @@ class MiniJob:
 
 
 _OPS = ("count", "events", "attrs", "total", "mean", "window")
+
+
+class _Borrowed:
+    """The caller's store for the job's storage, which closes its store on close: the caller
+    keeps reading after the job stops."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self._store = store
+        self.location = store.location
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def close(self) -> None:
+        pass  # the caller closes the store
 
 
 def _copy(v: Any) -> Any:

@@ -1,0 +1,172 @@
+"""The reading commands through dstl.cli.main on a local store: ``checkpoints list|show``,
+``verify`` (progress, damaged and missing objects named, exit 1), ``state dump|changes`` (JSON
+lines equal to the model; Parquet with the Spark sources' columns), ``inspect`` of every object
+kind, and the exit codes of --help (0) and usage errors (2) for every command. The same on a
+moto S3 store: tests/integration/test_cli_s3.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.state_job import MiniJob, state_of
+
+from dstl.cli import COMMANDS, main
+from dstl.reader import from_json
+from dstl.stores import open_store
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, MiniJob]]:
+    root = tmp_path_factory.mktemp("cli") / "state"
+    store = open_store(str(root))
+    job = MiniJob(store, partitions=2, seed=21, retained=3)
+    job.run(120)
+    job.checkpoint()
+    job.materialize()
+    job.run(80)
+    job.checkpoint()
+    job.run(40)
+    job.checkpoint()
+    job.close()
+    store.close()
+    yield root, job
+
+
+class _Row:
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+
+def _lines(out: str) -> list[_Row]:
+    rows = []
+    for line in out.splitlines():
+        d = json.loads(line)
+        for f in ("key", "namespace", "user_key", "value"):
+            d[f] = from_json(json.dumps(d[f])) if d[f] is not None else None
+        rows.append(_Row(d))
+    return rows
+
+
+def test_every_command_has_help_and_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in COMMANDS)
+    for cmd in COMMANDS:
+        assert main([cmd, "--help"]) == 0, cmd
+        assert "usage: dstl" in capsys.readouterr().out
+    for args in ([], ["nope"], ["checkpoints"], ["checkpoints", "list"], ["state", "dump"],
+                 ["verify", "/x", "--checkpoint", "one"], ["state", "dump", "/x", "--format",
+                                                            "parquet"],
+                 ["verify", "/x", "--storage-option", "novalue"]):
+        assert main(args) == 2, args
+    for sub in ("list", "show"):
+        assert main(["checkpoints", sub, "--help"]) == 0
+    for sub in ("dump", "changes"):
+        assert main(["state", sub, "--help"]) == 0
+
+
+def test_checkpoints_list_and_show(job_dir: tuple[Path, MiniJob],
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = job_dir
+    assert main(["checkpoints", "list", str(root), "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["checkpoint"] for r in rows] == [0, 1, 2]
+    assert all(r["partitions"] == 2 and r["job"] == "job" and r["objects"] >= 2 and
+               r["bytes"] > 0 for r in rows)
+    assert main(["checkpoints", "list", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["checkpoint", "attempt"] and len(out) == 4
+    assert main(["checkpoints", "show", str(root), "--checkpoint", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["checkpoint"] == 1 and [t["task"] for t in d["tasks"]] == ["p0", "p1"]
+    assert all(len(t["snapshots"]) == 1 for t in d["tasks"])
+    assert main(["checkpoints", "show", str(root)]) == 0
+    assert "checkpoint 2 (attempt 1) of job 'job'" in capsys.readouterr().out
+    assert main(["checkpoints", "show", str(root), "--checkpoint", "9"]) == 1
+    assert "CheckpointNotFoundError" in capsys.readouterr().err
+    assert main(["checkpoints", "list", str(root), "--job", "other"]) == 1
+    assert main(["checkpoints", "list", str(root / "absent")]) == 1
+
+
+def test_state_dump_and_changes_equal_the_model(job_dir: tuple[Path, MiniJob], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import pyarrow.parquet as pq
+
+    root, job = job_dir
+    assert main(["state", "dump", str(root), "--checkpoint", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert state_of(_lines(out)) == job.checkpoint_models[1]
+    assert err.strip().endswith(f"{len(out.splitlines())} rows")
+    assert main(["state", "dump", str(root), "--key", "k5", "--table", "lmdb"]) == 0
+    rows = _lines(capsys.readouterr().out)
+    assert state_of(rows) == {i: v for i, v in job.model.items() if i[1] == "k5"}
+    assert main(["state", "changes", str(root), "--start", "1"]) == 0
+    changes = _lines(capsys.readouterr().out)
+    assert {c.checkpoint for c in changes} == {2} and {c.source for c in changes} == {"log"}
+    out_file = tmp_path / "state.parquet"
+    assert main(["state", "dump", str(root), "--format", "parquet", "-o", str(out_file)]) == 0
+    table = pq.read_table(out_file)
+    assert table.column_names[:4] == ["checkpoint", "partition", "key_group", "key"]
+    assert table.num_rows == sum(len(v) if isinstance(v, dict) else 1
+                                 for v in job.model.values())
+    assert main(["state", "changes", str(root), "--start", "0", "--end", "2", "--format",
+                 "parquet", "-o", str(tmp_path / "c.parquet")]) == 0
+    assert "op" in pq.read_table(tmp_path / "c.parquet").column_names
+
+
+def test_verify_names_damaged_and_missing_objects(job_dir: tuple[Path, MiniJob], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    root, _ = job_dir
+    assert main(["verify", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert out.rstrip().endswith("verified: OK") and "[####" in err and "objects" in err
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    assert main(["checkpoints", "show", str(copy), "--json"]) == 0
+    task = json.loads(capsys.readouterr().out)["tasks"][0]
+    segment = task["logs"][-1]["segments"][-1]
+    snapshot = task["snapshots"][0]["key"]
+    data = bytearray((copy / segment).read_bytes())
+    data[-30] ^= 1
+    (copy / segment).write_bytes(bytes(data))
+    (copy / snapshot).unlink()
+    assert main(["verify", str(copy), "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert not err
+    problems = [line for line in out.splitlines() if line.startswith("PROBLEM")]
+    assert len(problems) == 2
+    assert any(segment in p and "ChecksumMismatchError" in p for p in problems)
+    assert any(snapshot in p and "ObjectNotFoundError" in p for p in problems)
+    assert "FAILED (2 problems)" in out
+    # the reader names them too (exit 1, typed error on stderr)
+    assert main(["state", "dump", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "dstl state: ObjectNotFoundError" in err and snapshot in err
+
+
+def test_inspect_recognises_every_object_kind(job_dir: tuple[Path, MiniJob], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = job_dir
+    manifest = next((root / "checkpoints").iterdir())
+    snapshot = next((root / "snapshots").rglob("*.snap"))
+    segment = next((root / "dstl").iterdir())
+    assert main(["inspect", str(segment)]) == 0
+    assert ": segment," in capsys.readouterr().out
+    assert main(["inspect", str(root), "--key", str(snapshot.relative_to(root))]) == 0
+    out = capsys.readouterr().out
+    assert ": snapshot," in out and "'attrs' (map" in out
+    assert main(["inspect", str(root), "--key", f"checkpoints/{manifest.name}"]) == 0
+    assert ": manifest," in capsys.readouterr().out
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"PAR1" + bytes(20))
+    assert main(["inspect", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert "UnsupportedFormatError" in err and str(other) in err
