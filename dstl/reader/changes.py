@@ -74,12 +74,14 @@ class ChangePlan:
         end: the last checkpoint it covers (``-1``: none yet: nothing to read).
         splits: in checkpoint order, then task order.
         lost: ``(requested start, oldest retained)`` when ``on_lost="oldest"`` skipped changes.
+        max_parallelism: the job's number of key groups (``0`` when nothing was planned).
     """
 
     start: int
     end: int
     splits: tuple[ChangeSplit, ...]
     lost: tuple[int, int] | None = None
+    max_parallelism: int = 0
 
 
 def snapshot_boundary(store: BlobStore, ref: SnapshotRef) -> tuple[str, int] | None:
@@ -151,7 +153,8 @@ def plan_change_range(catalog: CheckpointCatalog, start: int | None, end: int | 
         splits = plan_changes(first, after, boundary, key_groups=key_groups)
     except ObjectNotFoundError as exc:
         raise translate_missing(catalog.store, end, exc) from exc
-    return ChangePlan(start, end, tuple(splits), lost)
+    mp = next((t.handle.max_parallelism for cp in after for t in cp.tasks), 0)
+    return ChangePlan(start, end, tuple(splits), lost, mp)
 
 
 # --------------------------------------------------------------------------- reading

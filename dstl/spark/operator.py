@@ -238,6 +238,9 @@ class DstlStatefulOperator:
 
         static = dict(spark.sparkContext.getConf().getAll())
         conf = {**static, **_runtime_conf(spark)}
+        from dstl.spark.registration import register
+
+        register(spark)  # spark.read.format("dstl") works wherever the operator runs
         out = _spark_schema(spark, self.output_schema)
         config = self._task_config(conf, out, _session_time_zone(spark))
         # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's

@@ -1,0 +1,528 @@
+"""DSTL state as Spark tables: ``spark.read.format("dstl")`` (a checkpoint's state, or with
+``readChangeFeed`` the changes between two checkpoints) and ``spark.readStream.format(
+"dstl_changes")`` (the change feed as a stream), on PySpark's Python Data Source API.
+
+Theory of operation
+-------------------
+Both sources are thin: planning and reading are :mod:`dstl.reader`'s. Spark's shapes map onto
+it the way FLIP-27 (seed 003) maps a source onto an enumerator and split readers:
+
+- the **driver** plans — ``DataSourceReader.partitions()`` turns a checkpoint into state splits
+  (one per backend handle, or per ``keyGroupsPerSplit`` slice of one; a pushed-down filter on
+  ``key``/``key_bytes``/``key_group`` keeps only the key groups that can match);
+  ``DataSourceStreamReader.latestOffset`` discovers new manifests and ``partitions(start, end)``
+  turns the checkpoints in ``(start, end]`` into change splits, one per checkpoint and writer
+  with new change sets — after a rescale the new writers simply appear as new splits;
+- the **executors** read — ``read(partition)`` restores a state split read-only, or fetches a
+  change split's change sets with ranged reads, and yields Arrow record batches
+  (:mod:`dstl.reader.arrow`);
+- the **position** is the checkpoint id (``{"checkpoint": id}``, ``-1`` = the empty state),
+  which Spark's offset log checkpoints and commits. A restarted query re-plans exactly the range
+  it had logged, and planning depends on the manifests alone, so every change is delivered once
+  — as long as the range is still retained: a consumer that falls behind the job's retention
+  gets :class:`~dstl.reader.ChangesLostError` naming the lost checkpoints
+  (``onLostChanges=resumeFromOldest`` continues after the oldest retained one instead).
+
+Registration: :func:`dstl.spark.register` (``spark.dataSource.register`` of both classes);
+:class:`~dstl.spark.DstlStatefulOperator` registers them when it starts. Options are listed in
+docs/spark.md ("Reading state").
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAvailableNow
+
+from dstl.cli.common import parse_storage_options
+from dstl.errors import ConfigError
+from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
+from dstl.reader import (
+    ChangeSplit,
+    CheckpointCatalog,
+    StateSplit,
+    key_bytes_of,
+    open_read_only,
+    plan_change_range,
+    plan_state_splits,
+    read_change_split,
+    read_state_split,
+    task_states,
+)
+from dstl.reader.arrow import CHANGE_DDL, CHANGE_SCHEMA, STATE_DDL, STATE_SCHEMA, batches
+from dstl.reader.changes import OnLost
+from restore.cache import LocalFileCache
+
+__all__ = ["DstlChangesDataSource", "DstlStateDataSource", "SourceOptions"]
+
+logger = logging.getLogger(__name__)
+
+_TYPED_COLUMN = "typed_value"
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    if str(raw).lower() in ("true", "1", "yes"):
+        return True
+    if str(raw).lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(name, raw, "true or false", owner="dstl source option")
+
+
+def _int(options: Mapping[str, str], name: str, minimum: int) -> int | None:
+    raw = options.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError as exc:
+        raise ConfigError(name, raw, f"an integer >= {minimum}",
+                          owner="dstl source option") from exc
+    if v < minimum:
+        raise ConfigError(name, raw, f"an integer >= {minimum}", owner="dstl source option")
+    return v
+
+
+def _choice(options: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    raw = str(options.get(name, choices[0]))
+    for c in choices:
+        if raw.lower() == c.lower():
+            return c
+    raise ConfigError(name, raw, " or ".join(choices), owner="dstl source option")
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The options of both sources, validated on the driver (picklable: shipped to executors).
+
+    See docs/spark.md for each option's meaning.
+    """
+
+    state_uri: str
+    storage_options: dict[str, Any] | None
+    operator: str | None
+    checkpoint: int | None
+    change_feed: bool
+    start: int | None
+    end: int | None
+    key_groups_per_split: int | None
+    table: str
+    allow_pickle: bool
+    cache: str
+    value_type: str | None
+    states: tuple[str, ...] | None
+    on_lost: str
+    starting: str
+    max_checkpoints_per_trigger: int | None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """Validate Spark's options (keys are case-insensitive).
+
+        Raises:
+            ConfigError: a missing path or a malformed option (named).
+        """
+        o = {str(k).lower(): v for k, v in options.items()}
+        path = o.get("path")
+        if not path:
+            raise ConfigError("path", path, "the job's state_uri: .load(state_uri)",
+                              owner="dstl source")
+        states = o.get("state")
+        return cls(
+            state_uri=path, storage_options=_storage_options(o), operator=o.get("operator"),
+            checkpoint=_int(o, "checkpoint", 0),
+            change_feed=_bool(o, "readchangefeed", False),
+            start=_int(o, "startcheckpoint", -1), end=_int(o, "endcheckpoint", 0),
+            key_groups_per_split=_int(o, "keygroupspersplit", 1),
+            table=_choice(o, "table", ("heap", "lmdb")),
+            allow_pickle=_bool(o, "allowpickle", False),
+            cache=_choice(o, "cache", ("auto", "true", "false")),
+            value_type=o.get("valuetype") or None,
+            states=tuple(s.strip() for s in states.split(",")) if states else None,
+            on_lost=_choice(o, "onlostchanges", ("fail", "resumeFromOldest")),
+            starting=str(o.get("startingcheckpoint", "latest")),
+            max_checkpoints_per_trigger=_int(o, "maxcheckpointspertrigger", 1))
+
+    def catalog(self) -> CheckpointCatalog:
+        """The store's checkpoints, opened read-only (close ``catalog.store``)."""
+        return CheckpointCatalog(open_read_only(self.state_uri, self.storage_options),
+                                 job_id=self.operator)
+
+    def schema(self, ddl: str) -> str:
+        return f"{ddl}, {_TYPED_COLUMN} {self.value_type}" if self.value_type else ddl
+
+
+def _storage_options(o: Mapping[str, str]) -> dict[str, Any] | None:
+    """``storageOptions`` (a JSON object) merged with ``storage.<key>`` options (dotted keys
+    nest, JSON values parsed — the CLI's ``--storage-option`` rule)."""
+    out: dict[str, Any] = {}
+    raw = o.get("storageoptions")
+    if raw:
+        try:
+            parsed = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError("storageOptions", "<given>", "a JSON object",
+                              owner="dstl source option") from exc
+        if not isinstance(parsed, dict):
+            raise ConfigError("storageOptions", "<given>", "a JSON object",
+                              owner="dstl source option")
+        out.update(parsed)
+    items = [f"{k[len('storage.'):]}={v}" for k, v in o.items() if k.startswith("storage.")]
+    # Spark lower-cases option keys: endpoint_url and friends are lower case already
+    out.update(parse_storage_options(items) or {})
+    return out or None
+
+
+# --------------------------------------------------------------------------- filters
+
+
+@dataclass
+class _Pushed:
+    """What pushed-down filters allow; every one is applied exactly by the reader."""
+
+    keys: frozenset[bytes] | None = None
+    key_groups: frozenset[int] | None = None
+    states: frozenset[str] | None = None
+    partitions: frozenset[str] | None = None
+    bounds: list[tuple[str, int]] = field(default_factory=list)
+
+    @staticmethod
+    def _narrow(cur: frozenset[Any] | None, new: frozenset[Any]) -> frozenset[Any]:
+        return new if cur is None else cur & new
+
+    def take(self, f: Filter) -> bool:
+        """Record ``f`` if it can be pushed; whether it was."""
+        attribute: tuple[str, ...] = tuple(getattr(f, "attribute", ()))
+        col = attribute[0] if len(attribute) == 1 else None
+        if isinstance(f, (EqualTo, In)):
+            values = (f.value,) if isinstance(f, EqualTo) else tuple(f.value)
+            if col in ("key", "key_bytes"):
+                if not all(isinstance(v, (str, bytes, bytearray)) for v in values):
+                    return False
+                self.keys = self._narrow(self.keys, key_bytes_of(
+                    [bytes(v) if isinstance(v, bytearray) else v for v in values]))
+                return True
+            if col == "key_group" and all(isinstance(v, int) for v in values):
+                self.key_groups = self._narrow(self.key_groups, frozenset(values))
+                return True
+            if col in ("state", "partition") and all(isinstance(v, str) for v in values):
+                name = "states" if col == "state" else "partitions"
+                setattr(self, name, self._narrow(getattr(self, name), frozenset(values)))
+                return True
+        if col == "key_group" and isinstance(
+                f, (GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual)) \
+                and isinstance(f.value, int):
+            self.bounds.append((type(f).__name__, f.value))
+            return True
+        return False
+
+    def wanted_key_groups(self, max_parallelism: int) -> frozenset[int] | None:
+        """The key groups a row can be in, or ``None`` for all."""
+        kgs = self.key_groups
+        if self.keys is not None:
+            kgs = self._narrow(kgs, frozenset(key_group_for(k, max_parallelism)
+                                              for k in self.keys))
+        if self.bounds:
+            lo, hi = 0, MAX_PARALLELISM_LIMIT - 1
+            for op, v in self.bounds:
+                if op == "GreaterThan":
+                    lo = max(lo, v + 1)
+                elif op == "GreaterThanOrEqual":
+                    lo = max(lo, v)
+                elif op == "LessThan":
+                    hi = min(hi, v - 1)
+                else:
+                    hi = min(hi, v)
+            kgs = self._narrow(kgs, frozenset(range(max(lo, 0), min(hi, max_parallelism - 1)
+                                                    + 1)))
+        return kgs
+
+    @property
+    def narrows_key_groups(self) -> bool:
+        return self.keys is not None or self.key_groups is not None or bool(self.bounds)
+
+    def accept(self, partition: str, key_bytes: bytes, state: str) -> bool:
+        return ((self.keys is None or key_bytes in self.keys)
+                and (self.states is None or state in self.states)
+                and (self.partitions is None or partition in self.partitions))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+_CACHE: dict[int, LocalFileCache] = {}
+
+
+def _process_cache() -> LocalFileCache:
+    """One restore cache per (executor worker) process, in a temporary directory removed at
+    exit; objects that do not fit its budget are read with ranged reads."""
+    pid = os.getpid()
+    cache = _CACHE.get(pid)
+    if cache is None or cache.closed:
+        directory = tempfile.mkdtemp(prefix="dstl-reader-cache-")
+        cache = LocalFileCache(directory, idle_ttl_s=120.0, max_bytes=2 << 30, on_full="direct")
+        _CACHE[pid] = cache
+
+        def _close() -> None:
+            cache.close()
+            shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(_close)
+    return cache
+
+
+def _typed(opts: SourceOptions, schema: Any) -> tuple[str, Any] | None:
+    if not opts.value_type:
+        return None
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    return _TYPED_COLUMN, to_arrow_type(schema[_TYPED_COLUMN].dataType)
+
+
+@dataclass(frozen=True)
+class _Split(InputPartition):
+    """One split as Spark's input partition (pickled to the executor that reads it)."""
+
+    split: StateSplit | ChangeSplit
+    cached: bool
+
+
+def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
+          partition: InputPartition) -> Iterator[Any]:
+    """The Arrow batches of one split (runs on an executor)."""
+    assert isinstance(partition, _Split)
+    part = partition
+    cache = _process_cache() if part.cached else None
+    store = open_read_only(opts.state_uri, opts.storage_options)
+    try:
+        rows: Iterator[Any]
+        if isinstance(part.split, StateSplit):
+            rows = read_state_split(store, part.split, cache=cache, table=opts.table,
+                                    allow_pickle=opts.allow_pickle, keys=pushed.keys,
+                                    states=pushed.states)
+            schema = STATE_SCHEMA
+        else:
+            rows = (r for r in read_change_split(store, part.split, cache=cache,
+                                                 allow_pickle=opts.allow_pickle,
+                                                 table=opts.table)
+                    if pushed.accept(r.partition, r.key_bytes, r.state))
+            schema = CHANGE_SCHEMA
+        yield from batches(rows, schema, typed=typed)
+    finally:
+        store.close()
+
+
+def _use_cache(opts: SourceOptions) -> bool:
+    # A whole handle per split reads each object once anyway: exact ranged reads fetch less.
+    # Slices of a handle share its objects: one download per executor through the cache.
+    return opts.cache == "true" or (opts.cache == "auto" and opts.key_groups_per_split is not None)
+
+
+class _StateReader(DataSourceReader):
+    def __init__(self, opts: SourceOptions, schema: Any) -> None:
+        self.opts = opts
+        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.typed = _typed(opts, schema)
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            if not self.pushed.take(f):
+                yield f
+
+    def partitions(self) -> Sequence[InputPartition]:
+        catalog = self.opts.catalog()
+        try:
+            manifest = catalog.manifest(self.opts.checkpoint)
+            tasks = [t for t in task_states(manifest)
+                     if self.pushed.partitions is None or t.task_id in self.pushed.partitions]
+            mp = tasks[0].handle.max_parallelism if tasks else 1
+            splits = plan_state_splits(manifest.checkpoint_id, tasks,
+                                       key_groups=self.pushed.wanted_key_groups(mp),
+                                       max_key_groups=self.opts.key_groups_per_split)
+        finally:
+            catalog.store.close()
+        logger.info("dstl source: checkpoint %d of %s, %d splits", manifest.checkpoint_id,
+                    self.opts.state_uri, len(splits))
+        cached = _use_cache(self.opts)
+        return [_Split(s, cached) for s in splits]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.opts, self.pushed, self.typed, partition)
+
+
+class _ChangeReader(DataSourceReader):
+    """The batch change feed: ``startCheckpoint`` (exclusive; absent: the empty state) to
+    ``endCheckpoint`` (absent: the newest)."""
+
+    def __init__(self, opts: SourceOptions, schema: Any) -> None:
+        self.opts = opts
+        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.typed = _typed(opts, schema)
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            if not self.pushed.take(f):
+                yield f
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return _change_partitions(self.opts, self.pushed, self.opts.start, self.opts.end)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.opts, self.pushed, self.typed, partition)
+
+
+def _change_partitions(opts: SourceOptions, pushed: _Pushed, start: int | None,
+                       end: int | None) -> list[InputPartition]:
+    catalog = opts.catalog()
+    try:
+        on_lost: OnLost = "oldest" if opts.on_lost == "resumeFromOldest" else "fail"
+        plan = plan_change_range(catalog, start, end, on_lost=on_lost,
+                                 lost_option='.option("onLostChanges", "resumeFromOldest")')
+    finally:
+        catalog.store.close()
+    if plan.lost is not None:
+        logger.warning("dstl change feed of %s: checkpoint %d is no longer retained; the "
+                       "changes of checkpoints %d..%d are lost, resuming after %d",
+                       opts.state_uri, plan.lost[0], plan.lost[0] + 1, plan.lost[1],
+                       plan.lost[1])
+    splits: list[ChangeSplit] = [s for s in plan.splits
+                                 if pushed.partitions is None or s.task_id in pushed.partitions]
+    kgs = pushed.wanted_key_groups(plan.max_parallelism) if pushed.narrows_key_groups else None
+    if kgs is not None:
+        narrowed = []
+        for s in splits:
+            only = tuple(sorted(k for k in kgs if s.key_groups[0] <= k <= s.key_groups[1]))
+            if only:
+                narrowed.append(replace(s, only=only))
+        splits = narrowed
+    cached = _use_cache(opts)
+    return [_Split(s, cached) for s in splits]
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """The change feed as a stream: offsets are checkpoint ids."""
+
+    def __init__(self, opts: SourceOptions, schema: Any) -> None:
+        self.opts = opts
+        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.typed = _typed(opts, schema)
+        self.target: int | None = None  # availableNow: the newest checkpoint when it started
+
+    def _ids(self) -> list[int]:
+        catalog = self.opts.catalog()
+        try:
+            return catalog.ids()
+        finally:
+            catalog.store.close()
+
+    def initialOffset(self) -> dict[str, int]:
+        s = self.opts.starting.lower()
+        if s == "earliest":
+            return {"checkpoint": -1}
+        if s == "latest":
+            ids = self._ids()
+            return {"checkpoint": ids[-1] if ids else -1}
+        try:
+            return {"checkpoint": int(s)}
+        except ValueError as exc:
+            raise ConfigError("startingCheckpoint", s, "latest, earliest or a checkpoint id",
+                              owner="dstl_changes source") from exc
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        ids = self._ids()
+        self.target = ids[-1] if ids else -1
+
+    def latestOffset(self, start: dict[str, int] | None = None,
+                     limit: Any = None) -> dict[str, int]:
+        begin = int(start["checkpoint"]) if start else -1
+        ids = [c for c in self._ids() if c > begin]
+        if self.target is not None:
+            ids = [c for c in ids if c <= self.target]
+        cap = self.opts.max_checkpoints_per_trigger
+        if cap is not None and not isinstance(limit, ReadAllAvailable):
+            ids = ids[:cap]
+        return {"checkpoint": ids[-1] if ids else begin}
+
+    def reportLatestOffset(self) -> dict[str, int]:
+        ids = self._ids()
+        return {"checkpoint": ids[-1] if ids else -1}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        a, b = int(start["checkpoint"]), int(end["checkpoint"])
+        if b <= a:
+            return []
+        return _change_partitions(self.opts, self.pushed, a if a >= 0 else None, b)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.opts, self.pushed, self.typed, partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        logger.debug("dstl change feed of %s committed up to checkpoint %s",
+                     self.opts.state_uri, end.get("checkpoint"))
+
+
+# --------------------------------------------------------------------------- the sources
+
+
+class DstlStateDataSource(DataSource):
+    """``spark.read.format("dstl").load(state_uri)``: a checkpoint's state, or with
+    ``readChangeFeed`` the changes between checkpoints."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "dstl"
+
+    def schema(self) -> str:
+        opts = SourceOptions.parse(self.options)
+        return opts.schema(CHANGE_DDL if opts.change_feed else STATE_DDL)
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        opts = SourceOptions.parse(self.options)
+        return _ChangeReader(opts, schema) if opts.change_feed else _StateReader(opts, schema)
+
+
+class DstlChangesDataSource(DataSource):
+    """``spark.readStream.format("dstl_changes").load(state_uri)``: the change feed as a stream
+    (``spark.read.format("dstl_changes")`` reads it as a batch, like ``readChangeFeed``)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "dstl_changes"
+
+    def schema(self) -> str:
+        return SourceOptions.parse(self.options).schema(CHANGE_DDL)
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _ChangeReader(SourceOptions.parse(self.options), schema)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return _ChangeStreamReader(SourceOptions.parse(self.options), schema)

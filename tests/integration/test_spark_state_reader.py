@@ -1,0 +1,117 @@
+"""spark.read.format("dstl"): a checkpoint's state and the batch change feed as DataFrames,
+equal to the job's dict model; pushed-down key and key-group filters plan only the key groups
+that can match; a typed value column; a missing checkpoint is a typed error in Spark's message.
+The job is tests/support/state_job.py's MiniJob (Spark reads what it wrote)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from spark_support import spark  # noqa: F401 - the module-scoped session fixture
+from support.state_job import MiniJob, replay, state_of
+
+from dstl.keygroups import key_group_for
+from dstl.reader import from_json
+from dstl.spark import register
+from dstl.stores import open_store
+
+pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
+
+
+class _Row:
+    def __init__(self, r: Any) -> None:
+        d = r.asDict()
+        for f in ("namespace", "user_key", "value"):
+            d[f] = from_json(d[f])
+        if d["key"] is None:
+            d["key"] = bytes(d["key_bytes"])
+        self.__dict__.update(d)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, MiniJob]]:
+    root = str(tmp_path_factory.mktemp("reader") / "state")
+    store = open_store(root)
+    job = MiniJob(store, partitions=2, max_parallelism=16, table="lmdb", seed=41, retained=5)
+    job.run(150)
+    job.checkpoint()
+    job.run(50)
+    job.materialize()
+    job.run(80)
+    job.checkpoint()
+    job.rescale(3)
+    job.run(80)
+    job.checkpoint()
+    job.close()
+    store.close()
+    yield root, job
+
+
+def _load(session: Any, root: str, **options: Any) -> Any:
+    reader = session.read.format("dstl").option("operator", "job")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    return reader.load(root)
+
+
+def test_state_of_every_checkpoint_equals_the_model(spark: Any,  # noqa: F811
+                                                    job: tuple[str, MiniJob]) -> None:
+    root, model = job
+    register(spark)
+    for cid in (0, 1):
+        rows = [_Row(r) for r in _load(spark, root, checkpoint=cid).collect()]
+        assert state_of(rows) == model.checkpoint_models[cid], cid
+        assert {r.checkpoint for r in rows} == {cid}
+    assert _load(spark, root).rdd.getNumPartitions() == 3  # one per backend handle
+    newest = _load(spark, root, keyGroupsPerSplit=4)
+    assert newest.rdd.getNumPartitions() == 6  # 16 key groups in 3 handles: 6, 5, 5
+    assert state_of(_Row(r) for r in newest.collect()) == model.checkpoint_models[2]
+
+
+def test_filters_on_key_and_key_group_are_pushed_down(spark: Any,  # noqa: F811
+                                                      job: tuple[str, MiniJob]) -> None:
+    root, model = job
+    register(spark)
+    df = _load(spark, root).filter("key = 'k7'")
+    assert df.rdd.getNumPartitions() == 1
+    rows = [_Row(r) for r in df.collect()]
+    assert rows and state_of(rows) == {i: v for i, v in model.model.items() if i[1] == "k7"}
+    kg = key_group_for(b"k7", 16)
+    by_kg = _load(spark, root).filter(f"key_group >= {kg} and key_group <= {kg}")
+    assert by_kg.rdd.getNumPartitions() == 1
+    assert {r.key_group for r in by_kg.collect()} == {kg}
+    counts = _load(spark, root, state="count", valueType="bigint").filter(
+        "key in ('k1', 'k2', 'k3')")
+    got = {r.key: r.typed_value for r in counts.collect()}
+    assert got == {i[1]: v for i, v in model.model.items()
+                   if i[0] == "count" and i[1] in ("k1", "k2", "k3")}
+
+
+def test_batch_change_feed_replays_to_the_model(spark: Any,  # noqa: F811
+                                                job: tuple[str, MiniJob]) -> None:
+    root, model = job
+    register(spark)
+    for start, end in ((0, 2), (1, 2), (None, 1)):
+        opts: dict[str, Any] = {"readChangeFeed": "true", "endCheckpoint": end}
+        if start is not None:
+            opts["startCheckpoint"] = start
+        rows = [_Row(r) for r in _load(spark, root, **opts).collect()]
+        rows.sort(key=lambda r: (r.checkpoint, r.partition, r.seq))
+        base = model.checkpoint_models[start] if start is not None else None
+        assert replay(rows, base) == model.checkpoint_models[end], (start, end)
+    streamed = spark.read.format("dstl_changes").option("startCheckpoint", 1).load(root)
+    assert streamed.count() == _load(spark, root, readChangeFeed="true",
+                                     startCheckpoint=1).count()
+
+
+def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
+                                               job: tuple[str, MiniJob]) -> None:
+    root, _ = job
+    register(spark)
+    with pytest.raises(Exception, match="CheckpointNotFoundError") as err:
+        _load(spark, root, checkpoint=42).collect()
+    assert "checkpoints there: 0, 1, 2" in str(err.value)
+    with pytest.raises(Exception, match="ConfigError"):
+        _load(spark, root, table="rocks").collect()
