@@ -7,53 +7,21 @@ Exit codes: 0 success (and ``--help``), 1 a :class:`~dstl.errors.DstlError` or a
 ``--storage-option`` takes ``key=value`` and may repeat. The value is JSON when it parses as JSON
 (``anon=true``, ``config_kwargs.retries={"max_attempts": 3}``), a string otherwise; a dotted key
 nests (``client_kwargs.endpoint_url=http://localhost:9000`` becomes
-``{"client_kwargs": {"endpoint_url": ...}}``). They are passed to fsspec as ``storage_options``
-(:func:`dstl.stores.open_store`) and never printed.
+``{"client_kwargs": {"endpoint_url": ...}}``; :func:`dstl.stores.parse_storage_options`). They
+are passed to fsspec as ``storage_options`` (:func:`dstl.stores.open_store`) and never printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "add_storage_options", "parse_storage_options", "storage_options"]
+from dstl.errors import ConfigError
+from dstl.stores import parse_storage_options
 
-
-def _set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = out
-    for p in parts[:-1]:
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise argparse.ArgumentTypeError(f"--storage-option {dotted}: {p} is already a "
-                                             "value, not a group")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_storage_options(items: list[str] | None) -> dict[str, Any] | None:
-    """``["k=v", "a.b=1"]`` -> ``{"k": "v", "a": {"b": 1}}`` (``None`` when empty).
-
-    Raises:
-        argparse.ArgumentTypeError: an item without ``=`` or with an empty key.
-    """
-    if not items:
-        return None
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or any(not p for p in key.split(".")):
-            raise argparse.ArgumentTypeError(f"--storage-option {item!r}: expected key=value "
-                                             "(e.g. client_kwargs.endpoint_url=http://host:9000)")
-        try:
-            value: Any = json.loads(raw)
-        except ValueError:
-            value = raw
-        _set_nested(out, key, value)
-    return out
+__all__ = ["Progress", "add_storage_options", "storage_options"]
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +37,8 @@ def storage_options(parser: argparse.ArgumentParser, args: argparse.Namespace
                     ) -> dict[str, Any] | None:
     """The parsed ``--storage-option`` values (a malformed one is a usage error: exit 2)."""
     try:
-        return parse_storage_options(args.storage_option)
-    except argparse.ArgumentTypeError as exc:
+        return parse_storage_options(args.storage_option or ())
+    except ConfigError as exc:
         parser.error(str(exc))
 
 

@@ -55,7 +55,6 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAvailableNow
 
-from dstl.cli.common import parse_storage_options
 from dstl.errors import ConfigError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
 from dstl.reader import (
@@ -72,6 +71,7 @@ from dstl.reader import (
 )
 from dstl.reader.arrow import CHANGE_DDL, CHANGE_SCHEMA, STATE_DDL, STATE_SCHEMA, batches
 from dstl.reader.changes import OnLost
+from dstl.stores import parse_storage_options
 from restore.cache import LocalFileCache
 
 __all__ = ["DstlChangesDataSource", "DstlStateDataSource", "SourceOptions"]

@@ -22,9 +22,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from dstl.cli.common import add_storage_options, storage_options
+from dstl.errors import ConfigError
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.spark.timing import TimerValues
+from dstl.stores import parse_storage_options
 
 PAGES = ["/", "/search", "/item", "/cart", "/checkout", "/help", "/account", "/deals"]
 
@@ -193,7 +194,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dstl demo", description=__doc__)
     p.add_argument("--state-uri", default=None, help="DSTL store (default: a temp directory)")
     p.add_argument("--storage-options", default=None, help="JSON fsspec options (S3 etc.)")
-    add_storage_options(p)
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", default=[],
+                   help="one fsspec option, repeatable (dotted keys nest, JSON values parsed; "
+                        "dstl.stores.parse_storage_options)")
     p.add_argument("--files", type=int, default=8, help="micro-batches in all")
     p.add_argument("--restart-after", type=int, default=4, help="stop after this many batches")
     p.add_argument("--events", type=int, default=3000, help="events per micro-batch")
@@ -202,7 +205,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--table", choices=["lmdb", "heap"], default="lmdb")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args(argv)
-    args.storage_option_values = storage_options(p, args)
+    try:
+        args.storage_option_values = parse_storage_options(args.storage_option)
+    except ConfigError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -42,10 +42,11 @@ Credentials live in ``storage_options`` or the standard AWS chain; they never re
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -67,7 +68,7 @@ from dstl.stores.memory import MemoryBlobStore
 
 __all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "LocalBlobStore",
            "MemoryBlobStore", "ObjectInfo", "check_key", "check_store", "check_store_uri",
-           "is_retryable", "open_store", "translate_error"]
+           "is_retryable", "open_store", "parse_storage_options", "translate_error"]
 
 SUPPORTED_SCHEMES = ("file", "memory", "s3", "s3a", "hdfs", "gs", "gcs", "abfs", "abfss", "az")
 #: Azure URIs may name the account: ``abfs://container@account.dfs.core.windows.net/path``.
@@ -433,3 +434,36 @@ def _redact(uri: str) -> str:
     scheme, rest = uri.split("://", 1)
     netloc, sep, path = rest.partition("/")
     return f"{scheme}://***@{netloc.rpartition('@')[2]}{sep}{path}"
+
+
+def parse_storage_options(items: Iterable[str]) -> dict[str, Any] | None:
+    """Storage options from ``key=value`` strings (the CLI's ``--storage-option``, the Spark
+    sources' ``storage.<key>`` options): the value is JSON when it parses as JSON (``anon=true``,
+    ``config_kwargs.retries={"max_attempts": 3}``), else a string; a dotted key nests
+    (``client_kwargs.endpoint_url=http://host:9000`` is ``{"client_kwargs": {"endpoint_url":
+    ...}}``). ``None`` when there are none.
+
+    Raises:
+        ConfigError: an item without ``=``, with an empty key part, or that puts a group where
+            a value already is (the message shows the key, never the value).
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = key.split(".")
+        if not sep or not key or not all(parts):
+            raise ConfigError("storage option", key or "<empty>", "key=value (e.g. "
+                              "client_kwargs.endpoint_url=http://host:9000)",
+                              owner="storage options")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError("storage option", key, f"a value for {p!r} or a group under "
+                                  "it, not both", owner="storage options")
+        node[parts[-1]] = value
+    return out or None
