@@ -16,7 +16,8 @@ Columns (``namespace``, ``user_key`` and ``value`` as JSON text, :func:`~dstl.re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -51,20 +52,15 @@ def _text_key(k: Any) -> str | None:
     return k if type(k) is str else None
 
 
-def _columns(names: Sequence[str]) -> list[Callable[[Any], Any]]:
-    out: list[Callable[[Any], Any]] = []
-    for n in names:
-        if n in _JSON_COLUMNS:
-            out.append(to_json)
-        elif n == "key":
-            out.append(_text_key)
-        else:
-            out.append(lambda v: v)
-    return out
+def _converter(name: str) -> Callable[[Any], Any] | None:
+    """How a row field becomes a column value (``None``: as it is)."""
+    if name in _JSON_COLUMNS:
+        return to_json
+    return _text_key if name == "key" else None
 
 
 def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *,
-            batch_rows: int = 8192, typed: tuple[str, pa.DataType] | None = None
+            batch_rows: int = 16384, typed: tuple[str, pa.DataType] | None = None
             ) -> Iterator[pa.RecordBatch]:
     """Rows as record batches of ``schema`` (:data:`STATE_SCHEMA` or :data:`CHANGE_SCHEMA`).
 
@@ -78,30 +74,18 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
     Raises:
         pyarrow.ArrowInvalid / ArrowTypeError: a value does not convert to ``typed``'s type.
     """
-    names = [f.name for f in schema]
-    conv = _columns(names)
-    width = len(names)
-    value_at = names.index("value")
+    convs = [_converter(f.name) for f in schema]
+    value_at = schema.get_field_index("value")
     out_schema = schema.append(pa.field(typed[0], typed[1])) if typed is not None else schema
-    cols: list[list[Any]] = [[] for _ in range(width)]
-    raw: list[Any] = []
-    n = 0
-    for row in rows:
-        for i in range(width):
-            cols[i].append(conv[i](row[i]))
+    it = iter(rows)
+    while True:
+        chunk = list(itertools.islice(it, batch_rows))
+        if not chunk:
+            return
+        columns = list(zip(*chunk, strict=True))  # column-wise: one conversion loop per column
+        arrays = [pa.array(col if conv is None else list(map(conv, col)),
+                           type=out_schema.field(i).type)
+                  for i, (col, conv) in enumerate(zip(columns, convs, strict=True))]
         if typed is not None:
-            raw.append(row[value_at])
-        n += 1
-        if n == batch_rows:
-            yield _batch(cols, raw, out_schema, typed)
-            cols, raw, n = [[] for _ in range(width)], [], 0
-    if n:
-        yield _batch(cols, raw, out_schema, typed)
-
-
-def _batch(cols: list[list[Any]], raw: list[Any], schema: pa.Schema,
-           typed: tuple[str, pa.DataType] | None) -> pa.RecordBatch:
-    arrays = [pa.array(c, type=schema.field(i).type) for i, c in enumerate(cols)]
-    if typed is not None:
-        arrays.append(pa.array(raw, type=typed[1]))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+            arrays.append(pa.array(columns[value_at], type=typed[1]))
+        yield pa.RecordBatch.from_arrays(arrays, schema=out_schema)

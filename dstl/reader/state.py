@@ -28,10 +28,11 @@ import contextlib
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-from dstl.errors import ObjectNotFoundError
+from dstl.errors import ObjectNotFoundError, UsageError
 from dstl.keygroups import KeyGroupRange
 from dstl.layout import MANIFEST_PREFIX
 from dstl.reader.errors import CheckpointDeletedError
+from dstl.reader.image import StateImage, StateInfo, stream_snapshots
 from dstl.reader.plan import StateSplit
 from dstl.reader.rows import StateRow
 from dstl.reader.store import ReadOnlyBlobStore
@@ -39,14 +40,18 @@ from dstl.storage import ChangelogStorage
 from dstl.stores.base import BlobStore
 from dstl.timer import ManualTimer
 from materializer.backend import ChangelogKeyedStateBackend
+from materializer.codecs import SafeCodec, StrOrBytesKeyCodec
 from materializer.handles import ChangelogStateBackendHandle
 from restore.leasing import LeasingCache
-from restore.restore import restore_backend
+from restore.reader import ChangelogReader
+from restore.restore import plan_restore, restore_backend
 
 __all__ = ["entries", "read_state_split", "restored", "translate_missing"]
 
 #: The operator id of the backends a reader restores (never written anywhere).
 _READER_ID = "dstl-reader"
+_KEYS = StrOrBytesKeyCodec()
+_SAFE = SafeCodec()  # namespaces (b"": the default namespace)
 
 
 def _read_only(store: BlobStore) -> ReadOnlyBlobStore:
@@ -123,7 +128,10 @@ def read_state_split(store: BlobStore, split: StateSplit, *, cache: LeasingCache
         store: the job's store (wrapped read-only here if it is not already).
         split: from :func:`~dstl.reader.plan.plan_state_splits`.
         cache: a restore cache shared by the process's reads, or ``None`` for ranged reads.
-        table: ``"heap"`` (memory) or ``"lmdb"`` (a temporary directory).
+        table: ``"heap"``: the split's state in memory (:mod:`dstl.reader.image`: snapshot
+            entries streamed as they are when no log follows them, else held as stored bytes
+            while the log is applied); ``"lmdb"``: restored into a temporary LMDB directory
+            (:func:`restored`), for splits larger than memory.
         allow_pickle: decode states whose codec is ``pickle`` (runs code from the store).
         keys: only these keys (their key-codec bytes).
         states: only these state names.
@@ -131,21 +139,64 @@ def read_state_split(store: BlobStore, split: StateSplit, *, cache: LeasingCache
     Raises:
         CheckpointDeletedError: the checkpoint was deleted while it was read.
         ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged.
-        UsageError: a state uses the pickle codec and ``allow_pickle`` is off.
+        UsageError: a state uses the pickle codec and ``allow_pickle`` is off, or an unknown
+            ``table``.
     """
+    if table not in ("heap", "lmdb"):
+        raise UsageError(f"table={table!r}: expected 'heap' or 'lmdb'")
     handle = ChangelogStateBackendHandle.from_json(split.handle)
+    try:
+        if table == "lmdb":
+            yield from _restored_rows(store, split, handle, cache, allow_pickle, keys, states)
+        else:
+            yield from _image_rows(store, split, handle, cache, allow_pickle, keys, states)
+    except ObjectNotFoundError as exc:
+        raise translate_missing(store, split.checkpoint_id, exc) from exc
+
+
+def _image_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBackendHandle,
+                cache: LeasingCache | None, allow_pickle: bool, keys: Collection[bytes] | None,
+                states: Collection[str] | None) -> Iterator[StateRow]:
+    rng = split.key_group_range
+    plan = plan_restore([handle], rng)  # narrowed to what the handle owns in the range
+    logs = [h for h in plan.logs if h.change_sets]
+    source: Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]
+    if not logs:
+        source = stream_snapshots(store, plan.snapshots, rng, allow_pickle, cache)
+    else:
+        image = StateImage(allow_pickle)
+        image.load(store, plan.snapshots, rng, cache)
+        reader = ChangelogReader(store, cache=cache)
+        for h in logs:
+            image.replay(reader, h, rng.intersection(h.key_groups))
+        source = image.rows()
+    cp, task = split.checkpoint_id, split.task_id
+    key_of, ns_of = _KEYS.decode, _SAFE.decode
+    for info, kg, kb, nb, vb in source:
+        if (states is not None and info.name not in states) or (keys is not None
+                                                                 and kb not in keys):
+            continue
+        key, ns, value = key_of(kb), ns_of(nb) if nb else None, info.shape.from_bytes(vb)
+        if info.kind == "map":
+            for uk, uv in value.items():
+                yield StateRow(cp, task, kg, key, kb, info.name, "map", ns, uk, uv)
+        else:
+            yield StateRow(cp, task, kg, key, kb, info.name, info.kind, ns, None, value)
+
+
+def _restored_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBackendHandle,
+                   cache: LeasingCache | None, allow_pickle: bool,
+                   keys: Collection[bytes] | None, states: Collection[str] | None
+                   ) -> Iterator[StateRow]:
     rng = split.key_group_range
     cp, task = split.checkpoint_id, split.task_id
-    try:
-        with restored(store, [handle], rng, cache=cache, table=table,
-                      allow_pickle=allow_pickle) as backend:
-            for name, kind, kg, key, kb, ns, value in entries(backend, rng, states):
-                if keys is not None and kb not in keys:
-                    continue
-                if kind == "map":
-                    for uk, uv in value.items():
-                        yield StateRow(cp, task, kg, key, kb, name, kind, ns, uk, uv)
-                else:
-                    yield StateRow(cp, task, kg, key, kb, name, kind, ns, None, value)
-    except ObjectNotFoundError as exc:
-        raise translate_missing(store, cp, exc) from exc
+    with restored(store, [handle], rng, cache=cache, table="lmdb",
+                  allow_pickle=allow_pickle) as backend:
+        for name, kind, kg, key, kb, ns, value in entries(backend, rng, states):
+            if keys is not None and kb not in keys:
+                continue
+            if kind == "map":
+                for uk, uv in value.items():
+                    yield StateRow(cp, task, kg, key, kb, name, kind, ns, uk, uv)
+            else:
+                yield StateRow(cp, task, kg, key, kb, name, kind, ns, None, value)

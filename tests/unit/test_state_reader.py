@@ -70,6 +70,9 @@ def _check_every_checkpoint_and_range(job: MiniJob, catalog: CheckpointCatalog,
     assert ids, "no checkpoint retained"
     for c in ids:
         assert state_of(read_state(catalog, c)) == job.checkpoint_models[c], f"state of {c}"
+    # the reader's other table: a read-only restore into a temporary LMDB directory
+    last = ids[-1]
+    assert state_of(read_state(catalog, last, table="lmdb")) == job.checkpoint_models[last]
     for a in [None, *ids]:
         for b in ids:
             if a is not None and b <= a:

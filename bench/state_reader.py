@@ -1,0 +1,312 @@
+"""State reader benchmark (issue #16): reading N keys of state with ``spark.read.format("dstl")``
+vs Spark's own ``spark.read.format("statestore")`` on the same state, in the same run; and the
+change feed's lag and throughput while the job writes.
+
+The state: count per key, keys ``k%08d``, each key written once over B batches (text file
+source, ``maxFilesPerTrigger=1``, ``availableNow``; 200 k keys per batch up to 1 M keys, 500 k
+beyond, 100 k in ``--quick``), ``local[2]``, 4 partitions, 128 key groups — the job shape of
+``bench/restart.py`` (issue #13). That script was not on main when this one was written, so the
+state is built here by two queries over the same input files:
+
+* DSTL — ``DstlStatefulOperator`` (LMDB tables, the executor agent) with a ``count`` value state;
+  ``--snapshots`` off (default ``both``): materialization off, the reader replays the log;
+  on: ``materialization_interval_s=1``, the reader loads snapshots (+ the log tail);
+* Spark — ``groupBy("key").count()`` in update mode on ``RocksDBStateStoreProvider`` with
+  changelog checkpointing (``minDeltasForSnapshot=1``, ``maintenanceInterval=1s`` when snapshots
+  are on), sink ``noop``.
+
+Read figure: wall time of one read of the whole state, every column, into Spark's ``noop`` sink
+(``df.write.format("noop")``) — DSTL: ``spark.read.format("dstl").option("operator", "count")``
+(one split per partition; values as JSON), Spark: ``spark.read.format("statestore")`` on the
+query's checkpoint. Reads alternate between the two, ``--repeats`` each (median, spread), after
+one unmeasured warm-up read of each. Both reads are checked: as many rows as keys.
+
+Change feed: a ``dstl_changes`` stream (processing-time trigger 0.5 s, ``foreachBatch`` counting
+its rows) runs while the DSTL job processes ``--feed-batches`` more batches of new keys
+(processing-time trigger 1 s). Lag = when the consumer's batch holding checkpoint ``c`` finished
+minus the commit time of ``c``'s manifest; throughput = change rows / seconds the consumer spent
+in its batches.
+
+Run: ``.venv/bin/python bench/state_reader.py [--quick] [--keys 1000000,4000000]
+[--snapshots both|on|off] [--repeats 5]``. The machine is shared: load averages are recorded
+with every figure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import fmt, parser, summary, write_results  # noqa: E402
+from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle  # noqa: E402
+
+PARTITIONS = 4
+MAX_PARALLELISM = 128
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+
+class Count(StatefulProcessor):
+    """Rows per key (one value state)."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        c = (self.count.get() or 0) + sum(1 for _ in rows)
+        self.count.update(c)
+        yield {"key": key, "count": c}
+
+
+def _session(local_dir: str, snapshots: bool) -> Any:
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get(
+        "PYTHONPATH", "")) if p)
+    b = (SparkSession.builder.master("local[2]").appName("dstl-bench-state-reader")
+         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+         .config("spark.driver.memory", "3g").config("spark.sql.shuffle.partitions", PARTITIONS)
+         .config("spark.local.dir", local_dir)
+         .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+         .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true"))
+    if snapshots:
+        b = (b.config("spark.sql.streaming.stateStore.minDeltasForSnapshot", "1")
+             .config("spark.sql.streaming.stateStore.maintenanceInterval", "1s"))
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _write_inputs(src: Path, keys: int, per_batch: int, first: int = 0) -> int:
+    """Text files of keys ``first..keys-1``, ``per_batch`` per file; returns the file count."""
+    src.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for start in range(first, keys, per_batch):
+        stop = min(keys, start + per_batch)
+        existing = len(list(src.iterdir()))
+        (src / f"part-{existing:05d}.txt").write_text(
+            "".join(f"k{i:08d}\n" for i in range(start, stop)))
+        n += 1
+    return n
+
+
+def _build(spark: Any, work: Path, keys: int, per_batch: int, snapshots: bool
+           ) -> tuple[str, str, dict[str, float]]:
+    """Run both jobs over the same files; the DSTL state_uri and the Spark checkpoint."""
+    from dstl.spark import DstlStatefulOperator
+
+    src = work / "src"
+    files = _write_inputs(src, keys, per_batch)
+    uri, dstl_ck, spark_ck = str(work / "state"), str(work / "dstl-ck"), str(work / "spark-ck")
+    op = DstlStatefulOperator(name="count", processor=Count, key_column="key",
+                              output_schema="key string, count long", state_uri=uri,
+                              partitions=PARTITIONS, max_parallelism=MAX_PARALLELISM,
+                              materialization_interval_s=1.0 if snapshots else None,
+                              local_dir=str(work / "local"), sink=lambda df, b: None)
+    stream = (spark.readStream.option("maxFilesPerTrigger", 1).text(str(src))
+              .withColumnRenamed("value", "key"))
+    t0 = time.monotonic()
+    q = (stream.writeStream.foreachBatch(op.foreach_batch).option("checkpointLocation", dstl_ck)
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    t1 = time.monotonic()
+    q2 = (stream.groupBy("key").count().writeStream.outputMode("update").format("noop")
+          .option("checkpointLocation", spark_ck).trigger(availableNow=True).start())
+    q2.awaitTermination()
+    t2 = time.monotonic()
+    if snapshots:
+        time.sleep(3)  # let the maintenance thread upload the last snapshot
+    op.close()
+    return uri, spark_ck, {"files": files, "dstl_build_s": t1 - t0, "spark_build_s": t2 - t1}
+
+
+def _read_dstl(spark: Any, uri: str) -> float:
+    t0 = time.monotonic()
+    (spark.read.format("dstl").option("operator", "count").load(uri)
+     .write.format("noop").mode("overwrite").save())
+    return time.monotonic() - t0
+
+
+def _read_spark(spark: Any, ck: str) -> float:
+    t0 = time.monotonic()
+    spark.read.format("statestore").load(ck).write.format("noop").mode("overwrite").save()
+    return time.monotonic() - t0
+
+
+def _check(spark: Any, uri: str, ck: str, keys: int) -> None:
+    from pyspark.sql import functions as F
+
+    d = spark.read.format("dstl").option("operator", "count").load(uri)
+    n, total = d.agg(F.count("*"), F.sum(d.value.cast("long"))).first()
+    s = spark.read.format("statestore").load(ck)
+    m = s.count()
+    if (n, total, m) != (keys, keys, keys):
+        raise SystemExit(f"state check failed: DSTL {n} rows summing to {total}, Spark {m} "
+                         f"rows; expected {keys}")
+
+
+def _reads(spark: Any, uri: str, ck: str, repeats: int) -> dict[str, Any]:
+    _read_dstl(spark, uri)  # warm-up: Python workers, JIT, page cache
+    _read_spark(spark, ck)
+    dstl, spark_s, loads = [], [], []
+    for i in range(repeats):
+        order = (_read_dstl, _read_spark) if i % 2 == 0 else (_read_spark, _read_dstl)
+        for fn in order:
+            t = fn(spark, uri) if fn is _read_dstl else fn(spark, ck)
+            (dstl if fn is _read_dstl else spark_s).append(t)
+        loads.append(os.getloadavg()[0])
+    d, s = summary(dstl), summary(spark_s)
+    return {"dstl_read_s": d, "spark_read_s": s, "ratio_spark_over_dstl":
+            s["median"] / d["median"], "loadavg_1m": summary(loads)}
+
+
+class _Consumer:
+    """foreachBatch of the change-feed stream: rows and finish time per batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, float]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        from pyspark.sql import functions as F
+
+        t0 = time.monotonic()
+        row = df.agg(F.count("*"), F.max("checkpoint"), F.min("checkpoint")).first()
+        with self.lock:
+            self.batches.append({"rows": row[0], "max": -1 if row[1] is None else row[1],
+                                 "min": -1 if row[2] is None else row[2], "start": t0,
+                                 "end": time.monotonic(), "wall_end": time.time()})
+
+
+def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: int,
+          snapshots: bool) -> dict[str, Any]:
+    """The change feed while the DSTL job writes ``batches`` more batches of new keys."""
+    from dstl.checkpoint.manifest import decode_manifest
+    from dstl.spark import DstlStatefulOperator, register
+    from dstl.stores import open_store
+
+    register(spark)
+    src = work / "src"
+    op = DstlStatefulOperator(name="count", processor=Count, key_column="key",
+                              output_schema="key string, count long", state_uri=uri,
+                              partitions=PARTITIONS, max_parallelism=MAX_PARALLELISM,
+                              materialization_interval_s=1.0 if snapshots else None,
+                              local_dir=str(work / "local2"), sink=lambda df, b: None)
+    consumer = _Consumer()
+    feed_q = (spark.readStream.format("dstl_changes").option("operator", "count")
+              .load(uri).writeStream.foreachBatch(consumer)
+              .option("checkpointLocation", str(work / "feed-ck"))
+              .trigger(processingTime="500 milliseconds").start())
+    job_q = (spark.readStream.option("maxFilesPerTrigger", 1).text(str(src))
+             .withColumnRenamed("value", "key").writeStream.foreachBatch(op.foreach_batch)
+             .option("checkpointLocation", str(work / "dstl-ck"))
+             .trigger(processingTime="1 second").start())
+    first_new = len(op.batch_stats)
+    _write_inputs(src, keys + batches * per_batch, per_batch, first=keys)
+    deadline = time.monotonic() + 1800
+    last_cp = None
+    while time.monotonic() < deadline:
+        if len(op.batch_stats) >= first_new + batches:
+            last_cp = op.batch_stats[-1]["batch_id"]
+            with consumer.lock:
+                if any(b["max"] >= last_cp for b in consumer.batches):
+                    break
+        time.sleep(0.2)
+    job_q.stop()
+    feed_q.stop()
+    op.close()
+    if last_cp is None:
+        raise SystemExit("change feed: the job or the consumer did not finish in 30 min")
+    store = open_store(uri)
+    commit_ms: dict[int, int] = {}
+    for info in store.list("checkpoints/"):
+        m = decode_manifest(store.get(info.key), info.key)
+        commit_ms[m.checkpoint_id] = m.created_ms
+    store.close()
+    lags = []
+    for b in consumer.batches:
+        for cid in range(b["min"], b["max"] + 1):
+            if cid in commit_ms and b["rows"]:
+                lags.append(b["wall_end"] - commit_ms[cid] / 1000)
+    rows = sum(b["rows"] for b in consumer.batches)
+    busy = sum(b["end"] - b["start"] for b in consumer.batches if b["rows"])
+    if rows != batches * per_batch:
+        raise SystemExit(f"change feed: {rows} rows for {batches * per_batch} new keys")
+    return {"lag_s": summary(lags), "rows": rows, "rows_per_s": rows / busy,
+            "consumer_batches": len(consumer.batches),
+            "job_batch_s": summary([s["batch_seconds"] for s in op.batch_stats])}
+
+
+def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str, Any]:
+    per_batch = 100_000 if quick else (200_000 if keys <= 1_000_000 else 500_000)
+    work = Path(tempfile.mkdtemp(prefix="dstl-bench-reader-"))
+    spark = _session(str(work / "spark-local"), snapshots)
+    try:
+        from dstl.spark import register
+
+        register(spark)
+        uri, ck, build = _build(spark, work, keys, per_batch, snapshots)
+        _check(spark, uri, ck, keys)
+        out = {"keys": keys, "snapshots": snapshots, "build": build,
+               **_reads(spark, uri, ck, repeats)}
+        feed_batches = 3 if quick else 5
+        out["feed"] = _feed(spark, work, uri, keys, per_batch // 4, feed_batches, snapshots)
+        return out
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--keys", default=None, help="comma-separated key counts (default: 1 M, 4 M; "
+                                                "quick: 200 k)")
+    p.add_argument("--snapshots", choices=("both", "on", "off"), default="both")
+    args = p.parse_args()
+    sizes = [int(k) for k in args.keys.split(",")] if args.keys else (
+        [200_000] if args.quick else [1_000_000, 4_000_000])
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.snapshots]
+    repeats = max(1, args.repeats if not args.quick else min(args.repeats, 3))
+    results = []
+    for keys in sizes:
+        for snap in modes:
+            print(f"state reader: {keys:,} keys, snapshots {'on' if snap else 'off'}",
+                  flush=True)
+            r = run_size(keys, snap, repeats, args.quick)
+            print(f"  DSTL {fmt(r['dstl_read_s'], 's')}  Spark {fmt(r['spark_read_s'], 's')}  "
+                  f"ratio {r['ratio_spark_over_dstl']:.2f}; feed lag "
+                  f"{fmt(r['feed']['lag_s'], 's')}, {r['feed']['rows_per_s']:,.0f} rows/s",
+                  flush=True)
+            results.append(r)
+    rows = ["| keys | snapshots | DSTL `format(\"dstl\")` read | Spark `format(\"statestore\")` "
+            "read | Spark / DSTL | load avg (1 min) | change feed lag | feed throughput |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r['keys']:,} | {'on' if r['snapshots'] else 'off'} | "
+                    f"{fmt(r['dstl_read_s'], 's')} | {fmt(r['spark_read_s'], 's')} | "
+                    f"{r['ratio_spark_over_dstl']:.2f} | {fmt(r['loadavg_1m'], digits=1)} | "
+                    f"{fmt(r['feed']['lag_s'], 's')} | {r['feed']['rows_per_s']:,.0f} rows/s |")
+    md = ("### State reader vs Spark's state reader (issue #16)\n\n"
+          "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
+          "state written by both engines from the same input in the same run (count per key, "
+          "4 partitions, `local[2]`). Change feed: a `dstl_changes` stream while the job "
+          "writes new keys.\n\n" + "\n".join(rows))
+    cmd = "python bench/state_reader.py" + (" --quick" if args.quick else "") + (
+        f" --keys {args.keys}" if args.keys else "")
+    write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
+                  command=cmd, no_doc=args.no_doc)
+
+
+if __name__ == "__main__":
+    main()

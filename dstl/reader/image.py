@@ -1,0 +1,216 @@
+"""The state of one split as stored bytes: snapshot entries, with the log after them applied —
+the reader's own replay, which creates no backend and no writer.
+
+Theory of operation
+-------------------
+A split's state is its handle's snapshots (narrowed to the key groups their owner owns, as
+:func:`restore.plan_restore` decides) plus the log after them. When that log is empty for the
+split, the snapshot entries *are* the state: :func:`stream_snapshots` yields them as they are
+decoded, block by block, and nothing is kept. Otherwise :class:`StateImage` holds every entry
+of the split as its **stored form** — the bytes a snapshot block or an LMDB table holds, keyed
+by ``(state name, key group, key bytes, namespace bytes)`` — loads the snapshots into it and
+replays the log on those bytes with the semantics of
+:meth:`~materializer.backend.ChangelogKeyedStateBackend.apply_change` on an LMDB table: ``CLEAR``
+removes, ``SET``/``SET_INTERNAL`` store the payload (already the stored form), list appends
+append framed element bytes, map operations decode the map, change it and encode it again (map
+keys compare as decoded values), and an emptied map is removed. Values are decoded once, when
+the split's rows are produced. States are identified by name — state ids are per snapshot and
+per log (a handle's metadata records map its ids), exactly as a restore maps them.
+
+Compared with restoring a backend (:func:`~dstl.reader.state.restored`, kept for
+``table="lmdb"``), nothing is decoded twice and no table structure is built; the model tests
+(``tests/unit/test_state_reader.py``) hold both to the job's dict model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dstl.errors import CorruptObjectError, StateError
+from dstl.handle import ChangelogHandle
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
+from dstl.stores.base import BlobStore
+from materializer.changes import (
+    ADD,
+    ADD_ELEMENT,
+    ADD_OR_UPDATE_ELEMENT,
+    CLEAR,
+    REMOVE_ELEMENT,
+    SET,
+    SET_INTERNAL,
+    append_framed,
+    decode_change,
+    decode_map_entry,
+    decode_metadata,
+    iter_framed,
+    iter_pairs,
+)
+from materializer.codecs import codec_by_name
+from materializer.handles import SnapshotRef
+from materializer.state_tables import BlobRangeSource, SnapshotReader
+from materializer.states import StateShape
+from restore.leasing import LeasingCache, ObjectLease
+from restore.reader import ChangelogReader, verify_snapshot
+
+__all__ = ["StateImage", "StateInfo", "stream_snapshots"]
+
+#: (state name, key group, key bytes, namespace bytes)
+Ident = tuple[str, int, bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class StateInfo:
+    """A state as its metadata describes it."""
+
+    name: str
+    kind: str
+    shape: StateShape
+
+
+def _state(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
+            or meta.get("kind") not in ("value", "list", "map", "reducing", "aggregating"):
+        raise CorruptObjectError(where, 0, f"state metadata {meta!r:.200} has no valid name/kind")
+    codec = codec_by_name(meta.get("value_codec") or "safe", allow_pickle=allow_pickle)
+    kc = meta.get("key_codec")
+    key_codec = codec_by_name(kc, allow_pickle=allow_pickle) if kc else None
+    return StateInfo(meta["name"], meta["kind"], StateShape(meta["kind"], codec, key_codec))
+
+
+def _snapshot_states(reader: SnapshotReader, allow_pickle: bool) -> dict[int, StateInfo]:
+    try:
+        states = json.loads(reader.metadata)["states"]
+        if not isinstance(states, dict):
+            raise TypeError("states is not an object")
+        return {int(sid): _state(meta, allow_pickle, reader.key) for sid, meta in states.items()}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptObjectError(reader.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
+
+
+class _LeaseSource:
+    """A snapshot's bytes through a restore cache lease (one verified download per cache)."""
+
+    def __init__(self, lease: ObjectLease) -> None:
+        self._lease = lease
+
+    def size(self) -> int:
+        return self._lease.size
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self._lease.read(offset, length))
+
+
+def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,
+                     allow_pickle: bool, cache: LeasingCache | None = None
+                     ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
+    """``(state, key group, key bytes, namespace bytes, stored value)`` of every entry of the
+    snapshots in ``key_groups`` (each narrowed to its ``ref.key_groups``), block by block:
+    ranged reads, or through ``cache``."""
+    for ref in refs:
+        wanted = key_groups.intersection(ref.key_groups)
+        if not len(wanted):
+            continue
+        lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
+        try:
+            source = _LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
+            reader = SnapshotReader(source, key=ref.key)
+            states = _snapshot_states(reader, allow_pickle)
+            for kg, block in reader.read(wanted.intersection(reader.key_groups)):
+                for sid, kb, nb, vb in block:
+                    info = states.get(sid)
+                    if info is None:
+                        raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which "
+                                                             "the snapshot's metadata does not "
+                                                             "name")
+                    yield info, kg, kb, nb, vb
+        finally:
+            if lease is not None:
+                lease.release()
+
+
+class StateImage:
+    """A split's entries as stored bytes, with the log applied (see the module docstring)."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.states: dict[str, StateInfo] = {}
+        self.entries: dict[Ident, bytes] = {}
+
+    def _known(self, info: StateInfo, where: str) -> StateInfo:
+        had = self.states.setdefault(info.name, info)
+        if had.kind != info.kind:
+            raise StateError(f"state {info.name!r} is a {had.kind} state in one part of the "
+                             f"checkpoint and a {info.kind} state in {where}")
+        return had
+
+    def load(self, store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,
+             cache: LeasingCache | None = None) -> None:
+        """Add the snapshot entries of ``key_groups``."""
+        entries = self.entries
+        for info, kg, kb, nb, vb in stream_snapshots(store, refs, key_groups, self.allow_pickle,
+                                                     cache):
+            name = self._known(info, "a snapshot").name
+            entries[(name, kg, kb, nb)] = vb
+
+    def replay(self, reader: ChangelogReader, handle: ChangelogHandle,
+               key_groups: Container[int]) -> int:
+        """Apply the changes of ``handle`` in ``key_groups``; returns how many were applied."""
+        names: dict[int, StateInfo] = {}  # this log's state ids
+        n = 0
+        for kg, payload in reader.read(handle, key_groups=key_groups):
+            if kg == META_KEY_GROUP:
+                sid, meta = decode_metadata(payload)
+                names[sid] = self._known(_state(meta, self.allow_pickle, handle.log_id),
+                                         f"the log of {handle.log_id}")
+                continue
+            ch = decode_change(payload)
+            info = names.get(ch.state_id)
+            if info is None:
+                raise CorruptObjectError(f"<changelog of {handle.log_id}>", 0,
+                                         f"change for state id {ch.state_id} before its "
+                                         "metadata record")
+            self._apply((info.name, kg, ch.key, ch.namespace), info, ch.op, ch.payload)
+            n += 1
+        return n
+
+    def _apply(self, ident: Ident, info: StateInfo, op: int, payload: bytes) -> None:
+        entries = self.entries
+        if op == CLEAR:
+            entries.pop(ident, None)
+        elif op in (SET, SET_INTERNAL):
+            entries[ident] = payload
+        elif info.kind == "list" and op == ADD_ELEMENT:
+            entries[ident] = append_framed(entries.get(ident), [payload])
+        elif info.kind == "list" and op == ADD:
+            entries[ident] = append_framed(entries.get(ident), list(iter_framed(payload)))
+        elif info.kind == "map" and op in (ADD, ADD_OR_UPDATE_ELEMENT, REMOVE_ELEMENT):
+            self._apply_map(ident, info.shape, op, payload)
+        else:
+            raise CorruptObjectError("<changelog>", 0, f"op code {op} on {info.kind} state "
+                                                       f"{info.name!r}")
+
+    def _apply_map(self, ident: Ident, shape: StateShape, op: int, payload: bytes) -> None:
+        cur = self.entries.get(ident)
+        obj: dict[Any, Any] = dict(shape.from_bytes(cur)) if cur is not None else {}
+        kd, vd = shape.key_codec.decode, shape.codec.decode  # type: ignore[union-attr]
+        if op == ADD:
+            obj.update((kd(k), vd(v)) for k, v in iter_pairs(payload))
+        elif op == ADD_OR_UPDATE_ELEMENT:
+            kb, vb = decode_map_entry(payload)
+            obj[kd(kb)] = vd(vb)
+        else:
+            obj.pop(kd(payload), None)
+        if op == REMOVE_ELEMENT and not obj:
+            self.entries.pop(ident, None)
+        else:
+            self.entries[ident] = shape.to_bytes(obj)
+
+    def rows(self) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
+        """``(state, key group, key bytes, namespace bytes, stored value)`` of every entry."""
+        states = self.states
+        for (name, kg, kb, nb), vb in self.entries.items():
+            yield states[name], kg, kb, nb, vb
+
