@@ -78,6 +78,7 @@ def _session(local_dir: str, snapshots: bool) -> Any:
          .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
          .config("spark.driver.memory", "3g").config("spark.sql.shuffle.partitions", PARTITIONS)
          .config("spark.local.dir", local_dir)
+         .config("spark.python.authenticate.socketTimeout", "120s")  # a loaded, shared host
          .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
          .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true"))
     if snapshots:

@@ -30,14 +30,15 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dstl.errors import CorruptObjectError, ObjectNotFoundError, UsageError
+from dstl.errors import CorruptObjectError, ObjectNotFoundError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.catalog import CheckpointCatalog, task_states
 from dstl.reader.errors import ChangesLostError, CheckpointNotFoundError
+from dstl.reader.image import StateImage
 from dstl.reader.plan import ChangeSplit, CheckpointView, GapFill, LogRun, plan_changes
 from dstl.reader.rows import ChangeRow
-from dstl.reader.state import entries, restored, translate_missing
+from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.changes import (
     ADD,
@@ -59,6 +60,7 @@ from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader
+from restore.restore import plan_restore
 
 __all__ = ["ChangePlan", "OnLost", "plan_change_range", "read_change_split", "snapshot_boundary"]
 
@@ -215,12 +217,11 @@ class _SplitReader:
     """Reads one :class:`ChangeSplit` (see the module docstring)."""
 
     def __init__(self, store: BlobStore, split: ChangeSplit, cache: LeasingCache | None,
-                 allow_pickle: bool, table: str) -> None:
+                 allow_pickle: bool) -> None:
         self.store = store
         self.split = split
         self.cache = cache
         self.allow_pickle = allow_pickle
-        self.table = table
         self.range = KeyGroupRange(*split.key_groups)
         self.wanted: Container[int] = (frozenset(split.only) if split.only is not None
                                        else self.range)
@@ -259,7 +260,7 @@ class _SplitReader:
                                          0, f"change for state id {ch.state_id} has no metadata "
                                             "record in its log")
             name, kind, shape = found
-            ns = _SAFE.decode(ch.namespace) if ch.namespace else None
+            ns = _ns(ch.namespace)
             for op, uk, value in _elementary(ch.op, kind, shape, ch.payload):
                 yield self._row(kg, ch.key, name, kind, ns, op, uk, value, "log")
 
@@ -276,36 +277,40 @@ class _SplitReader:
         rng = self.range
         if self.split.only is not None:
             rng = KeyGroupRange(min(self.split.only), max(self.split.only))
-        before = _image(self.store, [ChangelogStateBackendHandle.from_json(j)
-                                     for j in gap.previous], rng, self)
-        after = _image(self.store, [ChangelogStateBackendHandle.from_json(gap.cut)], rng, self)
+        before = self._image([ChangelogStateBackendHandle.from_json(j) for j in gap.previous],
+                             rng)
+        after = self._image([ChangelogStateBackendHandle.from_json(gap.cut)], rng)
         for ident, (kind, value) in after.items():
             old = before.pop(ident, None)
             if old is None or old[1] != value:
-                name, kg, kb, ns = ident
-                yield self._row(kg, kb, name, kind, ns, "set", None, value, "snapshot")
-        for (name, kg, kb, ns), (kind, _) in before.items():
-            yield self._row(kg, kb, name, kind, ns, "clear", None, None, "snapshot")
+                name, kg, kb, nb = ident
+                yield self._row(kg, kb, name, kind, _ns(nb), "set", None, value, "snapshot")
+        for (name, kg, kb, nb), (kind, _) in before.items():
+            yield self._row(kg, kb, name, kind, _ns(nb), "clear", None, None, "snapshot")
+
+    def _image(self, handles: list[ChangelogStateBackendHandle], rng: KeyGroupRange
+               ) -> dict[tuple[str, int, bytes, bytes], tuple[str, Any]]:
+        """Every entry of ``handles``' state in the split's key groups, decoded: (state, kg,
+        key bytes, namespace bytes) -> (kind, value). Built like a state read
+        (:class:`~dstl.reader.image.StateImage`); values are compared decoded, as the same value
+        can be encoded differently."""
+        image = StateImage(self.allow_pickle)
+        if handles:
+            plan = plan_restore(handles, rng, operator_id="dstl-reader")
+            image.load(self.store, plan.snapshots, rng, self.cache)
+            for h in plan.logs:
+                if h.change_sets:
+                    image.replay(self.reader, h, rng.intersection(h.key_groups))
+        return {(info.name, kg, kb, nb): (info.kind, info.shape.from_bytes(vb))
+                for info, kg, kb, nb, vb in image.rows() if kg in self.wanted}
 
 
-_Image = dict[tuple[str, int, bytes, Any], tuple[str, Any]]
-
-
-def _image(store: BlobStore, handles: list[ChangelogStateBackendHandle], rng: KeyGroupRange,
-           r: _SplitReader) -> _Image:
-    """Every entry of ``handles``' state in ``rng``: (state, kg, key bytes, ns) -> (kind,
-    value)."""
-    out: _Image = {}
-    with restored(store, handles, rng, cache=r.cache, table=r.table,
-                  allow_pickle=r.allow_pickle) as backend:
-        for name, kind, kg, _key, kb, ns, value in entries(backend, rng):
-            if kg in r.wanted:
-                out[(name, kg, kb, ns)] = (kind, value)
-    return out
+def _ns(nb: bytes) -> Any:
+    return _SAFE.decode(nb) if nb else None
 
 
 def read_change_split(store: BlobStore, split: ChangeSplit, *, cache: LeasingCache | None = None,
-                      allow_pickle: bool = False, table: str = "heap") -> Iterator[ChangeRow]:
+                      allow_pickle: bool = False) -> Iterator[ChangeRow]:
     """The changes of one split, in log order (``seq`` counts from 0).
 
     Args:
@@ -313,16 +318,13 @@ def read_change_split(store: BlobStore, split: ChangeSplit, *, cache: LeasingCac
         split: from :func:`plan_change_range` / :func:`~dstl.reader.plan.plan_changes`.
         cache: a restore cache for segments (``None``: exact ranged reads).
         allow_pickle: decode states whose codec is ``pickle`` (runs code from the store).
-        table: the table of the restores a :class:`GapFill` needs.
 
     Raises:
         CheckpointDeletedError: the checkpoint was deleted while it was read.
         ObjectNotFoundError, CorruptObjectError: a change set is missing or damaged.
         UsageError: a state uses the pickle codec and ``allow_pickle`` is off.
     """
-    if table not in ("heap", "lmdb"):
-        raise UsageError(f"table={table!r}: expected 'heap' or 'lmdb'")
     try:
-        yield from _SplitReader(store, split, cache, allow_pickle, table).rows()
+        yield from _SplitReader(store, split, cache, allow_pickle).rows()
     except ObjectNotFoundError as exc:
         raise translate_missing(store, split.checkpoint_id, exc) from exc

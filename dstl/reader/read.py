@@ -58,10 +58,10 @@ def read_state(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
 
 def read_changes(catalog: CheckpointCatalog, start: int | None, end: int | None = None, *,
                  on_lost: OnLost = "fail", cache: LeasingCache | None = None,
-                 allow_pickle: bool = False, table: str = "heap") -> Iterator[ChangeRow]:
+                 allow_pickle: bool = False) -> Iterator[ChangeRow]:
     """Every change after checkpoint ``start`` (``None``: from the empty state) up to ``end``
     (``None``: the newest), checkpoint by checkpoint, in log order per key."""
     plan = plan_change_range(catalog, start, end, on_lost=on_lost)
     for split in plan.splits:
         yield from read_change_split(catalog.store, split, cache=cache,
-                                     allow_pickle=allow_pickle, table=table)
+                                     allow_pickle=allow_pickle)

@@ -329,8 +329,7 @@ def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
             schema = STATE_SCHEMA
         else:
             rows = (r for r in read_change_split(store, part.split, cache=cache,
-                                                 allow_pickle=opts.allow_pickle,
-                                                 table=opts.table)
+                                                 allow_pickle=opts.allow_pickle)
                     if pushed.accept(r.partition, r.key_bytes, r.state))
             schema = CHANGE_SCHEMA
         yield from batches(rows, schema, typed=typed)

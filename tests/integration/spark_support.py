@@ -26,6 +26,10 @@ def new_session(name: str, master: str = "local[2,2]") -> Any:
              .config("spark.sql.shuffle.partitions", "4")
              .config("spark.driver.memory", "1g")
              .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+             # a Python worker that starts slowly on a loaded machine (the streaming source
+             # runner imports pyspark, pyarrow and dstl) may take longer than the 15 s default
+             # to connect back; the query would fail with "Python worker failed to connect back"
+             .config("spark.python.authenticate.socketTimeout", "120s")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     return spark
