@@ -205,10 +205,15 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
                               materialization_interval_s=1.0 if snapshots else None,
                               local_dir=str(work / "local2"), sink=lambda df, b: None)
     consumer = _Consumer()
-    feed_q = (spark.readStream.format("dstl_changes").option("operator", "count")
-              .load(uri).writeStream.foreachBatch(consumer)
-              .option("checkpointLocation", str(work / "feed-ck"))
-              .trigger(processingTime="500 milliseconds").start())
+
+    def start_feed() -> Any:
+        return (spark.readStream.format("dstl_changes").option("operator", "count")
+                .load(uri).writeStream.foreachBatch(consumer)
+                .option("checkpointLocation", str(work / "feed-ck"))
+                .trigger(processingTime="500 milliseconds").start())
+
+    feed_q = start_feed()
+    restarts = 0
     job_q = (spark.readStream.option("maxFilesPerTrigger", 1).text(str(src))
              .withColumnRenamed("value", "key").writeStream.foreachBatch(op.foreach_batch)
              .option("checkpointLocation", str(work / "dstl-ck"))
@@ -218,6 +223,13 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
     deadline = time.monotonic() + 1800
     last_cp = None
     while time.monotonic() < deadline:
+        if feed_q.exception() is not None and restarts < 3:
+            # Spark's fixed 10 s for a new Python process to connect back is too short on a
+            # loaded host; the consumer resumes from its checkpoint
+            print(f"  change feed consumer failed ({str(feed_q.exception())[:80]}); restarting",
+                  flush=True)
+            restarts += 1
+            feed_q = start_feed()
         if len(op.batch_stats) >= first_new + batches:
             last_cp = op.batch_stats[-1]["batch_id"]
             with consumer.lock:
@@ -245,7 +257,7 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
     if rows != batches * per_batch:
         raise SystemExit(f"change feed: {rows} rows for {batches * per_batch} new keys")
     return {"lag_s": summary(lags), "rows": rows, "rows_per_s": rows / busy,
-            "consumer_batches": len(consumer.batches),
+            "consumer_batches": len(consumer.batches), "consumer_restarts": restarts,
             "job_batch_s": summary([s["batch_seconds"] for s in op.batch_stats])}
 
 
@@ -261,6 +273,8 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str,
         _check(spark, uri, ck, keys)
         out = {"keys": keys, "snapshots": snapshots, "build": build,
                **_reads(spark, uri, ck, repeats)}
+        print(f"  build: {build}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
+              f"{fmt(out['spark_read_s'], 's')}", flush=True)
         feed_batches = 3 if quick else 5
         out["feed"] = _feed(spark, work, uri, keys, per_batch // 4, feed_batches, snapshots)
         return out
