@@ -103,7 +103,7 @@ def _write_inputs(src: Path, keys: int, per_batch: int, first: int = 0) -> int:
 
 
 def _build(spark: Any, work: Path, keys: int, per_batch: int, snapshots: bool
-           ) -> tuple[str, str, dict[str, float]]:
+           ) -> tuple[str, str, dict[str, Any]]:
     """Run both jobs over the same files; the DSTL state_uri and the Spark checkpoint."""
     from dstl.spark import DstlStatefulOperator
 
@@ -129,7 +129,8 @@ def _build(spark: Any, work: Path, keys: int, per_batch: int, snapshots: bool
     if snapshots:
         time.sleep(3)  # let the maintenance thread upload the last snapshot
     op.close()
-    return uri, spark_ck, {"files": files, "dstl_build_s": t1 - t0, "spark_build_s": t2 - t1}
+    return uri, spark_ck, {"files": files, "dstl_build_s": t1 - t0, "spark_build_s": t2 - t1,
+                           "batch_stats": op.batch_stats}
 
 
 def _read_dstl(spark: Any, uri: str) -> float:
@@ -191,7 +192,7 @@ class _Consumer:
 
 
 def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: int,
-          snapshots: bool) -> dict[str, Any]:
+          snapshots: bool, op_build_stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The change feed while the DSTL job writes ``batches`` more batches of new keys."""
     from dstl.checkpoint.manifest import decode_manifest
     from dstl.spark import DstlStatefulOperator, register
@@ -206,9 +207,14 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
                               local_dir=str(work / "local2"), sink=lambda df, b: None)
     consumer = _Consumer()
 
+    start = max(s["batch_id"] for s in op_build_stats) if op_build_stats else -1
+
     def start_feed() -> Any:
+        # an explicit start: a consumer restarted before its first offset was written must not
+        # re-evaluate "latest"
         return (spark.readStream.format("dstl_changes").option("operator", "count")
-                .load(uri).writeStream.foreachBatch(consumer)
+                .option("startingCheckpoint", start).load(uri)
+                .writeStream.foreachBatch(consumer)
                 .option("checkpointLocation", str(work / "feed-ck"))
                 .trigger(processingTime="500 milliseconds").start())
 
@@ -276,7 +282,9 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str,
         print(f"  build: {build}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
               f"{fmt(out['spark_read_s'], 's')}", flush=True)
         feed_batches = 3 if quick else 5
-        out["feed"] = _feed(spark, work, uri, keys, per_batch // 4, feed_batches, snapshots)
+        stats = build.pop("batch_stats")
+        out["feed"] = _feed(spark, work, uri, keys, per_batch // 4, feed_batches, snapshots,
+                            stats)
         return out
     finally:
         spark.stop()

@@ -59,6 +59,27 @@ def _converter(name: str) -> Callable[[Any], Any] | None:
     return _text_key if name == "key" else None
 
 
+def _column(name: str, col: tuple[Any, ...], conv: Callable[[Any], Any] | None,
+            kind: pa.DataType) -> pa.Array:
+    if name == "value" and all(type(v) is int for v in col):
+        try:  # integer values (counters, sums): JSON text in one vectorised cast
+            return pa.array(col, type=pa.int64()).cast(pa.string())
+        except OverflowError:
+            pass  # beyond 64 bits: one by one
+    if name == "key":
+        return pa.nulls(len(col), type=pa.string())  # filled from key_bytes by the caller
+    return pa.array(col if conv is None else list(map(conv, col)), type=kind)
+
+
+def _text_keys(key_bytes: pa.Array, keys: tuple[Any, ...]) -> pa.Array:
+    """``key``: the UTF-8 keys as text (the usual case, one vectorised cast), else the decoded
+    key where it is text and null where it is not."""
+    try:
+        return key_bytes.cast(pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([k if type(k) is str else None for k in keys], type=pa.string())
+
+
 def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *,
             batch_rows: int = 16384, typed: tuple[str, pa.DataType] | None = None
             ) -> Iterator[pa.RecordBatch]:
@@ -74,8 +95,11 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
     Raises:
         pyarrow.ArrowInvalid / ArrowTypeError: a value does not convert to ``typed``'s type.
     """
-    convs = [_converter(f.name) for f in schema]
+    names = [f.name for f in schema]
+    convs = [_converter(n) for n in names]
     value_at = schema.get_field_index("value")
+    key_at = names.index("key") if "key" in names and "key_bytes" in names else None
+    key_bytes_at = names.index("key_bytes") if key_at is not None else -1
     out_schema = schema.append(pa.field(typed[0], typed[1])) if typed is not None else schema
     it = iter(rows)
     while True:
@@ -83,9 +107,10 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
         if not chunk:
             return
         columns = list(zip(*chunk, strict=True))  # column-wise: one conversion loop per column
-        arrays = [pa.array(col if conv is None else list(map(conv, col)),
-                           type=out_schema.field(i).type)
+        arrays = [_column(names[i], col, conv, out_schema.field(i).type)
                   for i, (col, conv) in enumerate(zip(columns, convs, strict=True))]
+        if key_at is not None:  # the key as text: one vectorised UTF-8 check of key_bytes
+            arrays[key_at] = _text_keys(arrays[key_bytes_at], columns[key_at])
         if typed is not None:
             arrays.append(pa.array(columns[value_at], type=typed[1]))
         yield pa.RecordBatch.from_arrays(arrays, schema=out_schema)
