@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.checkpoint.manifest import MAX_RETAINED

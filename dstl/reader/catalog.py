@@ -25,8 +25,10 @@ import logging
 from dataclasses import dataclass
 
 from dstl.checkpoint.manifest import Manifest, decode_manifest
+from dstl.checks import check_protocol, check_str
 from dstl.errors import CorruptObjectError, ObjectNotFoundError, UsageError
 from dstl.layout import MANIFEST_PREFIX, parse_manifest_key
+from dstl.reader.checks import check_checkpoint_id
 from dstl.reader.errors import CheckpointDeletedError, CheckpointNotFoundError
 from dstl.stores.base import BlobStore
 from materializer.handles import ChangelogStateBackendHandle
@@ -84,8 +86,11 @@ class CheckpointCatalog:
     """
 
     def __init__(self, store: BlobStore, job_id: str | None = None) -> None:
-        self.store = store
-        self.job_id = job_id
+        owner = "CheckpointCatalog"
+        check_protocol(store, "store", owner, ("get", "get_range", "head", "list"),
+                       "a BlobStore (dstl.reader.open_read_only(state_uri))")
+        self.store: BlobStore = store
+        self.job_id = None if job_id is None else check_str(job_id, "job_id", owner)
 
     @property
     def location(self) -> str:
@@ -114,7 +119,9 @@ class CheckpointCatalog:
 
         Raises:
             CheckpointNotFoundError: no such checkpoint (or none at all).
+            ConfigError: ``checkpoint_id`` is not ``None`` or an int >= 0.
         """
+        check_checkpoint_id(checkpoint_id, "checkpoint_id", "CheckpointCatalog.find")
         listed = self.checkpoints()
         if checkpoint_id is None and listed:
             return listed[-1]

@@ -30,10 +30,12 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dstl.errors import CorruptObjectError, ObjectNotFoundError
+from dstl.checks import check_bool, check_choice, check_instance
+from dstl.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.catalog import CheckpointCatalog, task_states
+from dstl.reader.checks import check_cache, check_checkpoint_id
 from dstl.reader.errors import ChangesLostError, CheckpointNotFoundError
 from dstl.reader.image import StateImage
 from dstl.reader.plan import ChangeSplit, CheckpointView, GapFill, LogRun, plan_changes
@@ -121,7 +123,16 @@ def plan_change_range(catalog: CheckpointCatalog, start: int | None, end: int | 
         ChangesLostError: ``start`` is no longer retained and ``on_lost="fail"``.
         CheckpointNotFoundError: ``end`` is not in the store.
         CorruptObjectError: a manifest or snapshot tail is damaged.
+        ConfigError: an argument of the wrong type or out of range.
     """
+    owner = "plan_change_range"
+    check_instance(catalog, "catalog", owner, CheckpointCatalog)
+    check_checkpoint_id(start, "start", owner, lo=-1)
+    check_checkpoint_id(end, "end", owner)
+    check_choice(on_lost, "on_lost", owner, ("fail", "oldest"))
+    if start is not None and end is not None and start > end:
+        raise ConfigError("start", start, f"at most end ({end})", owner=owner,
+                          fix="the feed is (start, end]")
     listed = catalog.checkpoints()
     ids = [c.checkpoint_id for c in listed]
     if end is None:
@@ -324,7 +335,15 @@ def read_change_split(store: BlobStore, split: ChangeSplit, *, cache: LeasingCac
         ObjectNotFoundError, CorruptObjectError: a change set is missing or damaged.
         UsageError: a state uses the pickle codec and ``allow_pickle`` is off.
     """
+    owner = "read_change_split"
+    check_instance(split, "split", owner, ChangeSplit)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    check_cache(cache, owner)
+    return _rows(_SplitReader(store, split, cache, allow_pickle))
+
+
+def _rows(reader: _SplitReader) -> Iterator[ChangeRow]:
     try:
-        yield from _SplitReader(store, split, cache, allow_pickle).rows()
+        yield from reader.rows()
     except ObjectNotFoundError as exc:
-        raise translate_missing(store, split.checkpoint_id, exc) from exc
+        raise translate_missing(reader.store, reader.split.checkpoint_id, exc) from exc

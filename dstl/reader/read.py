@@ -4,12 +4,21 @@ split in order. The Spark sources plan on the driver and read the splits on exec
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
+from dstl.checks import check_bool, check_instance
 from dstl.keygroups import key_group_for
 from dstl.reader.catalog import CheckpointCatalog, task_states
 from dstl.reader.changes import OnLost, plan_change_range, read_change_split
-from dstl.reader.plan import plan_state_splits
+from dstl.reader.checks import (
+    check_cache,
+    check_checkpoint_id,
+    check_key_group_count,
+    check_keys,
+    check_names,
+    check_table,
+)
+from dstl.reader.plan import ChangeSplit, plan_state_splits
 from dstl.reader.rows import ChangeRow, StateRow
 from dstl.reader.state import read_state_split
 from materializer.codecs import StrOrBytesKeyCodec
@@ -42,7 +51,28 @@ def read_state(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
         states: only these state names.
         cache, table, allow_pickle: see :func:`~dstl.reader.state.read_state_split`.
         max_key_groups: key groups per split.
+
+    Raises:
+        ConfigError: an argument of the wrong type or out of range (raised by the call, before
+            anything is read).
     """
+    owner = "read_state"
+    check_instance(catalog, "catalog", owner, CheckpointCatalog)
+    check_checkpoint_id(checkpoint_id, "checkpoint_id", owner)
+    check_keys(keys, owner)
+    states = check_names(states, "states", owner)
+    check_table(table, owner)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    check_key_group_count(max_key_groups, "max_key_groups", owner)
+    check_cache(cache, owner)
+    return _read_state(catalog, checkpoint_id, keys, states, cache, table, allow_pickle,
+                       max_key_groups)
+
+
+def _read_state(catalog: CheckpointCatalog, checkpoint_id: int | None,
+                keys: Collection[str | bytes] | None, states: Collection[str] | None,
+                cache: LeasingCache | None, table: str, allow_pickle: bool,
+                max_key_groups: int | None) -> Iterator[StateRow]:
     manifest = catalog.manifest(checkpoint_id)
     tasks = task_states(manifest)
     wanted = None if keys is None else key_bytes_of(keys)
@@ -60,8 +90,19 @@ def read_changes(catalog: CheckpointCatalog, start: int | None, end: int | None 
                  on_lost: OnLost = "fail", cache: LeasingCache | None = None,
                  allow_pickle: bool = False) -> Iterator[ChangeRow]:
     """Every change after checkpoint ``start`` (``None``: from the empty state) up to ``end``
-    (``None``: the newest), checkpoint by checkpoint, in log order per key."""
+    (``None``: the newest), checkpoint by checkpoint, in log order per key.
+
+    The feed is planned by the call (so a start that fell out of retention raises
+    :class:`~dstl.reader.ChangesLostError` here, and a malformed argument a
+    :class:`~dstl.errors.ConfigError`); the changes are read as the result is iterated."""
+    check_bool(allow_pickle, "allow_pickle", "read_changes")
+    check_cache(cache, "read_changes")
     plan = plan_change_range(catalog, start, end, on_lost=on_lost)
-    for split in plan.splits:
+    return _read_changes(catalog, plan.splits, cache, allow_pickle)
+
+
+def _read_changes(catalog: CheckpointCatalog, splits: Iterable[ChangeSplit],
+                  cache: LeasingCache | None, allow_pickle: bool) -> Iterator[ChangeRow]:
+    for split in splits:
         yield from read_change_split(catalog.store, split, cache=cache,
                                      allow_pickle=allow_pickle)

@@ -28,9 +28,11 @@ import contextlib
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-from dstl.errors import ObjectNotFoundError, UsageError
+from dstl.checks import check_bool, check_instance
+from dstl.errors import ObjectNotFoundError
 from dstl.keygroups import KeyGroupRange
 from dstl.layout import MANIFEST_PREFIX
+from dstl.reader.checks import check_cache, check_key_bytes, check_names, check_table
 from dstl.reader.errors import CheckpointDeletedError
 from dstl.reader.image import StateImage, StateInfo, stream_snapshots
 from dstl.reader.plan import StateSplit
@@ -139,12 +141,24 @@ def read_state_split(store: BlobStore, split: StateSplit, *, cache: LeasingCache
     Raises:
         CheckpointDeletedError: the checkpoint was deleted while it was read.
         ObjectNotFoundError, CorruptObjectError: a needed object is missing or damaged.
-        UsageError: a state uses the pickle codec and ``allow_pickle`` is off, or an unknown
-            ``table``.
+        UsageError: a state uses the pickle codec and ``allow_pickle`` is off.
+        ConfigError: an argument of the wrong type or out of range (raised by the call).
     """
-    if table not in ("heap", "lmdb"):
-        raise UsageError(f"table={table!r}: expected 'heap' or 'lmdb'")
+    owner = "read_state_split"
+    check_instance(split, "split", owner, StateSplit)
+    check_table(table, owner)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    check_cache(cache, owner)
+    keys = check_key_bytes(keys, owner)
+    states = check_names(states, "states", owner)
     handle = ChangelogStateBackendHandle.from_json(split.handle)
+    return _split_rows(store, split, handle, cache, table, allow_pickle, keys, states)
+
+
+def _split_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBackendHandle,
+                cache: LeasingCache | None, table: str, allow_pickle: bool,
+                keys: Collection[bytes] | None, states: Collection[str] | None
+                ) -> Iterator[StateRow]:
     try:
         if table == "lmdb":
             yield from _restored_rows(store, split, handle, cache, allow_pickle, keys, states)

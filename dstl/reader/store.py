@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from dstl.checks import check_mapping
 from dstl.errors import UsageError
-from dstl.stores import open_store
+from dstl.stores import check_store_uri, open_store
 from dstl.stores.base import BlobStore, ObjectInfo
 
 __all__ = ["ReadOnlyBlobStore", "open_read_only"]
@@ -70,15 +71,20 @@ class ReadOnlyBlobStore:
         self.close()
 
 
-def open_read_only(state_uri: str, storage_options: dict[str, Any] | None = None
+def open_read_only(state_uri: str | os.PathLike[str],
+                   storage_options: Mapping[str, Any] | None = None
                    ) -> ReadOnlyBlobStore:
     """Open ``state_uri`` (any URI :func:`dstl.stores.open_store` takes) read-only; closing the
     view closes the store. Nothing is written to validate it (a local directory must exist).
 
     Raises:
-        ConfigError: unsupported scheme or options.
+        ConfigError: a malformed URI (``dstl.stores.check_store_uri``), unsupported scheme or
+            options.
         UsageError: a local directory that does not exist.
     """
+    state_uri = check_store_uri(state_uri, storage_options, owner="open_read_only",
+                                field="state_uri")
+    storage_options = check_mapping(storage_options, "storage_options", "open_read_only")
     local = _local_path(state_uri)
     if local is not None and not os.path.isdir(local):
         raise UsageError(f"state directory {local} does not exist; pass the state_uri the job "

@@ -24,9 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dstl.checkpoint.manifest import Manifest
+from dstl.checks import check_callable, check_instance
 from dstl.errors import CorruptObjectError, DstlError, ObjectNotFoundError
 from dstl.handle import ChangeSetRef
 from dstl.reader.catalog import CheckpointCatalog, task_states
+from dstl.reader.checks import check_checkpoint_id
 from dstl.segment import decode_segment
 from materializer.handles import SnapshotRef
 from materializer.snapshot_format import decode_snapshot
@@ -92,7 +94,12 @@ def verify_checkpoint(catalog: CheckpointCatalog, checkpoint_id: int | None = No
 
     Raises:
         CheckpointNotFoundError: no such checkpoint.
+        ConfigError: an argument of the wrong type or out of range.
     """
+    check_instance(catalog, "catalog", "verify_checkpoint", CheckpointCatalog)
+    check_checkpoint_id(checkpoint_id, "checkpoint_id", "verify_checkpoint")
+    if progress is not None:
+        check_callable(progress, "progress", "verify_checkpoint", args=3)
     stored = catalog.find(checkpoint_id)
     report = VerifyReport(stored.checkpoint_id, stored.key)
     try:

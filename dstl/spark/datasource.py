@@ -55,6 +55,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAvailableNow
 
+from dstl.checks import check_mapping, check_str
 from dstl.errors import ConfigError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
 from dstl.reader import (
@@ -71,7 +72,14 @@ from dstl.reader import (
 )
 from dstl.reader.arrow import CHANGE_DDL, CHANGE_SCHEMA, STATE_DDL, STATE_SCHEMA, batches
 from dstl.reader.changes import OnLost
-from dstl.stores import parse_storage_options
+from dstl.reader.checks import (
+    TABLES,
+    check_source_keys,
+    source_bool,
+    source_choice,
+    source_int,
+)
+from dstl.stores import check_store_uri, parse_storage_options
 from restore.cache import LocalFileCache
 
 __all__ = ["DstlChangesDataSource", "DstlStateDataSource", "SourceOptions"]
@@ -82,39 +90,6 @@ _TYPED_COLUMN = "typed_value"
 
 
 # --------------------------------------------------------------------------- options
-
-
-def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = options.get(name)
-    if raw is None:
-        return default
-    if str(raw).lower() in ("true", "1", "yes"):
-        return True
-    if str(raw).lower() in ("false", "0", "no"):
-        return False
-    raise ConfigError(name, raw, "true or false", owner="dstl source option")
-
-
-def _int(options: Mapping[str, str], name: str, minimum: int) -> int | None:
-    raw = options.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        v = int(raw)
-    except ValueError as exc:
-        raise ConfigError(name, raw, f"an integer >= {minimum}",
-                          owner="dstl source option") from exc
-    if v < minimum:
-        raise ConfigError(name, raw, f"an integer >= {minimum}", owner="dstl source option")
-    return v
-
-
-def _choice(options: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
-    raw = str(options.get(name, choices[0]))
-    for c in choices:
-        if raw.lower() == c.lower():
-            return c
-    raise ConfigError(name, raw, " or ".join(choices), owner="dstl source option")
 
 
 @dataclass(frozen=True)
@@ -142,32 +117,56 @@ class SourceOptions:
     max_checkpoints_per_trigger: int | None
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
-        """Validate Spark's options (keys are case-insensitive).
+    def parse(cls, options: Mapping[str, str], *, source: str = "dstl",
+              stream: bool | None = None) -> SourceOptions:
+        """Validate Spark's options (keys are case-insensitive) with :mod:`dstl.reader.checks`'
+        rules: every option named, every value typed and in range, none the mode ignores.
+
+        Args:
+            options: Spark's options (``path`` is ``load``'s argument).
+            source: ``"dstl"`` or ``"dstl_changes"`` (always a change feed).
+            stream: a ``readStream``; ``None`` while Spark only asks for the schema.
 
         Raises:
-            ConfigError: a missing path or a malformed option (named).
+            ConfigError: a missing path, an unknown option, one the mode ignores, or a
+                malformed value (named, with what is expected).
         """
         o = {str(k).lower(): v for k, v in options.items()}
+        owner = f"{source} source"
+        feed = source == "dstl_changes" or source_bool(o, "readchangefeed", "readChangeFeed",
+                                                       owner, False)
+        if source == "dstl_changes" and not source_bool(o, "readchangefeed", "readChangeFeed",
+                                                        owner, True):
+            raise ConfigError("readChangeFeed", o["readchangefeed"], "true (or absent)",
+                              owner=owner, fix="dstl_changes is the change feed; "
+                                               "spark.read.format('dstl') reads state")
+        check_source_keys(o, owner, stream=stream, change_feed=feed)
+        storage = _storage_options(o)
         path = o.get("path")
         if not path:
-            raise ConfigError("path", path, "the job's state_uri: .load(state_uri)",
-                              owner="dstl source")
-        states = o.get("state")
+            raise ConfigError("path", path, "the job's state_uri: .load(state_uri)", owner=owner)
+        start = source_int(o, "startcheckpoint", "startCheckpoint", owner, lo=-1)
+        end = source_int(o, "endcheckpoint", "endCheckpoint", owner, lo=0)
+        if start is not None and end is not None and start > end:
+            raise ConfigError("startCheckpoint", start, f"at most endCheckpoint ({end})",
+                              owner=owner, fix="the feed is (startCheckpoint, endCheckpoint]")
         return cls(
-            state_uri=path, storage_options=_storage_options(o), operator=o.get("operator"),
-            checkpoint=_int(o, "checkpoint", 0),
-            change_feed=_bool(o, "readchangefeed", False),
-            start=_int(o, "startcheckpoint", -1), end=_int(o, "endcheckpoint", 0),
-            key_groups_per_split=_int(o, "keygroupspersplit", 1),
-            table=_choice(o, "table", ("heap", "lmdb")),
-            allow_pickle=_bool(o, "allowpickle", False),
-            cache=_choice(o, "cache", ("auto", "true", "false")),
-            value_type=o.get("valuetype") or None,
-            states=tuple(s.strip() for s in states.split(",")) if states else None,
-            on_lost=_choice(o, "onlostchanges", ("fail", "resumeFromOldest")),
-            starting=str(o.get("startingcheckpoint", "latest")),
-            max_checkpoints_per_trigger=_int(o, "maxcheckpointspertrigger", 1))
+            state_uri=check_store_uri(path, storage, owner=owner, field="path"),
+            storage_options=storage, operator=_name(o, "operator", owner),
+            checkpoint=source_int(o, "checkpoint", "checkpoint", owner, lo=0),
+            change_feed=feed, start=start, end=end,
+            key_groups_per_split=source_int(o, "keygroupspersplit", "keyGroupsPerSplit", owner,
+                                            lo=1, hi=MAX_PARALLELISM_LIMIT),
+            table=source_choice(o, "table", "table", owner, TABLES),
+            allow_pickle=source_bool(o, "allowpickle", "allowPickle", owner, False),
+            cache=source_choice(o, "cache", "cache", owner, ("auto", "true", "false")),
+            value_type=_value_type(o, owner),
+            states=_states(o, owner),
+            on_lost=source_choice(o, "onlostchanges", "onLostChanges", owner,
+                                  ("fail", "resumeFromOldest")),
+            starting=_starting(o, owner),
+            max_checkpoints_per_trigger=source_int(o, "maxcheckpointspertrigger",
+                                                   "maxCheckpointsPerTrigger", owner, lo=1))
 
     def catalog(self) -> CheckpointCatalog:
         """The store's checkpoints, opened read-only (close ``catalog.store``)."""
@@ -176,6 +175,55 @@ class SourceOptions:
 
     def schema(self, ddl: str) -> str:
         return f"{ddl}, {_TYPED_COLUMN} {self.value_type}" if self.value_type else ddl
+
+
+def _name(o: Mapping[str, str], name: str, owner: str, *, shown: str | None = None
+          ) -> str | None:
+    raw = o.get(name)
+    return None if raw is None else check_str(raw, shown or name, owner)
+
+
+def _value_type(o: Mapping[str, str], owner: str) -> str | None:
+    """``valueType``: one Spark type in DDL (``bigint``, ``map<string,double>``). Spark parses
+    it; checked here is that it is *one* type — a comma outside ``<>``/``()`` would add columns
+    to the schema."""
+    raw = _name(o, "valuetype", owner, shown="valueType")
+    if raw is None:
+        return None
+    depth = 0
+    for c in raw:
+        depth += (c in "<(") - (c in ">)")
+        if depth < 0 or (depth == 0 and c in ",;"):
+            break
+    else:
+        if depth == 0:
+            return raw
+    raise ConfigError("valueType", raw, "one Spark SQL type, e.g. bigint, array<string>, "
+                      "map<string,double>", owner=owner)
+
+
+def _states(o: Mapping[str, str], owner: str) -> tuple[str, ...] | None:
+    """``state``: comma-separated state names, each non-empty."""
+    raw = o.get("state")
+    if raw is None:
+        return None
+    names = tuple(s.strip() for s in str(raw).split(","))
+    if not all(names):
+        raise ConfigError("state", raw, "comma-separated state names, none empty", owner=owner)
+    return names
+
+
+def _starting(o: Mapping[str, str], owner: str) -> str:
+    """``startingCheckpoint``: ``latest``, ``earliest`` or a checkpoint id (``-1``: the empty
+    state, as ``earliest``)."""
+    raw = o.get("startingcheckpoint")
+    if raw is None or str(raw).lower() in ("latest", "earliest"):
+        return "latest" if raw is None else str(raw).lower()
+    try:
+        return str(source_int(o, "startingcheckpoint", "startingCheckpoint", owner, lo=-1))
+    except ConfigError:
+        raise ConfigError("startingCheckpoint", raw, "latest, earliest or a checkpoint id in "
+                          "[-1, 2**63-1]", owner=owner) from None
 
 
 def _storage_options(o: Mapping[str, str]) -> dict[str, Any] | None:
@@ -188,11 +236,8 @@ def _storage_options(o: Mapping[str, str]) -> dict[str, Any] | None:
             parsed = json.loads(raw)
         except ValueError as exc:
             raise ConfigError("storageOptions", "<given>", "a JSON object",
-                              owner="dstl source option") from exc
-        if not isinstance(parsed, dict):
-            raise ConfigError("storageOptions", "<given>", "a JSON object",
-                              owner="dstl source option")
-        out.update(parsed)
+                              owner="dstl source") from exc
+        out.update(check_mapping(parsed, "storageOptions", "dstl source") or {})
     items = [f"{k[len('storage.'):]}={v}" for k, v in o.items() if k.startswith("storage.")]
     # Spark lower-cases option keys: endpoint_url and friends are lower case already
     out.update(parse_storage_options(items) or {})
@@ -450,11 +495,7 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if s == "latest":
             ids = self._ids()
             return {"checkpoint": ids[-1] if ids else -1}
-        try:
-            return {"checkpoint": int(s)}
-        except ValueError as exc:
-            raise ConfigError("startingCheckpoint", s, "latest, earliest or a checkpoint id",
-                              owner="dstl_changes source") from exc
+        return {"checkpoint": int(s)}  # checked by SourceOptions.parse
 
     def prepareForTriggerAvailableNow(self) -> None:
         ids = self._ids()
@@ -505,8 +546,13 @@ class DstlStateDataSource(DataSource):
         return opts.schema(CHANGE_DDL if opts.change_feed else STATE_DDL)
 
     def reader(self, schema: Any) -> DataSourceReader:
-        opts = SourceOptions.parse(self.options)
+        opts = SourceOptions.parse(self.options, stream=False)
         return _ChangeReader(opts, schema) if opts.change_feed else _StateReader(opts, schema)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        raise ConfigError("format", "dstl", "dstl_changes for a stream", owner="readStream",
+                          fix='spark.readStream.format("dstl_changes") streams the change feed; '
+                              'spark.read.format("dstl") reads state or a batch change feed')
 
 
 class DstlChangesDataSource(DataSource):
@@ -518,10 +564,12 @@ class DstlChangesDataSource(DataSource):
         return "dstl_changes"
 
     def schema(self) -> str:
-        return SourceOptions.parse(self.options).schema(CHANGE_DDL)
+        return SourceOptions.parse(self.options, source="dstl_changes").schema(CHANGE_DDL)
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return _ChangeReader(SourceOptions.parse(self.options), schema)
+        return _ChangeReader(SourceOptions.parse(self.options, source="dstl_changes",
+                                                 stream=False), schema)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        return _ChangeStreamReader(SourceOptions.parse(self.options), schema)
+        return _ChangeStreamReader(SourceOptions.parse(self.options, source="dstl_changes",
+                                                       stream=True), schema)

@@ -444,17 +444,24 @@ def parse_storage_options(items: Iterable[str]) -> dict[str, Any] | None:
     ...}}``). ``None`` when there are none.
 
     Raises:
-        ConfigError: an item without ``=``, with an empty key part, or that puts a group where
-            a value already is (the message shows the key, never the value).
+        ConfigError: an item without ``=``, with an empty key part, a key given twice, or that
+            puts a group where a value already is (the message shows the key, never the value).
     """
     out: dict[str, Any] = {}
+    given: set[str] = set()
     for item in items:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         parts = key.split(".")
         if not sep or not key or not all(parts):
             raise ConfigError("storage option", key or "<empty>", "key=value (e.g. "
                               "client_kwargs.endpoint_url=http://host:9000)",
                               owner="storage options")
+        if key in given:
+            # the second value would silently win: a typo'd repeat is more likely than intent
+            raise ConfigError("storage option", key, "each key once", owner="storage options",
+                              fix=f"give {key} one value")
+        given.add(key)
         try:
             value: Any = json.loads(raw)
         except ValueError:
