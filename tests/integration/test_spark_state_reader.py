@@ -1,6 +1,7 @@
 """spark.read.format("dstl"): a checkpoint's state and the batch change feed as DataFrames,
 equal to the job's dict model; pushed-down key and key-group filters plan only the key groups
-that can match; a typed value column; a missing checkpoint is a typed error in Spark's message.
+that can match; a typed value column; a missing checkpoint and a misspelt, ignored or
+out-of-range option are typed errors in Spark's message.
 The job is tests/support/state_job.py's MiniJob (Spark reads what it wrote)."""
 
 from __future__ import annotations
@@ -115,3 +116,18 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
     assert "checkpoints there: 0, 1, 2" in str(err.value)
     with pytest.raises(Exception, match="ConfigError"):
         _load(spark, root, table="rocks").collect()
+    # every option is named and range-checked (dstl/reader/checks.py): a misspelt one would
+    # otherwise read the newest checkpoint instead of the one asked for
+    with pytest.raises(Exception, match="ConfigError.*checkpiont"):
+        _load(spark, root, checkpiont=0).collect()
+    with pytest.raises(Exception, match=r"ConfigError.*startCheckpoint"):
+        _load(spark, root, startCheckpoint=0).collect()  # not a change feed
+    with pytest.raises(Exception, match=r"ConfigError.*keyGroupsPerSplit"):
+        _load(spark, root, keyGroupsPerSplit=0).collect()
+    query = None
+    with pytest.raises(Exception, match=r"ConfigError.*dstl_changes"):
+        query = (spark.readStream.format("dstl").load(root)  # the stream is dstl_changes
+                 .writeStream.format("noop").start())
+        query.awaitTermination(120)
+    if query is not None:
+        query.stop()
