@@ -118,7 +118,7 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
         _load(spark, root, table="rocks").collect()
     # every option is named and range-checked (dstl/reader/checks.py): a misspelt one would
     # otherwise read the newest checkpoint instead of the one asked for
-    with pytest.raises(Exception, match="ConfigError.*checkpiont"):
+    with pytest.raises(Exception, match=r"ConfigError.*checkpiont"):
         _load(spark, root, checkpiont=0).collect()
     with pytest.raises(Exception, match=r"ConfigError.*startCheckpoint"):
         _load(spark, root, startCheckpoint=0).collect()  # not a change feed
