@@ -27,9 +27,9 @@ its rows) runs while the DSTL job processes ``--feed-batches`` more batches of n
 minus the commit time of ``c``'s manifest; throughput = change rows / seconds the consumer spent
 in its batches.
 
-Run: ``.venv/bin/python bench/state_reader.py [--quick] [--keys 1000000,4000000]
-[--snapshots both|on|off] [--repeats 5]``. The machine is shared: load averages are recorded
-with every figure.
+Run: ``nice -n 10 .venv/bin/python bench/state_reader.py [--quick] [--keys 1000000,4000000]
+[--snapshots both|on|off] [--repeats 5]`` (``--repeats`` >= 5, also in ``--quick``). The machine
+is shared: load averages are recorded with every figure.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str,
                **_reads(spark, uri, ck, repeats)}
         print(f"  build: {build}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
               f"{fmt(out['spark_read_s'], 's')}", flush=True)
-        feed_batches = 3 if quick else 5
+        feed_batches = 5  # lag: one sample per checkpoint, so at least five
         stats = build.pop("batch_stats")
         out["feed"] = _feed(spark, work, uri, keys, per_batch // 4, feed_batches, snapshots,
                             stats)
@@ -300,7 +300,9 @@ def main() -> None:
     sizes = [int(k) for k in args.keys.split(",")] if args.keys else (
         [200_000] if args.quick else [1_000_000, 4_000_000])
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.snapshots]
-    repeats = max(1, args.repeats if not args.quick else min(args.repeats, 3))
+    if args.repeats < 5:
+        p.error("--repeats must be >= 5 (medians of at least five reads)")
+    repeats = args.repeats
     results = []
     for keys in sizes:
         for snap in modes:
