@@ -1,12 +1,14 @@
 """spark.read.format("dstl"): a checkpoint's state and the batch change feed as DataFrames,
 equal to the job's dict model; pushed-down key and key-group filters plan only the key groups
 that can match; a typed value column; a missing checkpoint and a misspelt, ignored or
-out-of-range option are typed errors in Spark's message.
+out-of-range option are typed errors in Spark's message; a stream whose start fell out of the job's
+retention fails naming the lost checkpoints, or resumes after the oldest retained one.
 The job is tests/support/state_job.py's MiniJob (Spark reads what it wrote)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,3 +133,48 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
         query.awaitTermination(120)
     if query is not None:
         query.stop()
+
+
+def _stream_rows(session: Any, root: str, where: Path, **options: Any) -> list[Any]:
+    """One availableNow run of a dstl_changes stream; its rows (re-raises the query's error).
+    Spark gives a streaming source's Python process a fixed 10 s to connect back, too short on
+    a loaded host: that failure (only that one) is retried from the query's checkpoint."""
+    got: list[Any] = []  # across attempts: a retry resumes after the batches Spark committed
+    for attempt in range(4):
+        reader = session.readStream.format("dstl_changes").option("operator", "job")
+        for k, v in options.items():
+            reader = reader.option(k, v)
+        query = (reader.load(root).writeStream
+                 .foreachBatch(lambda df, _: got.extend(df.collect()))
+                 .option("checkpointLocation", str(where)).trigger(availableNow=True).start())
+        try:
+            query.awaitTermination(300)
+            error = query.exception()
+        finally:
+            query.stop()
+        if error is None:
+            return got
+        if "failed to connect back" not in str(error) or attempt == 3:
+            raise RuntimeError(str(error))
+    raise AssertionError("unreachable")
+
+
+def test_a_stream_behind_retention_names_what_was_lost(spark: Any,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    root = str(tmp_path / "state")
+    store = open_store(root)
+    job = MiniJob(store, partitions=2, max_parallelism=16, seed=43, retained=2)
+    for _ in range(4):
+        job.run(40)
+        job.checkpoint()  # 0..3; retained: 2, 3
+    job.close()
+    store.close()
+    register(spark)
+    with pytest.raises(Exception, match=r"ChangesLostError.*checkpoints 1\.\.2"):
+        _stream_rows(spark, root, tmp_path / "lost", startingCheckpoint=0)
+    rows = [_Row(r) for r in _stream_rows(spark, root, tmp_path / "resumed",
+                                          startingCheckpoint=0,
+                                          onLostChanges="resumeFromOldest")]
+    rows.sort(key=lambda r: (r.checkpoint, r.partition, r.seq))
+    assert {r.checkpoint for r in rows} == {3}  # the changes after the oldest retained (2)
+    assert replay(rows, job.checkpoint_models[2]) == job.checkpoint_models[3]
