@@ -279,7 +279,8 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str,
         _check(spark, uri, ck, keys)
         out = {"keys": keys, "snapshots": snapshots, "build": build,
                **_reads(spark, uri, ck, repeats)}
-        print(f"  build: {build}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
+        shown = {k: v for k, v in build.items() if k != "batch_stats"}
+        print(f"  build: {shown}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
               f"{fmt(out['spark_read_s'], 's')}", flush=True)
         feed_batches = 5  # lag: one sample per checkpoint, so at least five
         stats = build.pop("batch_stats")
