@@ -24,8 +24,9 @@ one unmeasured warm-up read of each. Both reads are checked: as many rows as key
 Change feed: a ``dstl_changes`` stream (processing-time trigger 0.5 s, ``foreachBatch`` counting
 its rows) runs while the DSTL job processes ``--feed-batches`` more batches of new keys
 (processing-time trigger 1 s). Lag = when the consumer's batch holding checkpoint ``c`` finished
-minus the commit time of ``c``'s manifest; throughput = change rows / seconds the consumer spent
-in its batches.
+minus the commit time of ``c``'s manifest (read while the job runs: one sample per new
+checkpoint, at least five); throughput = change rows / seconds the consumer spent in its
+batches.
 
 Run: ``nice -n 10 .venv/bin/python bench/state_reader.py [--quick] [--keys 1000000,4000000]
 [--snapshots both|on|off] [--repeats 5]`` (``--repeats`` >= 5, also in ``--quick``). The machine
@@ -191,10 +192,26 @@ class _Consumer:
                                  "end": time.monotonic(), "wall_end": time.time()})
 
 
+def _commit_times(store: Any, seen: dict[int, int]) -> None:
+    """Add the commit time (ms) of every manifest in ``store`` not in ``seen`` yet."""
+    from dstl.checkpoint.manifest import decode_manifest
+    from dstl.errors import ObjectNotFoundError
+    from dstl.layout import parse_manifest_key
+
+    for info in store.list("checkpoints/"):
+        parsed = parse_manifest_key(info.key)
+        if parsed is None or parsed[0] in seen:
+            continue
+        try:
+            m = decode_manifest(store.get(info.key), info.key)
+        except ObjectNotFoundError:
+            continue  # deleted by retention between the listing and the read
+        seen[m.checkpoint_id] = m.created_ms
+
+
 def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: int,
           snapshots: bool, op_build_stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The change feed while the DSTL job writes ``batches`` more batches of new keys."""
-    from dstl.checkpoint.manifest import decode_manifest
     from dstl.spark import DstlStatefulOperator, register
     from dstl.stores import open_store
 
@@ -228,7 +245,11 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
     _write_inputs(src, keys + batches * per_batch, per_batch, first=keys)
     deadline = time.monotonic() + 1800
     last_cp = None
+    # commit times are read while the job runs: retention deletes older manifests
+    watch = open_store(uri)
+    commit_ms: dict[int, int] = {}
     while time.monotonic() < deadline:
+        _commit_times(watch, commit_ms)
         if feed_q.exception() is not None and restarts < 3:
             # Spark's fixed 10 s for a new Python process to connect back is too short on a
             # loaded host; the consumer resumes from its checkpoint
@@ -245,14 +266,10 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
     job_q.stop()
     feed_q.stop()
     op.close()
+    _commit_times(watch, commit_ms)
+    watch.close()
     if last_cp is None:
         raise SystemExit("change feed: the job or the consumer did not finish in 30 min")
-    store = open_store(uri)
-    commit_ms: dict[int, int] = {}
-    for info in store.list("checkpoints/"):
-        m = decode_manifest(store.get(info.key), info.key)
-        commit_ms[m.checkpoint_id] = m.created_ms
-    store.close()
     lags = []
     for b in consumer.batches:
         for cid in range(b["min"], b["max"] + 1):
