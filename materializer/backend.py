@@ -187,7 +187,7 @@ class _BackendSnapshots:
         zstd_level, store, retry = b.options.zstd_level, b._store, b._upload_retry
         max_block = b.options.max_snapshot_block_bytes
         if not b._heap and b.options.lmdb_snapshot_format == "file":
-            return b._file_snapshot_writer(snap, materialization_id, up_to)
+            return b._file_snapshot_writer(snap, materialization_id, up_to, boundary)
 
         def write() -> SnapshotRef:
             data = snap.to_bytes(metadata=metadata, encode=encode, zstd_level=zstd_level,
@@ -386,13 +386,16 @@ class ChangelogKeyedStateBackend:
                                          map_size_bytes=self.options.lmdb_map_size_bytes,
                                          max_map_size_bytes=self.options.lmdb_max_map_size_bytes)
 
-    def _file_snapshot_writer(self, snap: Any, materialization_id: int,
-                              up_to: int) -> Callable[[], SnapshotRef]:
+    def _file_snapshot_writer(self, snap: Any, materialization_id: int, up_to: int,
+                              boundary: tuple[str, int] | None = None
+                              ) -> Callable[[], SnapshotRef]:
         """The write-out of a file-level snapshot (format v2) of the LMDB table from ``snap``'s
-        read transaction: the copy goes to a temporary file beside the table."""
+        read transaction: the copy goes to a temporary file beside the table. ``boundary``: the
+        last change set the copy reflects, when the cut is exactly at a checkpoint (as in v1)."""
         meta = FileSnapshotMeta(self.key_groups, self.max_parallelism,
                                 {str(r.state_id): r.meta for r in self._by_id.values()},
-                                self.operator_id, materialization_id, extra={"up_to": up_to})
+                                self.operator_id, materialization_id, boundary=boundary,
+                                extra={"up_to": up_to})
         tmp_dir = os.path.dirname(self._tables.path)
         zstd_level, store, retry = self.options.zstd_level, self._store, self._upload_retry
 

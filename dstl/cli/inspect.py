@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 
 from dstl.checkpoint.manifest import decode_manifest
 from dstl.cli.checkpoints import detail
 from dstl.cli.common import add_storage_options, storage_options
+from dstl.envelope import HEADER_SIZE
 from dstl.reader import identify_object, open_read_only
 from dstl.segment import decode_segment
+from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
+from materializer.lmdb_files import check_environment
 from materializer.snapshot_format import decode_snapshot
+from restore.file_restore import is_file_snapshot
 
 __all__ = ["run"]
 
@@ -64,7 +71,33 @@ def _segment(data: bytes, name: str) -> None:
               f"{e.length:>9}{e.change_count:>9}")
 
 
+def _file_snapshot(data: bytes, name: str) -> None:
+    """A v2 (file-level) snapshot: verified whole (object crc, then the data's zstd checksum and
+    size by decompressing it, then the LMDB layout); its metadata."""
+    view = memoryview(data)
+    read = lambda off, n: bytes(view[off:off + n])  # noqa: E731
+    layout = verify_file_snapshot(read, len(data), key=name)
+    directory = tempfile.mkdtemp(prefix="dstl-inspect-")
+    try:
+        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=name)
+        entries = check_environment(directory, layout.meta.key_groups, key=name)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    m = layout.meta
+    print(f"{name}: snapshot v2 (LMDB file), {len(data)} bytes ({layout.raw_size} raw), key "
+          f"groups {m.key_groups.start}..{m.key_groups.end}, {entries} entries, checksums OK")
+    shown = {"operator_id": m.operator_id, "materialization_id": m.materialization_id,
+             "boundary": m.boundary, "max_parallelism": m.max_parallelism, **(m.extra or {})}
+    print(f"metadata: {json.dumps(shown, sort_keys=True)}")
+    for sid, st in sorted(m.states.items(), key=lambda kv: int(kv[0])):
+        print(f"  state {sid}: {st.get('name')!r} ({st.get('kind')}, value codec "
+              f"{st.get('value_codec')}, key codec {st.get('key_codec')})")
+
+
 def _snapshot(data: bytes, name: str) -> None:
+    if is_file_snapshot(data[:HEADER_SIZE]):
+        _file_snapshot(data, name)
+        return
     snap = decode_snapshot(data, key=name)
     entries = sum(len(v) for v in snap.blocks.values())
     print(f"{name}: snapshot, {len(data)} bytes, key groups {snap.key_groups.start}.."

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dstl.checks import check_bool, check_choice, check_instance
+from dstl.envelope import HEADER_SIZE
 from dstl.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
@@ -57,9 +58,11 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import SafeCodec, StrOrBytesKeyCodec, codec_by_name
+from materializer.file_snapshot import read_file_snapshot_layout
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
+from restore.file_restore import is_file_snapshot
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader
 from restore.restore import plan_restore
@@ -95,6 +98,10 @@ def snapshot_boundary(store: BlobStore, ref: SnapshotRef) -> tuple[str, int] | N
     Raises:
         CorruptObjectError: the snapshot's tail or metadata block is damaged.
     """
+    if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
+        layout = read_file_snapshot_layout(lambda off, n: store.get_range(ref.key, off, n),
+                                           ref.size, key=ref.key)
+        return layout.meta.boundary
     reader = SnapshotReader(BlobRangeSource(store, ref.key, ref.size), key=ref.key)
     try:
         b = json.loads(reader.metadata).get("boundary")

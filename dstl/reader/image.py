@@ -17,6 +17,11 @@ keys compare as decoded values), and an emptied map is removed. Values are decod
 the split's rows are produced. States are identified by name — state ids are per snapshot and
 per log (a handle's metadata records map its ids), exactly as a restore maps them.
 
+A v2 (file-level) snapshot — an LMDB data file, what LMDB backends and the executor agent write
+by default — is fetched whole, verified, decompressed into a temporary directory and read key
+group by key group (``materializer.lmdb_files.iter_key_groups``); its entries are the same stored
+forms.
+
 Compared with restoring a backend (:func:`~dstl.reader.state.restored`, kept for
 ``table="lmdb"``), nothing is decoded twice and no table structure is built; the model tests
 (``tests/unit/test_state_reader.py``) hold both to the job's dict model.
@@ -25,10 +30,14 @@ Compared with restoring a backend (:func:`~dstl.reader.state.restored`, kept for
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dstl.envelope import HEADER_SIZE
 from dstl.errors import CorruptObjectError, StateError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
@@ -49,9 +58,12 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import codec_by_name
+from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
 from materializer.handles import SnapshotRef
+from materializer.lmdb_files import iter_key_groups
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
+from restore.file_restore import is_file_snapshot, read_at
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
@@ -113,6 +125,9 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
         wanted = key_groups.intersection(ref.key_groups)
         if not len(wanted):
             continue
+        if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
+            yield from _file_snapshot_entries(store, ref, wanted, allow_pickle)
+            continue
         lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
         try:
             source = _LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
@@ -129,6 +144,37 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
         finally:
             if lease is not None:
                 lease.release()
+
+
+def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                           allow_pickle: bool
+                           ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
+    """The entries of a v2 (file-level) snapshot in ``wanted``: the object is fetched with one
+    GET and verified (object crc; the data's zstd checksum and size while decompressing), its
+    LMDB file decompressed into a temporary directory — removed when the entries are read — and
+    read key group by key group, in the stored form a v1 block holds."""
+    read, size = read_at(store, ref.key)
+    layout = verify_file_snapshot(read, size, key=ref.key)
+    owned = wanted.intersection(layout.meta.key_groups)
+    if not len(owned):
+        return
+    try:
+        states = {int(sid): _state(meta, allow_pickle, ref.key)
+                  for sid, meta in layout.meta.states.items()}
+    except (ValueError, TypeError) as exc:
+        raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
+    directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
+    try:
+        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
+        for kg, entries in iter_key_groups(directory, owned, key=ref.key):
+            for sid, kb, nb, vb in entries:
+                info = states.get(sid)
+                if info is None:
+                    raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which the "
+                                                         "snapshot's metadata does not name")
+                yield info, kg, kb, nb, vb
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class StateImage:
