@@ -357,8 +357,9 @@ def main() -> None:
           "state written by both engines from the same input in the same run (count per key, "
           "4 partitions, `local[2]`). Change feed: a `dstl_changes` stream while the job "
           "writes new keys.\n\n" + "\n".join(rows) + "\n\n" + _ANALYSIS)
-    cmd = "python bench/state_reader.py" + (" --quick" if args.quick else "") + (
-        f" --keys {args.keys}" if args.keys else "")
+    cmd = "nice -n 10 python bench/state_reader.py" + (" --quick" if args.quick else "") + (
+        f" --keys {args.keys}" if args.keys else "") + (
+        f" --snapshots {args.snapshots}" if args.snapshots != "both" else "")
     write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
                   command=cmd, no_doc=args.no_doc)
 
