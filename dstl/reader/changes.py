@@ -186,6 +186,7 @@ class _Registry:
     def __init__(self, allow_pickle: bool) -> None:
         self._allow_pickle = allow_pickle
         self.states: dict[int, tuple[str, str, StateShape]] = {}
+        self.raw: set[int] = set()
 
     def learn(self, payload: bytes) -> None:
         sid, meta = decode_metadata(payload)
@@ -193,6 +194,8 @@ class _Registry:
         kc = meta.get("key_codec")
         key_codec = codec_by_name(kc, allow_pickle=self._allow_pickle) if kc else None
         self.states[sid] = (meta["name"], meta["kind"], StateShape(meta["kind"], codec, key_codec))
+        if meta.get("raw") is True:  # an internal index (raw bytes, no codecs): not shown
+            self.raw.add(sid)
 
 
 _KEYS = StrOrBytesKeyCodec()
@@ -277,6 +280,8 @@ class _SplitReader:
                 raise CorruptObjectError(f"{h.log_id} (segments {sorted(h.segment_keys())[:3]})",
                                          0, f"change for state id {ch.state_id} has no metadata "
                                             "record in its log")
+            if ch.state_id in registry.raw:
+                continue
             name, kind, shape = found
             ns = _ns(ch.namespace)
             for op, uk, value in _elementary(ch.op, kind, shape, ch.payload):
@@ -320,7 +325,7 @@ class _SplitReader:
                 if h.change_sets:
                     image.replay(self.reader, h, rng.intersection(h.key_groups))
         return {(info.name, kg, kb, nb): (info.kind, info.shape.from_bytes(vb))
-                for info, kg, kb, nb, vb in image.rows() if kg in self.wanted}
+                for info, kg, kb, nb, vb in image.rows() if kg in self.wanted and not info.raw}
 
 
 def _ns(nb: bytes) -> Any:

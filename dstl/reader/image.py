@@ -80,6 +80,9 @@ class StateInfo:
     name: str
     kind: str
     shape: StateShape
+    #: an internal index of the backend (``"raw": true`` in its metadata, e.g. the timer
+    #: service's ``$timer_index``): raw bytes with no codecs, which the reader does not show
+    raw: bool = False
 
 
 def _state(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
@@ -89,7 +92,8 @@ def _state(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
     codec = codec_by_name(meta.get("value_codec") or "safe", allow_pickle=allow_pickle)
     kc = meta.get("key_codec")
     key_codec = codec_by_name(kc, allow_pickle=allow_pickle) if kc else None
-    return StateInfo(meta["name"], meta["kind"], StateShape(meta["kind"], codec, key_codec))
+    return StateInfo(meta["name"], meta["kind"], StateShape(meta["kind"], codec, key_codec),
+                     meta.get("raw") is True)
 
 
 def _snapshot_states(reader: SnapshotReader, allow_pickle: bool) -> dict[int, StateInfo]:

@@ -109,8 +109,8 @@ def entries(backend: ChangelogKeyedStateBackend, key_groups: KeyGroupRange,
     tables = backend.tables
     for sid, meta in backend.state_metadata().items():
         name, kind = meta["name"], meta["kind"]
-        if states is not None and name not in states:
-            continue
+        if meta.get("raw") is True or (states is not None and name not in states):
+            continue  # raw: an internal index (no codecs), as in the state image
         for kg in key_groups:
             for k, ns, v in tables.entries(sid, kg):
                 if heap:
@@ -187,8 +187,8 @@ def _image_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
     cp, task = split.checkpoint_id, split.task_id
     key_of, ns_of = _KEYS.decode, _SAFE.decode
     for info, kg, kb, nb, vb in source:
-        if (states is not None and info.name not in states) or (keys is not None
-                                                                 and kb not in keys):
+        if info.raw or (states is not None and info.name not in states) or (
+                keys is not None and kb not in keys):
             continue
         key, ns, value = key_of(kb), ns_of(nb) if nb else None, info.shape.from_bytes(vb)
         if info.kind == "map":

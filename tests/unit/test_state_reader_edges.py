@@ -510,3 +510,35 @@ def test_a_missing_segment_with_its_manifest_present_says_the_store_is_damaged(
         list(read_changes(catalog, None))
     assert not isinstance(exc.value, CheckpointDeletedError)
     assert key in str(exc.value) and "dstl verify" in str(exc.value)
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+@pytest.mark.parametrize("materialize", [False, True])
+def test_internal_raw_states_are_not_shown(store: BlobStore, table: str,
+                                           materialize: bool) -> None:
+    """The timer service's ``$timer_index`` is a raw state (raw key and namespace bytes, no
+    codecs): the reader leaves it out of state rows and change rows instead of failing to
+    decode its namespace."""
+    storage, backend = _one_backend(store, table)
+    try:
+        st = backend.get_state(ValueStateDescriptor("v"))
+        sid = backend.register_raw_state("$index")
+        for i, k in enumerate(["a", "b", "c"]):
+            backend.set_current_key(k)
+            st.update(i)
+            backend.raw_put(sid, backend.current_key_group, b"\x00" * 7 + bytes([i]),
+                            b"\xff\xfe" + k.encode(), b"\x01")
+        if materialize:
+            assert backend.materialize_now(timeout_s=30) is not None
+            backend.set_current_key("d")
+            st.update(3)
+        _commit(store, backend, 0)
+    finally:
+        backend.close()
+        storage.close()
+    catalog = _catalog(store)
+    want = {("v", k, None): i for i, k in enumerate("abcd" if materialize else "abc")}
+    for reader_table in ("heap", "lmdb"):
+        assert state_of(read_state(catalog, table=reader_table)) == want
+    assert replay(read_changes(catalog, None)) == want
+    assert verify_checkpoint(catalog).ok
