@@ -204,7 +204,8 @@ _SAFE = SafeCodec()
 
 def _sub_handle(h: ChangelogHandle, start: int, end: int) -> ChangelogHandle:
     refs = h.change_sets[start:end]
-    return ChangelogHandle(h.log_id, h.key_groups, refs[0].sqn, refs[-1].sqn + 1, refs)
+    return ChangelogHandle(h.log_id, h.key_groups, refs[0].sqn, refs[-1].sqn + 1, refs,
+                           restrict=h.restrict)
 
 
 def _elementary(op: int, kind: str, shape: StateShape, payload: bytes
@@ -267,9 +268,12 @@ class _SplitReader:
         h = ChangelogHandle.from_json(run.handle)
         registry = _Registry(self.allow_pickle)
         looked_back = run.start == 0
+        scope = h.replay_key_groups  # a restricted handle stands for part of its log only
         for kg, payload in self.reader.read(_sub_handle(h, run.start, run.end), self.wanted):
             if kg == META_KEY_GROUP:
                 registry.learn(payload)
+                continue
+            if kg not in scope:
                 continue
             ch = decode_change(payload)
             if ch.state_id not in registry.states and not looked_back:
@@ -323,7 +327,7 @@ class _SplitReader:
             image.load(self.store, plan.snapshots, rng, self.cache)
             for h in plan.logs:
                 if h.change_sets:
-                    image.replay(self.reader, h, rng.intersection(h.key_groups))
+                    image.replay(self.reader, h, rng.intersection(h.replay_key_groups))
         return {(info.name, kg, kb, nb): (info.kind, info.shape.from_bytes(vb))
                 for info, kg, kb, nb, vb in image.rows() if kg in self.wanted and not info.raw}
 

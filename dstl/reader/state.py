@@ -182,7 +182,7 @@ def _image_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
         image.load(store, plan.snapshots, rng, cache)
         reader = ChangelogReader(store, cache=cache)
         for h in logs:
-            image.replay(reader, h, rng.intersection(h.key_groups))
+            image.replay(reader, h, rng.intersection(h.replay_key_groups))
         source = image.rows()
     cp, task = split.checkpoint_id, split.task_id
     key_of, ns_of = _KEYS.decode, _SAFE.decode
