@@ -439,3 +439,95 @@ def _assert_no_marker(local: Path, op: str) -> None:
     if (env / "data.mdb").exists():
         with LmdbStateTable(str(env), ALL, readonly=True) as t:
             assert t.read_marker() is None, "a killed restore left a table with a marker"
+
+
+# --------------------------------------------------------------------------- the option
+
+
+def test_the_snapshot_format_option_is_checked_and_reaches_spark_conf() -> None:
+    from dstl.errors import ConfigError, ConfigTypeError
+    from dstl.spark.operator import _backend_options_from
+
+    assert BackendOptions().lmdb_snapshot_format == "file"
+    conf = {"spark.dstl.backend.lmdb_snapshot_format": "entries"}
+    assert _backend_options_from(conf).lmdb_snapshot_format == "entries"
+    with pytest.raises(ConfigError, match="lmdb_snapshot_format"):
+        _backend_options_from({"spark.dstl.backend.lmdb_snapshot_format": "files"})
+    with pytest.raises(ConfigError, match="lmdb_snapshot_format"):
+        BackendOptions(lmdb_snapshot_format="v2")
+    with pytest.raises(ConfigTypeError, match="lmdb_snapshot_format"):
+        BackendOptions(lmdb_snapshot_format=2)  # type: ignore[arg-type]
+
+
+def test_entries_option_writes_v1_from_lmdb(storage: ChangelogStorage) -> None:
+    model: Model = {}
+    h = _build(storage, "op", ALL, "lmdb", 8, model, ENTRIES)
+    assert _version(storage, h.materialized[0].key) == 1
+    st = RestoreStats()
+    r = restore_backend([h], storage, ALL, table="lmdb", stats=st)
+    assert _read_all(r) == model and st["file_snapshots"] == 0
+    r.close()
+
+
+# --------------------------------------------------------------------------- chained rescaling
+
+
+@pytest.mark.parametrize("chain", [(1, 2, 1), (2, 1, 2), (1, 2, 3, 1), (4, 3, 2, 4)])
+@pytest.mark.parametrize("fmt", ["file", "entries"])
+def test_chained_rescales_without_materialization(storage: ChangelogStorage, chain: tuple[int, ...],
+                                                  fmt: str) -> None:
+    """After a rescaling restore a backend's handle still names the snapshots and logs it was
+    restored from, which cover more key groups than it owns; every later restore must read them
+    only for the key groups of the handle that names them (a log replayed twice for the same
+    key group doubles list appends)."""
+    opts = FILE if fmt == "file" else ENTRIES
+    model: Model = {}
+    first = chain[0]
+    handles = [_build(storage, f"s0/{i}", KeyGroupRange.of_operator(MP, first, i),
+                      "lmdb" if i % 2 == 0 else "heap", 20 + i, model, opts)
+               for i in range(first)]
+    for step, n in enumerate(chain[1:], start=1):
+        new_handles = []
+        for j in range(n):
+            kgs = KeyGroupRange.of_operator(MP, n, j)
+            table = "heap" if (j + step) % 2 else "lmdb"
+            r = restore_backend([h.to_json() for h in handles], storage, kgs, table=table,
+                                operator_id=f"s{step}/{j}", options=opts)
+            try:
+                assert _read_all(r) == _in(model, kgs), f"step {step}: {table} {j} of {n}"
+                mine = [k for k in KEYS if key_group_for(k.encode(), MP) in kgs]
+                _workload(r, random.Random(step * 10 + j), 80, mine, model)
+                new_handles.append(_checkpoint(r, 10 + step))
+            finally:
+                r.close()
+        handles = [ChangelogStateBackendHandle.from_json(h.to_json()) for h in new_handles]
+    last = restore_backend(handles, storage, ALL, table="lmdb", operator_id="end", options=opts)
+    assert _read_all(last) == model
+    last.close()
+
+
+@pytest.mark.parametrize("dst", ["lmdb", "heap"])
+def test_a_table_emptied_before_its_snapshot_restores_empty(storage: ChangelogStorage,
+                                                           dst: str) -> None:
+    b = ChangelogKeyedStateBackend(storage, "op", ALL, MP, table="lmdb", options=FILE)
+    v = b.get_state(ValueStateDescriptor("v"))
+    for k in KEYS[:20]:
+        b.set_current_key(k)
+        v.update(1)
+    _checkpoint(b, 1)
+    for k in KEYS[:20]:
+        b.set_current_key(k)
+        v.clear()
+    _checkpoint(b, 2)
+    assert b.materialize_now(WAIT) is not None
+    h = _checkpoint(b, 3)
+    b.close()
+    assert _version(storage, h.materialized[0].key) == 2
+    st = RestoreStats()
+    r = restore_backend([h], storage, ALL, table=dst, stats=st)
+    assert st["entries"] == 0 and st["file_snapshots"] == 1
+    vr = r.get_state(ValueStateDescriptor("v"))
+    for k in KEYS[:20]:
+        r.set_current_key(k)
+        assert vr.value() is None
+    r.close()
