@@ -753,7 +753,9 @@ def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:
             raise ConfigError(name, raw, f"one of {sorted(known)}", owner="spark.dstl.backend")
         default = getattr(BackendOptions(), name)
         try:
-            if raw.lower() in ("none", ""):
+            if isinstance(default, str):
+                kwargs[name] = raw   # a choice (lmdb_snapshot_format): BackendOptions checks it
+            elif raw.lower() in ("none", ""):
                 kwargs[name] = None
             elif isinstance(default, int) and not isinstance(default, bool):
                 kwargs[name] = int(raw)

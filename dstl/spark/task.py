@@ -368,7 +368,7 @@ def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: Changelog
             backend.operator_id, backend.tables.path, backend.key_groups,
             bo.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
             bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
-            marker.snapshot_bytes, bo.max_snapshot_block_bytes)
+            marker.snapshot_bytes, bo.max_snapshot_block_bytes, bo.lmdb_snapshot_format)
     reply = agent.call(CommittedRequest(_store_ref(cfg), spec), _AGENT_QUICK_TIMEOUT_S)
     return reply.metrics, reply.log_tail
 

@@ -78,6 +78,8 @@ class PartitionSpec:
         log_bytes, snapshot_bytes: stored sizes of the committed checkpoint's log and snapshot.
         max_block_bytes: the limit on a snapshot block (the worker's
             ``BackendOptions.max_snapshot_block_bytes``; absent in JSON: the default).
+        snapshot_format: the worker's ``BackendOptions.lmdb_snapshot_format`` (``"file"``:
+            format v2, the environment file; ``"entries"``: v1; absent in JSON: ``"file"``).
     """
 
     log_id: str
@@ -92,6 +94,7 @@ class PartitionSpec:
     log_bytes: int
     snapshot_bytes: int
     max_block_bytes: int = DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
+    snapshot_format: str = "file"
 
     @classmethod
     def from_json_obj(cls, obj: dict[str, Any]) -> PartitionSpec:
@@ -103,7 +106,8 @@ class PartitionSpec:
                    int(obj["min_log_bytes"]), int(obj["zstd_level"]), int(obj["max_failures"]),
                    (str(b[0]), int(b[1])) if b else None, int(obj["log_bytes"]),
                    int(obj["snapshot_bytes"]),
-                   int(obj.get("max_block_bytes", DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES)))
+                   int(obj.get("max_block_bytes", DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES)),
+                   str(obj.get("snapshot_format", "file")))
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"log_id": self.log_id, "env_path": self.env_path,
@@ -112,7 +116,8 @@ class PartitionSpec:
                 "zstd_level": self.zstd_level, "max_failures": self.max_failures,
                 "boundary": list(self.boundary) if self.boundary else None,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
-                "max_block_bytes": self.max_block_bytes}
+                "max_block_bytes": self.max_block_bytes,
+                "snapshot_format": self.snapshot_format}
 
     @property
     def rules(self) -> MaterializationRules:
@@ -301,7 +306,8 @@ def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
             return materialize_table_directory(spec.env_path, spec.key_groups, store,
                                                zstd_level=spec.zstd_level,
                                                skip_boundary=skip,
-                                               max_block_bytes=spec.max_block_bytes), None
+                                               max_block_bytes=spec.max_block_bytes,
+                                               snapshot_format=spec.snapshot_format), None
     except DstlError as exc:
         return None, exc
     except OSError as exc:  # local file system trouble: count it, keep the agent up
