@@ -314,8 +314,8 @@ def gen_shared(root: str, n_backends: int, rounds: int, per_round: int) -> DataS
 
 
 def gen_single(root: str, state_keys: int, log_changes: int, log_keys: int,
-               checkpoint_every: int, *, table: str = "heap", materializations: int = 1
-               ) -> DataSet:
+               checkpoint_every: int, *, table: str = "heap", materializations: int = 1,
+               options: BackendOptions = OPTS) -> DataSet:
     """(b)/(c)/(d): one backend owning every key group: ``state_keys`` keys materialized
     (``materializations`` times, each after a checkpoint and one more update; the last one is
     the restore's), then ``log_changes`` updates over ``log_keys`` keys, one checkpoint per
@@ -323,7 +323,7 @@ def gen_single(root: str, state_keys: int, log_changes: int, log_keys: int,
     store = LocalBlobStore(root)
     rng = KeyGroupRange(0, MP - 1)
     with ChangelogStorage(store=CountingStore(store)) as storage:
-        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=OPTS, table=table)
+        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=options, table=table)
         st = b.get_state(DESC)
         with b.write_batch():
             for i in range(state_keys):
@@ -578,7 +578,11 @@ def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
         name = f"filesnap-{n}"
         ds = gen_single(stores.local_root(name), n, 0, n, 1, table="lmdb",
                         materializations=repeats)
+        v1 = gen_single(stores.local_root(f"{name}-v1"), n, 0, n, 1, table="lmdb",
+                        materializations=repeats,
+                        options=OPTS.replace(lmdb_snapshot_format="entries"))
         snap_key = ds.handles[0].materialized[0].key
+        v1_places = {p.target: p for p in stores.place(f"{name}-v1", v1.objects)}
         for place in stores.place(name, ds.objects):
             assert place.store.get_range(snap_key, 5, 1)[0] == 2, "not a v2 snapshot"
             floor = file_floor(place, snap_key, repeats)
@@ -587,13 +591,16 @@ def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
             half = measure(place, _half(ds, n), repeats, cache=True, table="lmdb")
             heap = (measure(place, ds, repeats, cache=True, table="heap")
                     if n <= heap_max_keys else None)
+            entries = measure(v1_places[place.target], v1, repeats, cache=True, table="lmdb")
             f = floor["floor_s"]["median"]
             out[f"{place.target}/{n}"] = {
                 "store": place.target, "keys": n,
                 "data": {k: v for k, v in ds.info.items() if k != "objects"},
                 "materialize_s": summary(ds.info["materialize_runs_s"]),
                 "floor": floor, "lmdb": lm, "lmdb_no_cache": nc, "lmdb_half": half,
-                "heap": heap,
+                "heap": heap, "entries_lmdb": entries,
+                "entries_data": {k: v for k, v in v1.info.items() if k != "objects"},
+                "entries_materialize_s": summary(v1.info["materialize_runs_s"]),
                 "lmdb_vs_floor": lm["snapshot_s"]["median"] / f,
                 "lmdb_total_vs_floor": lm["seconds"]["median"] / f,
                 "lmdb_no_cache_vs_floor": nc["snapshot_s"]["median"] / f}
@@ -617,10 +624,12 @@ def markdown_file_snapshots(fd: dict[str, Any]) -> list[str]:
           "`restore_backend` call (backend construction, replay of an empty log included). "
           "Floor (same run) = one whole-object GET + zstd-decompress of the data into memory. "
           "Goal: load within 2x of the floor.", "",
+          "Same run, same data materialized as v1 (`lmdb_snapshot_format=\"entries\"`) and "
+          "restored into LMDB with the cache: the v1 columns.", "",
           "| store | keys | object MB (file MB) | materialize s | GET ms | floor ms | "
           "install load s | load / floor | total s | no cache load s | range copy (half) s | "
-          "heap load s |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "heap load s | v1 MB | v1 materialize s | v1 load s into LMDB |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(fd.values(), key=lambda r: (r["store"], r["keys"])):
         fl, lm = r["floor"], r["lmdb"]
         md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
@@ -629,7 +638,9 @@ def markdown_file_snapshots(fd: dict[str, Any]) -> list[str]:
                   f"**{r['lmdb_vs_floor']:.1f}x** | {_s(lm['seconds'])} | "
                   f"{_s(r['lmdb_no_cache']['snapshot_s'])} | "
                   f"{_s(r['lmdb_half']['snapshot_s'])} | "
-                  f"{_s(r['heap']['snapshot_s']) if r['heap'] else 'not run'} |")
+                  f"{_s(r['heap']['snapshot_s']) if r['heap'] else 'not run'} | "
+                  f"{r['entries_data']['snapshot_mb']:.2f} | {_s(r['entries_materialize_s'])} | "
+                  f"{_s(r['entries_lmdb']['snapshot_s'])} |")
     md.append("")
     return md
 
