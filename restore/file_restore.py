@@ -168,6 +168,8 @@ def install_file_snapshots(backend: ChangelogKeyedStateBackend, staged: Sequence
     Raises:
         CorruptObjectError: a staged file is not what its metadata says (names the object).
     """
+    if not staged:
+        return 0   # nothing to install: the table stays the empty one it was opened with
     remaps = [_register(backend, s, backend.max_parallelism, allow_pickle) for s in staged]
     if backend.table_kind != "lmdb" or not whole_table:
         return sum(_load_entries(backend, s, r, key_groups) for s, r in zip(staged, remaps))
