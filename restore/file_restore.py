@@ -38,13 +38,14 @@ needs a marker naming the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dstl.errors import CorruptObjectError
+from dstl.errors import CorruptObjectError, DstlError, LocalDiskFullError, StateError
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
 from materializer.backend import ChangelogKeyedStateBackend
@@ -130,13 +131,28 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     """
     layout = (read_file_snapshot_layout(read, size, key=ref.key) if verified
               else verify_file_snapshot(read, size, key=ref.key))
-    directory = new_staging_directory(parent)
+    try:
+        directory = new_staging_directory(parent)
+    except OSError as exc:
+        raise _local_error(exc, parent, ref.key) from exc
     try:
         decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
+    except OSError as exc:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise _local_error(exc, directory, ref.key) from exc
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return StagedSnapshot(ref, layout, directory)
+
+
+def _local_error(exc: OSError, path: str, key: str) -> DstlError:
+    """A local file system failure while staging ``key`` in ``path``, typed."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return LocalDiskFullError(f"staging snapshot {key} in {path}: {exc} (free local disk "
+                                  "space: a file snapshot needs its uncompressed size there)",
+                                  path=path)
+    return StateError(f"staging snapshot {key} in {path} failed: {exc}")
 
 
 def _register(backend: ChangelogKeyedStateBackend, staged: StagedSnapshot,

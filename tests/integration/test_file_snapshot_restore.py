@@ -531,3 +531,53 @@ def test_a_table_emptied_before_its_snapshot_restores_empty(storage: ChangelogSt
         r.set_current_key(k)
         assert vr.value() is None
     r.close()
+
+
+_FSIZE_CHILD = r"""
+import json, os, resource, signal, sys
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
+from dstl.errors import LocalDiskFullError
+from dstl.stores import LocalBlobStore
+from restore.restore import restore_backend
+store_dir, handle, local = sys.argv[1:4]
+storage = ChangelogStorage(store=LocalBlobStore(store_dir), options=DstlOptions(persist_delay_s=0))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+try:
+    restore_backend([handle], storage, KeyGroupRange(0, 63), table="lmdb", local_directory=local)
+except LocalDiskFullError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+else:
+    print(json.dumps({"error": None}))
+"""
+
+
+def test_a_full_local_disk_while_staging_is_a_typed_error_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    storage = ChangelogStorage(store=LocalBlobStore(store_dir),
+                               options=DstlOptions(persist_delay_s=0.0))
+    try:
+        b = ChangelogKeyedStateBackend(storage, "op", ALL, MP, table="lmdb", options=FILE)
+        v = b.get_state(ValueStateDescriptor("v"))
+        with b.write_batch():
+            for i in range(20_000):   # a data file of a few MB, above the child's 256 KiB limit
+                b.set_current_key(f"key-{i}")
+                v.update("x" * 64)
+        _checkpoint(b, 1)
+        assert b.materialize_now(WAIT) is not None
+        h = _checkpoint(b, 2)
+        b.close()
+    finally:
+        storage.close()
+    local = tmp_path / "local"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(store_dir), h.to_json(),
+                           str(local)], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["error"] == "LocalDiskFullError", result
+    assert h.materialized[0].key in result["message"]
+    assert not [p for p in os.listdir(local) if p.startswith(STAGE_PREFIX)]
+    _assert_no_marker(local, "op")
