@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from dstl.errors import StateError
+from dstl.stores.local import pid_alive
 
 __all__ = ["OwnDirectory", "prepare_environment", "remove_stale_own_directories"]
 
@@ -106,7 +107,7 @@ def remove_stale_own_directories(root: str) -> int:
         return 0
     for entry in entries:
         m = _OWN_RE.match(entry.name)
-        if m is None or not entry.is_dir(follow_symlinks=False) or _pid_alive(int(m["pid"])):
+        if m is None or not entry.is_dir(follow_symlinks=False) or pid_alive(int(m["pid"])):
             continue
         if _remove_if_unlocked(entry.path):
             removed += 1
@@ -137,17 +138,6 @@ def _remove_if_unlocked(path: str) -> bool:
         if fd >= 0:
             os.close(fd)
 
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
 
 
 def _log_removal_error(func: object, path: str, exc_info: object) -> None:

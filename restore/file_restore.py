@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from dstl.errors import CorruptObjectError, DstlError, LocalDiskFullError, StateError
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
+from dstl.stores.local import pid_alive
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.file_snapshot import (
     FILE_SNAPSHOT_VERSION,
@@ -86,15 +87,6 @@ def is_file_snapshot(head: bytes) -> bool:
     return snapshot_version(head) == FILE_SNAPSHOT_VERSION
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def remove_stale_staging(parent: str) -> int:
     """Remove the staging directories in ``parent`` left by dead processes; returns how many."""
@@ -104,7 +96,7 @@ def remove_stale_staging(parent: str) -> int:
             if not name.startswith(STAGE_PREFIX):
                 continue
             pid = name[len(STAGE_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
                 removed += 1
     return removed

@@ -56,7 +56,7 @@ from dstl.errors import (
 )
 from dstl.stores.base import ObjectInfo, check_key, translate_error
 
-__all__ = ["LocalBlobStore"]
+__all__ = ["LocalBlobStore", "pid_alive"]
 
 #: A key's path components (a name: ``list`` is a method of the store class).
 _Parts = list[str]
@@ -67,7 +67,9 @@ _log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[0-9a-f]{16}\.tmp$")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process included; one owned by another user counts):
+    what tells a crashed owner's leftovers (temp files, directories) from a live one's."""
     if pid == os.getpid():
         return True
     try:
@@ -471,7 +473,7 @@ class LocalBlobStore:
         for dirpath, _dirnames, filenames in os.walk(self._root, onerror=_raise):
             for name in filenames:
                 m = _TMP_RE.match(name)
-                if m is None or _pid_alive(int(m.group("pid"))):
+                if m is None or pid_alive(int(m.group("pid"))):
                     continue
                 try:
                     os.unlink(os.path.join(dirpath, name))

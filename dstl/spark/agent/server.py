@@ -81,6 +81,7 @@ from dstl.spark.agent.protocol import (
 from dstl.spark.agent.spawn import socket_path
 from dstl.storage import ChangelogStorage
 from dstl.stores.base import BlobStore
+from dstl.stores.local import pid_alive
 
 __all__ = ["AgentServer"]
 
@@ -208,7 +209,7 @@ class AgentServer:
 
     def _watch(self) -> None:
         while not self.stop.wait(_POLL_S):
-            if self.watch_pid is not None and not _alive(self.watch_pid):
+            if self.watch_pid is not None and not pid_alive(self.watch_pid):
                 logger.info("executor process %d is gone; agent exits", self.watch_pid)
                 self.stop.set()
             elif not os.path.isdir(self.directory):
@@ -344,12 +345,3 @@ def _listen(path: str) -> socket.socket:
     srv.settimeout(_POLL_S)
     return srv
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
