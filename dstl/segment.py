@@ -433,8 +433,9 @@ def body_blocks(body: bytes, *, key: str = "<change set>", offset: int = 0,
     of the block's ``u32 len | payload`` changes in ``body``, key groups ascending.
 
     The bulk replay reads a change set this way, one block at a time, instead of one change at a
-    time through :func:`iter_body_changes`; the block framing is checked here exactly as there
-    (every block inside the body, nothing after the last), the changes' framing by the caller.
+    time through :func:`iter_body_changes`, which walks the blocks with this function. The block
+    framing is checked here (every block inside the body, nothing after the last); the changes'
+    framing by the caller.
 
     Args:
         body: a body returned by :func:`decode_record` (already checksum-verified).
@@ -493,26 +494,9 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
     Raises:
         CorruptObjectError: (or a subclass) naming ``key`` and ``offset``.
     """
-    (lid_len,) = _U16.unpack_from(body, 0)
-    pos = 2 + lid_len
-    _, n_blocks = _BODY_HEAD_SQN.unpack_from(body, pos)
-    pos += _BODY_HEAD_SQN.size
-    end = len(body)
-    unpack_block = _BLOCK.unpack_from
     unpack_len = _U32.unpack_from
-    for _ in range(n_blocks):
-        if end - pos < _BLOCK.size:
-            raise TruncatedObjectError(key, offset, pos + _BLOCK.size, end, "block header")
-        kg, blen = unpack_block(body, pos)
-        pos += _BLOCK.size
-        bend = pos + blen
-        if bend > end:
-            raise TruncatedObjectError(key, offset, bend, end, "key-group block")
-        if log_range is not None or recorded is not None:
-            _check_block_range(kg, log_range, recorded, key, offset)
-        if key_groups is not None and kg != -1 and kg not in key_groups:  # type: ignore[operator]
-            pos = bend
-            continue
+    for kg, pos, bend in body_blocks(body, key=key, offset=offset, key_groups=key_groups,
+                                     log_range=log_range, recorded=recorded):
         while pos < bend:
             if bend - pos < 4:
                 raise TruncatedObjectError(key, offset, pos + 4, bend, "change length")
@@ -522,5 +506,3 @@ def iter_body_changes(body: bytes, *, key: str = "<change set>", offset: int = 0
                 raise TruncatedObjectError(key, offset, pos + n, bend, "change payload")
             yield kg, body[pos:pos + n]
             pos += n
-    if pos != end:
-        raise CorruptObjectError(key, offset, f"{end - pos} unexpected bytes after the last block")
