@@ -118,7 +118,7 @@ def _spark_processor() -> Any:
             yield self._out(key, s)
 
         def close(self) -> None:
-            pass
+            """Nothing to release: the session state is Spark's."""
 
     return SparkSessions()
 

@@ -142,17 +142,7 @@ def plan_change_range(catalog: CheckpointCatalog, start: int | None, end: int | 
                           fix="the feed is (start, end]")
     listed = catalog.checkpoints()
     ids = [c.checkpoint_id for c in listed]
-    if end is None:
-        end = ids[-1] if ids else -1
-    elif end not in ids:
-        raise CheckpointNotFoundError(end, catalog.location, ids)
-    start = -1 if start is None else start
-    lost = None
-    if start >= 0 and start not in ids and start < end:
-        oldest = ids[0] if ids else None
-        if on_lost != "oldest" or oldest is None or start > oldest:
-            raise ChangesLostError(start, oldest, catalog.location, lost_option)
-        lost, start = (start, oldest), oldest
+    start, end, lost = _resolve_range(ids, start, end, on_lost, catalog.location, lost_option)
     if end < 0 or start >= end:
         return ChangePlan(start, max(start, end), (), lost)
     by_id = {c.checkpoint_id: c for c in listed}
@@ -175,6 +165,26 @@ def plan_change_range(catalog: CheckpointCatalog, start: int | None, end: int | 
         raise translate_missing(catalog.store, end, exc) from exc
     mp = next((t.handle.max_parallelism for cp in after for t in cp.tasks), 0)
     return ChangePlan(start, end, tuple(splits), lost, mp)
+
+
+def _resolve_range(ids: list[int], start: int | None, end: int | None, on_lost: OnLost,
+                   location: str, lost_option: str
+                   ) -> tuple[int, int, tuple[int, int] | None]:
+    """``(start, end, lost)`` of a feed over the retained checkpoints ``ids`` (ascending):
+    ``end`` defaults to the newest, a ``start`` no longer retained fails or, with ``on_lost=
+    "oldest"``, moves to the oldest retained one (``lost`` = (asked, used))."""
+    if end is None:
+        end = ids[-1] if ids else -1
+    elif end not in ids:
+        raise CheckpointNotFoundError(end, location, ids)
+    start = -1 if start is None else start
+    lost = None
+    if start >= 0 and start not in ids and start < end:
+        oldest = ids[0] if ids else None
+        if on_lost != "oldest" or oldest is None or start > oldest:
+            raise ChangesLostError(start, oldest, location, lost_option)
+        lost, start = (start, oldest), oldest
+    return start, end, lost
 
 
 # --------------------------------------------------------------------------- reading
