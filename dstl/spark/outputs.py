@@ -4,8 +4,10 @@ Theory of operation
 -------------------
 The driver turns ``output_schema`` into an Arrow schema once (Spark's own mapping, timestamps
 as UTC instants). A task collects the rows its processor yields with the key they were yielded
-for (:meth:`OutputRows.extend`) and checks each row as it arrives, with one checker per column
-built once from the column's Arrow type:
+for (:meth:`OutputRows.extend`, which checks each row's fields), and checks the values column by
+column (:meth:`OutputRows.to_batch`, before the task checkpoints): a flat column whose values
+all have an exact accepted type (one ``set(map(type, values))``) needs nothing more; any other
+column is checked value by value by a checker built once from the column's Arrow type:
 
 - a row is a dict (or a ``pyspark.sql.Row``) with exactly the schema's columns: a missing or an
   extra field is an error, as is ``None`` in a non-nullable field or element;
@@ -19,10 +21,9 @@ built once from the column's Arrow type:
 - A naive ``datetime`` in a ``timestamp`` column is wall time in the Spark session's time zone
   (Spark's rule for Python datetimes); an aware one is its instant.
 
-After the processor ran (before the task checkpoints), :meth:`OutputRows.to_batch` builds the
-Arrow record batch column by column; Arrow's own range checks (an ``int`` too large for its
-column, a decimal beyond its precision) are located to their row only on that failure path, by
-converting the column's values one at a time. Every mismatch raises
+:meth:`OutputRows.to_batch` then builds the Arrow record batch column by column; Arrow's own
+range checks (an ``int`` too large for its column, a decimal beyond its precision) are located
+to their row only on that failure path, by converting the column's values one at a time. Every mismatch raises
 :class:`~dstl.errors.OutputSchemaError` naming the processor, the key and the field path
 (``items[2].price``), so the batch fails with the cause, and its state is not committed.
 """
@@ -209,6 +210,34 @@ def checker_for(t: Any, nullable: bool, zone: dt.tzinfo | None) -> Checker:
 _zone_of = time_zone  # OutputRows' argument is named time_zone too
 
 
+def _fast_types(t: Any, nullable: bool) -> frozenset[type] | None:
+    """The exact Python types a column of a flat type takes as they are (a column whose
+    values all have one of them needs no per-value check), or None (nested types, and
+    timestamps with a zone, whose naive values are converted)."""
+    import pyarrow as pa
+
+    T = pa.types
+    if T.is_string(t) or T.is_large_string(t):
+        kinds: set[type] = {str}
+    elif T.is_binary(t) or T.is_large_binary(t):
+        kinds = {bytes, bytearray}
+    elif T.is_boolean(t):
+        kinds = {bool}
+    elif T.is_integer(t):
+        kinds = {int}
+    elif T.is_floating(t):
+        kinds = {float, int}
+    elif T.is_decimal(t):
+        kinds = {Decimal, int}
+    elif T.is_date(t):
+        kinds = {dt.date, dt.datetime}
+    elif T.is_timestamp(t) and t.tz is None:
+        kinds = {dt.datetime}
+    else:
+        return None
+    return frozenset(kinds | ({type(None)} if nullable else set()))
+
+
 class OutputRows:
     """The checked output rows of one task, with the key each was yielded for.
 
@@ -225,6 +254,7 @@ class OutputRows:
         self._schema = schema
         self._processor = processor
         self._checkers = {f.name: checker_for(f.type, f.nullable, zone) for f in schema}
+        self._fast = {f.name: _fast_types(f.type, f.nullable) for f in schema}
         self._names = frozenset(self._checkers)
         self.rows: list[dict[str, Any]] = []
         self.keys: list[Any] = []
@@ -233,23 +263,46 @@ class OutputRows:
         return len(self.rows)
 
     def extend(self, key: Any, rows: Iterable[Any]) -> None:
-        """Check and keep the rows a processor call yielded for ``key``.
+        """Keep the rows a processor call yielded for ``key``; each must have exactly the
+        output columns (their values are checked by :meth:`to_batch`, column by column).
 
         Raises:
-            OutputSchemaError: a row does not match the output schema.
+            OutputSchemaError: a row is not a dict or a Row, or has other fields.
         """
+        names, keep, keys = self._names, self.rows.append, self.keys.append
         for row in rows:
-            if _is_row(row):
-                row = row.asDict()
-            if not isinstance(row, Mapping):
-                raise self._error(key, "", f"an output row must be a dict of the output "
-                                           f"columns, got {type(row).__name__} {row!r:.60}")
+            if type(row) is not dict:
+                row = self._as_dict(key, row)
+            if row.keys() != names:
+                try:
+                    _fields(row, self._checkers, names, "")
+                except _Mismatch as m:
+                    raise self._error(key, m.path, m.message) from None
+            keep(row)
+            keys(key)
+
+    def _as_dict(self, key: Any, row: Any) -> Any:
+        if _is_row(row):
+            return row.asDict()
+        if not isinstance(row, Mapping):
+            raise self._error(key, "", f"an output row must be a dict of the output "
+                                       f"columns, got {type(row).__name__} {row!r:.60}")
+        return row
+
+    def _column(self, name: str) -> list[Any]:
+        """The checked values of one output column (see the module docstring)."""
+        values = [r[name] for r in self.rows]
+        fast = self._fast[name]
+        if fast is not None and set(map(type, values)) <= fast:
+            return values  # every value has an exact accepted type: nothing to convert
+        check = self._checkers[name]
+        out = []
+        for i, v in enumerate(values):
             try:
-                checked = _fields(row, self._checkers, self._names, "")
+                out.append(check(v))
             except _Mismatch as m:
-                raise self._error(key, m.path, m.message) from None
-            self.rows.append(checked)
-            self.keys.append(key)
+                raise self._error(self.keys[i], f"{name}{m.path}", m.message) from None
+        return out
 
     def _error(self, key: Any, path: str, message: str) -> OutputSchemaError:
         field = f"field {path!r}" if path else "a row"
@@ -271,7 +324,7 @@ class OutputRows:
             if f.name in extra:
                 arrays.append(pa.array(extra[f.name], type=f.type))
                 continue
-            values = [r[f.name] for r in self.rows]
+            values = self._column(f.name)
             try:
                 arrays.append(pa.array(values, type=f.type))
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
