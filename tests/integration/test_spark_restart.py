@@ -21,7 +21,7 @@ s3_bucket = moto_server.s3_bucket
 
 
 def _run(src: Path, ck: Path, uri: str, opts: dict[str, Any], latest: dict[str, int],
-         tmp: Path) -> list[dict[str, Any]]:
+         tmp: Path, warm: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     from test_spark_operator import Count
 
     spark = new_session("dstl-restart")
@@ -32,6 +32,8 @@ def _run(src: Path, ck: Path, uri: str, opts: dict[str, Any], latest: dict[str, 
                                   {r["key"]: r["count"] for r in df.collect()}),
                               local_dir=str(tmp / "local"), materialization_interval_s=0.0)
     try:
+        if warm is not None:
+            warm.update(op.warm_up(spark))
         q = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
              .json(str(src)).writeStream.foreachBatch(op.foreach_batch)
              .option("checkpointLocation", str(ck)).trigger(availableNow=True).start())
@@ -66,4 +68,39 @@ def test_restart_in_a_new_session_restores_state(moto_endpoint: str, s3_bucket: 
     second = _run(src, ck, uri, opts, latest, tmp_path / "run2")
     assert [s["batch_id"] for s in second] == [3, 4]
     assert second[0]["restores"] == 2  # both partitions restored from the store
+    assert latest == dict(expected)
+
+
+def test_warm_up_restores_ahead_and_the_first_batch_adopts(moto_endpoint: str, s3_bucket: str,
+                                                           tmp_path: Path) -> None:
+    """op.warm_up before the restarted query: every partition is restored in the warm-up job
+    (through the executor's agent), the first batch restores nothing and the counts are exact;
+    on a fresh state the warm-up only starts the workers."""
+    src, ck = tmp_path / "src", tmp_path / "ck"
+    src.mkdir()
+    uri, opts = f"s3://{s3_bucket}/warm", s3_storage_options(moto_endpoint)
+    expected: Counter[str] = Counter()
+    latest: dict[str, int] = {}
+
+    def write(i: int) -> None:
+        keys = [f"k{(i * 5 + j) % 13}" for j in range(20)]
+        expected.update(keys)
+        (src / f"part-{i:03d}.json").write_text("".join(json.dumps({"key": k}) + "\n"
+                                                        for k in keys))
+
+    for i in range(2):
+        write(i)
+    fresh: dict[str, Any] = {}
+    _run(src, ck, uri, opts, latest, tmp_path / "run1", fresh)
+    assert fresh["base_checkpoint"] == -1 and "error" not in fresh
+    assert {p["access"] for p in fresh["partitions"].values()} == {"new"}
+    for i in range(2, 4):
+        write(i)
+    warm: dict[str, Any] = {}
+    second = _run(src, ck, uri, opts, latest, tmp_path / "run2", warm)
+    assert warm["base_checkpoint"] == 1 and "error" not in warm, warm
+    assert sorted(warm["partitions"]) == [0, 1]
+    assert all(p["access"] == "restore" and p["marked"] for p in warm["partitions"].values())
+    assert [s["batch_id"] for s in second] == [2, 3]
+    assert second[0]["restores"] == 0, second[0]  # adopted or hit: nothing read again
     assert latest == dict(expected)
