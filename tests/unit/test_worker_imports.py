@@ -1,0 +1,37 @@
+"""What a Python worker and the executor agent import: not the driver's side of the operator
+(its coordinator, manifests and metrics endpoint), which the first batch after a restart would
+wait for in every worker and in the agent's start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import dstl.spark
+
+_DRIVER_ONLY = ("dstl.spark.operator", "dstl.checkpoint.coordinator", "dstl.spark.prometheus",
+                "pandas")
+
+
+@pytest.mark.parametrize("module", ["dstl.spark.task", "dstl.spark.warmup",
+                                    "dstl.spark.agent.__main__"])
+def test_worker_and_agent_imports_leave_the_driver_side_out(module: str) -> None:
+    code = (f"import sys, {module}\n"
+            f"print(','.join(m for m in {_DRIVER_ONLY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "", f"{module} imports {out.stdout.strip()}"
+
+
+def test_the_public_names_still_resolve() -> None:
+    from dstl.spark import DstlStatefulOperator, register, with_heartbeat
+    from dstl.spark.heartbeat import with_heartbeat as wh
+    from dstl.spark.operator import DstlStatefulOperator as Op
+
+    assert DstlStatefulOperator is Op and with_heartbeat is wh and callable(register)
+    assert set(dstl.spark.__all__) <= set(dir(dstl.spark)) | {"DstlStatefulOperator",
+                                                            "register", "with_heartbeat"}
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        dstl.spark.nope  # noqa: B018
