@@ -21,6 +21,13 @@ one loop instead, with one ``struct`` call and three slices per change:
   bytes, :func:`heap_decoders`) and a run of SETs of one state goes into the key group's map with
   :meth:`~materializer.cow_map.CopyOnWriteStateMap.put_all`.
 
+*Uniform blocks* — every change a SET of one state with one key length, no namespace and one
+total length, which is what a job with fixed-width keys and values writes (the count job: keys
+``k%08d``, small-int counts) — skip even that loop: :func:`uniform_block` proves the fixed
+stride with strided byte comparisons and ``struct.iter_unpack`` cuts every change at once, so
+the per-change work is one tuple and one concatenation (LMDB) or the decoders (heap). Anything
+else in the block, however small, sends the whole block through the loop.
+
 Everything that is not a plain SET (``SET``/``SET_INTERNAL``) — CLEAR, the merging ops, an
 unknown op — first flushes the pending run and then goes through ``backend.apply_change``, as do
 the metadata block (key group -1) and any key group outside the backend's range, so their
@@ -36,6 +43,7 @@ module applies what it is given once, in order.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable
 from typing import Any, Final
@@ -53,6 +61,59 @@ _U32: Final = struct.Struct(">I")
 _SNAP_HEAD: Final = struct.Struct(">HI")
 _SET: Final = 1            # materializer.changes.SET; SET_INTERNAL is 2: both "store this value"
 _SET_INTERNAL: Final = 2
+#: Below this many changes a block goes through the loop (the uniform check would not pay).
+_MIN_UNIFORM: Final = 8
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_struct(skip: int, klen: int, vlen: int) -> struct.Struct:
+    """One change of a uniform block cut into (key field, value): ``skip`` header bytes, the
+    key field (with or without its length), the 4-byte zero namespace length, the value."""
+    return struct.Struct(f">{skip}x{klen}s4x{vlen}s")
+
+
+def uniform_block(body: bytes, pos: int, end: int) -> tuple[int, int, int] | None:
+    """``(state id, key length, value length)`` if the changes of ``body[pos:end]`` are
+    *uniform* — every change a SET/SET_INTERNAL of one state, with one key length, no
+    namespace and one total length, as a job with fixed-width keys and values writes them;
+    ``None`` otherwise (or for a block too small to be worth it).
+
+    Uniform changes sit at a fixed stride, so ``struct.iter_unpack`` cuts them all at once (C,
+    no bytecode per change: :func:`uniform_changes`). That the stride is the true framing is
+    proved, not assumed: byte ``j`` of every change's 11-byte head (length, op, state id, key
+    length) must equal byte ``j`` of the first change's — each change's length is then the
+    stride, so the changes chain exactly as the per-change parse would walk them — and every
+    namespace length must be zero. The checks are strided slices compared in C (``body[j::
+    stride]``). Any difference returns ``None``, and the per-change loop decides, with its own
+    errors."""
+    size = end - pos
+    if size < 15:
+        return None
+    ln, op, sid, klen = _HEAD.unpack_from(body, pos)
+    stride = 4 + ln
+    vlen = ln - 11 - klen
+    if (not _SET <= op <= _SET_INTERNAL or vlen < 0 or size % stride
+            or size // stride < _MIN_UNIFORM):
+        return None
+    count = size // stride
+    for j in range(11):
+        if body[pos + j:end:stride] != body[pos + j:pos + j + 1] * count:
+            return None
+    ns = pos + 11 + klen
+    zero = b"\0" * count
+    for j in range(4):
+        if body[ns + j:end:stride] != zero:
+            return None
+    return sid, klen, vlen
+
+
+def uniform_changes(body: bytes, pos: int, end: int, klen: int, vlen: int,
+                    with_length: bool) -> Iterable[tuple[bytes, bytes]]:
+    """``(key, value)`` of every change of a uniform block (:func:`uniform_block`); the key
+    with its 4-byte length field in front if ``with_length`` (the LMDB record's layout)."""
+    fmt = (_uniform_struct(7, 4 + klen, vlen) if with_length
+           else _uniform_struct(11, klen, vlen))
+    return fmt.iter_unpack(memoryview(body)[pos:end])
 
 
 class BlockReplayer:
@@ -124,6 +185,9 @@ class BlockReplayer:
     def _lmdb_block(self, kg: int, body: bytes, pos: int, end: int, key: str,
                     offset: int) -> int:
         loader = self._loader
+        uniform = uniform_block(body, pos, end)
+        if uniform is not None:
+            return self._lmdb_uniform(kg, body, pos, end, uniform, key, offset)
         prefixes: dict[int, bytes] = {}
         records: list[tuple[bytes, bytes]] = []
         append = records.append
@@ -162,9 +226,32 @@ class BlockReplayer:
         loader.put_raw(records)
         return n
 
+    def _lmdb_uniform(self, kg: int, body: bytes, pos: int, end: int,
+                      uniform: tuple[int, int, int], key: str, offset: int) -> int:
+        """A uniform block into LMDB: one record per change, cut by ``struct`` in C."""
+        sid, klen, vlen = uniform
+        pre = self._loader.prefix(kg, self._registered(sid, key, offset).state_id)
+        records = [(pre + k, v) for k, v in uniform_changes(body, pos, end, klen, vlen, True)]
+        self._loader.put_raw(records)
+        return len(records)
+
+    def _heap_uniform(self, kg: int, body: bytes, pos: int, end: int,
+                      uniform: tuple[int, int, int], key: str, offset: int) -> int:
+        """A uniform block into the heap: one ``put_all`` of the decoded changes."""
+        sid, klen, vlen = uniform
+        new_sid = self._registered(sid, key, offset).state_id
+        kdec, _nsdec, vdec, no_ns = heap_decoders(self._b, new_sid)
+        items = [(kdec(k), no_ns, vdec(v))
+                 for k, v in uniform_changes(body, pos, end, klen, vlen, False)]
+        self._b.tables.table(new_sid).map_for(kg).put_all(items)
+        return len(items)
+
     def _heap_block(self, kg: int, body: bytes, pos: int, end: int, key: str,
                     offset: int) -> int:
         tables = self._b.tables
+        uniform = uniform_block(body, pos, end)
+        if uniform is not None:
+            return self._heap_uniform(kg, body, pos, end, uniform, key, offset)
         run: list[tuple[Any, Any, Any]] = []
         run_sid = -1
         new_sid = -1

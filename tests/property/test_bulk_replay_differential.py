@@ -257,6 +257,102 @@ def test_crafted_bodies_same_outcome_both_paths(table: str, body: bytes,
         storage.close()
 
 
+@st.composite
+def _uniform_body(draw: Any) -> bytes:
+    """Blocks the uniform fast path takes (>= 8 SETs of one state, fixed key and value
+    lengths, no namespace), sometimes with one change made different: another op, state id,
+    key length or namespace, a flipped byte, a wrong length, a cut block."""
+    meta = b"".join(struct.pack(">I", len(r)) + r
+                    for r in (encode_metadata(sid, m) for sid, m in _STATES.items()))
+    blocks: dict[int, bytes] = {-1: meta}
+    for kg in draw(st.sets(st.integers(0, 5), min_size=1, max_size=3)):
+        op = draw(st.sampled_from([SET, SET_INTERNAL]))
+        sid = draw(st.sampled_from([0, 0, 1, 3]))  # 3: no metadata
+        n = draw(st.integers(8, 40))
+        changes = []
+        for _ in range(n):
+            v = _SAFE.encode(draw(st.integers(0, 255)))  # one pickled length for all
+            payload = frame([v]) if (sid == 1 and op == SET_INTERNAL) else v
+            key = bytes([97, draw(st.integers(97, 101))])  # duplicates: order matters
+            changes.append(OP_SID.pack(op, sid) + encode_key_ns(key, b"") + payload)
+        damage = draw(st.sampled_from(["none"] * 2 + ["op", "sid", "key", "ns", "flip",
+                                                      "length", "cut", "klen", "ns-only"]))
+        i = draw(st.integers(0, n - 1))
+        c = changes[i]
+        if damage == "op":
+            c = OP_SID.pack(draw(st.sampled_from([CLEAR, ADD_ELEMENT, 9])), sid) + c[3:]
+        elif damage == "sid":
+            c = OP_SID.pack(op, 2 if sid != 2 else 0) + c[3:]
+        elif damage == "key":
+            c = OP_SID.pack(op, sid) + encode_key_ns(b"a", b"") + c[3 + 4 + 2 + 4:]
+        elif damage == "ns":
+            c = OP_SID.pack(op, sid) + encode_key_ns(c[7:9], b"n") + c[3 + 4 + 2 + 4:]
+        elif damage == "klen":  # same change length, key one byte shorter, value one longer
+            c = OP_SID.pack(op, sid) + encode_key_ns(c[7:8], b"") + b"\0" + c[3 + 4 + 2 + 4:]
+        elif damage == "ns-only":  # same change and key length, a namespace, value shorter
+            c = OP_SID.pack(op, sid) + encode_key_ns(c[7:9], b"n") + c[3 + 4 + 2 + 4:-1]
+        elif damage == "flip":
+            j = draw(st.integers(0, len(c) - 1))
+            c = c[:j] + bytes([c[j] ^ draw(st.integers(1, 255))]) + c[j + 1:]
+        changes[i] = c
+        records = [struct.pack(">I", len(x)) + x for x in changes]
+        if damage == "length":
+            records[i] = struct.pack(">I", len(changes[i]) + draw(st.sampled_from(
+                [-1, 1, 4]))) + changes[i]
+        block = b"".join(records)
+        if damage == "cut":
+            block = block[:len(block) - draw(st.integers(1, 8))]
+        blocks[kg] = block
+    return build_change_set("log", 1, blocks, 0, 0).body
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=_uniform_body())
+def test_uniform_blocks_same_outcome_both_paths(table: str, body: bytes,
+                                               tmp_path_factory: Any) -> None:
+    """The uniform fast path (materializer.replay.uniform_block) against the per-change path,
+    on blocks it takes and on blocks that differ from uniform in exactly one change."""
+    test_crafted_bodies_same_outcome_both_paths.hypothesis.inner_test(  # type: ignore[attr-defined]
+        table, body, tmp_path_factory)
+
+
+def test_the_fast_path_takes_uniform_blocks_and_refuses_near_misses() -> None:
+    """The check itself: a uniform block is recognised, and each single difference is not."""
+    from materializer.replay import uniform_block, uniform_changes
+
+    def block(changes: list[bytes]) -> bytes:
+        return b"".join(struct.pack(">I", len(c)) + c for c in changes)
+
+    v = _SAFE.encode(7)
+    good = [OP_SID.pack(SET, 0) + encode_key_ns(b"k%d" % (i % 10), b"") + v for i in range(12)]
+    body = b"xx" + block(good) + b"yy"
+    got = uniform_block(body, 2, len(body) - 2)
+    assert got == (0, 2, len(v))
+    assert [k for k, _ in uniform_changes(body, 2, len(body) - 2, 2, len(v), False)] == [
+        b"k%d" % (i % 10) for i in range(12)]
+    near = {
+        "op": OP_SID.pack(CLEAR, 0) + encode_key_ns(b"k0", b"") + v,
+        "sid": OP_SID.pack(SET, 1) + encode_key_ns(b"k0", b"") + v,
+        "ns": OP_SID.pack(SET, 0) + encode_key_ns(b"k", b"n") + v,  # same length, other split
+        "value": OP_SID.pack(SET, 0) + encode_key_ns(b"k", b"") + v + b"x",  # same length
+        # same length, and zeros where the namespace length is expected: only the key length
+        # field tells
+        "klen": OP_SID.pack(SET, 0) + encode_key_ns(b"k", b"") + b"\0" + v,
+        # same length and key length: only the namespace length tells
+        "ns-only": OP_SID.pack(SET, 0) + encode_key_ns(b"k0", b"n") + v[:-1],
+    }
+    for what, c in near.items():
+        assert len(c) == len(good[0]) or what in ("sid", "op"), what
+        for i in (0, 5, 11):
+            changed = [*good[:i], c, *good[i + 1:]]
+            b = block(changed)
+            assert uniform_block(b, 0, len(b)) is None, (what, i)
+    short = block(good[:7])
+    assert uniform_block(short, 0, len(short)) is None  # below the threshold: the loop
+
+
 @given(body=_body(), keep=st.sets(st.integers(-1, 6)))
 @settings(max_examples=100, deadline=None)
 def test_body_blocks_hold_exactly_the_changes_iter_body_changes_yields(body: bytes,
