@@ -101,10 +101,12 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import (
+    TTL_CODEC_PREFIX,
     BytesCodec,
     Codec,
     SafeCodec,
     StrOrBytesKeyCodec,
+    TtlCodec,
     check_codec,
     codec_by_name,
     decode_hashable,
@@ -118,6 +120,7 @@ from materializer.policy import MaterializationRules
 from materializer.replay import load_block
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
+from materializer.ttl import TTL_INDEX_STATE, TTL_STATE_CLASSES, TtlService
 
 __all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key", "upload_snapshot"]
 
@@ -199,6 +202,23 @@ class _BackendSnapshots:
 
     def base_changed(self) -> None:
         self._b._maybe_truncate()
+
+
+def _check_ttl_kept(meta: dict[str, Any], name: str, ttl: bool) -> None:
+    """A restored state keeps its TTL-ness: its stored values have expiries, or have none.
+
+    Raises:
+        StateError: the descriptor asks for the other one (names the state and the fix).
+    """
+    stored = str(meta.get("value_codec") or "").startswith(TTL_CODEC_PREFIX)
+    if stored == ttl:
+        return
+    had, asks = ("with", "without") if stored else ("without", "with")
+    raise StateError(f"state {name!r} was written {had} a TTL (ttl_s) and is opened {asks} one: "
+                     f"its stored values {'carry' if stored else 'have no'} expiries, and a "
+                     "state's TTL cannot be switched on or off; keep the descriptor's ttl_s "
+                     f"{'set' if stored else 'out'} (its value may change), or use a new state "
+                     "name")
 
 
 def check_layout(key_groups: object, max_parallelism: object, owner: str,
@@ -342,6 +362,8 @@ class ChangelogKeyedStateBackend:
         self._states: dict[str, _Registered] = {}
         self._by_id: dict[int, _Registered] = {}
         self._raw: set[int] = set()  # raw states (internal indexes): no codecs applied
+        self._ttl: TtlService | None = None  # with the first TTL state (materializer.ttl)
+        self._ttl_time: int | None = None
         self._meta_logged: set[int] = set()
         # checkpoints
         self._last_checkpoint: _Checkpoint | None = None
@@ -503,6 +525,44 @@ class ChangelogKeyedStateBackend:
         self._kn = encode_key_ns(self._key_b, nb)
         self._tn = namespace if self._heap else nb
 
+    @property
+    def current_namespace(self) -> Any:
+        return self._ns
+
+    @property
+    def current_namespace_bytes(self) -> bytes:
+        return bytes(self._ns_b)
+
+    @property
+    def has_current_key(self) -> bool:
+        return self._kg >= 0
+
+    # ------------------------------------------------------------------ TTL
+
+    def set_ttl_time(self, now_ms: int | None) -> None:
+        """Fix the clock of the TTL states at ``now_ms`` (epoch ms; the Spark task sets the
+        batch's processing time); ``None``: the wall clock at each call."""
+        if self._ttl is not None:
+            self._ttl.set_time(now_ms)
+        elif now_ms is not None and (type(now_ms) is not int or now_ms < 0):
+            raise UsageError(f"TTL time {now_ms!r} must be an int of epoch milliseconds >= 0")
+        self._ttl_time = now_ms
+
+    def ttl_service(self) -> TtlService | None:
+        """The TTL service (:mod:`materializer.ttl`): made with the first TTL state, or when a
+        restore brought an expiry index; ``None`` when this backend has neither."""
+        if self._ttl is None and TTL_INDEX_STATE in self._states:
+            self._ttl = TtlService(self)
+            self._ttl.set_time(self._ttl_time)
+        return self._ttl
+
+    def purge_expired(self, now_ms: int | None = None) -> int:
+        """Remove (logged) the TTL values expired at ``now_ms`` (default: the TTL clock);
+        returns how many were removed (see :mod:`materializer.ttl`)."""
+        self._check_open()
+        svc = self.ttl_service()
+        return 0 if svc is None else svc.purge(now_ms)
+
     # ------------------------------------------------------------------ states
 
     def get_state(self, descriptor: StateDescriptor) -> Any:
@@ -521,10 +581,15 @@ class ChangelogKeyedStateBackend:
         if reg is not None and reg.state_id in self._raw:
             raise UsageError(f"state {descriptor.name!r} is an internal index of backend "
                              f"{self.operator_id!r}; choose another state name")
+        ttl = descriptor.ttl_s is not None
         if reg is not None and reg.state is not None:
             if reg.meta["kind"] != descriptor.kind:
                 raise UsageError(f"state {descriptor.name!r} is a {reg.meta['kind']} state; it "
                                  f"cannot be opened as a {descriptor.kind} state")
+            if isinstance(reg.shape.codec, TtlCodec) != ttl:
+                raise UsageError(f"state {descriptor.name!r} is open "
+                                 f"{'with' if not ttl else 'without'} a TTL; it cannot be "
+                                 f"opened {'with' if ttl else 'without'} one in the same backend")
             return reg.state
         if reg is not None and reg.meta["kind"] != descriptor.kind:
             raise UsageError(f"state {descriptor.name!r} was restored as a {reg.meta['kind']} "
@@ -536,6 +601,10 @@ class ChangelogKeyedStateBackend:
         if descriptor.kind == "map":
             given = getattr(descriptor, "key_serializer", None)
             key_codec = given if given is not None else SafeCodec(limit)
+        if reg is not None:
+            _check_ttl_kept(reg.meta, descriptor.name, ttl)
+        if ttl:
+            codec = TtlCodec(codec)
         shape = StateShape(descriptor.kind, codec, key_codec)
         meta = {"name": descriptor.name, "kind": descriptor.kind, "value_codec": codec.name,
                 "key_codec": key_codec.name if key_codec is not None else None}
@@ -549,6 +618,14 @@ class ChangelogKeyedStateBackend:
             self._by_id[sid] = reg
         else:
             reg.descriptor, reg.shape, reg.meta = descriptor, shape, meta
+        if ttl:
+            if self._ttl is None:
+                self._ttl = TtlService(self)
+                self._ttl.set_time(self._ttl_time)
+            state = TTL_STATE_CLASSES[descriptor.kind](self, reg.state_id, descriptor, shape)
+            state._init_ttl(self._ttl, descriptor.ttl_s)  # type: ignore[attr-defined]
+            reg.state = state
+            return state
         reg.state = STATE_CLASSES[descriptor.kind](self, reg.state_id, descriptor, shape)
         return reg.state
 

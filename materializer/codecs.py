@@ -20,6 +20,12 @@ lookup for scalars.
 :class:`PickleCodec` (``"pickle"``) handles any picklable value and **executes code on load from a
 malicious store**; it is used only when a state asks for it by name.
 
+:class:`TtlCodec` (``"ttl:<inner>"``) wraps the codec of a state with a time to live
+(:mod:`materializer.ttl`): each value (each list element, each map value) is stored as
+``u8 format (1) | i64 expiry_ms (big-endian) | the inner codec's bytes`` and decodes to the pair
+``(expiry_ms, value)``. The name in the state's metadata says a state's values carry expiries,
+so a restore, the reader and the agent decode them without knowing the descriptor.
+
 Keys: the default key codec maps ``str`` to UTF-8 and ``bytes`` to itself (so the key group of a
 key is computable in Spark SQL from the column); other key types need a codec.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import struct
 from typing import Any, Final, Protocol, runtime_checkable
 
 from dstl.checks import check_protocol
@@ -42,9 +49,12 @@ __all__ = [
     "PickleCodec",
     "SafeCodec",
     "StrOrBytesKeyCodec",
+    "TTL_CODEC_PREFIX",
+    "TtlCodec",
     "codec_by_name",
     "decode_hashable",
     "decoded_size_bound",
+    "expiry_of",
 ]
 
 _SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
@@ -382,6 +392,50 @@ _BY_NAME: dict[str, type] = {"safe": SafeCodec, "pickle": PickleCodec, "bytes": 
                              "str-or-bytes": StrOrBytesKeyCodec}
 
 
+#: The name of a TTL state's codec is this prefix and the inner codec's name.
+TTL_CODEC_PREFIX: Final = "ttl:"
+_TTL_FORMAT: Final = 1
+_TTL_HEADER: Final = struct.Struct(">Bq")
+
+
+class TtlCodec:
+    """A TTL state's values: ``(expiry_ms, value)`` pairs, the value by ``inner`` (see the
+    module docstring). Decoding is strict: a short value or another format byte is a
+    :class:`~dstl.errors.CorruptObjectError` named ``<state value>``."""
+
+    __slots__ = ("inner", "name")
+
+    def __init__(self, inner: Codec) -> None:
+        if isinstance(inner, TtlCodec):
+            raise UsageError("a TTL codec cannot wrap another TTL codec")
+        self.inner = inner
+        self.name = TTL_CODEC_PREFIX + inner.name
+
+    def encode(self, pair: Any) -> bytes:
+        expiry_ms, value = pair
+        return _TTL_HEADER.pack(_TTL_FORMAT, expiry_ms) + self.inner.encode(value)
+
+    def decode(self, data: bytes) -> Any:
+        return (expiry_of(data), self.inner.decode(data[_TTL_HEADER.size:]))
+
+
+def expiry_of(data: bytes | memoryview) -> int:
+    """The expiry (epoch ms) of one :class:`TtlCodec` value, without decoding the value.
+
+    Raises:
+        CorruptObjectError: too short, or not format 1.
+    """
+    if len(data) < _TTL_HEADER.size:
+        raise CorruptObjectError("<state value>", 0, f"a TTL state's value has {len(data)} "
+                                                     f"bytes, fewer than its "
+                                                     f"{_TTL_HEADER.size}-byte header")
+    fmt, expiry = _TTL_HEADER.unpack_from(data)
+    if fmt != _TTL_FORMAT:
+        raise CorruptObjectError("<state value>", 0, f"a TTL state's value has format {fmt}; "
+                                                     f"this DSTL reads format {_TTL_FORMAT}")
+    return int(expiry)
+
+
 def codec_by_name(name: str, *, allow_pickle: bool = False,
                   max_decoded_bytes: int = DEFAULT_MAX_DECODED_VALUE_BYTES) -> Any:
     """The built-in codec called ``name`` (names are recorded in state metadata).
@@ -397,6 +451,9 @@ def codec_by_name(name: str, *, allow_pickle: bool = False,
     """
     if not isinstance(name, str):
         raise UsageError(f"codec name {name!r:.80} is not a string")
+    if name.startswith(TTL_CODEC_PREFIX):
+        return TtlCodec(codec_by_name(name[len(TTL_CODEC_PREFIX):], allow_pickle=allow_pickle,
+                                      max_decoded_bytes=max_decoded_bytes))
     if name == "safe":
         return SafeCodec(max_decoded_bytes)
     if name == "pickle" and not allow_pickle:

@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from dstl.checks import check_callable, check_protocol, check_str
-from dstl.errors import UsageError
+from dstl.checks import check_callable, check_number, check_protocol, check_str
+from dstl.errors import ConfigError, UsageError
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -55,6 +55,7 @@ __all__ = [
     "AggregateFunction",
     "AggregatingState",
     "AggregatingStateDescriptor",
+    "MAX_TTL_S",
     "KeyedState",
     "ListState",
     "ListStateDescriptor",
@@ -68,6 +69,7 @@ __all__ = [
     "StateShape",
     "ValueState",
     "ValueStateDescriptor",
+    "check_ttl_s",
 ]
 
 _IMMUTABLE: Final = frozenset({type(None), bool, int, float, str, bytes})
@@ -99,21 +101,41 @@ class AggregateFunction(Protocol):
     def merge(self, a: Any, b: Any) -> Any: ...
 
 
+#: Longest TTL (about 317 years): now + ttl stays far inside signed 64-bit milliseconds.
+MAX_TTL_S: Final = 1e10
+
+
+def check_ttl_s(value: object, owner: str) -> float:
+    """``value`` as seconds of TTL: a finite number in ``(0, MAX_TTL_S]``.
+
+    Raises:
+        ConfigTypeError: not an int or float (a bool or a string, say).
+        ConfigError: zero, negative, NaN, infinite or above :data:`MAX_TTL_S`.
+    """
+    return check_number(value, "ttl_s", owner, lo=0.0, hi=MAX_TTL_S, lo_open=True,
+                        unit="seconds", fix="the state's time to live in seconds, e.g. "
+                                            "ttl_s=3600; leave it out for no TTL")
+
+
 #: Longest state name (state metadata carries it in every log and snapshot).
 MAX_STATE_NAME_CHARS: Final = 255
 
 
 @dataclass(frozen=True)
 class StateDescriptor:
-    """Base of all descriptors: a name and an optional value codec (default: the safe codec).
+    """Base of all descriptors: a name, an optional value codec (default: the safe codec) and,
+    for value, list and map states, an optional time to live ``ttl_s`` (seconds, keyword only;
+    Spark's ``TTLConfig``: :mod:`materializer.ttl`).
 
     Raises:
-        ConfigError: a bad name or codec (ConfigTypeError: a wrong type), at construction.
+        ConfigError: a bad name, codec or ttl_s (ConfigTypeError: a wrong type), at
+            construction.
     """
 
     name: str
     serializer: Codec | None = None
     kind: str = field(default="", init=False)
+    ttl_s: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self._check()
@@ -124,6 +146,12 @@ class StateDescriptor:
         check_str(self.name, "name", owner, max_chars=MAX_STATE_NAME_CHARS,
                   fix="the state's name, unique within its backend")
         check_codec(self.serializer, "serializer", owner)
+        if self.ttl_s is not None:
+            if self.kind not in ("value", "list", "map"):
+                raise ConfigError("ttl_s", self.ttl_s, "None (TTL is for value, list and map "
+                                  "states)", owner=owner, fix="leave ttl_s out, or keep the "
+                                  "values in a value, list or map state with ttl_s")
+            check_ttl_s(self.ttl_s, owner)
 
     def codec(self) -> Codec:
         return self.serializer if self.serializer is not None else SafeCodec()
@@ -164,6 +192,7 @@ class ReducingStateDescriptor(StateDescriptor):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "reduce_fn", reduce_fn)
+        object.__setattr__(self, "ttl_s", None)
         self._check()
 
     def _check(self) -> None:
@@ -182,6 +211,7 @@ class AggregatingStateDescriptor(StateDescriptor):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "agg", agg)
+        object.__setattr__(self, "ttl_s", None)
         self._check()
 
     def _check(self) -> None:
