@@ -26,7 +26,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -78,6 +78,8 @@ _KEY_TYPES = ("string", "binary", "int", "bigint", "smallint", "tinyint")
 _INT_TYPES = ("int", "bigint", "smallint", "tinyint")
 #: The manifest property that carries the watermark after the checkpoint's batch.
 WATERMARK_PROPERTY = "watermark_ms"
+#: The manifest property that carries the processing time the checkpoint's batch ran at.
+PROCESSING_TIME_PROPERTY = "processing_time_ms"
 
 
 @dataclass(frozen=True)
@@ -399,7 +401,7 @@ class DstlStatefulOperator:
         result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
         tasks_done = time.monotonic()
         reports = self._reports(ready.coordinator, checkpoint_id, result)
-        next_wm = self._commit_watermark(ready.coordinator, checkpoint_id, task_input, reports)
+        next_wm = self._commit_properties(ready.coordinator, checkpoint_id, task_input, reports)
         completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
         acknowledged = time.monotonic()
         rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
@@ -472,15 +474,18 @@ class DstlStatefulOperator:
             return on_time, None
         return on_time, with_ms.where(late).drop(EVENT_TIME_COLUMN)
 
-    def _commit_watermark(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
-                          task_input: TaskInput, reports: list[TaskReport]) -> int:
-        """The watermark after this batch, put into the checkpoint's manifest (-1: none)."""
-        if self.time.event_time_column is None:
-            return -1
-        seen = [r.max_event_time_ms for r in reports if r.max_event_time_ms is not None]
-        wm = next_watermark(task_input.watermark_ms, max(seen) if seen else None,
-                            self.time.delay_ms)
-        coordinator.set_properties(checkpoint_id, {WATERMARK_PROPERTY: wm})
+    def _commit_properties(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
+                           task_input: TaskInput, reports: list[TaskReport]) -> int:
+        """Put the batch's processing time and the watermark after it into the checkpoint's
+        manifest; returns the watermark (-1: none)."""
+        props: dict[str, int] = {PROCESSING_TIME_PROPERTY: task_input.processing_time_ms}
+        wm = -1
+        if self.time.event_time_column is not None:
+            seen = [r.max_event_time_ms for r in reports if r.max_event_time_ms is not None]
+            wm = next_watermark(task_input.watermark_ms, max(seen) if seen else None,
+                                self.time.delay_ms)
+            props[WATERMARK_PROPERTY] = wm
+        coordinator.set_properties(checkpoint_id, props)
         return wm
 
     def _key_type(self, df: Any) -> str:
@@ -516,9 +521,24 @@ class DstlStatefulOperator:
                          base_handles={int(t.task_id[1:]): json.dumps(t.state)
                                        for t in base.tasks} if base is not None else {},
                          retained=tuple(sorted(m.checkpoint_id for m in retained)),
-                         processing_time_ms=int(self.clock_ms()),
+                         processing_time_ms=self._processing_time(retained, batch_id, base),
                          watermark_ms=self._base_watermark(base),
                          driver_version=_driver_version())
+
+    def _processing_time(self, retained: Sequence[Manifest], batch_id: int,
+                         base: Manifest | None) -> int:
+        """The batch's processing time (the TTL clock and processing-time timers' time): a
+        re-run of a batch whose checkpoint was committed keeps the time that checkpoint
+        recorded, so it expires and fires exactly what the first run did; otherwise the
+        driver's clock, never below the base checkpoint's time (a clock that steps back does
+        not make expired state visible again, nor fire timers twice)."""
+        rerun = next((m for m in retained if m.checkpoint_id == batch_id), None)
+        recorded = _time_property(rerun)
+        if recorded is not None:
+            return recorded
+        now = int(self.clock_ms())
+        before = _time_property(base)
+        return now if before is None else max(now, before)
 
     def _base_watermark(self, base: Manifest | None) -> int:
         """The batch's watermark: the one its base checkpoint committed (0 before any; -1: no
@@ -673,6 +693,7 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
         "agents": {int(r.agent_metrics["agent.pid"]): r.agent_metrics for r in reports
                    if r.agent_metrics},
         "timers_fired": sum(r.timers_fired for r in reports),
+        "ttl_purged": sum(r.ttl_purged for r in reports),
     }
 
 
@@ -724,6 +745,22 @@ def _runtime_conf(spark: Any) -> dict[str, str]:
 
 def _dstl_keys(conf: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in conf.items() if k.startswith("spark.dstl.")}
+
+
+def _time_property(manifest: Manifest | None) -> int | None:
+    """The processing time a manifest recorded (``None``: no manifest, or one written before
+    the property existed).
+
+    Raises:
+        CorruptObjectError: the property is not a non-negative integer.
+    """
+    if manifest is None or PROCESSING_TIME_PROPERTY not in manifest.properties:
+        return None
+    t = manifest.properties[PROCESSING_TIME_PROPERTY]
+    if isinstance(t, bool) or not isinstance(t, int) or t < -1:
+        raise CorruptObjectError(manifest.key, 0, f"properties.{PROCESSING_TIME_PROPERTY} is "
+                                                  f"{t!r}, not an integer of epoch ms")
+    return t if t >= 0 else None
 
 
 def _check_conf_unchanged(name: str, ready: _Ready, session: Any, batch_id: int) -> None:

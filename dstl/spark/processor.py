@@ -4,7 +4,8 @@ Shaped like Spark's ``transformWithState`` (``init(handle)``, ``handle_input_row
 timer_values)`` — the two-argument form ``handle_input_rows(key, rows)`` works too —,
 ``handle_expired_timer(key, timer_values, expired_timer_info)``, ``close()``), but state calls
 go to the local DSTL backend (microseconds, no RPC to the JVM). The states answer to Spark's
-method names and to PyFlink's (:mod:`materializer.states`). Timers (``register_timer``,
+method names and to PyFlink's (:mod:`materializer.states`); value, list and map states take a
+time to live (``ttl_s``, or Spark's ``ttl_duration_ms``: :mod:`materializer.ttl`). Timers (``register_timer``,
 ``delete_timer``, ``list_timers``) are DSTL state too (:mod:`materializer.timers`); the task
 sets the handle's current key before each call. State names starting with ``$`` are DSTL's.
 """
@@ -16,11 +17,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
+from dstl.checks import check_number
 from dstl.errors import UsageError
 from dstl.spark.timing import ExpiredTimerInfo, TimerValues
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.codecs import Codec
 from materializer.states import (
+    MAX_TTL_S,
     AggregateFunction,
     AggregatingStateDescriptor,
     ListStateDescriptor,
@@ -46,6 +49,24 @@ def _state_name(name: Any) -> Any:
     return name
 
 
+def _ttl_s(ttl_s: Any, ttl_duration_ms: Any) -> Any:
+    """The state's TTL in seconds from ``ttl_s`` or Spark's ``ttl_duration_ms`` (checked
+    again by the descriptor).
+
+    Raises:
+        UsageError: both given. ConfigError / ConfigTypeError: a bad ``ttl_duration_ms``.
+    """
+    if ttl_duration_ms is None:
+        return ttl_s
+    if ttl_s is not None:
+        raise UsageError(f"give the TTL once: ttl_s={ttl_s!r} and ttl_duration_ms="
+                         f"{ttl_duration_ms!r} are both set; keep one")
+    ms = check_number(ttl_duration_ms, "ttl_duration_ms", "StatefulProcessorHandle", lo=0.0,
+                      hi=MAX_TTL_S * 1000, lo_open=True, unit="milliseconds",
+                      fix="the state's time to live in milliseconds (Spark's ttlDurationMs)")
+    return ms / 1000.0
+
+
 #: The former wrapper type of value states: value states now have Spark's names themselves
 #: (``get``/``update``/``exists``/``clear``) and PyFlink's (``value``).
 ValueStateView = ValueState
@@ -61,17 +82,30 @@ class StatefulProcessorHandle:
         self._key: Any = None
         self._has_key = False
 
-    def get_value_state(self, name: str, serializer: Codec | None = None) -> ValueState:
+    def get_value_state(self, name: str, serializer: Codec | None = None,
+                        ttl_s: float | None = None, *,
+                        ttl_duration_ms: int | None = None) -> ValueState:
+        """The value state ``name``; with ``ttl_s`` (or Spark's ``ttl_duration_ms``) its value
+        expires that long after its last update (:mod:`materializer.ttl`)."""
         return self._backend.get_state(  # type: ignore[no-any-return]
-            ValueStateDescriptor(_state_name(name), serializer))
+            ValueStateDescriptor(_state_name(name), serializer,
+                                 ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
-    def get_list_state(self, name: str, serializer: Codec | None = None) -> Any:
-        return self._backend.get_state(ListStateDescriptor(_state_name(name), serializer))
+    def get_list_state(self, name: str, serializer: Codec | None = None,
+                       ttl_s: float | None = None, *, ttl_duration_ms: int | None = None) -> Any:
+        """The list state ``name``; with a TTL each element expires that long after it was
+        written."""
+        return self._backend.get_state(ListStateDescriptor(
+            _state_name(name), serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
     def get_map_state(self, name: str, serializer: Codec | None = None,
-                      key_serializer: Codec | None = None) -> Any:
-        return self._backend.get_state(MapStateDescriptor(_state_name(name), serializer,
-                                                          key_serializer=key_serializer))
+                      key_serializer: Codec | None = None, ttl_s: float | None = None, *,
+                      ttl_duration_ms: int | None = None) -> Any:
+        """The map state ``name``; with a TTL each entry expires that long after it was
+        last written."""
+        return self._backend.get_state(MapStateDescriptor(
+            _state_name(name), serializer, key_serializer=key_serializer,
+            ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
     def get_reducing_state(self, name: str, reduce_fn: Any,
                            serializer: Codec | None = None) -> Any:

@@ -80,6 +80,7 @@ def progress_record(operator: str, partitions: int, table: str, stats: Mapping[s
                 "deletedObjects": int(stats["deleted"]),
                 "agents": len(stats["agents"]),
                 "timersFired": int(stats.get("timers_fired", 0)),
+                "ttlPurged": int(stats.get("ttl_purged", 0)),
             },
         }],
         **_event_time(stats),

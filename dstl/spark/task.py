@@ -7,7 +7,9 @@ Theory of operation
 
 1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
    adopt, restore or new);
-2. inside one write batch (with LMDB: one write transaction) delivers the partition's expired
+2. inside one write batch (with LMDB: one write transaction) fixes the TTL clock at the batch's
+   processing time and purges the values of TTL states that expired by then
+   (:mod:`materializer.ttl`: logged, found through the expiry index), delivers the partition's expired
    timers to ``handle_expired_timer`` in timestamp order (processing-time mode: timers at or
    before the batch's processing time; event-time mode: at or before its watermark; found
    through the timer index, :mod:`materializer.timers`, so even a partition without rows fires
@@ -78,6 +80,7 @@ class _BatchRun:
     new_refs: list[ChangeSetRef]  # this batch's change sets
     max_event_time_ms: int | None = None
     timers_fired: int = 0
+    ttl_purged: int = 0
 
 
 def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
@@ -157,6 +160,7 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
     outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
                          f"{cfg.name!r}", cfg.session_time_zone)
     with backend.write_batch():
+        purged = _purge_expired(backend, task_input.processing_time_ms)
         _apply_initial_state(slot, rows.initial, times)
         fired = _fire_timers(slot, cfg.time_mode, times, outputs)
         _process(slot, rows.groups, times, outputs)
@@ -175,7 +179,7 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
     handle, snapshot = checkpointed
     return _BatchRun(out_batch, len(outputs), rows.count, len(rows.groups), processed_at,
                      handle, snapshot,
-                     _refs_since(backend, first_sqn), rows.max_event_time_ms, fired)
+                     _refs_since(backend, first_sqn), rows.max_event_time_ms, fired, purged)
 
 
 @dataclass
@@ -242,6 +246,13 @@ def _apply_initial_state(slot: Slot, initial: dict[Any, list[dict[str, Any]]],
         finally:
             if handle is not None:
                 handle.clear_key()
+
+
+def _purge_expired(backend: ChangelogKeyedStateBackend, processing_time_ms: int) -> int:
+    """Fix the TTL clock at the batch's processing time (the wall clock if unknown) and purge
+    what expired by then (:mod:`materializer.ttl`); how many values were purged."""
+    backend.set_ttl_time(processing_time_ms if processing_time_ms >= 0 else None)
+    return backend.purge_expired()
 
 
 def _backend_key(key: Any) -> Any:
@@ -389,6 +400,7 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
         log_bytes=sum(r.length for r in run.new_refs), snapshot=run.snapshot,
         agent_metrics=agent_metrics, agent_log=agent_log,
         max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired,
+        ttl_purged=run.ttl_purged,
         state_entries=table["entries"], state_disk_bytes=table["disk_bytes"])
 
 

@@ -47,12 +47,15 @@ def test_progress_record_has_sparks_shape_and_the_batch_figures() -> None:
     assert st["numStateStoreInstances"] == 3
     assert st["customMetrics"] == {"segments": 2, "objectsWritten": 4, "bytesWritten": 1234,
                                    "restores": 1, "restoreMs": 750, "materializations": 1,
-                                   "deletedObjects": 3, "agents": 2, "timersFired": 0}
+                                   "deletedObjects": 3, "agents": 2, "timersFired": 0,
+                                   "ttlPurged": 0}
     assert "eventTime" not in p
     with_wm = progress_record("count", 3, "lmdb", {**_stats(), "watermark_ms": 1500,
-                                                    "timers_fired": 4}, [], wall_start=0.0)
+                                                    "timers_fired": 4, "ttl_purged": 7}, [],
+                             wall_start=0.0)
     assert with_wm["eventTime"] == {"watermark": "1970-01-01T00:00:01.500Z"}
     assert with_wm["stateOperators"][0]["customMetrics"]["timersFired"] == 4
+    assert with_wm["stateOperators"][0]["customMetrics"]["ttlPurged"] == 7
 
 
 def test_tracker_is_bounded_and_a_raising_listener_is_logged_not_fatal(
