@@ -618,16 +618,19 @@ class ChangelogKeyedStateBackend:
             self._by_id[sid] = reg
         else:
             reg.descriptor, reg.shape, reg.meta = descriptor, shape, meta
-        if ttl:
-            if self._ttl is None:
-                self._ttl = TtlService(self)
-                self._ttl.set_time(self._ttl_time)
-            state = TTL_STATE_CLASSES[descriptor.kind](self, reg.state_id, descriptor, shape)
-            state._init_ttl(self._ttl, descriptor.ttl_s)  # type: ignore[attr-defined]
-            reg.state = state
-            return state
-        reg.state = STATE_CLASSES[descriptor.kind](self, reg.state_id, descriptor, shape)
+        reg.state = self._new_state(reg.state_id, descriptor, shape)
         return reg.state
+
+    def _new_state(self, sid: int, descriptor: StateDescriptor, shape: StateShape) -> KeyedState:
+        """The state object of ``descriptor`` (a TTL state with ``ttl_s``)."""
+        if descriptor.ttl_s is None:
+            return STATE_CLASSES[descriptor.kind](self, sid, descriptor, shape)
+        if self._ttl is None:
+            self._ttl = TtlService(self)
+            self._ttl.set_time(self._ttl_time)
+        state = TTL_STATE_CLASSES[descriptor.kind](self, sid, descriptor, shape)
+        state._init_ttl(self._ttl, descriptor.ttl_s)  # type: ignore[attr-defined]
+        return state
 
     def state_names(self) -> list[str]:
         return sorted(self._states)

@@ -5,7 +5,7 @@ Theory of operation
 A state declared with ``ttl_s`` (a descriptor argument, :func:`check_ttl_s`) stores every value —
 each list element, each map value — with its expiry: the :class:`~materializer.codecs.TtlCodec`
 wraps the state's codec, so the table (heap: ``(expiry_ms, value)`` pairs; LMDB, snapshots and
-the log: an 9-byte header before the value's bytes) and the state's metadata (codec name
+the log: a 9-byte header before the value's bytes) and the state's metadata (codec name
 ``ttl:<inner>``) carry it, and restores, rescales, file snapshots and the reader need nothing
 else. As in Spark, every write sets the written value's expiry to *now + ttl* (an update
 refreshes it; a list append gives the new elements theirs and leaves the others as they are).
@@ -38,8 +38,12 @@ that was cleared or refreshed finds nothing to purge when it comes due.
 Changing ``ttl_s`` of a state across a restart is allowed (as in Spark): later writes use the
 new TTL, stored expiries stay. A state's TTL-ness cannot change: a state written without TTL
 cannot be opened with one, nor the reverse (:class:`~dstl.errors.StateError` naming the state:
-the stored values have no expiry, or have one) — use a new state name, or delete the state's
-entries first (``handle.delete_if_exists``) in a query with a new checkpoint.
+the stored values have no expiry, or have one; its metadata, in every log and snapshot, names
+the codec) — use a new state name.
+
+The clock is the caller's: a backend used without Spark whose clock is set back sees values
+that expired at the later time and were not purged yet again. The Spark operator never sets it
+back (a batch's processing time is at least its base checkpoint's).
 """
 
 from __future__ import annotations
