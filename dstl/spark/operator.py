@@ -743,6 +743,25 @@ def _runtime_conf(spark: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in spark.conf.getAll.items()}
 
 
+def _dstl_runtime_conf(spark: Any) -> dict[str, str]:
+    """The session's runtime ``spark.dstl.*`` settings, read every batch: the key names in one
+    py4j call (the Java map's key set as text: Spark's conf keys hold no ``", "``), then one
+    call per ``spark.dstl.*`` key. ``spark.conf.getAll`` costs two or three round trips per key
+    of the whole conf (it iterates a Java map from Python): the largest driver cost of a steady
+    batch in ``bench/tws.py``'s profile (py-spy)."""
+    jconf = getattr(spark.conf, "_jconf", None)
+    if jconf is None:  # not a classic session: the general read
+        return _dstl_keys(_runtime_conf(spark))
+    names = str(jconf.getAllAsJava().keySet().toString())[1:-1].split(", ")
+    out = {}
+    for k in names:
+        if k.startswith("spark.dstl."):
+            v = jconf.get(k, None)
+            if v is not None:
+                out[k] = str(v)
+    return out
+
+
 def _dstl_keys(conf: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in conf.items() if k.startswith("spark.dstl.")}
 
@@ -779,9 +798,9 @@ def _check_conf_unchanged(name: str, ready: _Ready, session: Any, batch_id: int)
     default = getattr(SparkSession, "_instantiatedSession", None)
     if default is not None and default is not session and not _same_jvm_session(default,
                                                                                 session):
-        sessions.append(default)  # each read is one py4j round trip with every key
+        sessions.append(default)  # each read: 2 py4j round trips + 1 per spark.dstl.* key
     for s in sessions:
-        now = {**ready.static_conf, **_dstl_keys(_runtime_conf(s))}
+        now = {**ready.static_conf, **_dstl_runtime_conf(s)}
         changed = sorted(k for k in now.keys() | ready.conf.keys()
                          if now.get(k) != ready.conf.get(k))
         if changed:

@@ -143,6 +143,24 @@ def test_runtime_conf_changes_are_read_at_start_and_refused_after(
             spark.conf.unset(k)
 
 
+def test_the_per_batch_conf_read_equals_the_full_read(spark: Any) -> None:  # noqa: F811
+    """The batch's spark.dstl.* read (key names in one py4j call) equals spark.conf.getAll's,
+    values with ", ", "=" and brackets included."""
+    from dstl.spark.operator import _dstl_keys, _dstl_runtime_conf, _runtime_conf
+
+    keys = {"spark.dstl.zstd_level": "4", "spark.dstl.x_odd": "a, b=c, [d]",
+            "spark.dstlnot.y": "1"}
+    try:
+        for k, v in keys.items():
+            spark.conf.set(k, v)
+        read = _dstl_runtime_conf(spark)
+        assert read == _dstl_keys(_runtime_conf(spark))
+        assert read["spark.dstl.x_odd"] == "a, b=c, [d]" and "spark.dstlnot.y" not in read
+    finally:
+        for k in keys:
+            spark.conf.unset(k)
+
+
 def test_streaming_query_refuses_a_runtime_change(spark: Any, tmp_path: Path) -> None:  # noqa: F811
     src = tmp_path / "in"
     src.mkdir()
