@@ -57,8 +57,9 @@ def storage() -> Iterator[ChangelogStorage]:
 
 
 def _backend(storage: ChangelogStorage, table: str, op: str, tmp: Path,
-             key_groups: KeyGroupRange = ALL) -> ChangelogKeyedStateBackend:
-    return ChangelogKeyedStateBackend(storage, op, key_groups, MP, table=table, options=NO_TIMER,
+             key_groups: KeyGroupRange = ALL, options: BackendOptions = NO_TIMER
+             ) -> ChangelogKeyedStateBackend:
+    return ChangelogKeyedStateBackend(storage, op, key_groups, MP, table=table, options=options,
                                       local_directory=str(tmp / op.replace("/", "_")))
 
 
@@ -219,11 +220,17 @@ def _batch(b: ChangelogKeyedStateBackend, model: Model, now: int) -> int:
     return n
 
 
-@pytest.mark.parametrize("materialize", [False, True], ids=["log", "snapshot+log"])
+@pytest.mark.parametrize("materialize", [None, "file", "entries"],
+                         ids=["log", "snapshot+log", "v1-snapshot+log"])
 def test_ttl_matches_the_model_across_restores_and_a_rescale(
-        storage: ChangelogStorage, table: str, materialize: bool, tmp_path: Path) -> None:
+        storage: ChangelogStorage, table: str, materialize: str | None, tmp_path: Path) -> None:
+    """``file``: LMDB's file-level (v2) snapshots; ``entries``: v1 (the heap writes v1 in
+    both)."""
     rng = random.Random(1515)
-    b = _backend(storage, table, "op/ttl", tmp_path)
+    opts = NO_TIMER if materialize is None else BackendOptions(
+        materialization_interval_s=None, materialize_log_ratio=None,
+        lmdb_snapshot_format=materialize)
+    b = _backend(storage, table, "op/ttl", tmp_path, options=opts)
     b.set_ttl_time(0)
     states = _states(b)
     model = Model()
@@ -239,7 +246,7 @@ def test_ttl_matches_the_model_across_restores_and_a_rescale(
             b.set_current_key(key)
             what = _step(rng, key, now, model, states, b)
             _check_key(key, now, model, states, f"batch {batch} step {i} ({what})")
-        if materialize and batch == 30:
+        if materialize is not None and batch == 30:
             b.snapshot(1).result(WAIT)
             b.notify_checkpoint_complete(1)
             assert b.materialize_now(WAIT) is not None
