@@ -26,6 +26,13 @@ spread min..max, ratios next to the absolute numbers):
     quick: 50 k) against its floors; ``--before RESULT.json`` shows a run of earlier code beside
     (run that code's tree with this script and ``--no-doc --tag replay-before``).
 
+(f) **Materialization at scale** (issue #13, ``--only-materialize``, docs section
+    ``recovery-materialize``): one LMDB backend with 1 M and 4 M keys (``--mat-keys``; quick:
+    50 k) of 64 B values: time and bytes of one file-level materialization (median of
+    ``--repeats``); and the log tail a restore replays after each of 16 checkpoints of 50 k
+    updates on 200 k keys with the size trigger alone (ratio 2, min 8 MiB), the backend's
+    policy deciding after each checkpoint as the Spark task does.
+
 Stores: the local filesystem (``LocalBlobStore`` in a temp dir) and a moto S3 server on loopback
 behind ``FaultyFileSystem(latency_s=0.020)`` ("moto-loopback + 20 ms"; moto understates real S3
 costs for big objects and overstates nothing else). Data sets are written once on the local
@@ -390,7 +397,7 @@ def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = Fals
 
     gc.collect()
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         if parallel and len(ds.handles) > 1:
@@ -403,6 +410,7 @@ def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = Fals
         if profile is not None:
             profile.disable()
         seconds = time.perf_counter() - t0
+        cpu_seconds = time.process_time() - c0
         for b, (k, v) in zip(restored, ds.probes):  # untimed sanity check
             assert b is not None
             b.set_current_key(k)
@@ -423,6 +431,9 @@ def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = Fals
     seg = set(ds.segments)
     return {
         "seconds": seconds,
+        # the process's CPU time over the same span: a rate per CPU second hardly depends on
+        # how many other processes share the cores (wall rates on a loaded machine do)
+        "cpu_seconds": cpu_seconds,
         "bytes": counting.bytes_read,
         "reads_per_object_mean": sum(reads) / max(1, len(reads)),
         "reads_per_object_max": max(reads, default=0),
@@ -451,6 +462,7 @@ def measure(place: Place, ds: DataSet, repeats: int, **kw: Any) -> dict[str, Any
     out["replay_s"] = summary([r["replay_seconds"] for r in runs])
     if runs[0]["changes"]:
         out["replay_per_s"] = summary([r["changes"] / r["replay_seconds"] for r in runs])
+        out["changes_per_cpu_s"] = summary([r["changes"] / r["cpu_seconds"] for r in runs])
     if runs[0]["entries"]:
         out["load_entries_per_s"] = summary([r["entries"] / r["snapshot_seconds"] for r in runs])
     out["cache_downloads"] = runs[-1]["cache"].get("downloads")
@@ -1166,8 +1178,9 @@ def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[
           + (" *before*: the same bench on the code before the bulk replay "
              f"({before.get('git', '?')}), run right before this one." if before else ""), "",
           "| store | table | changes | replay s | changes/s | floor s | replay / floor "
-          "| rate / bare loop | goal |" + (" before changes/s | speed-up |" if before else ""),
-          "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if before else "")]
+          "| rate / bare loop | goal | changes per CPU s (whole restore) |"
+          + (" before changes/s | speed-up | before per CPU s | CPU speed-up |" if before else ""),
+          "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if before else "")]
     for key, r in fig["log_length"].items():
         if not r["changes"]:
             continue
@@ -1177,10 +1190,15 @@ def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[
         row = (f"| {r['store']} | {r['table']} | {r['changes']:,} | "
                f"{_s(r['cache']['replay_s'])} | {_rate(rate)} | {_s(r['floor_s'])} | "
                f"{_n(r['replay_vs_floor'], 1)}x | {rate['median'] / bare_rate:.2f} | "
-               f">= {goal / 1e3:,.0f} k/s: {'met' if rate['median'] >= goal else 'not met'} |")
+               f">= {goal / 1e3:,.0f} k/s: {'met' if rate['median'] >= goal else 'not met'} | "
+               f"{_rate(r['cache'].get('changes_per_cpu_s'))} |")
         if before:
             b = old.get(key, {}).get("cache", {}).get("replay_per_s")
             row += (f" {_rate(b)} | {rate['median'] / b['median']:.1f}x |" if b else " - | - |")
+            bc = old.get(key, {}).get("cache", {}).get("changes_per_cpu_s")
+            mine = r["cache"].get("changes_per_cpu_s")
+            row += (f" {_rate(bc)} | {mine['median'] / bc['median']:.1f}x |" if bc and mine
+                    else " - | - |")
         md.append(row)
     return [*md, ""]
 
@@ -1302,6 +1320,153 @@ def main_replay(args: Any) -> None:
     print(md)
 
 
+# ----------------------------------------------------------------- (f) materialization (issue #13)
+
+
+def _fill(b: ChangelogKeyedStateBackend, keys: int) -> float:
+    """Write ``keys`` keys of 64 B values in write batches of 100 k; the seconds it took."""
+    st = b.get_state(DESC)
+    t0 = time.perf_counter()
+    for lo in range(0, keys, 100_000):
+        with b.write_batch():
+            for i in range(lo, min(keys, lo + 100_000)):
+                b.set_current_key(f"user-{i:08d}")
+                st.update(value(i))
+    return time.perf_counter() - t0
+
+
+def bench_materialize(root: str, keys: int, repeats: int) -> dict[str, Any]:
+    """(f) One LMDB backend owning all key groups, ``keys`` keys of 64 B values: the time and
+    bytes of one materialization (file-level snapshot: compacting copy from a read transaction,
+    zstd, upload to the local store), ``repeats`` times (one changed key in between)."""
+    rng = KeyGroupRange(0, MP - 1)
+    with ChangelogStorage(store=LocalBlobStore(root)) as storage:
+        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=OPTS, table="lmdb",
+                                       auto_materialize=False)
+        try:
+            fill_s = _fill(b, keys)
+            st = b.get_state(DESC)
+            runs: list[float] = []
+            sizes: list[int] = []
+            for r in range(repeats):
+                b.set_current_key("user-00000000")
+                st.update(value(r))
+                b.snapshot(r + 1).result(900)
+                b.notify_checkpoint_complete(r + 1)
+                t0 = time.perf_counter()
+                ref = b.materialize_now(1800)
+                runs.append(time.perf_counter() - t0)
+                assert ref is not None
+                sizes.append(ref.size)
+            disk = b.tables.stats()["disk_bytes"]
+        finally:
+            b.close()
+    return {"keys": keys, "fill_s": fill_s, "materialize_s": summary(runs),
+            "object_bytes": summary([float(s) for s in sizes]), "table_disk_bytes": disk}
+
+
+def bench_log_tail(root: str, keys: int, per_checkpoint: int, checkpoints: int,
+                   ratio: float, min_log_bytes: int) -> dict[str, Any]:
+    """(f) The log tail a restore replays, bounded by the size trigger: one LMDB backend with
+    ``keys`` keys, then ``checkpoints`` checkpoints of ``per_checkpoint`` updates, no interval;
+    after each checkpoint the backend's policy decides, as the Spark task does, whether to
+    materialize (size trigger: log since the last snapshot > max(``min_log_bytes``, ``ratio``
+    x snapshot bytes)). Per checkpoint: the tail and snapshot bytes its handle names."""
+    rng = KeyGroupRange(0, MP - 1)
+    opts = OPTS.replace(materialize_log_ratio=ratio, materialize_min_log_bytes=min_log_bytes)
+    rows: list[dict[str, Any]] = []
+    with ChangelogStorage(store=LocalBlobStore(root)) as storage:
+        b = ChangelogKeyedStateBackend(storage, "op", rng, MP, options=opts, table="lmdb",
+                                       auto_materialize=False)
+        try:
+            _fill(b, keys)
+            st = b.get_state(DESC)
+            for cp in range(1, checkpoints + 1):
+                with b.write_batch():
+                    for j in range(per_checkpoint):
+                        k = ((cp - 1) * per_checkpoint + j) % keys
+                        b.set_current_key(f"user-{k:08d}")
+                        st.update(value(k + cp))
+                h = b.snapshot(cp).result(900)
+                b.notify_checkpoint_complete(cp)
+                row: dict[str, Any] = {"checkpoint": cp, "tail_bytes": h.non_materialized_size,
+                                       "snapshot_bytes": h.materialized_size,
+                                       "materialize_s": None}
+                if b.materialization.due():
+                    t0 = time.perf_counter()
+                    if b.materialize_now(900) is not None:
+                        row["materialize_s"] = time.perf_counter() - t0
+                rows.append(row)
+        finally:
+            b.close()
+    snap = [r for r in rows if r["snapshot_bytes"]]
+    return {"keys": keys, "per_checkpoint": per_checkpoint, "ratio": ratio,
+            "min_log_bytes": min_log_bytes, "rows": rows,
+            "max_tail_bytes": max(r["tail_bytes"] for r in rows),
+            "max_tail_vs_snapshot": max((r["tail_bytes"] / r["snapshot_bytes"] for r in snap),
+                                        default=float("nan")),
+            "materializations": sum(1 for r in rows if r["materialize_s"] is not None)}
+
+
+def markdown_materialize(fig: dict[str, Any]) -> list[str]:
+    md = ["#### (f) Materialization at scale and the bounded log tail (issue #13)", "",
+          "One LMDB backend owning all 128 key groups, keys `user-%08d` with 64 B values, local "
+          "fs. *Materialization* = a file-level snapshot (compacting copy from a read "
+          "transaction, zstd, upload), median (min..max) of the repeats, one changed key "
+          "between them.", "",
+          "| keys | fill s | materialize s | object MB | table on disk MB |",
+          "|---|---|---|---|---|"]
+    for m in fig["materialize"]:
+        md.append(f"| {m['keys']:,} | {m['fill_s']:.1f} | {_s(m['materialize_s'])} | "
+                  f"{m['object_bytes']['median'] / 1e6:,.1f} | {m['table_disk_bytes'] / 1e6:,.1f} |")
+    t = fig["log_tail"]
+    md += ["", f"The log tail after each checkpoint with the size trigger alone (no interval; "
+               f"ratio {t['ratio']:g}, min {t['min_log_bytes'] / 2**20:g} MiB; "
+               f"{t['keys']:,} keys, {t['per_checkpoint']:,} updates per checkpoint; after each "
+               f"checkpoint the backend's policy decides, as the Spark task does). The trigger "
+               "compares the log as written (uncompressed change bytes) with the snapshot "
+               "object; the tail column is what the checkpoint's handle names (compressed, what "
+               f"a restore downloads and replays). Largest tail: "
+               f"{t['max_tail_bytes'] / 1e6:.2f} MB, at most {t['max_tail_vs_snapshot']:.2f}x "
+               f"the snapshot it follows ({t['materializations']} materializations):", "",
+           "| checkpoint | log tail MB | snapshot MB | materialized after it (s) |",
+           "|---|---|---|---|"]
+    for r in t["rows"]:
+        mat = "-" if r["materialize_s"] is None else f"{r['materialize_s']:.2f}"
+        md.append(f"| {r['checkpoint']} | {r['tail_bytes'] / 1e6:.2f} | "
+                  f"{r['snapshot_bytes'] / 1e6:.2f} | {mat} |")
+    return [*md, ""]
+
+
+def main_materialize(args: Any) -> None:
+    """``--only-materialize``: section (f) alone (docs section ``recovery-materialize``)."""
+    q, reps = args.quick, args.repeats
+    t0 = time.perf_counter()
+    sizes = [50_000] if q else [int(x) for x in args.mat_keys.split(",")]
+    load = LoadSampler()
+    tmp = tempfile.mkdtemp(prefix="dstl-bench-mat-")
+    try:
+        mats = [bench_materialize(os.path.join(tmp, f"m{n}"), n, reps) for n in sizes]
+        for m in mats:
+            print(f"(f) {m['keys']:,} keys: materialize {m['materialize_s']['median']:.2f}s, "
+                  f"{m['object_bytes']['median'] / 1e6:.1f} MB", flush=True)
+        tail = (bench_log_tail(os.path.join(tmp, "tail"), 20_000, 5_000, 8, 2.0, 256 * 1024)
+                if q else bench_log_tail(os.path.join(tmp, "tail"), 200_000, 50_000, 16, 2.0,
+                                         8 * 2**20))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures = {"repeats": reps, "materialize": mats, "log_tail": tail,
+               "wall_seconds": time.perf_counter() - t0, "load": load.stop(),
+               "load_note": load.note()}
+    md = "\n".join([f"{figures['load_note']}. Total {figures['wall_seconds'] / 60:.0f} min.", "",
+                    *markdown_materialize(figures)])
+    cmd = (f"python bench/recovery.py --only-materialize{' --quick' if q else ''}"
+           + (f" --mat-keys {args.mat_keys}" if not q else "") + f" --repeats {reps}")
+    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
+                  tag=args.tag or "materialize")
+    print(md)
+
+
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--only-replay", action="store_true",
@@ -1314,7 +1479,15 @@ def main() -> None:
                    help="run only (d), the LMDB file-level snapshots (own docs section)")
     p.add_argument("--file-keys", default="1000000",
                    help="state sizes of (d) without --quick (comma-separated)")
+    p.add_argument("--only-materialize", action="store_true",
+                   help="run only (f): one materialization at --mat-keys keys (time, bytes) and "
+                        "the log tail under the size trigger (own docs section)")
+    p.add_argument("--mat-keys", default="1000000,4000000",
+                   help="state sizes of (f) without --quick (comma-separated)")
     args = p.parse_args()
+    if args.only_materialize:
+        main_materialize(args)
+        return
     if args.only_replay:
         main_replay(args)
         return
