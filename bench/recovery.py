@@ -1271,19 +1271,25 @@ def markdown_count_job(fig: dict[str, Any], before: dict[str, Any] | None) -> li
           "N changes on top of a 1,000-key snapshot, and load of a v1 snapshot of N keys "
           "(written by a heap backend; LMDB-made snapshots are file-level, section (d)). *floor*: "
           "GET + zstd-decompress of the change sets / of every snapshot block.", "",
-          "| what | table | N | seconds | rate | floor s | / floor | goal |"
-          + (" before rate | speed-up |" if before else ""),
-          "|---|---|---|---|---|---|---|---|" + ("---|---|" if before else "")]
+          "| what | table | N | seconds | rate | floor s | / floor | goal | changes per CPU s "
+          "(whole restore) |" + (" before rate | speed-up | before per CPU s | CPU speed-up |"
+                                 if before else ""),
+          "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if before else "")]
     for key, r in fig.items():
         goal = (f">= {REPLAY_GOALS[r['table']] / 1e3:,.0f} k/s: "
                 f"{'met' if r['rate']['median'] >= REPLAY_GOALS[r['table']] else 'not met'}"
                 if r["what"] == "replay" else f"<= {FLOOR_GOAL:.0f}x floor: "
                 f"{'met' if r['vs_floor'] <= FLOOR_GOAL else 'not met'}")
+        cpu = r["cache"].get("changes_per_cpu_s")
         row = (f"| {r['what']} | {r['table']} | {r['n']:,} | {_s(r['phase_s'])} | "
-               f"{_rate(r['rate'])} | {_s(r['floor_s'])} | {r['vs_floor']:.1f}x | {goal} |")
+               f"{_rate(r['rate'])} | {_s(r['floor_s'])} | {r['vs_floor']:.1f}x | {goal} | "
+               f"{_rate(cpu) if cpu else '-'} |")
         if before:
             b = old.get(key, {}).get("rate")
             row += (f" {_rate(b)} | {r['rate']['median'] / b['median']:.1f}x |" if b
+                    else " - | - |")
+            bc = old.get(key, {}).get("cache", {}).get("changes_per_cpu_s")
+            row += (f" {_rate(bc)} | {cpu['median'] / bc['median']:.1f}x |" if bc and cpu
                     else " - | - |")
         md.append(row)
     return [*md, ""]
