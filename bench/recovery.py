@@ -1175,8 +1175,9 @@ def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[
           f"decode, dict set / LMDB put in one transaction) over {bare['records']:,} records in "
           f"the same run: dict {_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])} "
           "(its ratio to DSTL's rate does not depend on the machine's load)."
-          + (" *before*: the same bench on the code before the bulk replay "
-             f"({before.get('git', '?')}), run right before this one." if before else ""), "",
+          + (" *before*: the same bench on earlier code "
+             f"({before.get('git') or 'see the command'}), run right before this one."
+             if before else ""), "",
           "| store | table | changes | replay s | changes/s | floor s | replay / floor "
           "| rate / bare loop | goal | changes per CPU s (whole restore) |"
           + (" before changes/s | speed-up | before per CPU s | CPU speed-up |" if before else ""),
