@@ -868,7 +868,9 @@ def breakdown_table(figs: dict[int, dict[str, Any]]) -> list[str]:
         for name, f in per.items():
             if VARIANTS[name].engine != "dstl":
                 continue
-            cells = [f"{f[k]['median']:.2f}" if k in f else "-"
+            # negative: it happened before the trigger, during the warm-up
+            cells = [("-" if k not in f else "in the warm-up" if f[k]["median"] < 0
+                      else f"{f[k]['median']:.2f}")
                      for k in ("job_s", "daemon_start_after_s", "worker_start_after_s",
                                "worker_imported_after_s", "first_task_after_s",
                                "runtime_init_s", "load_s", "manifest_s")]
@@ -1016,6 +1018,23 @@ def interpretation(figs: dict[int, dict[str, Any]]) -> list[str]:
                "restart batch." if before > _m(sp, "trigger_s") else
                f"The Python start-up before the first task is {before / _m(lm, 'trigger_s'):.0%}"
                " of the DSTL batch."))
+        for name in ("dstl-lmdb-snap-warm", "dstl-lmdb-warm", "dstl-heap-snap-warm"):
+            w, cold = per.get(name), per.get(VARIANTS[name].build_name)
+            twin = per.get(spark_twin(VARIANTS[name]).name)
+            if not w or not twin:
+                continue
+            out.append(
+                f"- **Warm-up, {VARIANTS[name].label} ({n:,} keys).** `op.warm_up(spark)` took "
+                f"{_m(w, 'warm_up_s'):.1f} s before the query started; the first batch then "
+                f"restored {_m(w, 'entries'):,.0f} entries and {_m(w, 'changes'):,.0f} changes "
+                f"(slowest state access {_m(w, 'load_s'):.2f} s) and took "
+                f"{_m(w, 'trigger_s'):.1f} s"
+                + (f" (without the warm-up: {_m(cold, 'trigger_s'):.1f} s)" if cold else "")
+                + f" against Spark's {_m(twin, 'trigger_s'):.1f} s. Counted from the warm-up's "
+                f"start, the first batch was done after {_m(w, 'start_to_first_s'):.1f} s; "
+                f"Spark's, from its query's start, after {_m(twin, 'start_to_first_s'):.1f} s: "
+                "the warm-up moves the Python start-up and the restores out of the batch, it "
+                "does not make them cheaper.")
         snap = per.get("dstl-lmdb-snap")
         if snap and snap["build"]["last_round_partitions"]:
             b = snap["build"]
