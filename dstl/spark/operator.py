@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -222,6 +223,10 @@ class DstlStatefulOperator:
         self.local_dir = check_optional_path(local_dir, "local_dir", _OWNER)
         self.agent = agent
         self._ready: _Ready | None = None
+        #: held by a batch and by a warm-up: their tasks never run at the same time, so a
+        #: warm-up's restore never touches a table a batch task is writing (and a warm-up
+        #: between batches finds every table at the next base: hit or adopt)
+        self._tasks_lock = threading.Lock()
         #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics; the
         #: last RECENT_PROGRESS batches (older entries are dropped: the driver stays flat)
         self.batch_stats: list[dict[str, Any]] = []
@@ -317,7 +322,8 @@ class DstlStatefulOperator:
         every partition at the newest checkpoint (the next batch's base), in parallel over the
         executor cores, so the first batch after a restart finds its state instead of restoring
         it behind worker start-up (:mod:`dstl.spark.warmup`). Optional; safe if the prediction
-        is wrong (the batch restores as usual). A failed warm-up is logged and returned
+        is wrong (the batch restores as usual). It waits for a running batch of this operator
+        (and a batch waits for it): their tasks never overlap. A failed warm-up is logged and returned
         (``error``), not raised: the first batch then restores, and fails, as it would have.
 
         Returns:
@@ -325,6 +331,10 @@ class DstlStatefulOperator:
             per partition how it got its state (``access``) and whether its table is adoptable
             (``marked``).
         """
+        with self._tasks_lock:  # never while a batch of this operator runs
+            return self._warm_up(spark)
+
+    def _warm_up(self, spark: Any) -> dict[str, Any]:
         from dstl.spark.warmup import WARM_UP_SCHEMA, warm_partition
 
         started = time.monotonic()
@@ -386,6 +396,10 @@ class DstlStatefulOperator:
 
     def foreach_batch(self, df: Any, batch_id: int) -> None:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``)."""
+        with self._tasks_lock:
+            self._foreach_batch(df, batch_id)
+
+    def _foreach_batch(self, df: Any, batch_id: int) -> None:
         started = time.monotonic()
         wall_start = time.time()
         ready = self._ensure_ready(df.sparkSession)

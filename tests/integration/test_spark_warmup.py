@@ -339,3 +339,41 @@ def test_with_the_agent_each_object_is_downloaded_once_per_executor(tmp_path: Pa
     finally:
         close_runtime(cfg)
         os.environ.pop("SPARK_LOCAL_DIRS", None)
+
+
+# --------------------------------------------------------------------------- operator
+
+
+def test_a_warm_up_waits_for_a_running_batch_of_its_operator(tmp_path: Path) -> None:
+    """warm_up and foreach_batch share one lock: a warm-up started while a batch runs (a user
+    thread, the stream's thread) does not touch Spark until the batch is done, so their tasks
+    never restore and write the same table at once."""
+    import threading
+
+    from dstl.spark import DstlStatefulOperator
+
+    op = DstlStatefulOperator(name="w", processor=Count, key_column="key",
+                              output_schema="key string, count long",
+                              state_uri=str(tmp_path / "store"), partitions=1)
+    touched = threading.Event()
+
+    class Session:  # the first thing warm_up uses; stands for Spark
+        @property
+        def sparkContext(self) -> Any:
+            touched.set()
+            raise RuntimeError("stop here: the warm-up reached Spark")
+
+    got: list[BaseException] = []
+
+    def warm() -> None:
+        try:
+            op.warm_up(Session())
+        except BaseException as exc:  # kept for the assertion below
+            got.append(exc)
+
+    with op._tasks_lock:  # a batch of this operator is running
+        t = threading.Thread(target=warm)
+        t.start()
+        assert not touched.wait(0.5), "the warm-up ran while a batch held the operator"
+    t.join(10)
+    assert touched.is_set() and len(got) == 1 and "reached Spark" in str(got[0])
