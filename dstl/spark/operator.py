@@ -704,11 +704,31 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
         "restore_seconds_total": sum(r.slot.restore_seconds for r in reports),
         "accesses": sorted(r.slot.access for r in reports),
         "deleted": len(completion.deleted) if completion is not None else 0,
-        "agents": {int(r.agent_metrics["agent.pid"]): r.agent_metrics for r in reports
-                   if r.agent_metrics},
+        "agents": _latest_agent_metrics(reports),
         "timers_fired": sum(r.timers_fired for r in reports),
         "ttl_purged": sum(r.ttl_purged for r in reports),
+        # who served which partition: a partition that moved to another executor restores
+        # through that executor's agent (agent_pid; 0: no agent)
+        "tasks": [{"partition": r.partition, "attempt": r.attempt, "pid": r.pid,
+                   "access": r.slot.access,
+                   "agent_pid": int(r.agent_metrics["agent.pid"]) if r.agent_metrics else 0}
+                  for r in sorted(reports, key=lambda r: r.partition)],
     }
+
+
+def _latest_agent_metrics(reports: list[TaskReport]) -> dict[int, dict[str, float]]:
+    """Per agent pid, its newest metrics of the batch: several tasks of an executor report
+    their agent's metrics, each taken after its own commit; the one that has served the most
+    requests was taken last (so it counts every restore and upload of the batch)."""
+    out: dict[int, dict[str, float]] = {}
+    for r in reports:
+        m = r.agent_metrics
+        if not m:
+            continue
+        pid = int(m["agent.pid"])
+        if pid not in out or m.get("agent.requests", 0.0) >= out[pid].get("agent.requests", 0.0):
+            out[pid] = m
+    return out
 
 
 _INTERVAL_KEY = "spark.dstl.backend.materialization_interval_s"

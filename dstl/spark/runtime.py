@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dstl.layout import operator_dir
@@ -141,6 +143,26 @@ class WorkerRuntime:
         with open(tmp, "w") as f:
             f.write(str(batch_id))
         os.replace(tmp, path)
+
+    @contextlib.contextmanager
+    def partition_lock(self, partition: int) -> Iterator[None]:
+        """Hold ``<operator dir>/p<N>.lock`` (``flock``) while a task uses the partition's table.
+
+        Two attempts of one partition may run at once: a zombie task of an executor the driver
+        gave up on keeps running while Spark re-runs it elsewhere, and with a ``local_dir``
+        shared by the executors of a host both see one table. Without the lock the second
+        attempt adopts the table at the base, the first commits its changes into it, and the
+        second applies its own on top (counts doubled). With it, the second waits, then finds
+        the table past its base (the batch-id file and the marker say so) and restores.
+        The kernel releases the lock of a killed process.
+        """
+        path = os.path.join(self.operator_dir, f"p{partition}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def drop(self, partition: int) -> None:
         """Forget the partition's slot (closing its backend); the next task gets it again."""

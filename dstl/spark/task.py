@@ -3,7 +3,9 @@
 Theory of operation
 -------------------
 :func:`run_partition` is the body of one task. Under the worker runtime's lock
-(:mod:`dstl.spark.runtime`: one per worker process and operator) it
+(:mod:`dstl.spark.runtime`: one per worker process and operator) and the partition's lock file
+(``flock``: one attempt of a partition at a time on a host's table, even a zombie attempt of a
+lost executor next to its re-run, with a ``local_dir`` shared by the host's executors) it
 
 1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
    adopt, restore or new);
@@ -92,7 +94,9 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     partition, attempt = _task_identity(partition)
     rt = runtime_for(cfg)
     started = time.monotonic()
-    with rt.lock:
+    # the runtime's lock: one task per worker at a time; the partition lock: one attempt of the
+    # partition on this host's table at a time (a zombie attempt, a shared local_dir)
+    with rt.lock, rt.partition_lock(partition):
         try:
             slot, access = acquire(rt, partition, task_input)
             run = _run_batch(rt, slot, task_input, batches)
