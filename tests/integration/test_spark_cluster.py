@@ -242,30 +242,63 @@ def _moves(batch_stats: list[dict[str, Any]]) -> list[tuple[int, int, int, str]]
     return out
 
 
+class SlowOnExecutor(Count):
+    """While ``slow`` names this task's executor JVM, each task sleeps 3 s before its rows: that
+    executor finishes only its first task of the batch while the other runs the rest."""
+
+    slow = ""
+    slept: set[tuple[int, int, int]] = set()  # per worker process: the tasks that slept
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        from pyspark import TaskContext
+
+        from dstl.spark.agent import executor_pid
+
+        ctx = TaskContext.get()
+        task = (ctx.stageId(), ctx.partitionId(), ctx.attemptNumber()) if ctx else (0, 0, 0)
+        if task not in self.slept and os.path.exists(self.slow) \
+                and Path(self.slow).read_text() == str(executor_pid()):
+            self.slept.add(task)
+            time.sleep(3)
+        yield from super().handle_input_rows(key, rows)
+
+
 @pytest.mark.parametrize("shared_local_dir", [False, True], ids=["executor-dirs", "shared-dir"])
 def test_partitions_move_between_executors(cluster: Cluster, moto_endpoint: str,
                                            s3_bucket: str, tmp_path: Path,
                                            shared_local_dir: bool) -> None:
+    """Partitions move by themselves (4 partitions on 2 single-core executors, no locality
+    wait: a task runs where a core frees first), and in batches 2 and 4 partition 2 is made to
+    move: its previous executor is slowed down, so it runs only its first-wave task (partition
+    0 or 1; Spark launches tasks in partition order) while the other executor runs 2 and 3."""
+    slow = tmp_path / "slow-executor"
     latest: dict[str, int] = {}
     kw: dict[str, Any] = {"local_dir": str(tmp_path / "shared")} if shared_local_dir else {}
     op = _op("moves", latest, f"s3://{s3_bucket}/{_prefix('moves')}",
              s3_storage_options(moto_endpoint),
-             mat_s=1.0, **kw)
+             processor=type("Slow", (SlowOnExecutor,), {"slow": str(slow)}), mat_s=1.0, **kw)
     model = Model(cluster.spark, op, latest)
     try:
         fetched: list[dict[int, float]] = []  # per batch, per agent: its cache's reads so far
-        for _ in range(5):
+        forced = []
+        for b in range(5):
+            slow.unlink(missing_ok=True)
+            if b in (2, 4):
+                was = _agent_of(op.batch_stats[-1], 2)
+                slow.write_text(str(_agent_args(_proc(cluster.agents(), was))[1]))
             stats = model.run()
+            if b in (2, 4):
+                forced.append((b, 2, _agent_of(stats, 2)))
+                assert forced[-1][2] != was, "partition 2 did not move off the slowed executor"
             fetched.append({pid: m["agent.cache.downloads"] + m["agent.cache.hits"]
                             for pid, m in stats["agents"].items()})
         moves = _moves(op.batch_stats)
-        # 4 partitions on 2 single-core executors with no locality wait: which executor runs
-        # which partition is decided by the order the cores free up, batch by batch
-        assert moves, [t for s in op.batch_stats for t in s["tasks"]]
+        assert {(b, p, a) for b, p, a, _ in moves} >= set(forced), (moves, forced)
         accesses = {a for _, _, _, a in moves}
         if shared_local_dir:
             # the other executor finds the table at the base checkpoint on the shared disk
-            assert accesses <= {"adopt", "restore"} and "adopt" in accesses, moves
+            assert accesses == {"adopt"}, moves
         else:
             # a moved partition is never a hit: its new executor restores it from the store,
             # through that executor's agent cache
@@ -276,6 +309,17 @@ def test_partitions_move_between_executors(cluster: Cluster, moto_endpoint: str,
         assert sum(s["materializations"] for s in op.batch_stats) > 0
     finally:
         op.close()
+
+
+def _agent_of(stats: dict[str, Any], partition: int) -> int:
+    """The pid of the agent that served ``partition`` in a batch."""
+    return int(next(t["agent_pid"] for t in stats["tasks"] if t["partition"] == partition))
+
+
+def _proc(procs: list[Proc], pid: int) -> Proc:
+    found = [p for p in procs if p.pid == pid]
+    assert found, f"process {pid} is not running"
+    return found[0]
 
 
 class KillExecutorOnce(Count):
