@@ -8,8 +8,9 @@ an exact model of the counts (a Counter of every key sent):
   its own executor JVM, in that executor's own local directory), both serving tasks; what each
   batch writes to the store is exactly what the operator reports (objects per batch);
 - partitions move between executors from batch to batch (``spark.locality.wait=0``, 4
-  partitions on 2 single-core executors): a moved partition is restored through its new
-  executor's agent cache; with a ``local_dir`` shared by both executors it is adopted instead;
+  partitions on 2 single-core executors), and one is made to move (its executor slowed down):
+  a moved partition is restored through its new executor's agent cache; with a ``local_dir``
+  shared by both executors it is adopted instead;
 - an executor JVM SIGKILLed in the middle of a batch: Spark re-runs its tasks, the standalone
   worker starts a replacement executor, the dead executor's agent exits;
 - an executor agent SIGKILLed during a batch and between batches: the tasks fail or the next
