@@ -187,6 +187,11 @@ def _prefix(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def _bucket_keys(endpoint: str, bucket: str, prefix: str) -> set[str]:
     pages = boto3_client(endpoint).get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=f"{prefix}/")
@@ -223,6 +228,11 @@ def test_two_executor_agents_serve_tasks_and_objects_per_batch(
         # executor's own block-manager directory
         args = [_agent_args(agents[pid]) for pid in served]
         assert {watch for _, watch in args} == executors, (args, executors)
+        # and a task's agent is its own executor's: the worker that ran it is a child of that
+        # executor's Python daemon (worker -> daemon -> executor JVM)
+        for t in op.batch_stats[-1]["tasks"]:
+            daemon = _parent(t["pid"])
+            assert _parent(daemon) == _agent_args(agents[t["agent_pid"]])[1], t
         dirs = [Path(d) for d, _ in args]
         assert len({d.parent for d in dirs}) == 2
         assert all(d.parent.name.startswith("blockmgr-") and d.is_relative_to(cluster.root)
