@@ -115,9 +115,19 @@ def make_events(n_files: int, per_file: int, users: int, seed: int) -> list[list
     return click_events(n_files, per_file, users, seed)
 
 
+#: Modification time of file 0; file N is N seconds later (see write_file).
+_MTIME_BASE = 1_700_000_000
+
+
 def write_file(dirpath: Path, index: int, events: list[dict[str, Any]]) -> None:
+    """File ``index`` of the stream. Its modification time is ``index`` seconds after file 0's:
+    the file source takes files in modification-time order (``maxFilesPerTrigger=1``: one per
+    batch), and files written in the same millisecond would otherwise come in any order — a
+    batch of later clicks first moves the watermark past earlier ones, which then are late
+    (``bench/tws.py``'s two variants emitted different sessions in some runs)."""
     tmp = dirpath / f".part-{index:05d}.json.tmp"
     tmp.write_text("".join(json.dumps(e) + "\n" for e in events))
+    os.utime(tmp, (_MTIME_BASE + index, _MTIME_BASE + index))
     os.replace(tmp, dirpath / f"part-{index:05d}.json")
 
 
