@@ -422,3 +422,33 @@ def test_the_expiry_index_is_internal_and_no_state_scan_happens(
     assert b.purge_expired(1_500) == 100
     assert sum(1 for kg in range(MP) for _ in b.tables.entries(idx, kg)) == 0
     b.close()
+
+
+def test_namespaces_expire_and_purge_on_their_own(storage: ChangelogStorage, table: str,
+                                                  tmp_path: Path) -> None:
+    b = _backend(storage, table, "op/ns", tmp_path)
+    v = b.get_state(ValueStateDescriptor("v", ttl_s=1))
+    lst = b.get_state(ListStateDescriptor("l", ttl_s=1))
+    b.set_current_key("k")
+    for ns, t in (("w1", 0), ("w2", 500)):
+        b.set_ttl_time(t)
+        b.set_current_namespace(ns)
+        v.update(ns)
+        lst.add(ns)
+    with pytest.raises(UsageError, match="namespace merges"):
+        lst.merge_namespaces("w1", ["w2"])
+    b.set_current_namespace("w2")
+    assert b.purge_expired(1_000) == 2  # w1's value and element
+    assert b.get_current_key() == "k" and b.current_namespace == "w2"  # the cursor is kept
+    assert v.get() == "w2" and lst.get() == ["w2"]
+    r = _restart(storage, table, b, 1, tmp_path, "rns")
+    v, lst = (r.get_state(ValueStateDescriptor("v", ttl_s=1)),
+              r.get_state(ListStateDescriptor("l", ttl_s=1)))
+    r.set_ttl_time(1_000)
+    r.set_current_key("k")
+    r.set_current_namespace("w1")
+    assert v.get() is None and lst.get() == [] and not v.exists()
+    r.set_current_namespace("w2")
+    assert v.get() == "w2" and lst.get() == ["w2"]
+    assert r.purge_expired(1_500) == 2 and not v.exists() and not lst.exists()
+    r.close()
