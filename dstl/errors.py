@@ -32,6 +32,7 @@ Hierarchy::
     │   ├── TruncatedObjectError
     │   └── UnsupportedFormatError
     ├── WriterFailedError                  a writer is poisoned by an earlier permanent failure
+    ├── BatchInterruptedError              a Spark micro-batch cut short by its query's stop()
     ├── StateError                         state-table / backend misuse or failure
     │   ├── StateTableFullError            LMDB map full and not allowed to grow
     │   └── BackendFailedError             materialization failed too often
@@ -47,6 +48,7 @@ from typing import Any
 __all__ = [
     "AccessDeniedError",
     "BackendFailedError",
+    "BatchInterruptedError",
     "CacheError",
     "CacheFullError",
     "ChecksumMismatchError",
@@ -335,6 +337,27 @@ class WriterFailedError(DstlError):
         self.sqn = sqn
         super().__init__(f"writer {log_id!r}: change set sqn={sqn} failed to upload earlier "
                          f"({hint})")
+
+
+class BatchInterruptedError(DstlError):
+    """A Spark micro-batch stopped part-way because its streaming query is stopping
+    (``query.stop()`` cancels the batch's jobs and interrupts the query's thread).
+
+    Spark's commit log does not have the batch, so the next start runs it again; its DSTL state
+    is exactly-once all the same (the re-run starts from the checkpoint before it). The message
+    ends with the interrupted call in the form Spark looks for to tell a stop from a failure
+    (``StreamExecution.PROXY_ERROR``), and nothing long after it: see
+    :func:`dstl.spark.operator.stop_interruption`.
+    """
+
+    def __init__(self, operator: str, batch_id: int, interrupted_call: str):
+        self.operator = operator
+        self.batch_id = batch_id
+        self.interrupted_call = interrupted_call
+        super().__init__(f"operator {operator!r}, batch {batch_id}: interrupted because its "
+                         "streaming query is stopping; the next start runs the batch again "
+                         "from the checkpoint before it (nothing is lost or counted twice). "
+                         f"Interrupted call: {interrupted_call}")
 
 
 class StateError(DstlError):

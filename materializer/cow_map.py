@@ -58,6 +58,7 @@ Costs: ``snapshot()`` is O(capacity) reference copies on the writer thread; the 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from types import TracebackType
@@ -120,6 +121,10 @@ class _Entry:
         self.next = next_
         self.entry_version = entry_version
         self.state_version = state_version
+
+
+#: Bytes of one entry object (slotted, seven references).
+_ENTRY_BYTES: Final = sys.getsizeof(_Entry(None, None, None, 0, None, 0, 0))
 
 
 def _default_copier(state: Any) -> Any:
@@ -366,6 +371,27 @@ class CopyOnWriteStateMap(Generic[K, N, S]):
         else:
             data = table[:]
         return CopyOnWriteStateMapSnapshot(self, data, version, len(self))
+
+    def sample(self, n: int, max_buckets: int = 4096) -> list[tuple[K, N, S]]:
+        """Up to ``n`` entries, the first found in bucket order among at most ``max_buckets``
+        buckets: no snapshot and no copy, for size estimates on the writer thread (states are
+        shared: read-only)."""
+        out: list[tuple[K, N, S]] = []
+        for tab in (self._primary, self._rehash_table):
+            for i in range(min(len(tab), max_buckets)):  # no slice: stop at the n-th entry
+                e = tab[i]
+                while e is not None and len(out) < n:
+                    out.append((e.key, e.namespace, e.state))
+                    e = e.next
+                if len(out) >= n:
+                    return out
+        return out
+
+    def structure_bytes(self) -> int:
+        """Bytes of the map's own structure: its bucket arrays and entry objects (not the keys,
+        namespaces and states they hold)."""
+        return (sys.getsizeof(self._primary) + sys.getsizeof(self._rehash_table)
+                + len(self) * _ENTRY_BYTES)
 
     def entries(self) -> Iterator[tuple[K, N, S]]:
         """Iterate ``(key, namespace, state)`` as of this call.

@@ -100,6 +100,22 @@ class CopyOnWriteStateTable(Generic[K, N, S]):
         """Entries over all key groups (same as ``len(table)``)."""
         return len(self)
 
+    def sample(self, n: int) -> list[tuple[K, N, S]]:
+        """Up to ``n`` entries taken from the key groups' maps in turn (a few from each, no
+        snapshot; see :meth:`CopyOnWriteStateMap.sample`)."""
+        maps = [m for m in self._maps if m is not None and len(m)]
+        per_map = max(1, -(-n // max(1, len(maps))))
+        out: list[tuple[K, N, S]] = []
+        for m in maps:
+            out.extend(m.sample(min(per_map, n - len(out))))
+            if len(out) >= n:
+                break
+        return out
+
+    def structure_bytes(self) -> int:
+        """Bytes of the maps' bucket arrays and entry objects."""
+        return sum(m.structure_bytes() for m in self._maps if m is not None)
+
     def entries(self, key_group: int) -> Iterator[tuple[K, N, S]]:
         """``(key, namespace, state)`` of one key group as of this call (see the map's
         ``entries``: writes while iterating are allowed; states are read-only)."""

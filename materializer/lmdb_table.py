@@ -515,8 +515,9 @@ class LmdbStateTable:
 
     def stats(self) -> dict[str, int]:
         """Cheap figures for progress reports, O(1) (no scan, unlike ``len``): ``entries``
-        (records in the environment, the layout and marker records included) and
-        ``disk_bytes`` (the pages in use: what a copy of the environment would hold)."""
+        (records in the environment, the layout and marker records included), ``disk_bytes``
+        (the pages in use: what a copy of the environment would hold) and ``memory_bytes`` (the
+        same pages: the map through which they are read and written)."""
         self._check_usable()
         self._enter_read()
         try:
@@ -526,8 +527,9 @@ class LmdbStateTable:
             raise self._translate(exc, "stat") from exc
         finally:
             self._exit_read()
-        return {"entries": int(st["entries"]),
-                "disk_bytes": (int(info["last_pgno"]) + 1) * int(st["psize"])}
+        used = (int(info["last_pgno"]) + 1) * int(st["psize"])
+        # the state is read and written through the map: its pages in use are its memory too
+        return {"entries": int(st["entries"]), "disk_bytes": used, "memory_bytes": used}
 
     # ------------------------------------------------------------------ writes
 

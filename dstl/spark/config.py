@@ -26,7 +26,7 @@ from dstl.options import DstlOptions
 from dstl.spark.timing import TIME_MODES
 from materializer.options import BackendOptions
 
-__all__ = ["OperatorConfig", "TaskInput"]
+__all__ = ["OperatorConfig", "TaskInput", "processor_id"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,10 @@ class OperatorConfig:
     time_mode: str = "none"  # one of dstl.spark.timing.TIME_MODES
     #: the Spark session's time zone: naive datetimes in timestamp outputs are in it
     session_time_zone: str = "UTC"
+    #: names the processor's code (module, name and a digest of its pickled class, made once
+    #: on the driver; :func:`processor_id`): the class itself may arrive as a new, equal
+    #: object with every task, so workers compare this instead ("": the class's name only)
+    processor_id: str = ""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -67,6 +71,19 @@ class OperatorConfig:
     def operator_id(self, partition: int) -> str:
         """The backend's operator id (log id) of ``partition``."""
         return f"{self.name}/p{partition}"
+
+
+def processor_id(processor: type) -> str:
+    """``module.qualname:digest`` of a processor class: the digest is of the class as
+    cloudpickle ships it (by reference for an importable class, by value with its code for one
+    defined in ``__main__`` or a notebook), so a redefined class of the same name differs."""
+    import hashlib
+
+    from pyspark import cloudpickle
+
+    pickled: bytes = cloudpickle.dumps(processor)  # type: ignore[no-untyped-call]
+    digest = hashlib.sha256(pickled).hexdigest()[:16]
+    return f"{processor.__module__}.{processor.__qualname__}:{digest}"
 
 
 def _check(c: OperatorConfig) -> None:
@@ -94,6 +111,8 @@ def _check(c: OperatorConfig) -> None:
     check_bool(c.agent, "agent", owner)
     check_choice(c.time_mode, "time_mode", owner, TIME_MODES)
     check_str(c.session_time_zone, "session_time_zone", owner)
+    if not isinstance(c.processor_id, str):
+        raise ConfigTypeError("processor_id", c.processor_id, "a string", owner=owner)
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,13 @@ from dstl.errors import (
 from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
-from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.config import OperatorConfig, TaskInput, processor_id
+from dstl.spark.jobdesc import BatchJobs, outcome_label, tasks_label
 from dstl.spark.processor import StatefulProcessor
 from dstl.spark.progress import RECENT_PROGRESS, ProgressListener, ProgressTracker, progress_record
 from dstl.spark.prometheus import MetricsSnapshot, PrometheusExporter
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.spark.stopping import stop_interruption
 from dstl.spark.timing import (
     EVENT_TIME_COLUMN,
     HEARTBEAT_COLUMN,
@@ -311,7 +313,7 @@ class DstlStatefulOperator:
             backend_options=_with_interval(self._backend_options, conf,
                                            self.materialization_interval_s),
             local_dir=self.local_dir, agent=self.agent, time_mode=self.time.mode,
-            session_time_zone=time_zone)
+            session_time_zone=time_zone, processor_id=processor_id(self.processor))
 
     def validate(self, spark: Any) -> None:
         """Check the store and settings now (``foreach_batch`` does it on the first batch)."""
@@ -395,11 +397,25 @@ class DstlStatefulOperator:
         return self._progress.remove_listener(listener)
 
     def foreach_batch(self, df: Any, batch_id: int) -> None:
-        """Process one micro-batch (pass to ``writeStream.foreachBatch``)."""
-        with self._tasks_lock:
-            self._foreach_batch(df, batch_id)
+        """Process one micro-batch (pass to ``writeStream.foreachBatch``).
 
-    def _foreach_batch(self, df: Any, batch_id: int) -> None:
+        Raises:
+            BatchInterruptedError: the query is stopping (``query.stop()`` during the batch);
+                Spark ends the query as stopped and runs the batch again at the next start
+                (:mod:`dstl.spark.stopping`).
+        """
+        try:
+            with self._tasks_lock:  # a warm-up of this operator never runs meanwhile
+                self._batch(df, batch_id)
+        except Exception as exc:
+            stopped = stop_interruption(exc, self.name, batch_id, df.sparkSession)
+            if stopped is None:
+                raise
+            # without its context: Spark's stop test is a regex whose recursion overflows the
+            # query thread's stack on a long traceback (a Java stack trace in the context)
+            raise stopped from None
+
+    def _batch(self, df: Any, batch_id: int) -> None:
         started = time.monotonic()
         wall_start = time.time()
         ready = self._ensure_ready(df.sparkSession)
@@ -408,23 +424,34 @@ class DstlStatefulOperator:
         key_type = self._key_type(df)
         task_input = self._task_input(ready.coordinator, batch_id)
         df, late_df = self._split_late(df, task_input.watermark_ms)
-        if self.initial_state is not None and task_input.base_checkpoint < 0:
+        initial = self.initial_state is not None and task_input.base_checkpoint < 0
+        if initial:
             df = self._with_initial_state(df)  # no checkpoint yet: the query's first batch
-        checkpoint_id = ready.coordinator.trigger([f"p{i}" for i in range(self.partitions)],
-                                       checkpoint_id=batch_id)
-        result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
-        tasks_done = time.monotonic()
-        reports = self._reports(ready.coordinator, checkpoint_id, result)
-        next_wm = self._commit_properties(ready.coordinator, checkpoint_id, task_input, reports)
-        completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
-        acknowledged = time.monotonic()
-        rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
-        if late_df is not None and self.time.late_sink is not None:
-            self.time.late_sink(late_df, batch_id)
+        with BatchJobs(df.sparkSession.sparkContext, self.name, batch_id) as jobs:
+            jobs.label(tasks_label(self.partitions, task_input.base_checkpoint, initial))
+            checkpoint_id = ready.coordinator.trigger(
+                [f"p{i}" for i in range(self.partitions)], checkpoint_id=batch_id)
+            result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
+            tasks_done = time.monotonic()
+            reports = self._reports(ready.coordinator, checkpoint_id, result)
+            next_wm = self._commit_properties(ready.coordinator, checkpoint_id, task_input,
+                                              reports)
+            completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
+            acknowledged = time.monotonic()
+            jobs.label(outcome_label(checkpoint_id, reports, completion is not None))
+            rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
+            if late_df is not None and self.time.late_sink is not None:
+                self.time.late_sink(late_df, batch_id)
         times = _BatchTimes(started, tasks_done, acknowledged, time.monotonic())
         stats = _batch_stats(batch_id, reports, completion, rows_out, times)
         stats.update(processing_time_ms=task_input.processing_time_ms,
                      watermark_ms=task_input.watermark_ms, next_watermark_ms=next_wm)
+        self._record(ready, stats, reports, wall_start)
+
+    def _record(self, ready: _Ready, stats: dict[str, Any], reports: list[TaskReport],
+                wall_start: float) -> None:
+        """Keep the batch's stats and progress record (bounded), log it, tell the listeners
+        and the metrics endpoint."""
         self.batch_stats.append(stats)
         del self.batch_stats[:-RECENT_PROGRESS]
         self.agent_logs = [line for r in reports for line in r.agent_log][-10:]
@@ -451,7 +478,8 @@ class DstlStatefulOperator:
                 "lastBatchManifestMs": stats["manifest_seconds"] * 1000,
                 "lastBatchRestoreMs": stats["restore_seconds"] * 1000,
                 "numRowsTotal": float(state["numRowsTotal"]),
-                "stateDiskBytes": float(state["diskBytes"])}
+                "stateDiskBytes": float(state["diskBytes"]),
+                "stateMemoryBytes": float(state["memoryUsedBytes"])}
         return MetricsSnapshot(self.name, dict(t), last, coordinator.stats(),
                                dict(stats["agents"]))
 

@@ -68,8 +68,8 @@ def progress_record(operator: str, partitions: int, table: str, stats: Mapping[s
             "operatorName": f"dstl:{operator}", "storeProvider": f"dstl-{table}",
             "numRowsTotal": sum(r.state_entries for r in reports),
             "numRowsUpdated": sum(r.keys for r in reports),
-            # heap tables are not measured (0); LMDB: the environments' pages in use
-            "memoryUsedBytes": 0,
+            # LMDB: the environments' pages in use; heap: a sampled estimate (task reports)
+            "memoryUsedBytes": sum(r.state_memory_bytes for r in reports),
             "diskBytes": sum(r.state_disk_bytes for r in reports),
             "numShufflePartitions": partitions, "numStateStoreInstances": partitions,
             "customMetrics": {

@@ -83,8 +83,10 @@ class TaskReport:
             (``None``: no watermark, or no row with an event time); the driver's watermark.
         timers_fired: expired timers the task delivered to the processor.
         ttl_purged: values of TTL states (list elements, map entries) the task purged.
-        state_entries, state_disk_bytes: the partition's table after the commit (records, the
-            LMDB environment's pages in use; heap: 0 bytes), from O(1) figures of the table.
+        state_entries, state_disk_bytes, state_memory_bytes: the partition's table after the
+            commit (records; the LMDB environment's pages in use, heap: 0 bytes; memory: LMDB's
+            pages in use, the heap's sampled estimate), from figures whose cost does not grow
+            with the state.
     """
 
     partition: int
@@ -107,6 +109,7 @@ class TaskReport:
     state_entries: int = 0
     state_disk_bytes: int = 0
     ttl_purged: int = 0
+    state_memory_bytes: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -128,6 +131,7 @@ class TaskReport:
             "max_event_time_ms": self.max_event_time_ms, "timers_fired": self.timers_fired,
             "state_entries": self.state_entries, "state_disk_bytes": self.state_disk_bytes,
             "ttl_purged": self.ttl_purged,
+            "state_memory_bytes": self.state_memory_bytes,
         }, separators=(",", ":"))
 
     @classmethod
@@ -147,7 +151,8 @@ class TaskReport:
                    None if f.get("agent_metrics") is None else f.numbers("agent_metrics"),
                    f.texts("agent_log"), f.opt_integer("max_event_time_ms", MIN_TIMESTAMP_MS),
                    f.integer("timers_fired"), f.integer("state_entries"),
-                   f.integer("state_disk_bytes"), f.integer("ttl_purged"))
+                   f.integer("state_disk_bytes"), f.integer("ttl_purged"),
+                   f.integer("state_memory_bytes"))
 
 
 def _json_object(text: str) -> dict[str, Any]:

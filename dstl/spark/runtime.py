@@ -202,8 +202,9 @@ def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
             rt.close()
             rt = None
         if rt is not None and rt.pid == os.getpid() and not _same_operator(rt.cfg, cfg):
-            # the query restarted with other settings (e.g. `partitions`: a rescale) on the same
-            # Python workers: backends of the old layout must not serve the new one
+            # the query restarted with other settings (e.g. `partitions`: a rescale) or another
+            # processor on the same Python workers, or another operator of the same name and
+            # store runs: backends and processors of the old one must not serve the new one
             logger.info("operator %s changed its configuration; resetting DSTL runtime %s",
                         cfg.name, key)
             rt.close()
@@ -214,10 +215,18 @@ def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
 
 
 def _same_operator(a: OperatorConfig, b: OperatorConfig) -> bool:
-    """Whether a runtime built for ``a`` serves ``b``: everything but the processor class, which
-    cloudpickle may ship as a new (equal) class with every task."""
-    return all(getattr(a, f.name) == getattr(b, f.name)
-               for f in dataclasses.fields(a) if f.name != "processor")
+    """Whether a runtime built for ``a`` serves ``b``: every setting equal, and the same
+    processor — by ``processor_id``, not by the class object, which cloudpickle may ship as a
+    new (equal) class with every task. Without ids (a config built by hand) the class's module
+    and name decide. A runtime kept across another processor would hand its partitions to
+    instances of the old class."""
+    if not all(getattr(a, f.name) == getattr(b, f.name)
+               for f in dataclasses.fields(a) if f.name != "processor"):
+        return False
+    if a.processor_id or b.processor_id:
+        return True  # the ids were compared above
+    return bool((a.processor.__module__, a.processor.__qualname__)
+                == (b.processor.__module__, b.processor.__qualname__))
 
 
 def runtime_of(cfg: OperatorConfig) -> WorkerRuntime | None:

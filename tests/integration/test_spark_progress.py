@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -212,3 +213,96 @@ def test_first_batch_fails_clearly_when_executors_run_another_dstl(
         assert op.last_progress is not None and op.last_progress["numInputRows"] == 2
     finally:
         op.close()
+
+
+def _jobs(spark: Any) -> list[dict[str, Any]]:  # noqa: F811
+    """Every job the status store knows (what the Spark UI and REST API show): id, group and
+    description."""
+    jobs = spark.sparkContext._jsc.sc().statusStore().jobsList(None)
+    out = []
+    for i in range(jobs.size()):
+        j = jobs.apply(i)
+        desc, group = j.description(), j.jobGroup()
+        out.append({"id": j.jobId(), "group": group.get() if group.isDefined() else None,
+                    "description": desc.get() if desc.isDefined() else None})
+    return out
+
+
+def _wait_for_jobs(spark: Any, pred: Any,  # noqa: F811
+                   timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = [j for j in _jobs(spark) if pred(j)]
+        if jobs or time.monotonic() > deadline:
+            return jobs
+        time.sleep(0.1)  # the status store is fed asynchronously by the listener bus
+
+
+def test_a_batchs_jobs_are_described_and_keep_the_querys_job_group(
+        spark: Any, tmp_path: Path) -> None:  # noqa: F811
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(2):
+        (src / f"{i}.json").write_text("\n".join(json.dumps({"key": k}) for k in "abcab"[i:]))
+    op = _op(tmp_path, "heap")
+    op.sink = lambda d, b: d.rdd.count()  # a Spark job (collecting a local relation is none)
+    q = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1).json(str(src))
+         .writeStream.foreachBatch(op.foreach_batch).trigger(availableNow=True)
+         .option("checkpointLocation", str(tmp_path / "ck")).start())
+    try:
+        q.awaitTermination(180)
+        assert q.exception() is None and [s["batch_id"] for s in op.batch_stats] == [0, 1]
+        mine = _wait_for_jobs(spark, lambda j: j["group"] == str(q.runId)
+                              and "DSTL operator 'prog', batch 1: sink" in (j["description"] or ""))
+        assert mine, _jobs(spark)
+        ours = [j for j in _jobs(spark) if j["group"] == str(q.runId)
+                and (j["description"] or "").startswith("DSTL operator 'prog'")]
+        heads = [j["description"].splitlines()[0] for j in ours]
+        assert "DSTL operator 'prog', batch 0: state tasks (2 partitions from no checkpoint)" \
+            in heads
+        assert "DSTL operator 'prog', batch 1: state tasks (2 partitions from checkpoint 0)" \
+            in heads
+        sink = [h for h in heads if h.startswith("DSTL operator 'prog', batch 0: sink")]
+        assert len(sink) == 1 and re.fullmatch(
+            r"DSTL operator 'prog', batch 0: sink \([45] rows in; 0 restores, \d+ "
+            r"materializations, \d+ segments; checkpoint 0 written\)", sink[0]), sink
+        # the streaming engine's own description follows ours (its batch line included)
+        for j in ours:
+            batch = j["description"].splitlines()[0].split(", batch ")[1].split(":")[0]
+            assert f"runId = {q.runId}" in j["description"]
+            assert f"batch = {batch}" in j["description"]
+    finally:
+        op.close()
+    # the driver thread's own jobs are not labelled by the operator
+    before = {j["id"] for j in _jobs(spark)}
+    spark.sparkContext.setJobGroup("after", "user job")
+    try:
+        spark.range(3).count()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        spark.sparkContext.setLocalProperty("spark.job.description", None)
+    later = _wait_for_jobs(spark, lambda j: j["id"] not in before and j["group"] == "after")
+    assert later and all(j["description"] == "user job" for j in later), later
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_memory_used_bytes_is_measured_and_grows_with_the_state(
+        spark: Any, tmp_path: Path, table: str) -> None:  # noqa: F811
+    op = _op(tmp_path, table)
+    figures = []
+    try:
+        for batch_id in range(3):
+            keys = [f"key-{batch_id}-{i:05d}-{'x' * 40}" for i in range(400)]
+            op.foreach_batch(spark.createDataFrame([(k,) for k in keys], "key string"),
+                             batch_id)
+            st = op.last_progress["stateOperators"][0]
+            figures.append((st["numRowsTotal"], st["memoryUsedBytes"]))
+    finally:
+        op.close()
+    mem = [m for _, m in figures]
+    assert mem[0] > 0 and mem[0] < mem[1] < mem[2], figures
+    # 400 keys of ~58 characters per batch: at least their strings, at most a few KB each
+    for rows, m in figures:
+        assert rows * 60 <= m <= rows * 4096, figures

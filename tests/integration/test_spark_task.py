@@ -293,3 +293,67 @@ def test_two_attempts_of_a_partition_never_interleave_on_one_table(tmp_path: Pat
         Path(go).touch()
         zombie.join(30)
         close_runtime(cfg)
+
+
+class Double(Count):
+    """Counts every row twice: another processor under the same operator name."""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        yield from super().handle_input_rows(key, iter([r for r in rows for _ in (0, 1)]))
+
+
+def _redefined_count() -> type:
+    """A class named like ``Count`` whose code differs (a notebook cell run again)."""
+
+    class Count(StatefulProcessor):  # the point: the name of the module's Count, other code
+        def init(self, handle: Any) -> None:
+            self.count = handle.get_value_state("count")
+
+        def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                              ) -> Iterator[dict[str, Any]]:
+            c = (self.count.get() or 0) + 10 * sum(1 for _ in rows)
+            self.count.update(c)
+            yield {"key": key, "count": c}
+
+    Count.__qualname__ = "Count"
+    Count.__module__ = Double.__module__
+    return Count
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_another_processor_under_the_same_name_and_store_is_not_served_by_the_old_runtime(
+        tmp_path: Path, with_ids: bool) -> None:
+    """A worker that ran the operator keeps its runtime (slots with processor instances); a
+    query started again with another processor class (or one redefined under the same name)
+    must get the new processor, not the cached instances (issue #17's note: the runtime kept
+    the first configuration)."""
+    import dataclasses
+
+    from dstl.spark.config import processor_id
+
+    base_cfg = _lmdb_cfg(tmp_path, "swap")
+    redefined = _redefined_count()
+
+    def cfg(processor: type) -> OperatorConfig:
+        pid = processor_id(processor) if with_ids else ""
+        return dataclasses.replace(base_cfg, processor=processor, processor_id=pid)
+
+    first = cfg(Count)
+    try:
+        out0, r0 = _run(first, TaskInput(0, -1), ["a"])
+        assert out0 == {"a": 1}
+        base = {0: r0.handle.to_json()}
+        # the same processor again: the runtime is reused, the slot is a hit
+        out1, r1 = _run(cfg(Count), TaskInput(1, 0, base, (0,)), ["a"])
+        assert out1 == {"a": 2} and r1.slot.access == "hit"
+        base = {0: r1.handle.to_json()}
+        # another processor class: the old runtime must not serve it
+        out2, r2 = _run(cfg(Double), TaskInput(2, 1, base, (0, 1)), ["a"])
+        assert out2 == {"a": 4} and r2.slot.access != "hit", (out2, r2.slot)
+        base = {0: r2.handle.to_json()}
+        if with_ids:  # same module and name, other code: only the digest tells them apart
+            out3, r3 = _run(cfg(redefined), TaskInput(3, 2, base, (0, 1, 2)), ["a"])
+            assert out3 == {"a": 14} and r3.slot.access != "hit", (out3, r3.slot)
+    finally:
+        close_runtime(base_cfg)

@@ -30,7 +30,8 @@ def _stats(batch_id: int = 7) -> dict[str, Any]:
 
 
 def _report(entries: int, disk: int, keys: int) -> Any:
-    return SimpleNamespace(state_entries=entries, state_disk_bytes=disk, keys=keys)
+    return SimpleNamespace(state_entries=entries, state_disk_bytes=disk, keys=keys,
+                           state_memory_bytes=disk)
 
 
 def test_progress_record_has_sparks_shape_and_the_batch_figures() -> None:
