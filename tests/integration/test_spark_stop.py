@@ -48,11 +48,12 @@ def _processes_with(marker: str) -> list[tuple[int, str]]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return True
 
 
 def _run_scenario(tmp: Path, table: str, agent: bool) -> tuple[dict[str, Any], str]:
@@ -91,7 +92,8 @@ def test_stop_during_a_batch_is_clean_and_restart_is_exact(tmp_path: Path, table
     assert result["latest"] == result["expected"]
     # no process of the scenario is left (JVM, Python workers, executor agent)
     deadline = time.monotonic() + 30
-    while (left := _processes_with(str(tmp_path))) and time.monotonic() < deadline:
+    while ((left := _processes_with(str(tmp_path))) or _alive(result["jvm_pid"])) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)  # processes exit asynchronously after their parent; nothing to wait on
     assert not left, f"processes left behind: {left}"
-    assert not _alive(result["jvm_pid"])
+    assert not _alive(result["jvm_pid"]), "the scenario's JVM still runs"
