@@ -9,7 +9,8 @@ listener appends one sample to ``TMP/samples.jsonl``:
   ``jvm_rss``, ``jvm_heap_used`` (the driver JVM: Spark's own, informational);
 * ``store_objects`` and ``store_bytes`` (the state store, a local directory);
 * ``local_bytes`` (the operator's local directory: LMDB tables, batch-id files) and
-  ``spark_local_bytes`` (``SPARK_LOCAL_DIRS``: the agent's directory and cache, Spark's blocks);
+  ``spark_local_bytes`` (``SPARK_LOCAL_DIRS``: the agent's directory and cache, Spark's blocks;
+  without the agent's log);
 * ``agent_log_bytes`` (``agent.log`` and its rotated files) and ``agent_log_files``;
 * ``processes`` (every process with TMP in its environment: the JVM, Python workers, the
   agent).
@@ -111,14 +112,16 @@ class Soak:
         rt = self.spark.sparkContext._jvm.java.lang.Runtime.getRuntime()
         store = dir_figures(self.tmp / "store")
         logs = _agent_logs(self.tmp / "spark-local")
+        log_bytes = sum(p.stat().st_size for p in logs)
         self.samples.write(json.dumps({
             "batch": batch, "t": time.time(), "driver_rss": rss_bytes(),
             "jvm_rss": rss_bytes(self.jvm_pid),
             "jvm_heap_used": int(rt.totalMemory()) - int(rt.freeMemory()),
             "store_objects": store[0], "store_bytes": store[1],
             "local_bytes": dir_figures(self.tmp / "local")[1],
-            "spark_local_bytes": dir_figures(self.tmp / "spark-local")[1],
-            "agent_log_bytes": sum(p.stat().st_size for p in logs),
+            # without the agent's log, a sawtooth of its own (below)
+            "spark_local_bytes": dir_figures(self.tmp / "spark-local")[1] - log_bytes,
+            "agent_log_bytes": log_bytes,
             "agent_log_files": len(logs),
             "processes": len(processes_with(str(self.tmp))),
             "batch_seconds": progress["durationMs"]["triggerExecution"] / 1000,

@@ -8,7 +8,9 @@ figure                 bound / 100 batches   why
 =====================  ====================  ==============================================
 driver RSS (Python)    1 MiB                 issue #17 measured ~5 MB / 100 batches before
                                              ``batch_stats`` was bounded; 1 MiB is 4.5 MiB
-                                             over the half, above allocator noise
+                                             over the half, above allocator noise (the
+                                             bounded records fill in the first 100 batches:
+                                             ~1 MiB / 100 then, so a short run cannot tell)
 store objects          1 object              the store holds the retained checkpoints only;
                                              a leak of one object per batch is 100
 store bytes            2 % of the mean       the key space is fixed (500 keys): state and
