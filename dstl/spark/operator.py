@@ -408,7 +408,8 @@ class DstlStatefulOperator:
             with self._tasks_lock:  # a warm-up of this operator never runs meanwhile
                 self._batch(df, batch_id)
         except Exception as exc:
-            stopped = stop_interruption(exc, self.name, batch_id, df.sparkSession)
+            stopped = stop_interruption(exc, self.name, batch_id,
+                                        getattr(df, "sparkSession", None))
             if stopped is None:
                 raise
             # without its context: Spark's stop test is a regex whose recursion overflows the

@@ -65,9 +65,12 @@ _CALL_RE = re.compile(r"An error occurred while calling ([\w.$]+?)\.?\s*\n")
 def stop_interruption(exc: BaseException, operator: str, batch_id: int,
                       spark: Any) -> BatchInterruptedError | None:
     """The error to raise instead of ``exc`` when ``exc`` is what the query's stop did to the
-    batch (see the module docstring); ``None``: ``exc`` is a failure, raise it unchanged."""
+    batch (see the module docstring); ``None``: ``exc`` is a failure, raise it unchanged.
+    ``spark``: the batch's session (``None``: only the error's text is looked at)."""
     text = _chain_text(exc)
     found = next((name for name in INTERRUPTION_EXCEPTIONS if name in text), None)
+    if found is None and spark is None:
+        return None
     if found is None:
         if _own_job_group_cancelled(text, spark):
             found = "job group cancelled by the query's stop"

@@ -105,3 +105,9 @@ def test_the_message_fits_sparks_stop_pattern_and_a_long_one_would_not() -> None
     m = pattern.search(str(err))
     assert m is not None and len(str(err)) - m.start() < 200
     assert len(raw) - raw.index(PROXY_ERROR_PREFIX) > 5000  # what overflowed the JVM's stack
+
+
+def test_without_a_session_only_the_text_counts() -> None:
+    assert stop_interruption(KeyError("x"), "op", 1, None) is None
+    err = stop_interruption(RuntimeError("... java.io.InterruptedIOException ..."), "op", 1, None)
+    assert err is not None and str(err).endswith("java.io.InterruptedIOException")
