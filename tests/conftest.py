@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -55,3 +56,16 @@ def no_dstl_thread_leaks() -> Iterator[None]:
             t.join(timeout=0.1)
         leaked = _dstl_threads() - before
     assert not leaked, f"threads left running after the test: {sorted(t.name for t in leaked)}"
+
+
+@pytest.fixture(scope="module")
+def _module_spark_sessions() -> Iterator[list[Any]]:
+    """The SparkSessions that ``spark_support.spark`` started in one test module, stopped when
+    the module ends (here so that every test module sees it without importing it)."""
+    sessions: list[Any] = []
+    yield sessions
+    for s in sessions:
+        from pyspark import SparkContext
+
+        if SparkContext._active_spark_context is s.sparkContext:
+            s.stop()

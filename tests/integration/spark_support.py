@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,8 +34,18 @@ def new_session(name: str, master: str = "local[2,2]") -> Any:
     return spark
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    s = new_session("dstl-tests")
-    yield s
-    s.stop()
+def _alive(session: Any) -> bool:
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context is session.sparkContext
+
+
+@pytest.fixture
+def spark(_module_spark_sessions: list[Any]) -> Any:
+    """The module's shared session (kept by ``_module_spark_sessions`` in tests/conftest.py),
+    started again if a test stopped it: a test that wants a fresh session calls
+    :func:`new_session`, whose ``getOrCreate`` returns this one, and stops it; the tests after
+    it must not get a stopped session (that made them depend on their order)."""
+    if not _module_spark_sessions or not _alive(_module_spark_sessions[-1]):
+        _module_spark_sessions.append(new_session("dstl-tests"))
+    return _module_spark_sessions[-1]
