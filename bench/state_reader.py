@@ -361,7 +361,7 @@ def main() -> None:
         f" --keys {args.keys}" if args.keys else "") + (
         f" --snapshots {args.snapshots}" if args.snapshots != "both" else "")
     write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
-                  command=cmd, no_doc=args.no_doc)
+                  command=cmd, no_doc=args.no_doc, tag=args.tag)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ Nothing here opens a table: the callers rename a checked environment into place 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from dstl.keygroups import KeyGroupRange
 from materializer.lmdb_table import KEY_PREFIX, KG_SID, LAYOUT_KEY, LAYOUT_VERSION, MARKER_KEY
 from materializer.snapshot_format import SnapshotEntry
 
-__all__ = ["RangeSource", "build_environment", "check_environment", "iter_key_groups"]
+__all__ = ["RangeSource", "build_environment", "check_environment", "iter_key_groups",
+           "iter_raw_chunks"]
 
 _RESERVED: Final = b"\xff\xff"   # key group of the layout and marker records
 
@@ -199,6 +201,37 @@ def build_environment(target: str, sources: Sequence[RangeSource]) -> int:
     finally:
         dst_env.close()
     return copied
+
+
+def iter_raw_chunks(directory: str, key_groups: KeyGroupRange, *, key: str, rows: int = 65536
+                    ) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """The staged environment's entries in ``key_groups`` as ``(raw keys, values)`` lists of at
+    most ``rows`` entries, in key order — raw keys are ``KEY_PREFIX`` + key + namespace. For
+    column-wise readers: the lists are built by the cursors' iterators at C speed (one cursor
+    for keys, ended by comparing with the first key past the range; one for values, in step),
+    with no Python per entry."""
+    try:
+        env = _open(directory, readonly=True)
+    except lmdb.Error as exc:
+        raise CorruptObjectError(key, 0, f"the data file is not an LMDB environment: {exc}"
+                                 ) from exc
+    start, end = KG_SID.pack(key_groups.start, 0), KG_SID.pack(key_groups.end + 1, 0)
+    try:
+        with env.begin() as txn, txn.cursor() as kcur, txn.cursor() as vcur:
+            if not kcur.set_range(start) or not vcur.set_range(start):
+                return
+            keys = itertools.takewhile(end.__gt__, kcur.iternext(keys=True, values=False))
+            values = vcur.iternext(keys=False, values=True)
+            while True:
+                ks = list(itertools.islice(keys, rows))
+                if not ks:
+                    return
+                vs = list(itertools.islice(values, len(ks)))
+                if len(vs) != len(ks):  # one transaction: the cursors see the same entries
+                    raise CorruptObjectError(key, 0, "the data file's cursors disagree")
+                yield ks, vs
+    finally:
+        env.close()
 
 
 def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str

@@ -67,7 +67,8 @@ from restore.file_restore import is_file_snapshot, read_at
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
-__all__ = ["StateImage", "StateInfo", "stream_snapshots"]
+__all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "snapshot_states", "state_info",
+           "stream_snapshots"]
 
 #: (state name, key group, key bytes, namespace bytes)
 Ident = tuple[str, int, bytes, bytes]
@@ -85,7 +86,8 @@ class StateInfo:
     raw: bool = False
 
 
-def _state(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
+def state_info(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
+    """A state from its metadata record (``where`` names the object for errors)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
             or meta.get("kind") not in ("value", "list", "map", "reducing", "aggregating"):
         raise CorruptObjectError(where, 0, f"state metadata {meta!r:.200} has no valid name/kind")
@@ -96,17 +98,18 @@ def _state(meta: Any, allow_pickle: bool, where: str) -> StateInfo:
                      meta.get("raw") is True)
 
 
-def _snapshot_states(reader: SnapshotReader, allow_pickle: bool) -> dict[int, StateInfo]:
+def snapshot_states(reader: SnapshotReader, allow_pickle: bool) -> dict[int, StateInfo]:
+    """A v1 snapshot's states by state id."""
     try:
         states = json.loads(reader.metadata)["states"]
         if not isinstance(states, dict):
             raise TypeError("states is not an object")
-        return {int(sid): _state(meta, allow_pickle, reader.key) for sid, meta in states.items()}
+        return {int(sid): state_info(meta, allow_pickle, reader.key) for sid, meta in states.items()}
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptObjectError(reader.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
 
 
-class _LeaseSource:
+class LeaseSource:
     """A snapshot's bytes through a restore cache lease (one verified download per cache)."""
 
     def __init__(self, lease: ObjectLease) -> None:
@@ -134,9 +137,9 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
             continue
         lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
         try:
-            source = _LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
+            source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
             reader = SnapshotReader(source, key=ref.key)
-            states = _snapshot_states(reader, allow_pickle)
+            states = snapshot_states(reader, allow_pickle)
             for kg, block in reader.read(wanted.intersection(reader.key_groups)):
                 for sid, kb, nb, vb in block:
                     info = states.get(sid)
@@ -163,7 +166,7 @@ def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupR
     if not len(owned):
         return
     try:
-        states = {int(sid): _state(meta, allow_pickle, ref.key)
+        states = {int(sid): state_info(meta, allow_pickle, ref.key)
                   for sid, meta in layout.meta.states.items()}
     except (ValueError, TypeError) as exc:
         raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
@@ -189,7 +192,9 @@ class StateImage:
         self.states: dict[str, StateInfo] = {}
         self.entries: dict[Ident, bytes] = {}
 
-    def _known(self, info: StateInfo, where: str) -> StateInfo:
+    def known(self, info: StateInfo, where: str) -> StateInfo:
+        """Register ``info`` (the first registration of a name wins); a state met with another
+        kind is a :class:`~dstl.errors.StateError`."""
         had = self.states.setdefault(info.name, info)
         if had.kind != info.kind:
             raise StateError(f"state {info.name!r} is a {had.kind} state in one part of the "
@@ -202,18 +207,27 @@ class StateImage:
         entries = self.entries
         for info, kg, kb, nb, vb in stream_snapshots(store, refs, key_groups, self.allow_pickle,
                                                      cache):
-            name = self._known(info, "a snapshot").name
+            name = self.known(info, "a snapshot").name
             entries[(name, kg, kb, nb)] = vb
 
     def replay(self, reader: ChangelogReader, handle: ChangelogHandle,
                key_groups: Container[int]) -> int:
         """Apply the changes of ``handle`` in ``key_groups``; returns how many were applied."""
-        names: dict[int, StateInfo] = {}  # this log's state ids
         n = 0
+        for ident, info, op, payload in self.changes(reader, handle, key_groups):
+            self.apply(ident, info, op, payload)
+            n += 1
+        return n
+
+    def changes(self, reader: ChangelogReader, handle: ChangelogHandle,
+                key_groups: Container[int]) -> Iterator[tuple[Ident, StateInfo, int, bytes]]:
+        """``(ident, state, op, payload)`` of every change of ``handle`` in ``key_groups``, in
+        log order (states registered as their metadata records are met)."""
+        names: dict[int, StateInfo] = {}  # this log's state ids
         for kg, payload in reader.read(handle, key_groups=key_groups):
             if kg == META_KEY_GROUP:
                 sid, meta = decode_metadata(payload)
-                names[sid] = self._known(_state(meta, self.allow_pickle, handle.log_id),
+                names[sid] = self.known(state_info(meta, self.allow_pickle, handle.log_id),
                                          f"the log of {handle.log_id}")
                 continue
             ch = decode_change(payload)
@@ -222,11 +236,10 @@ class StateImage:
                 raise CorruptObjectError(f"<changelog of {handle.log_id}>", 0,
                                          f"change for state id {ch.state_id} before its "
                                          "metadata record")
-            self._apply((info.name, kg, ch.key, ch.namespace), info, ch.op, ch.payload)
-            n += 1
-        return n
+            yield (info.name, kg, ch.key, ch.namespace), info, ch.op, ch.payload
 
-    def _apply(self, ident: Ident, info: StateInfo, op: int, payload: bytes) -> None:
+    def apply(self, ident: Ident, info: StateInfo, op: int, payload: bytes) -> None:
+        """Apply one change to the entry ``ident`` (the LMDB table's semantics)."""
         entries = self.entries
         if op == CLEAR:
             entries.pop(ident, None)

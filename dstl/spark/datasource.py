@@ -79,6 +79,7 @@ from dstl.reader.checks import (
     source_choice,
     source_int,
 )
+from dstl.reader.columns import read_state_batches
 from dstl.stores import check_store_uri, parse_storage_options
 from restore.cache import LocalFileCache
 
@@ -367,6 +368,12 @@ def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
     store = open_read_only(opts.state_uri, opts.storage_options)
     try:
         rows: Iterator[Any]
+        if isinstance(part.split, StateSplit) and opts.table == "heap" and typed is None:
+            # column-wise (dstl.reader.columns): the same rows, without Python per row
+            yield from read_state_batches(store, part.split, cache=cache,
+                                          allow_pickle=opts.allow_pickle, keys=pushed.keys,
+                                          states=pushed.states)
+            return
         if isinstance(part.split, StateSplit):
             rows = read_state_split(store, part.split, cache=cache, table=opts.table,
                                     allow_pickle=opts.allow_pickle, keys=pushed.keys,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.columnar import read_state_columns
 from support.state_job import MiniJob, _Borrowed, replay, state_of
 
 from dstl.checkpoint import CheckpointCoordinator
@@ -43,6 +44,7 @@ from dstl.reader import (
     task_states,
     verify_checkpoint,
 )
+from dstl.reader.columns import read_state_batches
 from dstl.storage import ChangelogStorage
 from dstl.stores import open_store, parse_storage_options
 from dstl.stores.base import BlobStore
@@ -289,10 +291,13 @@ def test_a_checkpoint_subsumed_by_the_running_job_while_read(store: BlobStore,
         assert catalog.ids() == [1]
     finally:
         job.close()
-    for reader_table in ("heap", "lmdb"):
+    for reader_table in ("heap", "lmdb", "columns"):
         for split in state_splits:
             with pytest.raises(CheckpointDeletedError) as exc:
-                list(read_state_split(catalog.store, split, table=reader_table))
+                if reader_table == "columns":
+                    list(read_state_batches(catalog.store, split))
+                else:
+                    list(read_state_split(catalog.store, split, table=reader_table))
             assert exc.value.checkpoint_id == 0 and "retained=" in str(exc.value)
     for change_split in change_splits:
         with pytest.raises(CheckpointDeletedError):
@@ -333,6 +338,16 @@ def test_a_checkpoint_deleted_by_gc_mid_iteration(store: BlobStore) -> None:
 
 
 # --------------------------------------------------------------------------- damaged objects
+
+
+#: the row path's two tables, and the column-wise read of the Spark source
+READERS = ("heap", "lmdb", "columns")
+
+
+def _read(catalog: CheckpointCatalog, cid: int | None, reader: str, **kw: Any) -> Any:
+    if reader == "columns":
+        return read_state_columns(catalog, cid, **kw)
+    return read_state(catalog, cid, table=reader, **kw)
 
 
 def _replace(store: BlobStore, key: str, data: bytes) -> None:
@@ -409,13 +424,12 @@ def test_damaged_snapshots_and_segments_are_typed_errors_naming_them(
     if what == "segment" and damage == "flip-trailer":
         # ranged reads fetch and verify exactly the change sets a checkpoint names; their bytes
         # are intact, so the read is right (and dstl verify, which checks whole objects, fails)
-        for reader_table in ("heap", "lmdb"):
-            assert state_of(read_state(catalog, 1, table=reader_table)) == \
-                job.checkpoint_models[1]
+        for reader_table in READERS:
+            assert state_of(_read(catalog, 1, reader_table)) == job.checkpoint_models[1]
         return
-    for reader_table in ("heap", "lmdb"):
+    for reader_table in READERS:
         with pytest.raises(CorruptObjectError) as exc:
-            list(read_state(catalog, 1, table=reader_table))
+            list(_read(catalog, 1, reader_table))
         assert key in str(exc.value)
     if what == "segment":
         with pytest.raises(CorruptObjectError, match=key):
@@ -464,8 +478,12 @@ def test_binary_keys_read_and_filter_by_their_bytes(store: BlobStore, table: str
     assert all(rows[k].value == i for i, k in enumerate(read_back))
     assert {r.key_bytes for r in rows.values()} == {
         b"\xff\x00bin", "caf\u00e9".encode(), b"plain", b"k"}
-    only = list(read_state(catalog, keys=[b"\xff\x00bin", "caf\u00e9", b"plain"]))
-    assert {r.key for r in only} == {b"\xff\x00bin", "caf\u00e9", "plain"}
+    for reader in READERS:
+        rows = {r.key: r for r in _read(catalog, None, reader)}
+        assert rows.keys() == set(read_back)
+        assert all(rows[k].value == i for i, k in enumerate(read_back))
+        only = list(_read(catalog, None, reader, keys=[b"\xff\x00bin", "caf\u00e9", b"plain"]))
+        assert {r.key for r in only} == {b"\xff\x00bin", "caf\u00e9", "plain"}
     feed = list(read_changes(catalog, None))
     assert {r.key for r in feed} == set(read_back)
     pytest.importorskip("pyarrow")
@@ -487,11 +505,13 @@ def test_pickle_states_need_allow_pickle(store: BlobStore) -> None:
         backend.close()
         storage.close()
     catalog = _catalog(store)
-    for table in ("heap", "lmdb"):
+    for table in READERS:
         with pytest.raises(UsageError, match="pickle"):
-            list(read_state(catalog, table=table))
-        rows = list(read_state(catalog, table=table, allow_pickle=True))
-        assert [r.value for r in rows] == [frozenset({1, 2})]
+            list(_read(catalog, None, table))
+        rows = list(_read(catalog, None, table, allow_pickle=True))
+        # the row path gives the object; the tables its repr (what to_json makes of it)
+        assert [r.value for r in rows] == [frozenset({1, 2})] if table != "columns" else [
+            {"$repr": "frozenset({1, 2})"}]
     with pytest.raises(UsageError, match="pickle"):
         list(read_changes(catalog, None))
     assert [r.value for r in read_changes(catalog, None, allow_pickle=True)] == [
@@ -538,7 +558,7 @@ def test_internal_raw_states_are_not_shown(store: BlobStore, table: str,
         storage.close()
     catalog = _catalog(store)
     want = {("v", k, None): i for i, k in enumerate("abcd" if materialize else "abc")}
-    for reader_table in ("heap", "lmdb"):
-        assert state_of(read_state(catalog, table=reader_table)) == want
+    for reader_table in READERS:
+        assert state_of(_read(catalog, None, reader_table)) == want
     assert replay(read_changes(catalog, None)) == want
     assert verify_checkpoint(catalog).ok

@@ -1,0 +1,511 @@
+"""A split's state as Arrow record batches, column by column: what the Spark source reads.
+
+Theory of operation
+-------------------
+The row path (:func:`~dstl.reader.state.read_state_split`, then :func:`~dstl.reader.arrow.
+batches`) spends microseconds of Python per row: a tuple per entry, a decoded key, namespace
+and value, a row object, then one conversion per column value. This module gives the same table
+— the columns of :data:`~dstl.reader.arrow.STATE_SCHEMA`, the same rows (in another order where a
+log follows a snapshot) — with per-row Python only where a value needs it:
+
+- **Runs.** Entries arrive as :class:`Run`\\ s: entries of one state as Arrow arrays (key group,
+  key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file is listed by cursors at C
+  speed (:func:`materializer.lmdb_files.iter_raw_chunks`) and its raw keys (``>HHI`` prefix: key
+  group, state id, key length; then key and namespace) are split with numpy over the Arrow
+  buffers; a v1 block's entries are transposed with ``zip``.
+- **Log.** When a log follows the snapshots it is read first, into an overlay: the changes of
+  every (state, key group, key, namespace) it touches, in log order (:meth:`StateImage.changes
+  <dstl.reader.image.StateImage.changes>`). Snapshot runs then pass through it: one vectorised
+  ``is_in`` on the key bytes finds the candidates; an entry the log touched is taken out and comes
+  back with its changes applied to its stored bytes by :meth:`StateImage.apply
+  <dstl.reader.image.StateImage.apply>` (the row path's semantics); entries only the log has come
+  last. Only touched entries cost Python.
+- **Columns.** ``key`` is ``key_bytes`` cast to UTF-8 (decoded per row only in a batch holding a
+  key that is not UTF-8); constant columns are ``pa.repeat``; all-empty namespaces are nulls.
+  ``value`` of a value, reducing or aggregating state with the safe codec: the pickles
+  ``pickle.dumps(int, protocol=5)`` writes — ``BININT1`` (5 bytes), framed ``BININT2``,
+  ``BININT`` and ``LONG1`` up to 8 bytes — are matched byte for byte over the whole column with
+  numpy (protocol, frame length, opcode, stop), decoded as little-endian integers and turned into
+  JSON text by one cast (the decimal text ``to_json`` gives an int). Every other value — other
+  codecs, floats, strings, containers, lists, maps (one row per map entry) — goes through the
+  codec and :func:`~dstl.reader.rows.to_json` per row, exactly as in the row path; the tests
+  compare the two paths.
+
+Values are decoded with the state's codec in both paths, so a damaged value fails the same way
+(:class:`~dstl.errors.CorruptObjectError`). The ``valueType`` column and the ``lmdb`` table use
+the row path (:func:`dstl.reader.arrow.batches`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dstl.checks import check_bool, check_instance
+from dstl.envelope import HEADER_SIZE
+from dstl.errors import CorruptObjectError, ObjectNotFoundError
+from dstl.keygroups import KeyGroupRange
+from dstl.reader.arrow import STATE_SCHEMA
+from dstl.reader.checks import check_cache, check_key_bytes, check_names
+from dstl.reader.image import (
+    Ident,
+    LeaseSource,
+    StateImage,
+    StateInfo,
+    snapshot_states,
+    state_info,
+)
+from dstl.reader.plan import StateSplit
+from dstl.reader.rows import to_json
+from dstl.reader.state import translate_missing
+from dstl.stores.base import BlobStore
+from materializer.codecs import SafeCodec
+from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
+from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.lmdb_files import iter_raw_chunks
+from materializer.state_tables import BlobRangeSource, SnapshotReader
+from restore.file_restore import is_file_snapshot, read_at
+from restore.leasing import LeasingCache
+from restore.reader import ChangelogReader, verify_snapshot
+from restore.restore import plan_restore
+
+__all__ = ["Run", "int_values", "read_state_batches", "run_batches", "snapshot_runs"]
+
+_SAFE = SafeCodec()  # namespaces
+_SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
+_PREFIX = 8  # >HHI: key group, state id, key length
+_BYTE_STEPS = np.arange(16, dtype=np.int64)  # the widest gather: a LONG1 head (13 bytes)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Entries of one state: key groups (int32), key bytes, namespace bytes, stored values."""
+
+    info: StateInfo
+    kg: pa.Array
+    kb: pa.Array
+    nb: pa.Array
+    vb: pa.Array
+
+    def __len__(self) -> int:
+        return len(self.kb)
+
+    def filter(self, mask: Any) -> Run:
+        m = pa.array(mask, type=pa.bool_())
+        return Run(self.info, self.kg.filter(m), self.kb.filter(m), self.nb.filter(m),
+                   self.vb.filter(m))
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets as int64, data bytes) of a binary array without nulls (zero copy)."""
+    n = len(arr)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int32, count=n + 1,
+                            offset=arr.offset * 4).astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None and len(bufs[2]) \
+        else np.zeros(0, dtype=np.uint8)
+    return offsets, data
+
+
+def _slices(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """A binary array of ``data[starts[i]:starts[i] + lengths[i]]``, gathered by numpy."""
+    n = len(starts)
+    out = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    total = int(out[-1])
+    if total:
+        idx = np.repeat(starts - out[:-1], lengths) + np.arange(total, dtype=np.int64)
+        body = data[idx]
+    else:
+        body = np.zeros(0, dtype=np.uint8)
+    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(out.astype(np.int32)),
+                                                  pa.py_buffer(body)])
+
+
+def _gather(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``(len(starts), width)`` bytes from ``starts`` (callers check they are in bounds)."""
+    return data[starts[:, None] + _BYTE_STEPS[:width]]
+
+
+# --------------------------------------------------------------------------- ints
+
+
+# protocol 5, FRAME with its u64 little-endian length: the 11 bytes before a framed opcode
+def _framed(frame_len: int) -> bytes:
+    return b"\x80\x05\x95" + frame_len.to_bytes(8, "little")
+
+
+#: (total length, the bytes up to the integer's first byte, integer width, signed)
+_INT_SHAPES: tuple[tuple[int, bytes, int, bool], ...] = (
+    (5, b"\x80\x05\x4b", 1, False),                 # BININT1 (no frame: 3 bytes after PROTO)
+    (15, _framed(4) + b"\x4d", 2, False),           # BININT2
+    (17, _framed(6) + b"\x4a", 4, True),            # BININT
+    *((14 + w, _framed(w + 3) + b"\x8a" + bytes([w]), w, True) for w in range(1, 9)),  # LONG1
+)
+
+
+def int_values(vb: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """``(ok, values)``: which stored values are an int as ``pickle.dumps(v, protocol=5)``
+    writes it (byte for byte: see the module docstring), and those ints (int64; 0 elsewhere)."""
+    offsets, data = _buffers(vb)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    ok = np.zeros(len(vb), dtype=bool)
+    values = np.zeros(len(vb), dtype=np.int64)
+    for total, head, width, signed in _INT_SHAPES:
+        rows = np.flatnonzero(lengths == total)
+        if not len(rows):
+            continue
+        s = starts[rows]
+        match = (_gather(data, s, len(head)) == np.frombuffer(head, dtype=np.uint8)).all(axis=1)
+        match &= data[s + total - 1] == 0x2E  # STOP
+        rows, s = rows[match], s[match]
+        if not len(rows):
+            continue
+        raw = _gather(data, s + len(head), width)
+        negative = (raw[:, -1] >= 0x80) if signed else np.zeros(len(rows), dtype=bool)
+        padded = np.where(negative[:, None], np.uint8(0xFF), np.uint8(0)).repeat(8, axis=1)
+        padded[:, :width] = raw
+        values[rows] = np.ascontiguousarray(padded).view("<i8").ravel()
+        ok[rows] = True
+    return ok, values
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _text_keys(kb: pa.Array) -> pa.Array:
+    try:
+        return kb.cast(pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        out = []
+        for b in kb.to_pylist():
+            try:
+                out.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(None)
+        return pa.array(out, type=pa.string())
+
+
+def _namespaces(nb: pa.Array) -> pa.Array:
+    offsets, _ = _buffers(nb)
+    if offsets[-1] == offsets[0]:  # every namespace empty: the default namespace
+        return pa.nulls(len(nb), type=pa.string())
+    return pa.array([to_json(_SAFE.decode(b)) if b else None for b in nb.to_pylist()],
+                    type=pa.string())
+
+
+def _values(run: Run) -> pa.Array:
+    """The ``value`` column of a run of a non-map state."""
+    shape = run.info.shape
+    decode = shape.from_bytes
+    if run.info.kind not in _SCALAR_KINDS or type(shape.codec) is not SafeCodec:
+        return pa.array([to_json(decode(b)) for b in run.vb.to_pylist()], type=pa.string())
+    ok, ints = int_values(run.vb)
+    text = pa.array(ints, type=pa.int64()).cast(pa.string())
+    if ok.all():
+        return text
+    if not ok.any():
+        return pa.array([to_json(decode(b)) for b in run.vb.to_pylist()], type=pa.string())
+    rest: list[str | None] = [None] * len(run)
+    others = np.flatnonzero(~ok)
+    for i, b in zip(others.tolist(), run.vb.take(pa.array(others)).to_pylist(), strict=True):
+        rest[i] = to_json(decode(b))
+    return pc.if_else(pa.array(ok), text, pa.array(rest, type=pa.string()))
+
+
+def _batch(run: Run, checkpoint: int, partition: str, user_key: pa.Array | None,
+           value: pa.Array) -> pa.RecordBatch:
+    n = len(run)
+    arrays = [pa.repeat(pa.scalar(checkpoint, pa.int64()), n),
+              pa.repeat(pa.scalar(partition, pa.string()), n), run.kg, _text_keys(run.kb),
+              run.kb, pa.repeat(pa.scalar(run.info.name, pa.string()), n),
+              pa.repeat(pa.scalar(run.info.kind, pa.string()), n), _namespaces(run.nb),
+              user_key if user_key is not None else pa.nulls(n, type=pa.string()), value]
+    return pa.RecordBatch.from_arrays(arrays, schema=STATE_SCHEMA)
+
+
+def _map_batch(run: Run, checkpoint: int, partition: str) -> pa.RecordBatch:
+    """One row per map entry (an empty map has none)."""
+    at: list[int] = []
+    user_keys: list[str | None] = []
+    values: list[str | None] = []
+    decode = run.info.shape.from_bytes
+    for i, b in enumerate(run.vb.to_pylist()):
+        for uk, uv in decode(b).items():
+            at.append(i)
+            user_keys.append(to_json(uk))
+            values.append(to_json(uv))
+    take = pa.array(at, type=pa.int64())
+    rows = Run(run.info, run.kg.take(take), run.kb.take(take), run.nb.take(take),
+               run.vb.take(take))
+    return _batch(rows, checkpoint, partition, pa.array(user_keys, type=pa.string()),
+                  pa.array(values, type=pa.string()))
+
+
+def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
+                keys: Collection[bytes] | None, states: Collection[str] | None
+                ) -> Iterator[pa.RecordBatch]:
+    """The state rows of ``runs`` (raw states and filtered-out rows left out)."""
+    wanted = pa.array(sorted(keys), type=pa.binary()) if keys is not None else None
+    for run in runs:
+        if run.info.raw or (states is not None and run.info.name not in states) or not len(run):
+            continue
+        if wanted is not None:
+            run = run.filter(pc.is_in(run.kb, value_set=wanted).to_numpy(zero_copy_only=False))
+            if not len(run):
+                continue
+        if run.info.kind == "map":
+            batch = _map_batch(run, checkpoint, partition)
+        else:
+            batch = _batch(run, checkpoint, partition, None, _values(run))
+        if batch.num_rows:
+            yield batch
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _split_states(states: dict[int, StateInfo], sids: np.ndarray, kg: pa.Array, kb: pa.Array,
+                  nb: pa.Array, vb: pa.Array, key: str) -> Iterator[Run]:
+    """Runs of one state each from entries of several (a state's entries keep their order)."""
+    present = np.unique(sids)
+    for sid in present.tolist():
+        info = states.get(sid)
+        if info is None:
+            raise CorruptObjectError(key, 0, f"entry of state id {sid}, which the snapshot's "
+                                             "metadata does not name")
+        if len(present) == 1:
+            yield Run(info, kg, kb, nb, vb)
+        else:
+            m = pa.array(sids == sid)
+            yield Run(info, kg.filter(m), kb.filter(m), nb.filter(m), vb.filter(m))
+
+
+def _raw_runs(states: dict[int, StateInfo], raw_keys: list[bytes], values: list[bytes],
+              key: str) -> Iterator[Run]:
+    """Runs of a chunk of a v2 file's entries: raw keys split column-wise."""
+    raw = pa.array(raw_keys, type=pa.binary())
+    offsets, data = _buffers(raw)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    if (lengths < _PREFIX).any():
+        raise CorruptObjectError(key, 0, "a key of the data file is shorter than its prefix")
+    head = _gather(data, starts, _PREFIX).astype(np.int64)
+    kgs = (head[:, 0] << 8) | head[:, 1]
+    sids = (head[:, 2] << 8) | head[:, 3]
+    klen = (head[:, 4] << 24) | (head[:, 5] << 16) | (head[:, 6] << 8) | head[:, 7]
+    nlen = lengths - _PREFIX - klen
+    if (nlen < 0).any():
+        raise CorruptObjectError(key, 0, "a key of the data file is shorter than its key "
+                                         "length says")
+    kb = _slices(data, starts + _PREFIX, klen)
+    nb = _slices(data, starts + _PREFIX + klen, nlen)
+    yield from _split_states(states, sids, pa.array(kgs.astype(np.int32)), kb, nb,
+                             pa.array(values, type=pa.binary()), key)
+
+
+def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool
+               ) -> Iterator[Run]:
+    """A v2 snapshot's entries in ``wanted`` (fetched, verified and decompressed as in
+    :func:`dstl.reader.image.stream_snapshots`), listed chunk by chunk."""
+    read, size = read_at(store, ref.key)
+    layout = verify_file_snapshot(read, size, key=ref.key)
+    owned = wanted.intersection(layout.meta.key_groups)
+    if not len(owned):
+        return
+    try:
+        states = {int(sid): state_info(meta, allow_pickle, ref.key)
+                  for sid, meta in layout.meta.states.items()}
+    except (ValueError, TypeError) as exc:
+        raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
+    directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
+    try:
+        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
+        for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key):
+            yield from _raw_runs(states, raw_keys, values, ref.key)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
+                cache: LeasingCache | None) -> Iterator[Run]:
+    """A v1 snapshot's entries in ``wanted``, one key-group block at a time."""
+    lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
+    try:
+        source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
+        reader = SnapshotReader(source, key=ref.key)
+        states = snapshot_states(reader, allow_pickle)
+        for kg, block in reader.read(wanted.intersection(reader.key_groups)):
+            entries = list(block)
+            if not entries:
+                continue
+            sids, kbs, nbs, vbs = zip(*entries, strict=True)
+            yield from _split_states(states, np.array(sids, dtype=np.int64),
+                                     pa.repeat(pa.scalar(kg, pa.int32()), len(entries)),
+                                     pa.array(kbs, type=pa.binary()),
+                                     pa.array(nbs, type=pa.binary()),
+                                     pa.array(vbs, type=pa.binary()), ref.key)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def snapshot_runs(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,
+                  allow_pickle: bool, cache: LeasingCache | None = None) -> Iterator[Run]:
+    """The entries of the snapshots in ``key_groups`` (each narrowed to its ``ref.key_groups``)
+    as runs."""
+    for ref in refs:
+        wanted = key_groups.intersection(ref.key_groups)
+        if not len(wanted):
+            continue
+        if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
+            yield from _file_runs(store, ref, wanted, allow_pickle)
+        else:
+            yield from _block_runs(store, ref, wanted, allow_pickle, cache)
+
+
+# --------------------------------------------------------------------------- the log
+
+
+class _Entries:
+    """Entries gathered one by one (those a log changed), as a run."""
+
+    def __init__(self) -> None:
+        self.kgs: list[int] = []
+        self.kbs: list[bytes] = []
+        self.nbs: list[bytes] = []
+        self.vbs: list[bytes] = []
+
+    def add(self, ident: Ident, stored: bytes) -> None:
+        self.kgs.append(ident[1])
+        self.kbs.append(ident[2])
+        self.nbs.append(ident[3])
+        self.vbs.append(stored)
+
+    def run(self, info: StateInfo) -> Run:
+        return Run(info, pa.array(self.kgs, type=pa.int32()), pa.array(self.kbs, type=pa.binary()),
+                   pa.array(self.nbs, type=pa.binary()), pa.array(self.vbs, type=pa.binary()))
+
+
+class _Overlay:
+    """The changes a log holds, per entry, applied to the snapshot runs passing through."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        self.image = StateImage(allow_pickle)  # states, and the semantics of a change
+        self.changes: dict[Ident, list[tuple[StateInfo, int, bytes]]] = {}
+        self.keys: dict[str, set[bytes]] = {}
+        self._wanted: dict[str, pa.Array] = {}
+
+    def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
+        changes, keys = self.changes, self.keys
+        for ident, info, op, payload in self.image.changes(reader, handle, key_groups):
+            changes.setdefault(ident, []).append((info, op, payload))
+            keys.setdefault(ident[0], set()).add(ident[2])
+
+    def _resolve(self, ident: Ident, base: bytes | None) -> bytes | None:
+        entries = self.image.entries
+        entries.clear()
+        if base is not None:
+            entries[ident] = base
+        for info, op, payload in self.changes.pop(ident):
+            self.image.apply(ident, info, op, payload)
+        return entries.pop(ident, None)
+
+    def through(self, run: Run) -> Iterator[Run]:
+        """``run`` with the entries the log changed replaced by their new state."""
+        info = self.image.known(run.info, "a snapshot")
+        name = info.name
+        touched = self.keys.get(name)
+        if not touched:
+            yield run
+            return
+        wanted = self._wanted.get(name)
+        if wanted is None:
+            wanted = self._wanted[name] = pa.array(sorted(touched), type=pa.binary())
+        hits = np.flatnonzero(pc.is_in(run.kb, value_set=wanted).to_numpy(zero_copy_only=False))
+        keep = np.ones(len(run), dtype=bool)
+        out = _Entries()
+        for i in hits.tolist():
+            ident = (name, run.kg[i].as_py(), run.kb[i].as_py(), run.nb[i].as_py())
+            if ident not in self.changes:
+                continue
+            keep[i] = False
+            new = self._resolve(ident, run.vb[i].as_py())
+            if new is not None:
+                out.add(ident, new)
+        yield run.filter(keep) if not keep.all() else run
+        if out.kgs:
+            yield out.run(run.info)
+
+    def rest(self) -> Iterator[Run]:
+        """The entries only the log has, by state."""
+        by_state: dict[str, _Entries] = {}
+        for ident in list(self.changes):
+            new = self._resolve(ident, None)
+            if new is not None:
+                by_state.setdefault(ident[0], _Entries()).add(ident, new)
+        for name, entries in by_state.items():
+            yield entries.run(self.image.states[name])
+
+
+# --------------------------------------------------------------------------- a split
+
+
+def _split_runs(store: BlobStore, split: StateSplit, handle: ChangelogStateBackendHandle,
+                cache: LeasingCache | None, allow_pickle: bool) -> Iterator[Run]:
+    rng = split.key_group_range
+    plan = plan_restore([handle], rng)  # narrowed to what the handle owns in the range
+    logs = [h for h in plan.logs if h.change_sets]
+    runs = snapshot_runs(store, plan.snapshots, rng, allow_pickle, cache)
+    if not logs:
+        yield from runs
+        return
+    overlay = _Overlay(allow_pickle)
+    reader = ChangelogReader(store, cache=cache)
+    for h in logs:
+        overlay.replay(reader, h, rng.intersection(h.replay_key_groups))
+    for run in runs:
+        yield from overlay.through(run)
+    yield from overlay.rest()
+
+
+def read_state_batches(store: BlobStore, split: StateSplit, *,
+                       cache: LeasingCache | None = None, allow_pickle: bool = False,
+                       keys: Collection[bytes] | None = None,
+                       states: Collection[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """The state rows of one split as record batches of :data:`~dstl.reader.arrow.STATE_SCHEMA`
+    — the rows :func:`~dstl.reader.state.read_state_split` gives (heap table), in
+    :func:`~dstl.reader.arrow.batches`' columns, built column-wise (see the module docstring).
+
+    Raises:
+        CheckpointDeletedError, ObjectNotFoundError, CorruptObjectError, UsageError: as
+        :func:`~dstl.reader.state.read_state_split`.
+        ConfigError: an argument of the wrong type or out of range (raised by the call).
+    """
+    owner = "read_state_batches"
+    check_instance(split, "split", owner, StateSplit)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    check_cache(cache, owner)
+    keys = check_key_bytes(keys, owner)
+    states = check_names(states, "states", owner)
+    handle = ChangelogStateBackendHandle.from_json(split.handle)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        try:
+            yield from run_batches(_split_runs(store, split, handle, cache, allow_pickle),
+                                   split.checkpoint_id, split.task_id, keys, states)
+        except ObjectNotFoundError as exc:
+            raise translate_missing(store, split.checkpoint_id, exc) from exc
+
+    return batches()
+

@@ -1,0 +1,308 @@
+"""The column-wise state read (dstl.reader.columns, what the Spark source reads) gives the same
+table as the row path (read_state_split + arrow.batches) and the job's dict model: every state
+kind, heap and LMDB (v1 and v2 snapshots), before and after materializations, with a log after
+the snapshot that changes, clears and extends snapshot entries, after rescales, key-group slices,
+key and state filters; values that need the per-row JSON fallback next to the ints decoded by
+byte pattern; the int decoder against pickle itself on canonical and damaged encodings."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+np = pytest.importorskip("numpy")
+
+from support.columnar import (  # noqa: E402
+    column_table,
+    read_state_columns,
+    row_table,
+    sorted_rows,
+)
+from support.state_job import MiniJob, _Borrowed, state_of  # noqa: E402
+
+from dstl.checkpoint import CheckpointCoordinator  # noqa: E402
+from dstl.errors import CorruptObjectError, UsageError  # noqa: E402
+from dstl.keygroups import KeyGroupRange  # noqa: E402
+from dstl.reader import CheckpointCatalog, ReadOnlyBlobStore  # noqa: E402
+from dstl.reader.columns import int_values  # noqa: E402
+from dstl.storage import ChangelogStorage  # noqa: E402
+from dstl.stores import open_store  # noqa: E402
+from dstl.stores.base import BlobStore  # noqa: E402
+from materializer.backend import ChangelogKeyedStateBackend  # noqa: E402
+from materializer.codecs import PickleCodec  # noqa: E402
+from materializer.states import (  # noqa: E402
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    ValueStateDescriptor,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[BlobStore]:
+    s = open_store(str(tmp_path / "state"))
+    yield s
+    s.close()
+
+
+def _catalog(store: BlobStore) -> CheckpointCatalog:
+    return CheckpointCatalog(ReadOnlyBlobStore(store), job_id="job")
+
+
+def _same(catalog: CheckpointCatalog, cid: int | None, **kw: Any) -> list[Any]:
+    """Both paths give the same rows (and the LMDB reader table too); the rows."""
+    cols = sorted_rows(column_table(catalog, cid, **kw))
+    assert cols == sorted_rows(row_table(catalog, cid, **kw)), f"checkpoint {cid} {kw}"
+    return cols
+
+
+# --------------------------------------------------------------------------- the model job
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+@pytest.mark.parametrize("seed", [21, 22])
+def test_columns_equal_rows_and_the_model_across_materializations_and_rescales(
+        store: BlobStore, table: str, seed: int) -> None:
+    job = MiniJob(store, partitions=2, table=table, seed=seed, retained=8)
+    try:
+        job.run(150)
+        job.checkpoint()                 # log only
+        job.materialize()
+        job.checkpoint()                 # snapshot only
+        job.run(80)
+        job.checkpoint()                 # snapshot + a log changing its entries
+        job.rescale(3)
+        job.run(60)
+        job.checkpoint()                 # narrowed snapshots and logs of the old layout
+        job.materialize(0)
+        job.run(40)
+        job.checkpoint()
+        job.rescale(1)
+        job.run(30)
+        job.checkpoint()
+        catalog = _catalog(store)
+        ids = catalog.ids()
+        assert len(ids) == 6
+        for c in ids:
+            rows = _same(catalog, c)
+            assert rows, f"checkpoint {c} read nothing"
+            assert state_of(read_state_columns(catalog, c)) == job.checkpoint_models[c]
+            _same(catalog, c, max_key_groups=3)
+        last = ids[-1]
+        keys = sorted({k for (_, k, _) in job.checkpoint_models[last]})[:5]
+        _same(catalog, last, keys=keys)
+        _same(catalog, last, states=["attrs", "window"])
+        _same(catalog, last, keys=keys[:2], states=["events"])
+        assert sorted_rows(column_table(catalog, last)) == sorted_rows(
+            row_table(catalog, last, table="lmdb"))
+    finally:
+        job.close()
+
+
+# --------------------------------------------------------------------------- values
+
+
+_INTS = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -1, -255, -256, -2**31, -2**31 - 1,
+         2**40 + 7, -2**40, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**64, 10**30]
+_OTHERS: list[Any] = [True, False, 1.5, -0.0, math.inf, math.nan, "", "text", "caf\u00e9 \"q\"",
+                      "x" * 300, b"\x00\xff", [1, "a", None], (1, 2), {"a": 1}, {1: "x"},
+                      {"$b64": "tag"}, [[1, [2]]], 12.0]
+
+
+def _one_backend(store: BlobStore, table: str) -> tuple[ChangelogStorage,
+                                                        ChangelogKeyedStateBackend]:
+    storage = ChangelogStorage(store=_Borrowed(store))
+    backend = ChangelogKeyedStateBackend(storage, "job/p0", KeyGroupRange(0, 15), 16,
+                                         table=table, auto_materialize=False)
+    return storage, backend
+
+
+def _commit(store: BlobStore, backend: ChangelogKeyedStateBackend, cid: int) -> None:
+    coordinator = CheckpointCoordinator(store, job_id="job", retained=10)
+    coordinator.trigger(["p0"], checkpoint_id=cid)
+    h = backend.snapshot(cid).result(timeout=30)
+    coordinator.acknowledge(cid, "p0", h.to_json_obj(), h.referenced_keys(), h.full_size,
+                            h.incremental_size)
+    coordinator.close()
+
+
+def _fill(backend: ChangelogKeyedStateBackend, st: dict[str, Any], rng: random.Random,
+          keys: list[str | bytes], model: dict[Any, Any]) -> None:
+    values = _INTS + _OTHERS
+    for i, k in enumerate(keys):
+        backend.set_current_key(k)
+        backend.set_current_namespace(None)
+        v = values[i % len(values)]
+        st["v"].update(v)
+        model[("v", k, None)] = v
+        st["total"].add(rng.choice(_INTS))
+        st["events"].add(rng.choice(values))
+        st["attrs"].put(rng.choice([1, "u", (2, "t"), b"b"]), rng.choice(values))
+        ns = ("w", i % 3)
+        backend.set_current_namespace(ns)
+        st["v"].update(rng.choice(_INTS))
+        backend.set_current_namespace(None)
+
+
+def _states(backend: ChangelogKeyedStateBackend) -> dict[str, Any]:
+    return {"v": backend.get_state(ValueStateDescriptor("v")),
+            "total": backend.get_state(ReducingStateDescriptor("total", lambda a, b: a + b)),
+            "events": backend.get_state(ListStateDescriptor("events")),
+            "attrs": backend.get_state(MapStateDescriptor("attrs")),
+            "p": backend.get_state(ValueStateDescriptor("p", serializer=PickleCodec()))}
+
+
+def _change_snapshot_entries(backend: ChangelogKeyedStateBackend, st: dict[str, Any],
+                             keys: list[str | bytes]) -> None:
+    """A log after the snapshot: updates, clears, list appends and map changes on entries the
+    snapshot holds, and new keys."""
+    for i, k in enumerate(keys):
+        backend.set_current_key(k)
+        if i % 5 == 0:
+            st["v"].clear()
+        elif i % 5 == 1:
+            st["v"].update(-7 - i)
+        st["events"].add(i)
+        if i % 4 == 0:
+            st["attrs"].remove(1)
+            st["attrs"].remove("u")
+            st["attrs"].remove((2, "t"))
+            st["attrs"].remove(b"b")
+        else:
+            st["attrs"].put("late", 2**70)
+        st["p"].update(frozenset({i}))
+    for j in range(5):
+        backend.set_current_key(f"new{j}")
+        st["v"].update(2**33 + j)
+        st["events"].add("n")
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_every_value_shape_and_the_json_fallback_through_a_snapshot_and_its_log(
+        store: BlobStore, table: str) -> None:
+    storage, backend = _one_backend(store, table)
+    rng = random.Random(3)
+    keys: list[str | bytes] = [f"k{i}" for i in range(60)] + [b"\xff\xfe", b"\x00bin", "\u00e9"]
+    model: dict[Any, Any] = {}
+    try:
+        st = _states(backend)
+        _fill(backend, st, rng, keys, model)
+        _commit(store, backend, 0)                       # log only
+        assert backend.materialize_now(timeout_s=30) is not None
+        _commit(store, backend, 1)                       # snapshot only
+        _change_snapshot_entries(backend, st, keys[::3])
+        _commit(store, backend, 2)                       # snapshot + log
+    finally:
+        backend.close()
+        storage.close()
+    catalog = _catalog(store)
+    with pytest.raises(UsageError, match="pickle"):
+        list(column_table(catalog, 2))
+    for cid in (0, 1, 2):
+        rows = _same(catalog, cid, allow_pickle=True)
+        by_key = {(r[5], r[4], r[7], r[8]): r for r in rows}  # state, key bytes, ns, user key
+        assert len(by_key) == len(rows)
+        for (state, k, ns), v in model.items():
+            if cid == 2 and k in keys[::3]:
+                continue
+            kb = k.encode() if isinstance(k, str) else k
+            got = read_value(by_key[(state, kb, ns, None)][9])
+            assert got == v or (isinstance(v, float) and math.isnan(v) and math.isnan(got))
+        text_of = {r[4]: r[3] for r in rows}
+        assert text_of[b"\xff\xfe"] is None and text_of["\u00e9".encode()] == "\u00e9"
+    _same(catalog, 2, allow_pickle=True, keys=[b"\xff\xfe", "k3", "new1"])
+    _same(catalog, 2, allow_pickle=True, states=["v"])
+
+
+def read_value(text: str | None) -> Any:
+    from dstl.reader import from_json
+
+    return from_json(text)
+
+
+# --------------------------------------------------------------------------- the int decoder
+
+
+def _check_ints(blobs: list[bytes]) -> int:
+    """int_values agrees with pickle on every blob it accepts; how many it accepted."""
+    ok, values = int_values(pa.array(blobs, type=pa.binary()))
+    for blob, accepted, value in zip(blobs, ok.tolist(), values.tolist(), strict=True):
+        if accepted:
+            assert pickle.loads(blob) == value and type(pickle.loads(blob)) is int, blob.hex()
+    return int(ok.sum())
+
+
+def test_int_decoder_takes_every_canonical_int_of_64_bits() -> None:
+    rng = random.Random(9)
+    ints = _INTS + [rng.randrange(-2**63, 2**63) for _ in range(2000)] + [
+        rng.randrange(-2**17, 2**17) for _ in range(2000)] + list(range(-300, 70000, 97))
+    blobs = [pickle.dumps(v, protocol=5) for v in ints]
+    ok, values = int_values(pa.array(blobs, type=pa.binary()))
+    for v, accepted, got in zip(ints, ok.tolist(), values.tolist(), strict=True):
+        assert accepted == (-2**63 <= v < 2**63), v
+        if accepted:
+            assert got == v
+    # sliced arrays (batches are slices of larger arrays)
+    arr = pa.array(blobs, type=pa.binary()).slice(len(_INTS), 500)
+    ok2, values2 = int_values(arr)
+    assert ok2.all() and values2.tolist() == ints[len(_INTS):len(_INTS) + 500]
+
+
+def test_int_decoder_refuses_what_is_not_exactly_an_int_pickle() -> None:
+    rng = random.Random(10)
+    good = [pickle.dumps(v, protocol=5) for v in _INTS]
+    others = [pickle.dumps(v, protocol=p) for v in _OTHERS for p in (2, 4, 5)]
+    others += [b"", b"\x80", b"\x80\x05K\x01", b"\x80\x05K\x01.x", pickle.dumps(7, protocol=2),
+               b"\x80\x04K\x01.", b"\x80\x05J\x01\x00\x00\x00.", b"\x80\x05\x8a\x01\x05."]
+    assert _check_ints(others) == 0
+    damaged = []
+    for blob in good * 40:
+        b = bytearray(blob)
+        i = rng.randrange(len(b))
+        b[i] ^= 1 << rng.randrange(8)
+        damaged.append(bytes(b))
+        damaged.append(blob[:rng.randrange(len(blob))])
+        damaged.append(blob + bytes([rng.randrange(256)]))
+    accepted = []
+    for blob in damaged:  # anything accepted must decode to exactly that int (pickle decides)
+        try:
+            pickle.loads(blob)
+        except Exception:
+            assert _check_ints([blob]) == 0, blob.hex()
+            continue
+        accepted.append(blob)
+    _check_ints(accepted)
+
+
+def test_a_damaged_value_fails_as_in_the_row_path() -> None:
+    from dstl.reader.columns import Run, run_batches
+    from dstl.reader.image import state_info
+
+    info = state_info({"name": "v", "kind": "value"}, False, "snap")
+    for bad in (b"\x80\x05K\x01", b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00M\x01",
+                b"\x80\x05c__builtin__\neval\n."):
+        run = Run(info, pa.array([1, 1], type=pa.int32()), pa.array([b"a", b"b"]),
+                  pa.array([b"", b""]), pa.array([pickle.dumps(3, protocol=5), bad]))
+        with pytest.raises(CorruptObjectError) as exc:
+            list(run_batches([run], 0, "p0", None, None))
+        with pytest.raises(CorruptObjectError) as row_exc:
+            info.shape.from_bytes(bad)
+        assert str(exc.value) == str(row_exc.value)
+
+
+def test_a_snapshot_entry_of_an_unknown_state_id_is_corrupt() -> None:
+    from dstl.reader.columns import _raw_runs
+
+    with pytest.raises(CorruptObjectError, match="state id 9"):
+        list(_raw_runs({}, [b"\x00\x01\x00\x09\x00\x00\x00\x01k"], [b"v"], "snap"))
+    with pytest.raises(CorruptObjectError, match="shorter than its key length"):
+        list(_raw_runs({}, [b"\x00\x01\x00\x09\x00\x00\x00\x05k"], [b"v"], "snap"))
+    with pytest.raises(CorruptObjectError, match="shorter than its prefix"):
+        list(_raw_runs({}, [b"\x00\x01"], [b"v"], "snap"))
