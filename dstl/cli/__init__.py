@@ -12,9 +12,15 @@
 - ``dstl demo`` (:mod:`dstl.cli.demo`): the Spark demo job (``--log-only``: the log demo).
 
 Every command takes ``--help`` (exit 0) and ``--storage-option key=value`` for S3 and other
-fsspec stores (:mod:`dstl.cli.common`); a usage error (bad arguments, or a
-:class:`~dstl.errors.ConfigError` such as a malformed URI or storage option) exits 2, any other
-:class:`~dstl.errors.DstlError` 1 with its message. :func:`main` imports a command's module only
+fsspec stores (:mod:`dstl.cli.common`). Exit codes: 0 done; 2 the command line must change —
+bad arguments, a :class:`~dstl.errors.UsageError` (a :class:`~dstl.errors.ConfigError` such as a
+malformed URI or storage option, a ``state_uri`` that names no directory, a checkpoint the store
+does not hold, a pickle state without ``--allow-pickle``, another job's store) or an
+:class:`~dstl.errors.AccessDeniedError` (credentials, a bucket that does not exist); 1 the store
+was read and is not right, or could not be read — a damaged or missing object (a
+:class:`~dstl.errors.CorruptObjectError` is 1 even where it is also a usage error), a checkpoint
+deleted while read, a storage failure that outlasted its retries, a failed ``verify`` — with its
+message. :func:`main` imports a command's module only
 when that command runs, so ``dstl gc`` never loads Spark and a usage error loads nothing.
 """
 
@@ -24,7 +30,7 @@ import importlib
 import os
 import sys
 
-from dstl.errors import ConfigError, DstlError
+from dstl.errors import AccessDeniedError, CorruptObjectError, DstlError, UsageError
 
 __all__ = ["COMMANDS", "main"]
 
@@ -46,7 +52,9 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dstl`` command and ``python -m dstl``; returns the exit status:
-    0 done, 2 usage error (bad arguments or configuration), 1 any other DSTL error."""
+    0 done, 2 the command line must change (bad arguments, a usage or configuration error,
+    access denied), 1 the store is damaged or could not be read, or a check failed (see the
+    module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(_usage())
@@ -62,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(rest))
     except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    except ConfigError as exc:
+    except CorruptObjectError as exc:  # the store is damaged, whatever else the error is
+        print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except (UsageError, AccessDeniedError) as exc:  # fixed by changing the command line
         print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except DstlError as exc:

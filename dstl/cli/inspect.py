@@ -20,6 +20,7 @@ from dstl.checkpoint.manifest import decode_manifest
 from dstl.cli.checkpoints import detail
 from dstl.cli.common import add_storage_options, storage_options
 from dstl.envelope import HEADER_SIZE
+from dstl.errors import ConfigError
 from dstl.reader import identify_object, open_read_only
 from dstl.segment import decode_segment
 from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
@@ -46,6 +47,10 @@ def run(argv: list[str]) -> int:
             name = f"{store.location}/{args.key}"
         key = args.key
     else:
+        if not os.path.isfile(args.path):
+            raise ConfigError("path", args.path, "an object file", owner="dstl inspect",
+                              fix="no such file; for an object of a store pass <base_uri> "
+                                  "--key <key>")
         with open(args.path, "rb") as f:
             data = f.read()
         name = key = args.path

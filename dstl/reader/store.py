@@ -14,8 +14,12 @@ import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import fsspec
+
 from dstl.checks import check_mapping
-from dstl.errors import UsageError
+from dstl.errors import ConfigError, UsageError
+from dstl.options import DstlOptions
+from dstl.retry import RetryPolicy
 from dstl.stores import check_store_uri, open_store
 from dstl.stores.base import BlobStore, ObjectInfo
 
@@ -72,24 +76,44 @@ class ReadOnlyBlobStore:
 
 
 def open_read_only(state_uri: str | os.PathLike[str],
-                   storage_options: Mapping[str, Any] | None = None
-                   ) -> ReadOnlyBlobStore:
+                   storage_options: Mapping[str, Any] | None = None, *,
+                   retry: RetryPolicy | None = None,
+                   filesystem: fsspec.AbstractFileSystem | None = None) -> ReadOnlyBlobStore:
     """Open ``state_uri`` (any URI :func:`dstl.stores.open_store` takes) read-only; closing the
     view closes the store. Nothing is written to validate it (a local directory must exist).
+
+    Reads retry as a job's restore reads do: the store is opened by the same
+    :func:`~dstl.stores.open_store` with the policy a job's storage uses,
+    ``RetryPolicy.for_store(DstlOptions())`` (``read_max_attempts`` attempts, jittered backoff,
+    ``retry_deadline_s``), and the store classifies failures (transient, throttled, permanent)
+    the same way. Local directories do not retry (as for a job).
+
+    Args:
+        state_uri: the job's ``state_uri``.
+        storage_options: the filesystem's options (S3 credentials, endpoint, ...).
+        retry: another read policy (e.g. ``RetryPolicy.for_store(options)`` of the job's
+            ``DstlOptions``).
+        filesystem: an fsspec filesystem to read ``state_uri`` with (``open_store``'s seam).
 
     Raises:
         ConfigError: a malformed URI (``dstl.stores.check_store_uri``), unsupported scheme or
             options.
-        UsageError: a local directory that does not exist.
+        ConfigError: a local directory that does not exist (a usage error: exit 2 in the CLI).
     """
+    policy = retry if retry is not None else RetryPolicy.for_store(DstlOptions())
+    if filesystem is not None:
+        return ReadOnlyBlobStore(open_store(state_uri, storage_options, filesystem,
+                                            validate=False, retry=policy), owned=True)
     state_uri = check_store_uri(state_uri, storage_options, owner="open_read_only",
                                 field="state_uri")
     storage_options = check_mapping(storage_options, "storage_options", "open_read_only")
     local = _local_path(state_uri)
     if local is not None and not os.path.isdir(local):
-        raise UsageError(f"state directory {local} does not exist; pass the state_uri the job "
-                         "writes to")
-    return ReadOnlyBlobStore(open_store(state_uri, storage_options, validate=False), owned=True)
+        raise ConfigError("state_uri", local, "an existing directory", owner="open_read_only",
+                          fix="the directory does not exist; pass the state_uri the job "
+                              "writes to")
+    return ReadOnlyBlobStore(open_store(state_uri, storage_options, validate=False,
+                                        retry=policy), owned=True)
 
 
 def _local_path(uri: str) -> str | None:

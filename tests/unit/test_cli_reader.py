@@ -88,10 +88,10 @@ def test_checkpoints_list_and_show(job_dir: tuple[Path, MiniJob],
     assert all(len(t["snapshots"]) == 1 for t in d["tasks"])
     assert main(["checkpoints", "show", str(root)]) == 0
     assert "checkpoint 2 (attempt 1) of job 'job'" in capsys.readouterr().out
-    assert main(["checkpoints", "show", str(root), "--checkpoint", "9"]) == 1
+    assert main(["checkpoints", "show", str(root), "--checkpoint", "9"]) == 2
     assert "CheckpointNotFoundError" in capsys.readouterr().err
-    assert main(["checkpoints", "list", str(root), "--job", "other"]) == 1
-    assert main(["checkpoints", "list", str(root / "absent")]) == 1
+    assert main(["checkpoints", "list", str(root), "--job", "other"]) == 2
+    assert main(["checkpoints", "list", str(root / "absent")]) == 2
 
 
 def test_state_dump_and_changes_equal_the_model(job_dir: tuple[Path, MiniJob], tmp_path: Path,
@@ -170,3 +170,30 @@ def test_inspect_recognises_every_object_kind(job_dir: tuple[Path, MiniJob], tmp
     assert main(["inspect", str(other)]) == 1
     err = capsys.readouterr().err
     assert "UnsupportedFormatError" in err and str(other) in err
+
+
+def test_exit_codes_are_one_rule_for_every_reading_command(
+        job_dir: tuple[Path, MiniJob], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2: the command line must change (no such store, no such checkpoint, bad arguments); 1: the
+    store was read and is not right; 0: done (an empty store lists nothing)."""
+    root, _ = job_dir
+    missing, empty = str(tmp_path / "missing"), tmp_path / "empty"
+    empty.mkdir()
+    reading = (["checkpoints", "list"], ["checkpoints", "show"], ["verify"], ["state", "dump"],
+               ["state", "changes"])
+    for cmd in reading:
+        assert main([*cmd, missing]) == 2, cmd
+        assert "does not exist" in capsys.readouterr().err, cmd
+    assert main(["inspect", missing]) == 2
+    assert main(["inspect", str(root), "--key", "checkpoints/nope.manifest"]) == 1  # not there
+    capsys.readouterr()
+    for cmd, code in ((["checkpoints", "list"], 0), (["checkpoints", "show"], 2), (["verify"], 2),
+                      (["state", "dump"], 2), (["state", "changes"], 0)):
+        assert main([*cmd, str(empty)]) == code, cmd
+    capsys.readouterr()
+    for cmd in (["checkpoints", "show"], ["verify"], ["state", "dump"]):
+        assert main([*cmd, str(root), "--checkpoint", "9"]) == 2, cmd
+        assert "CheckpointNotFoundError" in capsys.readouterr().err, cmd
+    assert main(["verify", str(root), "--job", "other"]) == 2
+    assert main(["state", "changes", str(root), "--start", "2", "--end", "1"]) == 2
+    capsys.readouterr()

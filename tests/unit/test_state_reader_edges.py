@@ -263,9 +263,10 @@ def test_a_store_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixtu
         list(read_state(catalog))
     assert list(read_changes(catalog, None)) == []
     assert main(["checkpoints", "list", str(root)]) == 0
-    assert main(["state", "dump", str(root)]) == 1
+    # nothing to read is a usage error (exit 2): the command names no checkpoint or no store
+    assert main(["state", "dump", str(root)]) == 2
     assert "CheckpointNotFoundError" in capsys.readouterr().err
-    assert main(["state", "dump", str(tmp_path / "missing")]) == 1
+    assert main(["state", "dump", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
