@@ -60,19 +60,20 @@ from dstl.reader.image import (
     LeaseSource,
     StateImage,
     StateInfo,
+    file_snapshot,
+    file_snapshot_states,
     snapshot_states,
-    state_info,
 )
 from dstl.reader.plan import StateSplit
 from dstl.reader.rows import to_json
 from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.codecs import SafeCodec
-from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
+from materializer.file_snapshot import decompress_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_files import iter_raw_chunks
 from materializer.state_tables import BlobRangeSource, SnapshotReader
-from restore.file_restore import is_file_snapshot, read_at
+from restore.file_restore import is_file_snapshot
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader, verify_snapshot
 from restore.restore import plan_restore
@@ -314,27 +315,23 @@ def _raw_runs(states: dict[int, StateInfo], raw_keys: list[bytes], values: list[
                              pa.array(values, type=pa.binary()), key)
 
 
-def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool
-               ) -> Iterator[Run]:
-    """A v2 snapshot's entries in ``wanted`` (fetched, verified and decompressed as in
-    :func:`dstl.reader.image.stream_snapshots`), listed chunk by chunk."""
-    read, size = read_at(store, ref.key)
-    layout = verify_file_snapshot(read, size, key=ref.key)
-    owned = wanted.intersection(layout.meta.key_groups)
-    if not len(owned):
-        return
-    try:
-        states = {int(sid): state_info(meta, allow_pickle, ref.key)
-                  for sid, meta in layout.meta.states.items()}
-    except (ValueError, TypeError) as exc:
-        raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
-    directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
-    try:
-        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
-        for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key):
-            yield from _raw_runs(states, raw_keys, values, ref.key)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
+               cache: LeasingCache | None) -> Iterator[Run]:
+    """A v2 snapshot's entries in ``wanted`` (read as in :func:`dstl.reader.image.
+    stream_snapshots`, through ``cache`` when given), listed chunk by chunk."""
+    with file_snapshot(store, ref, cache) as (read, _, layout):
+        owned = wanted.intersection(layout.meta.key_groups)
+        if not len(owned):
+            return
+        states = file_snapshot_states(ref, layout, allow_pickle)
+        directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
+        try:
+            decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"),
+                                     key=ref.key)
+            for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key):
+                yield from _raw_runs(states, raw_keys, values, ref.key)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
@@ -369,7 +366,7 @@ def snapshot_runs(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: Key
         if not len(wanted):
             continue
         if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
-            yield from _file_runs(store, ref, wanted, allow_pickle)
+            yield from _file_runs(store, ref, wanted, allow_pickle, cache)
         else:
             yield from _block_runs(store, ref, wanted, allow_pickle, cache)
 

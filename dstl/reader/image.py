@@ -29,11 +29,12 @@ Compared with restoring a backend (:func:`~dstl.reader.state.restored`, kept for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,12 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import codec_by_name
-from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
+from materializer.file_snapshot import (
+    FileSnapshotLayout,
+    decompress_file_snapshot,
+    read_file_snapshot_layout,
+    verify_file_snapshot,
+)
 from materializer.handles import SnapshotRef
 from materializer.lmdb_files import iter_key_groups
 from materializer.state_tables import BlobRangeSource, SnapshotReader
@@ -67,8 +73,8 @@ from restore.file_restore import is_file_snapshot, read_at
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
-__all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "snapshot_states", "state_info",
-           "stream_snapshots"]
+__all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "file_snapshot",
+           "file_snapshot_states", "snapshot_states", "state_info", "stream_snapshots"]
 
 #: (state name, key group, key bytes, namespace bytes)
 Ident = tuple[str, int, bytes, bytes]
@@ -133,7 +139,7 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
         if not len(wanted):
             continue
         if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
-            yield from _file_snapshot_entries(store, ref, wanted, allow_pickle)
+            yield from _file_snapshot_entries(store, ref, wanted, allow_pickle, cache)
             continue
         lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
         try:
@@ -153,35 +159,67 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
                 lease.release()
 
 
-def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
-                           allow_pickle: bool
-                           ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
-    """The entries of a v2 (file-level) snapshot in ``wanted``: the object is fetched with one
-    GET and verified (object crc; the data's zstd checksum and size while decompressing), its
-    LMDB file decompressed into a temporary directory — removed when the entries are read — and
-    read key group by key group, in the stored form a v1 block holds."""
-    read, size = read_at(store, ref.key)
-    layout = verify_file_snapshot(read, size, key=ref.key)
-    owned = wanted.intersection(layout.meta.key_groups)
-    if not len(owned):
+@contextlib.contextmanager
+def file_snapshot(store: BlobStore, ref: SnapshotRef, cache: LeasingCache | None
+                  ) -> Iterator[tuple[Callable[[int, int], bytes], int, FileSnapshotLayout]]:
+    """A v2 (file-level) snapshot's bytes (a ranged reader and the size) and its checked layout:
+    through ``cache`` — one verified download per cache, shared by every split of the process
+    that needs the object (the slices of one partition) — or with one GET verified here.
+
+    A v2 object is one zstd frame of an LMDB file: no key group of it can be read without the
+    whole object, so a split that needs one key group (a key filter) still fetches it whole;
+    the key groups are narrowed when the decompressed file is read."""
+    if cache is None:
+        read, size = read_at(store, ref.key)
+        yield read, size, verify_file_snapshot(read, size, key=ref.key)
         return
+    lease = cache.lease(store, ref.key, verify=verify_snapshot)  # the object crc, checked once
     try:
-        states = {int(sid): state_info(meta, allow_pickle, ref.key)
-                  for sid, meta in layout.meta.states.items()}
+        def read_lease(offset: int, length: int) -> bytes:
+            return bytes(lease.read(offset, length))
+
+        yield read_lease, lease.size, read_file_snapshot_layout(read_lease, lease.size,
+                                                                key=ref.key)
+    finally:
+        lease.release()
+
+
+def file_snapshot_states(ref: SnapshotRef, layout: FileSnapshotLayout, allow_pickle: bool
+                         ) -> dict[int, StateInfo]:
+    """A v2 snapshot's states by state id."""
+    try:
+        return {int(sid): state_info(meta, allow_pickle, ref.key)
+                for sid, meta in layout.meta.states.items()}
     except (ValueError, TypeError) as exc:
         raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
-    directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
-    try:
-        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
-        for kg, entries in iter_key_groups(directory, owned, key=ref.key):
-            for sid, kb, nb, vb in entries:
-                info = states.get(sid)
-                if info is None:
-                    raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which the "
-                                                         "snapshot's metadata does not name")
-                yield info, kg, kb, nb, vb
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                           allow_pickle: bool, cache: LeasingCache | None
+                           ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
+    """The entries of a v2 (file-level) snapshot in ``wanted``: the object read whole
+    (:func:`file_snapshot`; the data's zstd checksum and size are checked while decompressing),
+    its LMDB file decompressed into a temporary directory — removed when the entries are read —
+    and read key group by key group, in the stored form a v1 block holds."""
+    with file_snapshot(store, ref, cache) as (read, _, layout):
+        owned = wanted.intersection(layout.meta.key_groups)
+        if not len(owned):
+            return
+        states = file_snapshot_states(ref, layout, allow_pickle)
+        directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
+        try:
+            decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"),
+                                     key=ref.key)
+            for kg, entries in iter_key_groups(directory, owned, key=ref.key):
+                for sid, kb, nb, vb in entries:
+                    info = states.get(sid)
+                    if info is None:
+                        raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which "
+                                                             "the snapshot's metadata does not "
+                                                             "name")
+                    yield info, kg, kb, nb, vb
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class StateImage:

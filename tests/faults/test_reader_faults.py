@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -24,11 +25,14 @@ from dstl.reader import (
     CheckpointCatalog,
     ReadOnlyBlobStore,
     open_read_only,
+    plan_state_splits,
     read_changes,
     read_state,
+    task_states,
 )
 from dstl.retry import RetryPolicy
 from dstl.stores import FsspecBlobStore
+from restore.cache import LocalFileCache
 
 #: three attempts as the default read policy, without its backoff (keeps the test fast)
 FAST = RetryPolicy(max_attempts=DstlOptions().read_max_attempts, backoff_base_s=0.001,
@@ -41,6 +45,7 @@ class Env:
     faulty: FaultyFileSystem
     root: str
     job: MiniJob
+    table: str
 
     def reader(self, retry: RetryPolicy | None = FAST) -> CheckpointCatalog:
         store = open_read_only(self.root, filesystem=self.faulty, retry=retry)
@@ -65,7 +70,7 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
     finally:
         job.close()
     faulty = FaultyFileSystem(inner)
-    yield Env(inner, faulty, root, job)
+    yield Env(inner, faulty, root, job, request.param)
     faulty.clear_faults()
     store.close()
     inner.rm(root, recursive=True)
@@ -127,3 +132,37 @@ def test_the_reader_store_refuses_writes_on_a_faulty_filesystem_too(env: Env) ->
     with pytest.raises(UsageError, match=r"refused"):
         store.put("x", b"y")
     assert env.faulty.write_attempts == writes
+
+
+def test_slices_of_a_partition_fetch_its_snapshot_once_through_the_cache(
+        env: Env, tmp_path: Path) -> None:
+    """The Spark source reads the slices of a partition (keyGroupsPerSplit) through a process
+    cache: a snapshot — v1, or a v2 file that only a whole GET can read — is downloaded once for
+    all of them, not once per slice (each slice reads only its header range besides)."""
+    catalog = env.reader()
+    want = env.job.checkpoint_models[1]
+    snapshots = env.objects("snapshots")
+    per_task = len(plan_state_splits(1, task_states(catalog.manifest(1)), max_key_groups=2)) // 2
+    assert per_task == 4 and len(snapshots) == 2
+
+    def gets() -> list[int]:
+        return [env.faulty.calls("cat_file", p) for p in snapshots]
+
+    before = gets()
+    assert state_of(read_state_columns(catalog, 1, max_key_groups=2)) == want
+    direct = [b - a for a, b in zip(before, gets(), strict=True)]
+    cache = LocalFileCache(str(tmp_path / "cache"))
+    try:
+        before = gets()
+        assert state_of(read_state_columns(catalog, 1, max_key_groups=2, cache=cache)) == want
+        cached = [b - a for a, b in zip(before, gets(), strict=True)]
+        before = gets()
+        assert state_of(read_state(catalog, 1, max_key_groups=2, cache=cache)) == want
+        again = [b - a for a, b in zip(before, gets(), strict=True)]
+    finally:
+        cache.close()
+    if env.table == "lmdb":  # v2: a header range, then the whole object, per slice
+        assert direct == [2 * per_task] * 2
+        assert cached == [per_task + 1] * 2  # headers, and one download
+    assert all(c <= per_task + 1 for c in cached), cached
+    assert again == [per_task] * 2  # the cache holds them: headers only
