@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 from dstl.checks import check_bool, check_instance
 from dstl.envelope import HEADER_SIZE
 from dstl.errors import CorruptObjectError, ObjectNotFoundError
-from dstl.keygroups import KeyGroupRange
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.arrow import STATE_SCHEMA
 from dstl.reader.checks import check_cache, check_key_bytes, check_names
 from dstl.reader.image import (
@@ -63,11 +63,13 @@ from dstl.reader.image import (
     file_snapshot,
     file_snapshot_states,
     snapshot_states,
+    state_info,
 )
 from dstl.reader.plan import StateSplit
 from dstl.reader.rows import to_json
 from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
+from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
 from materializer.file_snapshot import decompress_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
@@ -394,20 +396,142 @@ class _Entries:
                    pa.array(self.nbs, type=pa.binary()), pa.array(self.vbs, type=pa.binary()))
 
 
+class _Irregular(Exception):
+    """A log the column-wise replay leaves to the per-change one (a state id redefined)."""
+
+
+def _parse_changes(payloads: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array,
+                                                 pa.Array]:
+    """``(op, state id, key, namespace, op payload)`` columns of data records (the layout
+    :func:`materializer.changes.decode_change` reads), split with numpy; the same checks."""
+    offsets, data = _buffers(payloads)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    if (lengths < 7).any():
+        raise CorruptObjectError("<change>", 0, "malformed change record: shorter than its "
+                                                "op, state id and key length")
+    head = _gather(data, starts, 7).astype(np.int64)
+    klen = (head[:, 3] << 24) | (head[:, 4] << 16) | (head[:, 5] << 8) | head[:, 6]
+    if (7 + klen + 4 > lengths).any():
+        raise CorruptObjectError("<change>", 0, "malformed change record: the key runs past "
+                                                "the record")
+    nl = _gather(data, starts + 7 + klen, 4).astype(np.int64)
+    nlen = (nl[:, 0] << 24) | (nl[:, 1] << 16) | (nl[:, 2] << 8) | nl[:, 3]
+    ns_end = 7 + klen + 4 + nlen
+    if (ns_end > lengths).any():
+        raise CorruptObjectError("<change>", 0, "namespace runs past the record")
+    return (head[:, 0], (head[:, 1] << 8) | head[:, 2], _slices(data, starts + 7, klen),
+            _slices(data, starts + 11 + klen, nlen), _slices(data, starts + ns_end,
+                                                                lengths - ns_end))
+
+
+def _check_scalar_ops(info: StateInfo, ops: np.ndarray) -> None:
+    bad = ops[~np.isin(ops, (CLEAR, SET, SET_INTERNAL))]
+    if len(bad):  # what StateImage.apply refuses
+        raise CorruptObjectError("<changelog>", 0, f"op code {int(bad[0])} on {info.kind} state "
+                                                   f"{info.name!r}")
+
+
 class _Overlay:
-    """The changes a log holds, per entry, applied to the snapshot runs passing through."""
+    """The changes a log holds, applied to the snapshot runs passing through.
+
+    Value, reducing and aggregating states (whose changes are SET and CLEAR only) are replayed
+    column-wise: a log's records are split with numpy, and the last change of every entry wins
+    (one group-by); a snapshot run drops the entries they name (one anti-join) and the
+    surviving SETs come last. List and map changes depend on the entry before them: they are
+    kept per entry in log order and applied by :meth:`StateImage.apply` to the stored bytes of
+    the entries they touch. A log that redefines a state id is replayed change by change."""
 
     def __init__(self, allow_pickle: bool) -> None:
         self.image = StateImage(allow_pickle)  # states, and the semantics of a change
         self.changes: dict[Ident, list[tuple[StateInfo, int, bytes]]] = {}
         self.keys: dict[str, set[bytes]] = {}
         self._wanted: dict[str, pa.Array] = {}
+        self._scalar: dict[str, list[pa.RecordBatch]] = {}  # per state: its changes in order
+        self._last: dict[str, pa.Table] | None = None
 
     def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
-        changes, keys = self.changes, self.keys
-        for ident, info, op, payload in self.image.changes(reader, handle, key_groups):
-            changes.setdefault(ident, []).append((info, op, payload))
-            keys.setdefault(ident[0], set()).add(ident[2])
+        records = list(reader.read(handle, key_groups=key_groups))
+        if not records:
+            return
+        try:
+            self._replay_columns(records, handle.log_id)
+        except _Irregular:
+            self._replay_rows(records, handle.log_id)
+
+    def _metadata(self, kgs: np.ndarray, payloads: tuple[bytes, ...], log_id: str
+                  ) -> tuple[dict[int, StateInfo], dict[int, int]]:
+        """The log's states by id, and where each id's metadata record is."""
+        names: dict[int, StateInfo] = {}
+        first: dict[int, int] = {}
+        for pos in np.flatnonzero(kgs == META_KEY_GROUP).tolist():
+            sid, meta = decode_metadata(payloads[pos])
+            info = self.image.known(state_info(meta, self.image.allow_pickle, log_id),
+                                    f"the log of {log_id}")
+            if names.setdefault(sid, info) is not info:  # redefined: change by change
+                raise _Irregular
+            first.setdefault(sid, pos)
+        return names, first
+
+    def _replay_columns(self, records: list[tuple[int, bytes]], log_id: str) -> None:
+        kg_list, payloads = zip(*records, strict=True)
+        kgs = np.array(kg_list, dtype=np.int64)
+        names, first = self._metadata(kgs, payloads, log_id)
+        at = np.flatnonzero(kgs != META_KEY_GROUP)
+        if not len(at):
+            return
+        ops, sids, kb, nb, pl = _parse_changes(pa.array(payloads, type=pa.binary())
+                                               .take(pa.array(at)))
+        kg = pa.array(kgs[at].astype(np.int32))
+        for sid in np.unique(sids).tolist():
+            rows = np.flatnonzero(sids == sid)
+            info = names.get(sid)
+            if info is None or at[rows[0]] < first[sid]:
+                raise CorruptObjectError(f"<changelog of {log_id}>", 0, f"change for state id "
+                                         f"{sid} before its metadata record")
+            take = pa.array(rows)
+            cols = (kg.take(take), kb.take(take), nb.take(take), ops[rows], pl.take(take))
+            self._add(info, *cols)
+
+    def _replay_rows(self, records: list[tuple[int, bytes]], log_id: str) -> None:
+        scalar: dict[str, tuple[StateInfo, _Entries, list[int]]] = {}
+        for ident, info, op, payload in self.image.decode(records, log_id):
+            if info.kind in _SCALAR_KINDS:
+                entries, ops = scalar.setdefault(info.name, (info, _Entries(), []))[1:]
+                entries.add(ident, payload)
+                ops.append(op)
+            else:
+                self.changes.setdefault(ident, []).append((info, op, payload))
+                self.keys.setdefault(ident[0], set()).add(ident[2])
+        for info, entries, ops in scalar.values():
+            run = entries.run(info)
+            self._add(info, run.kg, run.kb, run.nb, np.array(ops, dtype=np.int64), run.vb)
+
+    def _add(self, info: StateInfo, kg: pa.Array, kb: pa.Array, nb: pa.Array, ops: np.ndarray,
+             payload: pa.Array) -> None:
+        """Changes of one state, in log order (after those added before)."""
+        if info.kind in _SCALAR_KINDS:
+            _check_scalar_ops(info, ops)
+            self._scalar.setdefault(info.name, []).append(pa.RecordBatch.from_arrays(
+                [kg, kb, nb, pa.array(ops, type=pa.int64()), payload],
+                names=["kg", "kb", "nb", "op", "vb"]))
+            return
+        changes, touched = self.changes, self.keys.setdefault(info.name, set())
+        for k, key, ns, op, p in zip(kg.to_pylist(), kb.to_pylist(), nb.to_pylist(),
+                                     ops.tolist(), payload.to_pylist(), strict=True):
+            changes.setdefault((info.name, k, key, ns), []).append((info, op, p))
+            touched.add(key)
+
+    def _last_changes(self) -> dict[str, pa.Table]:
+        """Per value-like state, the last change of every entry it changed."""
+        if self._last is None:
+            self._last = {}
+            for name, batches in self._scalar.items():
+                t = pa.Table.from_batches(batches).combine_chunks()
+                t = t.append_column("row", pa.array(np.arange(len(t), dtype=np.int64)))
+                last = t.group_by(["kg", "kb", "nb"], use_threads=False).aggregate(
+                    [("row", "max")])
+                self._last[name] = t.take(last["row_max"]).drop_columns(["row"])
+        return self._last
 
     def _resolve(self, ident: Ident, base: bytes | None) -> bytes | None:
         entries = self.image.entries
@@ -420,12 +544,22 @@ class _Overlay:
 
     def through(self, run: Run) -> Iterator[Run]:
         """``run`` with the entries the log changed replaced by their new state."""
-        info = self.image.known(run.info, "a snapshot")
-        name = info.name
+        name = self.image.known(run.info, "a snapshot").name
+        last = self._last_changes().get(name)
+        if last is not None:
+            table = pa.table({"kg": run.kg, "kb": run.kb, "nb": run.nb, "vb": run.vb})
+            kept = table.join(last.select(["kg", "kb", "nb"]), keys=["kg", "kb", "nb"],
+                              join_type="left anti", use_threads=False).combine_chunks()
+            run = Run(run.info, kept["kg"].combine_chunks(), kept["kb"].combine_chunks(),
+                      kept["nb"].combine_chunks(), kept["vb"].combine_chunks())
         touched = self.keys.get(name)
         if not touched:
             yield run
             return
+        yield from self._through_entries(run, name, touched)
+
+    def _through_entries(self, run: Run, name: str, touched: set[bytes]) -> Iterator[Run]:
+        """List and map entries: those the log touched, with its changes applied."""
         wanted = self._wanted.get(name)
         if wanted is None:
             wanted = self._wanted[name] = pa.array(sorted(touched), type=pa.binary())
@@ -445,7 +579,12 @@ class _Overlay:
             yield out.run(run.info)
 
     def rest(self) -> Iterator[Run]:
-        """The entries only the log has, by state."""
+        """The entries the log set (value-like states) or only the log has (lists, maps)."""
+        for name, last in self._last_changes().items():
+            sets = last.filter(pc.not_equal(last["op"], CLEAR))
+            if sets.num_rows:
+                yield Run(self.image.states[name], *(sets[c].combine_chunks()
+                                                     for c in ("kg", "kb", "nb", "vb")))
         by_state: dict[str, _Entries] = {}
         for ident in list(self.changes):
             new = self._resolve(ident, None)

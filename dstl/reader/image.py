@@ -261,17 +261,22 @@ class StateImage:
                 key_groups: Container[int]) -> Iterator[tuple[Ident, StateInfo, int, bytes]]:
         """``(ident, state, op, payload)`` of every change of ``handle`` in ``key_groups``, in
         log order (states registered as their metadata records are met)."""
+        return self.decode(reader.read(handle, key_groups=key_groups), handle.log_id)
+
+    def decode(self, records: Iterable[tuple[int, bytes]], log_id: str
+               ) -> Iterator[tuple[Ident, StateInfo, int, bytes]]:
+        """:meth:`changes` of ``(key group, payload)`` records of the log ``log_id``."""
         names: dict[int, StateInfo] = {}  # this log's state ids
-        for kg, payload in reader.read(handle, key_groups=key_groups):
+        for kg, payload in records:
             if kg == META_KEY_GROUP:
                 sid, meta = decode_metadata(payload)
-                names[sid] = self.known(state_info(meta, self.allow_pickle, handle.log_id),
-                                         f"the log of {handle.log_id}")
+                names[sid] = self.known(state_info(meta, self.allow_pickle, log_id),
+                                        f"the log of {log_id}")
                 continue
             ch = decode_change(payload)
             info = names.get(ch.state_id)
             if info is None:
-                raise CorruptObjectError(f"<changelog of {handle.log_id}>", 0,
+                raise CorruptObjectError(f"<changelog of {log_id}>", 0,
                                          f"change for state id {ch.state_id} before its "
                                          "metadata record")
             yield (info.name, kg, ch.key, ch.namespace), info, ch.op, ch.payload

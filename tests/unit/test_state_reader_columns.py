@@ -306,3 +306,92 @@ def test_a_snapshot_entry_of_an_unknown_state_id_is_corrupt() -> None:
         list(_raw_runs({}, [b"\x00\x01\x00\x09\x00\x00\x00\x05k"], [b"v"], "snap"))
     with pytest.raises(CorruptObjectError, match="shorter than its prefix"):
         list(_raw_runs({}, [b"\x00\x01"], [b"v"], "snap"))
+
+
+# --------------------------------------------------------------------------- the log overlay
+
+
+class _Records:
+    """A log reader over hand-made records (key group, payload), for the overlay."""
+
+    log_id = "job/p0"
+
+    def __init__(self, records: list[tuple[int, bytes]]) -> None:
+        self.records = records
+
+    def read(self, handle: Any, key_groups: Any = None) -> Iterator[tuple[int, bytes]]:
+        return iter(self.records)
+
+
+def _meta(sid: int, name: str, kind: str = "value") -> tuple[int, bytes]:
+    from materializer.changes import encode_metadata
+
+    return -1, encode_metadata(sid, {"name": name, "kind": kind, "value_codec": "safe",
+                                     "key_codec": "safe" if kind == "map" else None})
+
+
+def _change(kg: int, op: int, sid: int, key: bytes, value: Any, ns: bytes = b"") -> tuple[int,
+                                                                                         bytes]:
+    import struct
+
+    payload = pickle.dumps(value, protocol=5) if value is not None else b""
+    return kg, (struct.pack(">BHI", op, sid, len(key)) + key + struct.pack(">I", len(ns)) + ns
+                + payload)
+
+
+def _overlay_rows(records: list[tuple[int, bytes]]) -> list[tuple[Any, ...]]:
+    from dstl.reader.columns import _Overlay, run_batches
+
+    overlay = _Overlay(False)
+    log = _Records(records)
+    overlay.replay(log, log, None)  # type: ignore[arg-type]
+    t = pa.Table.from_batches(list(run_batches(overlay.rest(), 0, "p0", None, None)))
+    return sorted(((r["state"], r["key_bytes"], r["value"]) for r in t.to_pylist()), key=repr)
+
+
+def _image_rows(records: list[tuple[int, bytes]]) -> list[tuple[Any, ...]]:
+    from dstl.reader.image import StateImage
+    from dstl.reader.rows import to_json
+
+    image = StateImage(False)
+    log = _Records(records)
+    image.replay(log, log, range(16))  # type: ignore[arg-type]
+    return sorted(((info.name, kb, to_json(info.shape.from_bytes(vb)))
+                   for info, _, kb, _, vb in image.rows()), key=repr)
+
+
+def test_the_overlay_replays_like_the_image_also_a_log_that_redefines_a_state_id() -> None:
+    from materializer.changes import ADD_ELEMENT, CLEAR, SET
+
+    plain = [_meta(0, "a"), _change(1, SET, 0, b"k1", 5), _change(2, SET, 0, b"k2", 7),
+             _change(1, SET, 0, b"k1", 6), _change(2, CLEAR, 0, b"k2", None),
+             _meta(1, "l", "list"), _change(3, ADD_ELEMENT, 1, b"k3", "x"),
+             _change(3, ADD_ELEMENT, 1, b"k3", "y")]
+    assert _overlay_rows(plain) == _image_rows(plain) == [
+        ("a", b"k1", "6"), ("l", b"k3", '["x","y"]')]
+    # state id 0 names another state half-way: the columns path hands the log to the rows path
+    redefined = [_meta(0, "a"), _change(1, SET, 0, b"k1", 5), _meta(0, "b"),
+                 _change(1, SET, 0, b"k1", 9), _change(1, SET, 0, b"k2", 1)]
+    assert _overlay_rows(redefined) == _image_rows(redefined) == [
+        ("a", b"k1", "5"), ("b", b"k1", "9"), ("b", b"k2", "1")]
+
+
+def test_the_overlay_refuses_what_the_image_refuses() -> None:
+    from materializer.changes import ADD_ELEMENT, SET
+
+    cases = [
+        [_meta(0, "a"), _change(1, ADD_ELEMENT, 0, b"k", 1)],        # a list op on a value
+        [_change(1, SET, 0, b"k", 1), _meta(0, "a")],                # before its metadata
+        [_meta(0, "a"), _change(1, SET, 3, b"k", 1)],                # an id never described
+        [_meta(0, "a"), (1, b"\x01\x00\x00\x00\x00\x00\x09k")],      # key past the record
+        [_meta(0, "a"), (1, b"\x01\x00")],                           # shorter than its header
+        [_meta(0, "a"), (1, b"\x01\x00\x00\x00\x00\x00\x01k\x00\x00\x00\x05")],  # namespace
+    ]
+    for records in cases:
+        with pytest.raises(CorruptObjectError) as want:
+            _image_rows(records)
+        with pytest.raises(CorruptObjectError) as got:
+            _overlay_rows(records)
+        assert type(got.value) is type(want.value), records
+        if "op code" in str(want.value) or "metadata record" in str(want.value):
+            assert str(got.value) == str(want.value)
