@@ -13,14 +13,14 @@
 
 Every command takes ``--help`` (exit 0) and ``--storage-option key=value`` for S3 and other
 fsspec stores (:mod:`dstl.cli.common`). Exit codes: 0 done; 2 the command line must change —
-bad arguments, a :class:`~dstl.errors.UsageError` (a :class:`~dstl.errors.ConfigError` such as a
-malformed URI or storage option, a ``state_uri`` that names no directory, a checkpoint the store
-does not hold, a pickle state without ``--allow-pickle``, another job's store) or an
-:class:`~dstl.errors.AccessDeniedError` (credentials, a bucket that does not exist); 1 the store
-was read and is not right, or could not be read — a damaged or missing object (a
-:class:`~dstl.errors.CorruptObjectError` is 1 even where it is also a usage error), a checkpoint
-deleted while read, a storage failure that outlasted its retries, a failed ``verify`` — with its
-message. :func:`main` imports a command's module only
+bad arguments, a :class:`~dstl.errors.ConfigError` (a malformed URI or storage option, an
+argument out of range, a ``state_uri`` directory or ``inspect`` file that does not exist), a
+checkpoint the store does not hold (:class:`~dstl.reader.CheckpointNotFoundError`, also for a
+store with no checkpoint), or an :class:`~dstl.errors.AccessDeniedError` (credentials refused, a
+bucket that does not exist); 1 any other :class:`~dstl.errors.DstlError` with its message — a
+damaged or missing object, a checkpoint deleted while read, a storage failure that outlasted its
+retries, a state gc or the reader refuses, a failed ``verify``.
+:func:`main` imports a command's module only
 when that command runs, so ``dstl gc`` never loads Spark and a usage error loads nothing.
 """
 
@@ -30,7 +30,7 @@ import importlib
 import os
 import sys
 
-from dstl.errors import AccessDeniedError, CorruptObjectError, DstlError, UsageError
+from dstl.errors import AccessDeniedError, ConfigError, DstlError
 
 __all__ = ["COMMANDS", "main"]
 
@@ -52,9 +52,8 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dstl`` command and ``python -m dstl``; returns the exit status:
-    0 done, 2 the command line must change (bad arguments, a usage or configuration error,
-    access denied), 1 the store is damaged or could not be read, or a check failed (see the
-    module docstring)."""
+    0 done, 2 the command line must change (bad arguments or configuration, a store or checkpoint
+    that is not there, access denied), 1 any other DSTL error (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(_usage())
@@ -70,17 +69,20 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(rest))
     except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    except CorruptObjectError as exc:  # the store is damaged, whatever else the error is
-        print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except (UsageError, AccessDeniedError) as exc:  # fixed by changing the command line
-        print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
     except DstlError as exc:
         print(f"dstl {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if _fixed_by_the_command_line(exc) else 1
     except BrokenPipeError:
         # the reader of stdout went away (| head): stop quietly, and keep Python's own flush at
         # exit from raising again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _fixed_by_the_command_line(exc: DstlError) -> bool:
+    """Whether ``exc`` is fixed by changing the command line: its arguments, its store or its
+    credentials (exit 2; see the module docstring)."""
+    # imported here: a command that fails before reading (gc, a usage error) loads no reader
+    from dstl.reader.errors import CheckpointNotFoundError
+
+    return isinstance(exc, (ConfigError, CheckpointNotFoundError, AccessDeniedError))

@@ -79,6 +79,6 @@ def test_gc_on_s3_without_the_storage_options_fails_without_deleting(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     endpoint_only = json.dumps({"endpoint_url": moto_endpoint, "region_name": REGION})
     assert main(["gc", f"s3://{s3_bucket}/job", "--job", "clicks", "--min-age", "0",
-                 "--storage-option", f"client_kwargs={endpoint_only}"]) == 1
+                 "--storage-option", f"client_kwargs={endpoint_only}"]) == 2  # fix the options
     assert "AccessDeniedError" in capsys.readouterr().err
     assert len(_keys(moto_endpoint, s3_bucket)) == 1
