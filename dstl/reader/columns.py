@@ -546,7 +546,7 @@ class _Overlay:
         """``run`` with the entries the log changed replaced by their new state."""
         name = self.image.known(run.info, "a snapshot").name
         last = self._last_changes().get(name)
-        if last is not None:
+        if last is not None and self._meets(name, last, run):
             table = pa.table({"kg": run.kg, "kb": run.kb, "nb": run.nb, "vb": run.vb})
             kept = table.join(last.select(["kg", "kb", "nb"]), keys=["kg", "kb", "nb"],
                               join_type="left anti", use_threads=False).combine_chunks()
@@ -557,6 +557,14 @@ class _Overlay:
             yield run
             return
         yield from self._through_entries(run, name, touched)
+
+    def _meets(self, name: str, last: pa.Table, run: Run) -> bool:
+        """Whether a key of ``run`` is one the log changed (the anti-join is skipped when none
+        is: a log of new keys, the common case, costs one hash lookup per entry)."""
+        keys = self._wanted.get(f"\0{name}")  # not a state name: names are never empty
+        if keys is None:
+            keys = self._wanted[f"\0{name}"] = last["kb"].combine_chunks().unique()
+        return bool(pc.any(pc.is_in(run.kb, value_set=keys)).as_py())
 
     def _through_entries(self, run: Run, name: str, touched: set[bytes]) -> Iterator[Run]:
         """List and map entries: those the log touched, with its changes applied."""
