@@ -83,6 +83,7 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
                 "max": max(s[f] for s in samples)} for f in fields}
 
 
+@pytest.mark.timeout(SOAK_BATCHES * 6 + 900)  # not the suite's 300 s per test
 def test_a_long_run_stays_flat(tmp_path: Path) -> None:
     started = time.monotonic()
     log = tmp_path / "soak.log"
