@@ -13,9 +13,11 @@ driver RSS (Python)    1 MiB                 issue #17 measured ~5 MB / 100 batc
                                              ~1 MiB / 100 then, so a short run cannot tell)
 store objects          1 object              the store holds the retained checkpoints only;
                                              a leak of one object per batch is 100
-store bytes            2 % of the mean       the key space is fixed (500 keys): state and
-                                             snapshot sizes reach a plateau in minutes
-local dirs (both)      2 % of the mean       LMDB pages, batch-id files, the agent's cache
+store bytes            2 % of the mean, at   the key space is fixed (500 keys): state and
+                       least 1 KiB           snapshot sizes reach a plateau in minutes
+local dirs (both)      2 % of the mean, at   LMDB pages, batch-id files, the agent's cache;
+                       least 1 KiB           a directory of a few KB moves by whole files
+                                             (SPARK_LOCAL_DIRS without the log: ~2.5 KB)
 agent log (all files)  bounded, not sloped   it rotates (64 KiB x 3 files here): a sawtooth;
                                              its total stays <= 3 x 64 KiB + a line, and it
                                              did rotate
@@ -111,7 +113,8 @@ def test_a_long_run_stays_flat(tmp_path: Path) -> None:
     assert slope("driver_rss") <= 1 * MIB, figures["driver_rss"]
     assert slope("store_objects") <= 1.0, figures["store_objects"]
     for f in ("store_bytes", "local_bytes", "spark_local_bytes"):
-        assert slope(f) <= 0.02 * figures[f]["mean_2nd_half"], (f, figures[f])
+        bound = max(0.02 * figures[f]["mean_2nd_half"], 1024)
+        assert slope(f) <= bound, (f, figures[f])
     assert slope("processes") <= 0.5, figures["processes"]
     # the agent's log rotated and its files stay within their bound
     from soak_scenario import LOG_BACKUPS, LOG_MAX_BYTES
