@@ -659,8 +659,11 @@ class DstlStatefulOperator:
         """Hand the output rows to the sink; how many there were."""
         import pyarrow.compute as pc
 
+        # one chunk: no empty record batch may come before rows, since pyspark's
+        # createDataFrame from Arrow stops at an empty batch that more batches follow (it reads
+        # 0 rows of chunks [0, 0, 5]); Table.filter happens to drop empty chunks today
         outputs = result.filter(pc.is_null(result.column(REPORT_COLUMN))).drop_columns(
-            [REPORT_COLUMN])
+            [REPORT_COLUMN]).combine_chunks()
         if self.sink is not None:
             self.sink(spark.createDataFrame(outputs, schema=ready.out_schema), batch_id)
         return int(outputs.num_rows)
