@@ -38,9 +38,6 @@ the row path (:func:`dstl.reader.arrow.batches`).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +57,7 @@ from dstl.reader.image import (
     LeaseSource,
     StateImage,
     StateInfo,
-    file_snapshot,
-    file_snapshot_states,
+    decompressed_file_snapshot,
     snapshot_states,
     state_info,
 )
@@ -71,7 +67,6 @@ from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
-from materializer.file_snapshot import decompress_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_files import iter_raw_chunks
 from materializer.state_tables import BlobRangeSource, SnapshotReader
@@ -319,21 +314,14 @@ def _raw_runs(states: dict[int, StateInfo], raw_keys: list[bytes], values: list[
 
 def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
                cache: LeasingCache | None) -> Iterator[Run]:
-    """A v2 snapshot's entries in ``wanted`` (read as in :func:`dstl.reader.image.
+    """A v2 snapshot's entries in ``wanted`` (opened as for :func:`dstl.reader.image.
     stream_snapshots`, through ``cache`` when given), listed chunk by chunk."""
-    with file_snapshot(store, ref, cache) as (read, _, layout):
-        owned = wanted.intersection(layout.meta.key_groups)
-        if not len(owned):
+    with decompressed_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
+        if opened is None:
             return
-        states = file_snapshot_states(ref, layout, allow_pickle)
-        directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
-        try:
-            decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"),
-                                     key=ref.key)
-            for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key):
-                yield from _raw_runs(states, raw_keys, values, ref.key)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        directory, owned, states = opened
+        for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key):
+            yield from _raw_runs(states, raw_keys, values, ref.key)
 
 
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,

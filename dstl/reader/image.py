@@ -73,8 +73,9 @@ from restore.file_restore import is_file_snapshot, read_at
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
-__all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "file_snapshot",
-           "file_snapshot_states", "snapshot_states", "state_info", "stream_snapshots"]
+__all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "decompressed_file_snapshot",
+           "file_snapshot", "file_snapshot_states", "snapshot_states", "state_info",
+           "stream_snapshots"]
 
 #: (state name, key group, key bytes, namespace bytes)
 Ident = tuple[str, int, bytes, bytes]
@@ -194,32 +195,48 @@ def file_snapshot_states(ref: SnapshotRef, layout: FileSnapshotLayout, allow_pic
         raise CorruptObjectError(ref.key, 0, f"snapshot metadata is not DSTL's: {exc}") from exc
 
 
-def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
-                           allow_pickle: bool, cache: LeasingCache | None
-                           ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
-    """The entries of a v2 (file-level) snapshot in ``wanted``: the object read whole
-    (:func:`file_snapshot`; the data's zstd checksum and size are checked while decompressing),
-    its LMDB file decompressed into a temporary directory — removed when the entries are read —
-    and read key group by key group, in the stored form a v1 block holds."""
+@contextlib.contextmanager
+def decompressed_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                               allow_pickle: bool, cache: LeasingCache | None
+                               ) -> Iterator[tuple[str, KeyGroupRange, dict[int, StateInfo]]
+                                             | None]:
+    """A v2 (file-level) snapshot opened for reading the key groups in ``wanted``: the object
+    read whole (:func:`file_snapshot`; the data's zstd checksum and size are checked while
+    decompressing), its LMDB file decompressed into a temporary directory, removed on exit.
+    Yields ``(directory, owned key groups, states by id)``, or None when the snapshot holds none
+    of ``wanted`` (nothing is decompressed then)."""
     with file_snapshot(store, ref, cache) as (read, _, layout):
         owned = wanted.intersection(layout.meta.key_groups)
         if not len(owned):
+            yield None
             return
         states = file_snapshot_states(ref, layout, allow_pickle)
         directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
         try:
             decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"),
                                      key=ref.key)
-            for kg, entries in iter_key_groups(directory, owned, key=ref.key):
-                for sid, kb, nb, vb in entries:
-                    info = states.get(sid)
-                    if info is None:
-                        raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which "
-                                                             "the snapshot's metadata does not "
-                                                             "name")
-                    yield info, kg, kb, nb, vb
+            yield directory, owned, states
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                           allow_pickle: bool, cache: LeasingCache | None
+                           ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
+    """The entries of a v2 (file-level) snapshot in ``wanted``
+    (:func:`decompressed_file_snapshot`), read key group by key group, in the stored form a v1
+    block holds."""
+    with decompressed_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
+        if opened is None:
+            return
+        directory, owned, states = opened
+        for kg, entries in iter_key_groups(directory, owned, key=ref.key):
+            for sid, kb, nb, vb in entries:
+                info = states.get(sid)
+                if info is None:
+                    raise CorruptObjectError(ref.key, 0, f"entry of state id {sid}, which the "
+                                                         "snapshot's metadata does not name")
+                yield info, kg, kb, nb, vb
 
 
 class StateImage:
