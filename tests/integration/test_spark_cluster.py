@@ -167,7 +167,7 @@ class Model:
         self.batch += 1
         stats: dict[str, Any] = self.op.batch_stats[-1]
         print(f"{self.op.name} batch {stats['batch_id']}: {stats['batch_seconds']:.1f} s, "
-              f"{stats['objects_written']} objects, "
+              f"{stats['objects_written']} objects, {stats['segments']} segments, "
               f"{[(t['partition'], t['access'], t['agent_pid']) for t in stats['tasks']]}")
         return stats
 
@@ -318,6 +318,41 @@ def test_partitions_move_between_executors(cluster: Cluster, moto_endpoint: str,
                 was = max((f[agent] for f in fetched[:batch] if agent in f), default=0.0)
                 assert fetched[batch][agent] > was, (batch, agent, fetched)
         assert sum(s["materializations"] for s in op.batch_stats) > 0
+    finally:
+        op.close()
+
+
+def test_partitions_move_without_the_agent(cluster: Cluster, moto_endpoint: str,
+                                           s3_bucket: str, tmp_path: Path) -> None:
+    """``agent=False``: each task writes its own segment and restores through its worker's own
+    cache; partition 2 is made to move in batch 2 (as above) and restores on its new executor.
+    Without agents, the executor of a task is found from its worker (worker -> daemon ->
+    executor JVM)."""
+    slow = tmp_path / "slow-executor"
+    latest: dict[str, int] = {}
+    op = _op("moves-no-agent", latest, f"s3://{s3_bucket}/{_prefix('moves-no-agent')}",
+             s3_storage_options(moto_endpoint), agent=False,
+             processor=type("Slow", (SlowOnExecutor,), {"slow": str(slow)}), mat_s=1.0)
+    model = Model(cluster.spark, op, latest)
+    try:
+        executors: list[dict[int, int]] = []  # per batch: partition -> executor JVM pid
+        for b in range(4):
+            slow.unlink(missing_ok=True)
+            if b == 2:
+                slow.write_text(str(executors[-1][2]))
+            stats = model.run()
+            executors.append({t["partition"]: _parent(_parent(t["pid"]))
+                              for t in stats["tasks"]})
+            assert {t["agent_pid"] for t in stats["tasks"]} == {0} and not stats["agents"]
+            # at most one segment per task: a task that materializes its partition in the
+            # checkpoint (due every 1 s here) needs no log segment for its changes
+            assert 1 <= stats["segments"] <= PARTITIONS, stats
+        assert set(executors[0].values()) <= {p.pid for p in cluster.executors()}
+        assert executors[2][2] != executors[1][2], executors
+        for b in range(1, len(executors)):
+            for t in op.batch_stats[b]["tasks"]:
+                if executors[b][t["partition"]] != executors[b - 1][t["partition"]]:
+                    assert t["access"] == "restore", (b, t)
     finally:
         op.close()
 
