@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-deep bench bench-quick lint typecheck clean venv
+.PHONY: azurite demo test test-fast test-deep bench bench-quick lint typecheck clean venv
 
 venv: $(STAMP)
 
@@ -14,7 +14,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "s3fs>=2024.6.0"
 	$(PY) -m pip install --quiet -e ".[spark,dev]"
+	$(MAKE) --no-print-directory azurite
 	touch $(STAMP)
+
+# Azurite (Microsoft's Azure Storage emulator, from the npm registry) for the store contract
+# suite's Azure run; pinned, installed under .venv so `make clean` removes it.
+AZURITE_VERSION := 3.37.0
+AZURITE := $(VENV)/node/node_modules/.bin/azurite-blob
+azurite: $(AZURITE)
+$(AZURITE):
+	@command -v npm >/dev/null || { echo "npm not found: Node.js and npm are needed for the Azure (Azurite) store tests"; exit 1; }
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/node azurite@$(AZURITE_VERSION)
 
 demo: $(STAMP)
 	$(PY) -m dstl demo

@@ -159,7 +159,7 @@ _TRANSIENT_S3_CODES = {"RequestTimeout", "RequestTimeTooSkewed", "XAmzContentSHA
                        "BadDigest", "IncompleteBody"}
 _DENIED_S3_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
                     "AllAccessDisabled", "ExpiredToken", "InvalidToken", "AccountProblem",
-                    "InvalidSecurity", "403"}
+                    "InvalidSecurity", "401", "403"}
 _NOT_FOUND_S3_CODES = {"NoSuchKey", "404"}
 _EXISTS_S3_CODES = {"PreconditionFailed", "412"}
 # The request itself is wrong (a range past the end, a bad name): retrying cannot help.
@@ -187,6 +187,36 @@ def _chain_names(exc: BaseException) -> Iterator[BaseException]:
         cur = cur.__cause__ or cur.__context__
 
 
+#: Azure Storage error codes (``azure.core.exceptions.HttpResponseError.error_code``) mapped to
+#: the S3 code of the same meaning; other Azure errors are classified by their HTTP status.
+_AZURE_CODES = {"AuthenticationFailed": "AccessDenied", "AuthorizationFailure": "AccessDenied",
+                "AuthorizationPermissionMismatch": "AccessDenied",
+                "InsufficientAccountPermissions": "AccessDenied", "AccountIsDisabled": "AccessDenied",
+                "ContainerNotFound": "NoSuchBucket", "BlobNotFound": "NoSuchKey",
+                "BlobAlreadyExists": "PreconditionFailed", "ConditionNotMet": "PreconditionFailed",
+                "ServerBusy": "SlowDown", "InternalError": "InternalError",
+                "OperationTimedOut": "RequestTimeout", "InvalidRange": "InvalidRange"}
+
+
+def _service_code(exc: BaseException) -> str | None:
+    """What the remote service said, as an S3 error code or an HTTP status: botocore's
+    ``response``; Azure's ``error_code`` / ``status_code`` (adlfs raises azure.core errors);
+    gcsfs's ``HttpError.code`` (the HTTP status)."""
+    code = _s3_code(exc)
+    if code is not None:
+        return code
+    azure = getattr(exc, "error_code", None)
+    if isinstance(azure, str) and azure in _AZURE_CODES:
+        return _AZURE_CODES[azure]
+    status = getattr(exc, "status_code", None)
+    if type(status) is int and hasattr(exc, "error_code"):
+        return str(status)
+    gcs = getattr(exc, "code", None)
+    if type(exc).__name__ == "HttpError" and type(gcs) is int:
+        return str(gcs)
+    return None
+
+
 def _s3_code(exc: BaseException) -> str | None:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -202,13 +232,14 @@ def _s3_code(exc: BaseException) -> str | None:
 
 def _from_service(cur: BaseException, *, op: str, key: str | None,
                   where: str) -> DstlError | None:
-    """Translate what the remote service said (botocore credential errors, S3 error codes)."""
+    """Translate what the remote service said (botocore credential errors, S3 error codes, and
+    Azure's and GCS's codes through :func:`_service_code`)."""
     name = type(cur).__name__
     if name in _CREDENTIAL_CLASS_NAMES:
         return AccessDeniedError(
             f"{op} {where}: no usable credentials ({name}); pass key/secret (or a profile) "
             "in storage_options, or set the standard AWS environment variables", key=key)
-    code = _s3_code(cur)
+    code = _service_code(cur)
     if code is None:
         return None
     if code in _DENIED_S3_CODES:
@@ -287,8 +318,8 @@ def _from_local(cur: BaseException, *, op: str, key: str | None,
 def translate_error(exc: BaseException, *, op: str, key: str | None, location: str) -> DstlError:
     """Turn any exception raised by a storage backend into a DSTL error.
 
-    This is the only place that inspects third-party errors (botocore codes, s3fs/aiohttp
-    transport errors, ``OSError`` errnos). The result is retryable iff it is a
+    This is the only place that inspects third-party errors (botocore codes, Azure and gcsfs
+    HTTP errors, s3fs/aiohttp transport errors, ``OSError`` errnos). The result is retryable iff it is a
     :class:`~dstl.errors.TransientStorageError`; a :class:`~dstl.errors.ThrottledError` (the
     service said slow down, or failed internally) is retried only after a backoff
     (:mod:`dstl.retry`).

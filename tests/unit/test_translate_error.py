@@ -250,3 +250,56 @@ def test_captured_connection_refused_is_transient() -> None:
     err = translate(exc)
     assert isinstance(err, TransientStorageError), exc
     assert DUMMY_SECRET not in str(err)
+
+
+def _gcs(code: int) -> BaseException:
+    from gcsfs.retry import HttpError
+
+    return HttpError({"code": code, "message": "from GCS"})
+
+
+def _azure(status: int, error_code: str | None) -> BaseException:
+    from azure.core.exceptions import HttpResponseError
+
+    err = HttpResponseError(message="from Azure")
+    err.status_code, err.error_code = status, error_code
+    return err
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda: _gcs(401), AccessDeniedError), (lambda: _gcs(403), AccessDeniedError),
+    (lambda: _gcs(404), ObjectNotFoundError), (lambda: _gcs(412), ObjectExistsError),
+    (lambda: _gcs(429), ThrottledError), (lambda: _gcs(503), ThrottledError),
+    (lambda: _gcs(400), StorageError),
+    (lambda: _azure(403, "AuthorizationFailure"), AccessDeniedError),
+    (lambda: _azure(403, "AuthenticationFailed"), AccessDeniedError),
+    (lambda: _azure(404, "ContainerNotFound"), AccessDeniedError),
+    (lambda: _azure(404, "BlobNotFound"), ObjectNotFoundError),
+    (lambda: _azure(409, "BlobAlreadyExists"), ObjectExistsError),
+    (lambda: _azure(412, "ConditionNotMet"), ObjectExistsError),
+    (lambda: _azure(503, "ServerBusy"), ThrottledError),
+    (lambda: _azure(500, "SomethingNew"), ThrottledError),
+    (lambda: _azure(403, None), AccessDeniedError),
+    (lambda: _azure(400, "InvalidHeaderValue"), StorageError),
+], ids=["gcs-401", "gcs-403", "gcs-404", "gcs-412", "gcs-429", "gcs-503", "gcs-400",
+        "az-authz", "az-authn", "az-container", "az-blob", "az-exists", "az-condition",
+        "az-busy", "az-500-unknown-code", "az-403-no-code", "az-400"])
+def test_gcs_and_azure_service_errors(make: Callable[[], BaseException],
+                                      expected: type[DstlError]) -> None:
+    """gcsfs's ``HttpError`` (its ``code`` is the HTTP status) and azure.core's
+    ``HttpResponseError`` (``error_code``, else ``status_code``), bare and wrapped in the
+    ``OSError`` a filesystem raises from them."""
+    for exc in (make(), _wrapped(make())):
+        err = translate_error(exc, op="get", key="dstl/x", location="gs://b/app")
+        assert type(err) is expected, (exc, err)
+        assert "gs://b/app/dstl/x" in str(err)
+
+
+def _wrapped(cause: BaseException) -> BaseException:
+    try:
+        try:
+            raise cause
+        except Exception as exc:
+            raise OSError("the filesystem's own wrapper") from exc
+    except OSError as outer:
+        return outer
