@@ -141,7 +141,7 @@ class RequestLog:
 def azurite_connection(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A connection string for an in-memory Azurite blob service on a free loopback port."""
     if not AZURITE_BLOB.exists():
-        raise RuntimeError(f"Azurite is not installed at {AZURITE_BLOB}: run `make venv` "
+        raise RuntimeError(f"Azurite is not installed at {AZURITE_BLOB}: run `make azurite` "
                            "(it installs azurite from the npm registry; Node.js and npm needed) "
                            "or set AZURITE_BLOB to an azurite-blob binary")
     proc = subprocess.Popen(
