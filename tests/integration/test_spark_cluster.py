@@ -344,9 +344,11 @@ def test_partitions_move_without_the_agent(cluster: Cluster, moto_endpoint: str,
             executors.append({t["partition"]: _parent(_parent(t["pid"]))
                               for t in stats["tasks"]})
             assert {t["agent_pid"] for t in stats["tasks"]} == {0} and not stats["agents"]
-            # at most one segment per task: a task that materializes its partition in the
-            # checkpoint (due every 1 s here) needs no log segment for its changes
-            assert 1 <= stats["segments"] <= PARTITIONS, stats
+            # at most one segment per task, and every task (each partition gets keys in every
+            # batch) writes one or materializes its partition in the checkpoint (due every 1 s
+            # here), which then needs no log segment for its changes: 0 segments is possible
+            assert stats["segments"] <= PARTITIONS, stats
+            assert stats["segments"] + stats["materializations"] >= PARTITIONS, stats
         assert set(executors[0].values()) <= {p.pid for p in cluster.executors()}
         assert executors[2][2] != executors[1][2], executors
         for b in range(1, len(executors)):
