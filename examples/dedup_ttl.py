@@ -21,15 +21,13 @@ many copies it dropped and how many ids the TTL forgot.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from _harness import main, run_available_now, write_files
 
 from dstl.spark import DstlStatefulOperator, StatefulProcessor, TimerValues
 
@@ -98,16 +96,6 @@ def expected_output(batches: list[list[dict[str, Any]]], times: list[int]
     return out
 
 
-def write_files(src: Path, batches: list[list[dict[str, Any]]]) -> None:
-    """One JSON file per batch; modification times one second apart, because the file source
-    takes files in modification-time order (``maxFilesPerTrigger=1``: one per batch)."""
-    base = 1_700_000_000
-    for i, rows in enumerate(batches):
-        f = src / f"part-{i:04d}.json"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(f, (base + i, base + i))
-
-
 def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
         agent: bool = True, clock_ms: Callable[[], int] | None = None) -> dict[str, Any]:
     """Feed the generated events through the operator, one file per micro-batch; returns the
@@ -116,9 +104,7 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
     expires ids too)."""
     rng = random.Random(7)
     batches = make_batches(rng, batches=8 if quick else 20, per_batch=20 if quick else 200)
-    src = workdir / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    write_files(src, batches)
+    write_files(workdir / "src", batches)
     emitted: dict[int, set[tuple[Any, ...]]] = {}
     op = DstlStatefulOperator(
         name="dedup", processor=Dedup, key_column="event_id", output_schema=OUTPUT,
@@ -128,14 +114,8 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
     if clock_ms is not None:
         op.clock_ms = clock_ms
     try:
-        q = (spark.readStream.schema("event_id string, seq long, payload string")
-             .option("maxFilesPerTrigger", 1).json(str(src))
-             .writeStream.foreachBatch(op.foreach_batch)
-             .option("checkpointLocation", str(workdir / "checkpoint"))
-             .trigger(availableNow=True).start())
-        q.awaitTermination()
-        if q.exception() is not None:
-            raise RuntimeError(f"the query failed: {q.exception()}")
+        run_available_now(spark, "event_id string, seq long, payload string", workdir / "src",
+                          op, workdir)
         stats = sorted(op.batch_stats, key=lambda s: s["batch_id"])
         times = [s["processing_time_ms"] for s in stats]
         return {"emitted": {s["batch_id"]: emitted.get(s["batch_id"], set()) for s in stats},
@@ -145,23 +125,7 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
         op.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--table", choices=("lmdb", "heap"), default="lmdb")
-    args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("dstl-dedup-ttl")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
-        with tempfile.TemporaryDirectory(prefix="dstl-dedup-") as tmp:
-            r = run(spark, Path(tmp), quick=args.quick, table=args.table)
-    finally:
-        spark.stop()
+def report(r: dict[str, Any]) -> int:
     rows = sum(len(b) for b in r["batches"])
     out = sum(len(v) for v in r["emitted"].values())
     ids = {row["event_id"] for b in r["batches"] for row in b}
@@ -177,4 +141,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, "dstl-dedup-ttl", run, report))

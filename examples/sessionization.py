@@ -17,16 +17,14 @@ watermark closed, each exactly once) and prints them.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _harness import main, run_available_now, write_files
 
 from dstl.spark import DstlStatefulOperator, ExpiredTimerInfo, StatefulProcessor, TimerValues
 
@@ -119,16 +117,6 @@ def expected_sessions(batches: list[list[dict[str, Any]]]) -> tuple[set[tuple[An
     return sessions, applied
 
 
-def write_files(src: Path, batches: list[list[dict[str, Any]]]) -> None:
-    """One JSON file per batch; modification times one second apart, because the file source
-    takes files in modification-time order (``maxFilesPerTrigger=1``: one per batch)."""
-    base = 1_700_000_000
-    for i, rows in enumerate(batches):
-        f = src / f"part-{i:04d}.json"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(f, (base + i, base + i))
-
-
 def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
         agent: bool = True) -> dict[str, Any]:
     """Feed the generated clicks through the operator, one file per micro-batch; returns the
@@ -136,9 +124,7 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
     rng = random.Random(20)
     batches = make_batches(rng, users=8 if quick else 40, batches=6 if quick else 15,
                            per_batch=30 if quick else 200)
-    src = workdir / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    write_files(src, batches)
+    write_files(workdir / "src", batches)
     sessions: set[tuple[Any, ...]] = set()
     late: list[Any] = []
     op = DstlStatefulOperator(
@@ -149,37 +135,14 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
         late_sink=lambda df, b: late.extend(df.collect()),
         sink=lambda df, b: sessions.update(tuple(r) for r in df.collect()))
     try:
-        q = (spark.readStream.schema("user string, ts timestamp")
-             .option("maxFilesPerTrigger", 1).json(str(src))
-             .writeStream.foreachBatch(op.foreach_batch)
-             .option("checkpointLocation", str(workdir / "checkpoint"))
-             .trigger(availableNow=True).start())
-        q.awaitTermination()
-        if q.exception() is not None:
-            raise RuntimeError(f"the query failed: {q.exception()}")
+        run_available_now(spark, "user string, ts timestamp", workdir / "src", op, workdir)
         return {"sessions": sessions, "late": late, "stats": op.batch_stats,
                 "expected": expected_sessions(batches)}
     finally:
         op.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--table", choices=("lmdb", "heap"), default="lmdb")
-    args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("dstl-sessionization")
-             .config("spark.ui.enabled", "false").config("spark.sql.session.timeZone", "UTC")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
-        with tempfile.TemporaryDirectory(prefix="dstl-sessions-") as tmp:
-            r = run(spark, Path(tmp), quick=args.quick, table=args.table)
-    finally:
-        spark.stop()
+def report(r: dict[str, Any]) -> int:
     want, wm = r["expected"]
     for s in sorted(r["sessions"], key=lambda s: (s[1], s[0])):
         print(f"{s[0]:>8}  {START + dt.timedelta(milliseconds=s[1]):%H:%M:%S} - "
@@ -195,4 +158,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, "dstl-sessionization", run, report,
+                  conf={"spark.sql.session.timeZone": "UTC"}))

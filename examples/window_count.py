@@ -19,17 +19,16 @@ prints them and the cost of the heartbeat-only batches.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _harness import main, write_files
 
 from dstl.spark import (
     DstlStatefulOperator,
@@ -110,11 +109,7 @@ def run(spark: Any, workdir: Path, *, quick: bool = False, table: str = "lmdb",
     returns the windows, the expected ones and the batch stats."""
     batches = make_batches(random.Random(15), 5 if quick else 12, 40 if quick else 300)
     src = workdir / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    for i, rows in enumerate(batches):  # the file source takes files in mtime order
-        f = src / f"part-{i:04d}.json"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(f, (1_700_000_000 + i, 1_700_000_000 + i))
+    write_files(src, batches)
     windows: set[tuple[Any, ...]] = set()
     op = DstlStatefulOperator(
         name="windows", processor=WindowCount, key_column="page", output_schema=OUTPUT,
@@ -153,23 +148,7 @@ def heartbeat_cost(stats: list[dict[str, Any]]) -> dict[str, float]:
             "bytes_median": statistics.median(s["bytes_written"] for s in quiet)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--table", choices=("lmdb", "heap"), default="lmdb")
-    args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("dstl-window-count")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
-        with tempfile.TemporaryDirectory(prefix="dstl-windows-") as tmp:
-            r = run(spark, Path(tmp), quick=args.quick, table=args.table)
-    finally:
-        spark.stop()
+def report(r: dict[str, Any]) -> int:
     for page, start, views in sorted(r["windows"], key=lambda w: (w[1], w[0])):
         print(f"{page:>4}  [{start}, {start + WINDOW_MS})  {views:>5} views")
     print(f"{len(r['windows'])} windows in {len(r['stats'])} batches; heartbeat-only batches: "
@@ -182,4 +161,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, "dstl-window-count", run, report))

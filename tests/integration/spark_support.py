@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -49,3 +52,23 @@ def spark(_module_spark_sessions: list[Any]) -> Any:
     if not _module_spark_sessions or not _alive(_module_spark_sessions[-1]):
         _module_spark_sessions.append(new_session("dstl-tests"))
     return _module_spark_sessions[-1]
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import examples/<name>.py as a script would see it (examples/ on ``sys.path`` for its
+    ``_harness``); its classes travel to the workers by value (examples/ is not on the
+    workers' path)."""
+    from pyspark import cloudpickle
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"dstl_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    cloudpickle.register_pickle_by_value(mod)
+    return mod

@@ -8,17 +8,14 @@ a plain-Python computation with the operator's rules."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from spark_support import spark  # noqa: F401
+from spark_support import load_example, spark  # noqa: F401
 
 from dstl.errors import ConfigError, UsageError
 from dstl.spark import DstlStatefulOperator, ExpiredTimerInfo, StatefulProcessor, TimerValues
@@ -273,26 +270,9 @@ def test_heartbeat_runs_batches_that_fire_timers_without_input(spark: Any,  # no
         with_heartbeat(stream)
 
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    """Import examples/<name>.py; its classes travel to the workers by value (the examples
-    directory is not on the workers' path)."""
-    from pyspark import cloudpickle
-
-    spec = importlib.util.spec_from_file_location(f"dstl_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    cloudpickle.register_pickle_by_value(mod)
-    return mod
-
-
 def test_sessionization_emits_every_closed_session_once(spark: Any, tmp_path: Path  # noqa: F811
                                                         ) -> None:
-    ex = _load("sessionization")
+    ex = load_example("sessionization")
     r = ex.run(spark, tmp_path, quick=True, table="lmdb", agent=False)
     want, _ = r["expected"]
     assert want, "the quick run closes sessions"
@@ -302,7 +282,7 @@ def test_sessionization_emits_every_closed_session_once(spark: Any, tmp_path: Pa
 
 def test_window_count_fires_windows_by_the_watermark_with_heartbeats(spark: Any,  # noqa: F811
                                                                      tmp_path: Path) -> None:
-    ex = _load("window_count")
+    ex = load_example("window_count")
     r = ex.run(spark, tmp_path, quick=True, table="heap", agent=True, idle_s=4.0)
     assert r["expected"] and r["windows"] == r["expected"]
     assert ex.heartbeat_cost(r["stats"])["batches"] > 0

@@ -11,17 +11,14 @@ The deduplication example (examples/dedup_ttl.py) runs here in quick mode."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from spark_support import new_session, spark  # noqa: F401
+from spark_support import load_example, new_session, spark  # noqa: F401
 
 from dstl.reader import CheckpointCatalog, ReadOnlyBlobStore, read_state
 from dstl.spark import DstlStatefulOperator, StatefulProcessor, TimerValues
@@ -207,22 +204,9 @@ def test_ttl_across_a_restart_in_a_fresh_session(tmp_path: Path) -> None:
     assert _reader_rows(str(tmp_path / "store"), "ttl") == model.stored()
 
 
-def _load(name: str) -> ModuleType:
-    from pyspark import cloudpickle
-
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"dstl_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    cloudpickle.register_pickle_by_value(mod)
-    return mod
-
-
 def test_dedup_example_drops_copies_and_forgets_ids_after_the_ttl(
         spark: Any, tmp_path: Path) -> None:  # noqa: F811
-    ex = _load("dedup_ttl")
+    ex = load_example("dedup_ttl")
     clock = iter(range(1_000_000, 10_000_000, 1_500))  # a batch every 1.5 s of processing time
     r = ex.run(spark, tmp_path, quick=True, table="heap", agent=False,
                clock_ms=lambda: next(clock))
