@@ -56,7 +56,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAvailableNow
 
 from dstl.checks import check_mapping, check_str
-from dstl.errors import ConfigError
+from dstl.errors import ConfigError, UsageError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
 from dstl.reader import (
     ChangeSplit,
@@ -362,7 +362,13 @@ class _Split(InputPartition):
 def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
           partition: InputPartition) -> Iterator[Any]:
     """The Arrow batches of one split (runs on an executor)."""
-    assert isinstance(partition, _Split)
+    if not isinstance(partition, _Split):
+        # Spark reads a source that planned no split (every partition filtered out, an empty
+        # change range) through one ``InputPartition(None)`` of its own: no rows
+        if getattr(partition, "value", object()) is not None:
+            raise UsageError(f"dstl source: asked to read {partition!r}, which is not one of "
+                             "the splits it planned (an InputPartition from another source?)")
+        return
     part = partition
     cache = _process_cache() if part.cached else None
     store = open_read_only(opts.state_uri, opts.storage_options)

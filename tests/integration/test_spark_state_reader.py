@@ -109,6 +109,24 @@ def test_batch_change_feed_replays_to_the_model(spark: Any,  # noqa: F811
                                      startCheckpoint=1).count()
 
 
+def test_a_read_that_plans_no_split_has_no_rows(spark: Any,  # noqa: F811
+                                                job: tuple[str, MiniJob]) -> None:
+    # Spark reads a source with no splits through one InputPartition(None) of its own
+    root, _ = job
+    register(spark)
+    for heap in (True, False):  # the column-wise path and the row path (the lmdb table)
+        none = _load(spark, root, **({} if heap else {"table": "lmdb"})).filter(
+            "partition = 'no-such-partition'")
+        assert none.rdd.getNumPartitions() == 1
+        assert none.collect() == []
+        assert none.count() == 0
+    newest = max(model_id for model_id in job[1].checkpoint_models)
+    empty_feed = _load(spark, root, readChangeFeed="true", startCheckpoint=newest)
+    assert empty_feed.collect() == []
+    assert _load(spark, root, readChangeFeed="true", startCheckpoint=newest - 1).count() > 0
+    assert len(_load(spark, root).filter("key = 'k7'").collect()) > 0
+
+
 def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
                                                job: tuple[str, MiniJob]) -> None:
     root, _ = job

@@ -204,6 +204,20 @@ def test_spark_source_options_are_checked(options: dict[str, str], kw: dict[str,
     assert f"source.{field}=" in str(exc.value)
 
 
+def test_the_spark_source_reads_sparks_placeholder_partition_as_no_rows() -> None:
+    # Spark hands a source that planned no split one InputPartition(None); anything else that is
+    # not a split of ours is refused, by name
+    from pyspark.sql.datasource import InputPartition
+
+    from dstl.errors import UsageError
+    from dstl.spark.datasource import _Pushed, _read
+
+    opts = _parse({}, stream=False)
+    assert list(_read(opts, _Pushed(), None, InputPartition(None))) == []
+    with pytest.raises(UsageError, match="not one of the splits it planned"):
+        list(_read(opts, _Pushed(), None, InputPartition(3)))
+
+
 def test_spark_source_options_accept_what_the_docs_show() -> None:
     o = _parse({"Checkpoint": "7", "keygroupspersplit": "4", "TABLE": "LMDB", "state": "a, b",
                 "valueType": "map<string,array<bigint>>", "allowPickle": "TRUE"}, stream=False)
