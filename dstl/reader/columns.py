@@ -13,7 +13,10 @@ log follows a snapshot) — with per-row Python only where a value needs it:
   speed (:func:`materializer.lmdb_files.iter_raw_chunks`) and its raw keys (``>HHI`` prefix: key
   group, state id, key length; then key and namespace) are split with numpy over the Arrow
   buffers; a v1 block's entries are transposed with ``zip``.
-- **Log.** When a log follows the snapshots it is read first, into an overlay: the changes of
+- **Log.** When a log follows the snapshots it is read first, change set by change set
+  (:func:`log_columns`: each verified body cut into a payload array with numpy — a block of
+  equal-width SETs at its proven stride at once, any other block by its length fields, no bytes
+  object per change), into an overlay: the changes of
   every (state, key group, key, namespace) it touches, in log order (:meth:`StateImage.changes
   <dstl.reader.image.StateImage.changes>`). Snapshot runs then pass through it: one vectorised
   ``is_in`` on the key bytes finds the candidates; an entry the log touched is taken out and comes
@@ -38,6 +41,7 @@ the row path (:func:`dstl.reader.arrow.batches`).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +52,7 @@ import pyarrow.compute as pc
 
 from dstl.checks import check_bool, check_instance
 from dstl.envelope import HEADER_SIZE
-from dstl.errors import CorruptObjectError, ObjectNotFoundError
+from dstl.errors import CorruptObjectError, ObjectNotFoundError, TruncatedObjectError
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.arrow import STATE_SCHEMA
 from dstl.reader.checks import check_cache, check_key_bytes, check_names
@@ -69,17 +73,20 @@ from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_files import iter_raw_chunks
+from materializer.replay import uniform_block
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from restore.file_restore import is_file_snapshot
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader, verify_snapshot
 from restore.restore import plan_restore
 
-__all__ = ["Run", "int_values", "read_state_batches", "run_batches", "snapshot_runs"]
+__all__ = ["Run", "int_values", "log_columns", "read_state_batches", "run_batches",
+           "snapshot_runs"]
 
 _SAFE = SafeCodec()  # namespaces
 _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
 _PREFIX = 8  # >HHI: key group, state id, key length
+_U32 = struct.Struct(">I")
 _BYTE_STEPS = np.arange(16, dtype=np.int64)  # the widest gather: a LONG1 head (13 bytes)
 
 
@@ -388,6 +395,58 @@ class _Irregular(Exception):
     """A log the column-wise replay leaves to the per-change one (a state id redefined)."""
 
 
+def _change_spans(body: bytes, pos: int, end: int, key: str, offset: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the payloads of a block's ``u32 len | payload`` changes in
+    ``body[pos:end]``: the framing :func:`dstl.segment.iter_body_changes` walks, with its errors.
+    A uniform block (:func:`materializer.replay.uniform_block` proves every change's header
+    equal, so the changes sit at one stride) is cut at once; any other is walked change by
+    change (one ``unpack`` each, no bytes object per change)."""
+    if uniform_block(body, pos, end) is not None:
+        stride = 4 + _U32.unpack_from(body, pos)[0]
+        starts = np.arange(pos + 4, end, stride, dtype=np.int64)
+        return starts, np.full(len(starts), stride - 4, dtype=np.int64)
+    starts_l: list[int] = []
+    lengths_l: list[int] = []
+    unpack = _U32.unpack_from
+    while pos < end:
+        if end - pos < 4:
+            raise TruncatedObjectError(key, offset, pos + 4, end, "change length")
+        (n,) = unpack(body, pos)
+        pos += 4
+        if pos + n > end:
+            raise TruncatedObjectError(key, offset, pos + n, end, "change payload")
+        starts_l.append(pos)
+        lengths_l.append(n)
+        pos += n
+    return np.array(starts_l, dtype=np.int64), np.array(lengths_l, dtype=np.int64)
+
+
+def log_columns(reader: ChangelogReader, handle: Any, key_groups: Any
+                ) -> tuple[np.ndarray, pa.Array]:
+    """``(key groups, payloads)`` of every change of ``handle`` in ``key_groups`` (metadata
+    included), in the order :meth:`ChangelogReader.read <restore.reader.ChangelogReader.read>`
+    yields them — change sets in sqn order, blocks by key group, changes in append order — with
+    the same checks (:meth:`~restore.reader.ChangelogReader.read_blocks` verifies the records and
+    the blocks, :func:`_change_spans` the changes' framing); one payload array per change set,
+    cut with numpy from its body."""
+    kgs: list[np.ndarray] = []
+    arrays: list[pa.Array] = []
+    for ref, body, blocks in reader.read_blocks(handle, key_groups=key_groups):
+        spans = [(kg, *_change_spans(body, pos, end, ref.key, ref.offset))
+                 for kg, pos, end in blocks]
+        spans = [s for s in spans if len(s[1])]
+        if not spans:
+            continue
+        starts = np.concatenate([s[1] for s in spans])
+        lengths = np.concatenate([s[2] for s in spans])
+        kgs.append(np.concatenate([np.full(len(s[1]), s[0], dtype=np.int64) for s in spans]))
+        arrays.append(_slices(np.frombuffer(body, dtype=np.uint8), starts, lengths))
+    if not arrays:
+        return np.zeros(0, dtype=np.int64), pa.array([], type=pa.binary())
+    return np.concatenate(kgs), pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]
+
+
 def _parse_changes(payloads: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array,
                                                  pa.Array]:
     """``(op, state id, key, namespace, op payload)`` columns of data records (the layout
@@ -438,21 +497,22 @@ class _Overlay:
         self._last: dict[str, pa.Table] | None = None
 
     def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
-        records = list(reader.read(handle, key_groups=key_groups))
-        if not records:
+        kgs, payloads = log_columns(reader, handle, key_groups)
+        if not len(kgs):
             return
         try:
-            self._replay_columns(records, handle.log_id)
+            self._replay_columns(kgs, payloads, handle.log_id)
         except _Irregular:
+            records = list(zip(kgs.tolist(), payloads.to_pylist(), strict=True))
             self._replay_rows(records, handle.log_id)
 
-    def _metadata(self, kgs: np.ndarray, payloads: tuple[bytes, ...], log_id: str
+    def _metadata(self, kgs: np.ndarray, payloads: pa.Array, log_id: str
                   ) -> tuple[dict[int, StateInfo], dict[int, int]]:
         """The log's states by id, and where each id's metadata record is."""
         names: dict[int, StateInfo] = {}
         first: dict[int, int] = {}
         for pos in np.flatnonzero(kgs == META_KEY_GROUP).tolist():
-            sid, meta = decode_metadata(payloads[pos])
+            sid, meta = decode_metadata(payloads[pos].as_py())
             info = self.image.known(state_info(meta, self.image.allow_pickle, log_id),
                                     f"the log of {log_id}")
             if names.setdefault(sid, info) is not info:  # redefined: change by change
@@ -460,15 +520,13 @@ class _Overlay:
             first.setdefault(sid, pos)
         return names, first
 
-    def _replay_columns(self, records: list[tuple[int, bytes]], log_id: str) -> None:
-        kg_list, payloads = zip(*records, strict=True)
-        kgs = np.array(kg_list, dtype=np.int64)
+    def _replay_columns(self, kgs: np.ndarray, payloads: pa.Array, log_id: str) -> None:
         names, first = self._metadata(kgs, payloads, log_id)
         at = np.flatnonzero(kgs != META_KEY_GROUP)
         if not len(at):
             return
-        ops, sids, kb, nb, pl = _parse_changes(pa.array(payloads, type=pa.binary())
-                                               .take(pa.array(at)))
+        ops, sids, kb, nb, pl = _parse_changes(payloads if len(at) == len(kgs)
+                                               else payloads.take(pa.array(at)))
         kg = pa.array(kgs[at].astype(np.int32))
         for sid in np.unique(sids).tolist():
             rows = np.flatnonzero(sids == sid)

@@ -322,6 +322,20 @@ class _Records:
     def read(self, handle: Any, key_groups: Any = None) -> Iterator[tuple[int, bytes]]:
         return iter(self.records)
 
+    def read_blocks(self, handle: Any, key_groups: Any = None) -> Iterator[tuple[Any, bytes,
+                                                                                  list[Any]]]:
+        """One change set per record, so the records keep their order across key groups."""
+        import struct
+        from types import SimpleNamespace
+
+        from dstl.segment import body_blocks, build_change_set
+
+        for sqn, (kg, payload) in enumerate(self.records):
+            body = build_change_set(self.log_id, sqn, {kg: struct.pack(">I", len(payload))
+                                                       + payload}, 1, len(payload)).body
+            yield (SimpleNamespace(key="seg", offset=sqn), body,
+                   body_blocks(body, key_groups=key_groups))
+
 
 def _meta(sid: int, name: str, kind: str = "value") -> tuple[int, bytes]:
     from materializer.changes import encode_metadata
@@ -395,3 +409,110 @@ def test_the_overlay_refuses_what_the_image_refuses() -> None:
         assert type(got.value) is type(want.value), records
         if "op code" in str(want.value) or "metadata record" in str(want.value):
             assert str(got.value) == str(want.value)
+
+
+# --------------------------------------------------------------------------- the log's framing
+
+
+class _Bodies:
+    """Change-set bodies as a log reader: ``read`` walks them change by change (the reference,
+    :func:`dstl.segment.iter_body_changes`), ``read_blocks`` by block (what the columns use)."""
+
+    def __init__(self, bodies: list[bytes]) -> None:
+        self.bodies = bodies
+
+    def read(self, handle: Any, key_groups: Any = None) -> Iterator[tuple[int, bytes]]:
+        from dstl.segment import iter_body_changes
+
+        for i, body in enumerate(self.bodies):
+            yield from iter_body_changes(body, key=f"seg{i}", offset=i, key_groups=key_groups)
+
+    def read_blocks(self, handle: Any, key_groups: Any = None) -> Iterator[tuple[Any, bytes,
+                                                                                  list[Any]]]:
+        from types import SimpleNamespace
+
+        from dstl.segment import body_blocks
+
+        for i, body in enumerate(self.bodies):
+            yield (SimpleNamespace(key=f"seg{i}", offset=i), body,
+                   body_blocks(body, key=f"seg{i}", offset=i, key_groups=key_groups))
+
+
+def _framed(changes: list[bytes]) -> bytes:
+    import struct
+
+    return b"".join(struct.pack(">I", len(c)) + c for c in changes)
+
+
+def _body(blocks: dict[int, bytes], sqn: int = 0) -> bytes:
+    from dstl.segment import build_change_set
+
+    return build_change_set("job/p0", sqn, blocks, 0, 0).body
+
+
+def _same_as_the_reference(bodies: list[bytes], key_groups: Any = None) -> None:
+    from dstl.reader.columns import log_columns
+
+    log = _Bodies(bodies)
+    try:
+        want: Any = list(log.read(None, key_groups))
+    except CorruptObjectError as exc:
+        with pytest.raises(CorruptObjectError) as got:
+            log_columns(log, None, key_groups)  # type: ignore[arg-type]
+        assert (type(got.value), str(got.value)) == (type(exc), str(exc))
+        return
+    kgs, payloads = log_columns(log, None, key_groups)  # type: ignore[arg-type]
+    assert list(zip(kgs.tolist(), payloads.to_pylist(), strict=True)) == want
+
+
+def test_log_columns_cut_changes_like_the_per_change_walk() -> None:
+    from materializer.changes import CLEAR, SET
+
+    def sets(n: int, value: Any = 1, op: int = SET, ns: bytes = b"") -> list[bytes]:
+        return [_change(0, op, 0, b"k%04d" % i, value, ns)[1] for i in range(n)]
+
+    uniform = sets(40)
+    cases = {
+        "uniform": {-1: _framed([_meta(0, "a")[1]]), 3: _framed(uniform), 5: _framed(sets(9))},
+        "one CLEAR in a uniform run": {3: _framed(uniform[:20] + sets(1, None, CLEAR)
+                                                  + uniform[21:])},
+        "a namespace": {3: _framed(uniform[:-1] + sets(1, ns=b"n"))},
+        "values of two widths": {3: _framed(uniform + sets(5, 1 << 20))},
+        "below the uniform minimum": {3: _framed(sets(7))},
+        "empty payloads": {3: _framed([b""] * 12), 4: b""},
+        "a uniform head with a short tail": {3: _framed(uniform) + b"\x00\x00\x00"},
+        "a uniform run then one cut short": {3: _framed(uniform) + _framed(sets(1))[:-2]},
+        "a length past the block": {3: _framed(sets(10))[:-1]},
+        "a length field cut": {3: b"\x00\x00"},
+    }
+    for name, blocks in cases.items():
+        body = _body(blocks)
+        _same_as_the_reference([body])
+        _same_as_the_reference([body, _body(blocks, 1)], key_groups={3})
+        _same_as_the_reference([body], key_groups=set())
+    assert _Bodies([]).bodies == []
+    _same_as_the_reference([])
+
+
+def test_log_columns_on_random_and_damaged_blocks() -> None:
+    import random
+
+    from materializer.changes import CLEAR, SET
+
+    rnd = random.Random(16)
+    for trial in range(300):
+        blocks: dict[int, bytes] = {}
+        for kg in rnd.sample(range(-1, 12), rnd.randint(0, 5)):
+            width = rnd.choice([1, 2, 300])
+            changes = [_change(kg, rnd.choice([SET, SET, SET, CLEAR]), rnd.randint(0, 2),
+                               b"k%0*d" % (rnd.choice([4, 4, 5]), i),
+                               rnd.choice([1, 1, width, -width, "s" * rnd.randint(0, 3)]))[1]
+                       for i in range(rnd.choice([0, 3, 8, 9, 30]))]
+            raw = bytearray(_framed(changes))
+            if raw and trial % 3 == 0:  # a flipped byte, then maybe a cut: framing damage
+                raw[rnd.randrange(len(raw))] ^= 1 << rnd.randrange(8)
+                if rnd.random() < 0.5:
+                    del raw[rnd.randrange(len(raw)):]
+            blocks[kg] = bytes(raw)
+        _same_as_the_reference([_body(blocks, 0), _body(blocks, 1)],
+                               key_groups=None if trial % 2 else set(range(0, 12, 2)))
