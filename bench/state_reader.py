@@ -172,14 +172,15 @@ def _floor_source() -> Any:
     from dstl.reader.arrow import STATE_DDL
 
     class FloorReader(DataSourceReader):
-        def __init__(self, rows: int) -> None:
+        def __init__(self, rows: int, batch: int) -> None:
             self.rows = rows
+            self.batch = batch
 
         def partitions(self) -> list[InputPartition]:
             return [InputPartition(i) for i in range(PARTITIONS)]
 
         def read(self, partition: InputPartition) -> Iterator[Any]:
-            yield from _floor_batches(self.rows // PARTITIONS, int(partition.value))
+            yield from _floor_batches(self.rows // PARTITIONS, int(partition.value), self.batch)
 
     class FloorSource(DataSource):
         @classmethod
@@ -190,7 +191,7 @@ def _floor_source() -> Any:
             return STATE_DDL
 
         def reader(self, schema: Any) -> DataSourceReader:
-            return FloorReader(int(self.options["rows"]))
+            return FloorReader(int(self.options["rows"]), int(self.options.get("batch", 16384)))
 
     return FloorSource
 
