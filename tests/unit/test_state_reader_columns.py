@@ -63,13 +63,38 @@ def _same(catalog: CheckpointCatalog, cid: int | None, **kw: Any) -> list[Any]:
     return cols
 
 
+@pytest.fixture(params=["pages", "cursors"])
+def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+            ) -> tuple[str, list[int]]:
+    """How v2 files are listed: by their pages (the default) or, when the page parse does not
+    read a file, by LMDB's cursors; the counts of files read each way (pages, cursors)."""
+    from dstl.reader import columns
+    from materializer.lmdb_pages import entry_spans
+
+    counts = [0, 0]
+
+    def spans(path: str) -> Any:
+        got = entry_spans(path) if request.param == "pages" else None
+        counts[got is None] += 1
+        return got
+
+    monkeypatch.setattr(columns, "entry_spans", spans)
+    return request.param, counts
+
+
+def _listed(listing: tuple[str, list[int]]) -> None:
+    """Every v2 file was listed the way the fixture says (the page parse reads DSTL's files)."""
+    mode, (pages, cursors) = listing
+    assert (pages > 0 and cursors == 0) if mode == "pages" else (pages == 0 and cursors > 0)
+
+
 # --------------------------------------------------------------------------- the model job
 
 
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 @pytest.mark.parametrize("seed", [21, 22])
 def test_columns_equal_rows_and_the_model_across_materializations_and_rescales(
-        store: BlobStore, table: str, seed: int) -> None:
+        store: BlobStore, table: str, seed: int, listing: tuple[str, list[int]]) -> None:
     job = MiniJob(store, partitions=2, table=table, seed=seed, retained=8)
     try:
         job.run(150)
@@ -102,6 +127,8 @@ def test_columns_equal_rows_and_the_model_across_materializations_and_rescales(
         _same(catalog, last, keys=keys[:2], states=["events"])
         assert sorted_rows(column_table(catalog, last)) == sorted_rows(
             row_table(catalog, last, table="lmdb"))
+        if table == "lmdb":
+            _listed(listing)
     finally:
         job.close()
 
@@ -186,7 +213,7 @@ def _change_snapshot_entries(backend: ChangelogKeyedStateBackend, st: dict[str, 
 
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 def test_every_value_shape_and_the_json_fallback_through_a_snapshot_and_its_log(
-        store: BlobStore, table: str) -> None:
+        store: BlobStore, table: str, listing: tuple[str, list[int]]) -> None:
     storage, backend = _one_backend(store, table)
     rng = random.Random(3)
     keys: list[str | bytes] = [f"k{i}" for i in range(60)] + [b"\xff\xfe", b"\x00bin", "\u00e9"]
@@ -219,6 +246,8 @@ def test_every_value_shape_and_the_json_fallback_through_a_snapshot_and_its_log(
         assert text_of[b"\xff\xfe"] is None and text_of["\u00e9".encode()] == "\u00e9"
     _same(catalog, 2, allow_pickle=True, keys=[b"\xff\xfe", "k3", "new1"])
     _same(catalog, 2, allow_pickle=True, states=["v"])
+    if table == "lmdb":
+        _listed(listing)
 
 
 def read_value(text: str | None) -> Any:
@@ -516,3 +545,26 @@ def test_log_columns_on_random_and_damaged_blocks() -> None:
             blocks[kg] = bytes(raw)
         _same_as_the_reference([_body(blocks, 0), _body(blocks, 1)],
                                key_groups=None if trial % 2 else set(range(0, 12, 2)))
+
+
+def test_slices_of_one_width_and_of_many_equal_python_slicing() -> None:
+    import numpy as np
+
+    from dstl.reader.columns import _slices
+
+    rnd = np.random.default_rng(16)
+    whole = rnd.integers(0, 256, 4096, dtype=np.uint8)
+    for data in (whole, whole[3:1000], np.frombuffer(bytes(whole[:64]), dtype=np.uint8)):
+        raw = data.tobytes()
+        for width in (*range(1, 42), 0):
+            for n in (0, 1, 5, 200):
+                if width > len(data):
+                    continue
+                starts = rnd.integers(0, len(data) - width + 1, n).astype(np.int64)
+                starts[:min(n, 2)] = [0, len(data) - width][:min(n, 2)]  # both ends
+                for lengths in (np.full(n, width, dtype=np.int64),
+                                rnd.integers(0, width + 1, n).astype(np.int64)):
+                    got = _slices(data, starts, lengths).to_pylist()
+                    assert got == [raw[s:s + ln] for s, ln in zip(starts.tolist(),
+                                                                  lengths.tolist(),
+                                                                  strict=True)]

@@ -1,0 +1,142 @@
+"""materializer.lmdb_pages: an LMDB file's entries located by parsing its pages equal what LMDB's
+cursors list, for every shape of tree and value; a file it does not read is None, never wrong."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from materializer.lmdb_pages import entry_spans
+
+
+def _env(path: Path, items: list[tuple[bytes, bytes]], *, deletes: int = 0, compact: bool = True
+         ) -> str:
+    """An LMDB data file holding ``items`` (after ``deletes`` of them were put and deleted), as
+    a compacting copy (what a v2 snapshot holds) or the live file itself."""
+    live = path / "live"
+    live.mkdir(parents=True)
+    env = lmdb.open(str(live), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        for k, v in items:
+            txn.put(k, v)
+    with env.begin(write=True) as txn:
+        for k, _ in items[:deletes]:
+            txn.delete(k)
+    if not compact:
+        env.close()
+        return str(live / "data.mdb")
+    out = path / "copy"
+    out.mkdir()
+    env.copy(str(out), compact=True)
+    env.close()
+    return str(out / "data.mdb")
+
+
+def _cursor(path: str) -> list[tuple[bytes, bytes]]:
+    env = lmdb.open(os.path.dirname(path), readonly=True, lock=False, max_dbs=1)
+    with env.begin() as txn:
+        got = list(txn.cursor().iternext())
+    env.close()
+    return got
+
+
+def _parsed(path: str) -> list[tuple[bytes, bytes]] | None:
+    spans = entry_spans(path)
+    if spans is None:
+        return None
+    raw = spans.data.tobytes()
+    return [(raw[k:k + ks], raw[v:v + vs]) for k, ks, v, vs in zip(
+        spans.key_start.tolist(), spans.key_size.tolist(), spans.value_start.tolist(),
+        spans.value_size.tolist(), strict=True)]
+
+
+def _items(rnd: random.Random, n: int, *, big: float = 0.0) -> list[tuple[bytes, bytes]]:
+    keys = {bytes(rnd.getrandbits(8) for _ in range(rnd.choice([1, 4, 9, 17, 60, 511])))
+            for _ in range(n)}
+    return [(k, bytes(rnd.getrandbits(8) for _ in range(
+        rnd.choice([0, 1, 5, 100]) if rnd.random() >= big else rnd.choice([2000, 5000, 70000]))))
+        for k in sorted(keys)]
+
+
+@pytest.mark.parametrize(("n", "big", "deletes", "compact"), [
+    (0, 0.0, 0, True), (1, 0.0, 0, True), (3, 0.0, 0, True), (5000, 0.0, 0, True),
+    (3000, 0.05, 0, True), (40, 1.0, 0, True), (5000, 0.01, 2500, True),
+    (4000, 0.02, 1500, False), (2000, 0.0, 2000, False), (1, 1.0, 0, False)])
+def test_spans_list_what_the_cursors_list(tmp_path: Path, n: int, big: float, deletes: int,
+                                          compact: bool) -> None:
+    rnd = random.Random(n * 7 + deletes)
+    items = _items(rnd, n, big=big)
+    rnd.shuffle(items)
+    path = _env(tmp_path, items, deletes=deletes, compact=compact)
+    want = _cursor(path)
+    assert len(want) == len(items) - min(deletes, len(items))
+    assert _parsed(path) == want
+
+
+def test_the_reader_snapshot_layout_with_a_million_entries_scale(tmp_path: Path) -> None:
+    # fixed-width keys as DSTL's table writes them (prefix, key, no namespace), small values:
+    # a three-level tree
+    items = [(b"\x00\x05\x00\x00\x00\x00\x00\x09" + b"k%08d" % i, b"\x80\x05K\x01.")
+             for i in range(60000)]
+    path = _env(tmp_path, items)
+    assert _parsed(path) == _cursor(path)
+
+
+def test_files_it_does_not_read_are_none(tmp_path: Path) -> None:
+    rnd = random.Random(3)
+    items = _items(rnd, 300)
+    # a database with sub-databases: the main database's entries are other databases
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    env = lmdb.open(str(sub), max_dbs=2, map_size=1 << 24)
+    db = env.open_db(b"inner", dupsort=True)
+    with env.begin(write=True, db=db) as txn:
+        txn.put(b"k", b"1")
+        txn.put(b"k", b"2")
+    env.close()
+    assert entry_spans(str(sub / "data.mdb")) is None
+    good = _env(tmp_path / "good", items)
+    data = bytearray(Path(good).read_bytes())
+    for offset in (16, 20, 10):  # magic, version, meta page flags
+        bad = bytearray(data)
+        bad[offset] ^= 0xFF
+        p = tmp_path / f"bad{offset}.mdb"
+        p.write_bytes(bytes(bad))
+        assert entry_spans(str(p)) is None
+    (tmp_path / "short.mdb").write_bytes(data[:100])
+    assert entry_spans(str(tmp_path / "short.mdb")) is None
+    (tmp_path / "cut.mdb").write_bytes(data[:len(data) // 2])
+    assert entry_spans(str(tmp_path / "cut.mdb")) is None
+
+
+def test_damaged_pages_are_none_or_what_was_there(tmp_path: Path) -> None:
+    # a flipped byte in the tree either leaves the parse what it was, or makes it None (the
+    # caller then asks LMDB): never a different list of entries that passes the checks, except
+    # in the bytes of keys and values themselves, which the parse copies as they are
+    rnd = random.Random(11)
+    items = _items(rnd, 2000, big=0.02)
+    path = _env(tmp_path, items)
+    data = Path(path).read_bytes()
+    want = _parsed(path)
+    assert want is not None
+    spans = entry_spans(path)
+    assert spans is not None
+    payload = np.zeros(len(data), dtype=bool)
+    for s, n in ((spans.key_start, spans.key_size), (spans.value_start, spans.value_size)):
+        for a, b in zip(s.tolist(), n.tolist(), strict=True):
+            payload[a:a + b] = True
+    for trial in range(300):
+        at = rnd.randrange(len(data))
+        if payload[at]:
+            continue
+        bad = bytearray(data)
+        bad[at] ^= 1 << rnd.randrange(8)
+        p = tmp_path / "bad.mdb"
+        p.write_bytes(bytes(bad))
+        got = _parsed(str(p))
+        assert got is None or got == want, (trial, at)
