@@ -189,28 +189,39 @@ _INT_SHAPES: tuple[tuple[int, bytes, int, bool], ...] = (
 
 def int_values(vb: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """``(ok, values)``: which stored values are an int as ``pickle.dumps(v, protocol=5)``
-    writes it (byte for byte: see the module docstring), and those ints (int64; 0 elsewhere)."""
+    writes it (byte for byte: see the module docstring), and those ints (int64; 0 elsewhere).
+    Heads and integers are read as little-endian ``u64`` words at any byte (a copy of the values
+    padded with 16 zero bytes, so no word runs past it) and masked to their width."""
     offsets, data = _buffers(vb)
     starts, lengths = offsets[:-1], np.diff(offsets)
     ok = np.zeros(len(vb), dtype=bool)
     values = np.zeros(len(vb), dtype=np.int64)
+    padded = np.zeros(len(data) + 16, dtype=np.uint8)
+    padded[:len(data)] = data
+    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
     for total, head, width, signed in _INT_SHAPES:
         rows = np.flatnonzero(lengths == total)
         if not len(rows):
             continue
         s = starts[rows]
-        match = (_gather(data, s, len(head)) == np.frombuffer(head, dtype=np.uint8)).all(axis=1)
-        match &= data[s + total - 1] == 0x2E  # STOP
+        match = padded[s + total - 1] == 0x2E  # STOP
+        for at in range(0, len(head), 8):
+            part = head[at:at + 8]
+            match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
         rows, s = rows[match], s[match]
         if not len(rows):
             continue
-        raw = _gather(data, s + len(head), width)
-        negative = (raw[:, -1] >= 0x80) if signed else np.zeros(len(rows), dtype=bool)
-        padded = np.where(negative[:, None], np.uint8(0xFF), np.uint8(0)).repeat(8, axis=1)
-        padded[:, :width] = raw
-        values[rows] = np.ascontiguousarray(padded).view("<i8").ravel()
+        raw = (words[s + len(head)] & _mask(width)).view(np.int64)
+        if signed and width < 8:  # sign-extend the width's top bit
+            sign = np.int64(1 << (8 * width - 1))
+            raw = (raw ^ sign) - sign
+        values[rows] = raw
         ok[rows] = True
     return ok, values
+
+
+def _mask(width: int) -> np.uint64:
+    return np.uint64((1 << (8 * width)) - 1)
 
 
 # --------------------------------------------------------------------------- columns
