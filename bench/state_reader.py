@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,25 +220,52 @@ def _read_floor(spark: Any, keys: int) -> float:
     return time.monotonic() - t0
 
 
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every process under it — the driver
+    JVM (local mode: the executors too) and its Python workers — including children that ended
+    (Linux ``/proc``): what a read costs on a shared machine, where wall time also counts the
+    other jobs' load."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(name))
+        cpu[int(name)] = sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def _reads(spark: Any, uri: str, ck: str, repeats: int, keys: int) -> dict[str, Any]:
     spark.dataSource.register(_floor_source())
-    _read_dstl(spark, uri)  # warm-up: Python workers, JIT, page cache
-    _read_spark(spark, ck)
-    _read_floor(spark, keys)
-    dstl: list[float] = []
-    spark_s: list[float] = []
-    floor: list[float] = []
+    reads: dict[str, Callable[[], float]] = {
+        "dstl": lambda: _read_dstl(spark, uri), "spark": lambda: _read_spark(spark, ck),
+        "floor": lambda: _read_floor(spark, keys)}
+    for read in reads.values():  # warm-up: Python workers, JIT, page cache
+        read()
+    wall: dict[str, list[float]] = {name: [] for name in reads}
+    cpu: dict[str, list[float]] = {name: [] for name in reads}
     loads: list[float] = []
     for i in range(repeats):
-        order = (_read_dstl, _read_spark) if i % 2 == 0 else (_read_spark, _read_dstl)
-        for fn in order:
-            t = fn(spark, uri) if fn is _read_dstl else fn(spark, ck)
-            (dstl if fn is _read_dstl else spark_s).append(t)
-        floor.append(_read_floor(spark, keys))
+        for name in ("dstl", "spark", "floor") if i % 2 == 0 else ("spark", "dstl", "floor"):
+            before = _tree_cpu_s()
+            wall[name].append(reads[name]())
+            cpu[name].append(_tree_cpu_s() - before)
         loads.append(os.getloadavg()[0])
-    d, s = summary(dstl), summary(spark_s)
+    d, s = summary(wall["dstl"]), summary(wall["spark"])
     return {"dstl_read_s": d, "spark_read_s": s, "ratio_spark_over_dstl":
-            s["median"] / d["median"], "floor_read_s": summary(floor),
+            s["median"] / d["median"], "floor_read_s": summary(wall["floor"]),
+            "cpu_s": {name: summary(v) for name, v in cpu.items()},
             "loadavg_1m": summary(loads)}
 
 
@@ -392,6 +419,10 @@ _ANALYSIS = (
     "ratio is fairer than either time.")
 
 
+def _cpu_cell(cpu: dict[str, dict[str, float]]) -> str:
+    return " / ".join(f"{cpu[name]['median']:.2f}" for name in ("dstl", "spark", "floor"))
+
+
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--keys", default=None, help="comma-separated key counts (default: 1 M, 4 M; "
@@ -417,13 +448,14 @@ def main() -> None:
             results.append(r)
     rows = ["| keys | snapshots | DSTL `format(\"dstl\")` read | Spark `format(\"statestore\")` "
             "read | Spark / DSTL | floor: a Python source of prebuilt batches | load avg (1 min) "
-            "| change feed lag | feed throughput |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| CPU s per read: DSTL / Spark / floor | change feed lag | feed throughput |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows.append(f"| {r['keys']:,} | {'on' if r['snapshots'] else 'off'} | "
                     f"{fmt(r['dstl_read_s'], 's')} | {fmt(r['spark_read_s'], 's')} | "
                     f"{r['ratio_spark_over_dstl']:.2f} | {fmt(r['floor_read_s'], 's')} | "
                     f"{fmt(r['loadavg_1m'], digits=1)} | "
+                    f"{_cpu_cell(r['cpu_s'])} | "
                     f"{fmt(r['feed']['lag_s'], 's')} | {r['feed']['rows_per_s']:,.0f} rows/s |")
     md = ("### State reader vs Spark's state reader (issue #16)\n\n"
           "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
