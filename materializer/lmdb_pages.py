@@ -33,6 +33,7 @@ snapshot object), so ``None`` means "another layout", not damage that would go u
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Final
@@ -172,9 +173,12 @@ def _spans(data: np.ndarray, psize: int, leaves: list[int]) -> EntrySpans:
 
 
 def entry_spans(path: str) -> EntrySpans | None:
-    """The entries of the LMDB data file ``path`` (the whole file is read into memory), or
-    ``None`` if it is not a file this module reads (see the module docstring)."""
-    data = np.fromfile(path, dtype=np.uint8)
+    """The entries of the LMDB data file ``path`` (mapped read-only, so a file larger than
+    memory is paged, as LMDB's own map would be), or ``None`` if it is not a file this module
+    reads (see the module docstring)."""
+    if os.path.getsize(path) < 2 * 512:
+        return None  # not even two meta pages (an empty file cannot be mapped)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     try:
         psize, flags, root, entries = _meta(data)
         if flags:

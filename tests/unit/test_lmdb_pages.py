@@ -108,6 +108,8 @@ def test_files_it_does_not_read_are_none(tmp_path: Path) -> None:
         p = tmp_path / f"bad{offset}.mdb"
         p.write_bytes(bytes(bad))
         assert entry_spans(str(p)) is None
+    (tmp_path / "empty.mdb").write_bytes(b"")
+    assert entry_spans(str(tmp_path / "empty.mdb")) is None
     (tmp_path / "short.mdb").write_bytes(data[:100])
     assert entry_spans(str(tmp_path / "short.mdb")) is None
     (tmp_path / "cut.mdb").write_bytes(data[:len(data) // 2])
