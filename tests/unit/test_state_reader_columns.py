@@ -140,7 +140,8 @@ _INTS = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -1, -255, -256, -2**31,
          2**40 + 7, -2**40, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**64, 10**30]
 _OTHERS: list[Any] = [True, False, 1.5, -0.0, math.inf, math.nan, "", "text", "caf\u00e9 \"q\"",
                       "x" * 300, b"\x00\xff", [1, "a", None], (1, 2), {"a": 1}, {1: "x"},
-                      {"$b64": "tag"}, [[1, [2]]], 12.0]
+                      {"$b64": "tag"}, [[1, [2]]], 12.0,
+                      "y" * 9000]  # an LMDB overflow value in a v2 file
 
 
 def _one_backend(store: BlobStore, table: str) -> tuple[ChangelogStorage,
