@@ -91,7 +91,13 @@ _SAFE = SafeCodec()  # namespaces
 _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
 _PREFIX = 8  # >HHI: key group, state id, key length
 _U32 = struct.Struct(">I")
-_CHUNK = 65536  # entries per run of a v2 file (the record batches Spark receives: see bench)
+#: Rows per record batch handed to Spark (bench/state_reader.py: 256 k-row batches cost the JVM
+#: more than 16 k or 64 k), and entries per chunk of a v2 file listed by cursors.
+_CHUNK = 65536
+#: Entries of a v2 file per run (the overlay probes the log's keys once per run) and the bytes
+#: of its keys or values at most (a binary array's offsets are 32-bit).
+_RUN = 1 << 20
+_RUN_BYTES = 1 << 30
 _BYTE_STEPS = np.arange(16, dtype=np.int64)  # the widest gather: a LONG1 head (13 bytes)
 
 
@@ -142,6 +148,8 @@ def _slices(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Arr
         body = data[idx]
     else:
         body = np.zeros(0, dtype=np.uint8)
+    if total > np.iinfo(np.int32).max:
+        raise OverflowError(f"{n} slices of {total} bytes do not fit one binary array")
     return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(out.astype(np.int32)),
                                                   pa.py_buffer(body)])
 
@@ -312,8 +320,8 @@ def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
             batch = _map_batch(run, checkpoint, partition)
         else:
             batch = _batch(run, checkpoint, partition, None, _values(run))
-        if batch.num_rows:
-            yield batch
+        for first in range(0, batch.num_rows, _CHUNK):  # zero-copy slices of Spark's size
+            yield batch.slice(first, _CHUNK)
 
 
 # --------------------------------------------------------------------------- sources
@@ -363,19 +371,35 @@ def _prefixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.nd
 
 
 def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupRange,
-               key: str, rows: int = _CHUNK) -> Iterator[Run]:
+               key: str) -> Iterator[Run]:
     """Runs of the entries in ``owned`` of a v2 file located by its pages
-    (:func:`materializer.lmdb_pages.entry_spans`), ``rows`` at a time. Every key of the file is
-    at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
+    (:func:`materializer.lmdb_pages.entry_spans`): up to a million entries a piece
+    (:func:`_pieces`), so the log overlay probes a file in few calls (:meth:`_Overlay.through`
+    builds the log keys' hash set per call), not once per 64 k chunk. Every key of the file
+    is at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
     from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``."""
     data, starts = spans.data, spans.key_start
     kgs = (data[starts].astype(np.int64) << 8) | data[starts + 1]
     at = np.flatnonzero((kgs >= owned.start) & (kgs <= owned.end))
-    for first in range(0, len(at), rows):
-        sel = at[first:first + rows]
+    for sel in _pieces(at, spans.key_size, spans.value_size):
         yield from _prefixed_runs(states, data, starts[sel], spans.key_size[sel],
                                   _slices(data, spans.value_start[sel], spans.value_size[sel]),
                                   key)
+
+
+def _pieces(at: np.ndarray, key_size: np.ndarray, value_size: np.ndarray) -> Iterator[np.ndarray]:
+    """``at`` cut into pieces of at most :data:`_RUN` entries whose keys and values each stay
+    under :data:`_RUN_BYTES` (one binary array's 32-bit offsets); at least one entry each."""
+    ends = [np.cumsum(key_size[at]), np.cumsum(value_size[at])]
+    first = 0
+    while first < len(at):
+        last = min(first + _RUN, len(at))
+        for cum in ends:
+            base = cum[first - 1] if first else 0
+            last = min(last, max(first + 1, int(np.searchsorted(cum, base + _RUN_BYTES,
+                                                                    side="right"))))
+        yield at[first:last]
+        first = last
 
 
 def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,

@@ -63,29 +63,34 @@ def _same(catalog: CheckpointCatalog, cid: int | None, **kw: Any) -> list[Any]:
     return cols
 
 
-@pytest.fixture(params=["pages", "cursors"])
+@pytest.fixture(params=["pages", "cursors", "pages in small pieces"])
 def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             ) -> tuple[str, list[int]]:
-    """How v2 files are listed: by their pages (the default) or, when the page parse does not
-    read a file, by LMDB's cursors; the counts of files read each way (pages, cursors)."""
+    """How v2 files are listed: by their pages (the default; also cut into runs of a few
+    entries and bytes, and batches of a few rows) or, when the page parse does not read a file,
+    by LMDB's cursors; the counts of files read each way (pages, cursors)."""
     from dstl.reader import columns
     from materializer.lmdb_pages import entry_spans
 
     counts = [0, 0]
 
     def spans(path: str) -> Any:
-        got = entry_spans(path) if request.param == "pages" else None
+        got = None if request.param == "cursors" else entry_spans(path)
         counts[got is None] += 1
         return got
 
     monkeypatch.setattr(columns, "entry_spans", spans)
+    if request.param == "pages in small pieces":
+        monkeypatch.setattr(columns, "_RUN", 7)
+        monkeypatch.setattr(columns, "_RUN_BYTES", 40)
+        monkeypatch.setattr(columns, "_CHUNK", 5)
     return request.param, counts
 
 
 def _listed(listing: tuple[str, list[int]]) -> None:
     """Every v2 file was listed the way the fixture says (the page parse reads DSTL's files)."""
     mode, (pages, cursors) = listing
-    assert (pages > 0 and cursors == 0) if mode == "pages" else (pages == 0 and cursors > 0)
+    assert (pages == 0 and cursors > 0) if mode == "cursors" else (pages > 0 and cursors == 0)
 
 
 # --------------------------------------------------------------------------- the model job
@@ -569,3 +574,23 @@ def test_slices_of_one_width_and_of_many_equal_python_slicing() -> None:
                     assert got == [raw[s:s + ln] for s, ln in zip(starts.tolist(),
                                                                   lengths.tolist(),
                                                                   strict=True)]
+
+
+def test_pieces_of_a_file_keep_every_entry_in_order_within_their_limits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from dstl.reader import columns
+
+    rnd = np.random.default_rng(7)
+    monkeypatch.setattr(columns, "_RUN", 10)
+    monkeypatch.setattr(columns, "_RUN_BYTES", 100)
+    for n in (0, 1, 9, 10, 11, 300):
+        ks = rnd.integers(1, 30, n + 5)
+        vs = rnd.choice([0, 5, 60, 150], n + 5)  # 150: one entry over the byte limit
+        at = np.sort(rnd.choice(n + 5, n, replace=False))
+        pieces = list(columns._pieces(at, ks, vs))
+        assert np.concatenate(pieces).tolist() == at.tolist() if pieces else not n
+        for p in pieces:
+            assert 1 <= len(p) <= 10
+            assert len(p) == 1 or (ks[p].sum() <= 100 and vs[p].sum() <= 100)
