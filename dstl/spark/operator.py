@@ -27,7 +27,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -620,10 +621,11 @@ class DstlStatefulOperator:
         schema = StructType([*ready.out_schema.fields,
                              StructField(REPORT_COLUMN, StringType(), True)])
         try:
-            return (df.withColumn("_dstl_pid", pid)
-                    .repartitionById(self.partitions, "_dstl_pid")
-                    .mapInArrow(task, schema)
-                    .toArrow())
+            with _without_adaptive_execution(df.sparkSession):
+                return (df.withColumn("_dstl_pid", pid)
+                        .repartitionById(self.partitions, "_dstl_pid")
+                        .mapInArrow(task, schema)
+                        .toArrow())
         except BaseException as exc:
             ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
             deployment = _deployment_problem(str(exc))
@@ -678,6 +680,40 @@ class DstlStatefulOperator:
         if ready is not None:
             ready.coordinator.close()
             ready.store.close()
+
+
+#: Spark's switch for adaptive query execution (AQE).
+ADAPTIVE = "spark.sql.adaptive.enabled"
+
+
+@contextmanager
+def _without_adaptive_execution(spark: Any) -> Iterator[None]:
+    """Plan and run the state tasks' job with AQE off; the session's setting is given back
+    after, also when the job fails.
+
+    With AQE on (Spark's default, and it stays on inside ``foreachBatch``), the routing shuffle
+    runs as a job of its own (the map stage), the plan is optimized again, and the state tasks
+    run as a second job: two job submissions and a re-planning per batch, for nothing AQE could
+    change here (``repartitionById`` fixes the partition count, and a task must see exactly its
+    partition's rows, so neither coalescing nor skew splits may apply). With AQE off it is one
+    job of two stages, as Spark's own stateful operators run (Structured Streaming plans them
+    without AQE). The switch is read when the plan is made, inside ``toArrow``; it is set on
+    the batch's session (under Structured Streaming the query's own clone of the user's), so
+    another thread planning on that same session during the job would plan without AQE too.
+    """
+    conf = spark.conf
+    previous = conf.get(ADAPTIVE, None)
+    if previous is not None and str(previous).strip().lower() == "false":
+        yield  # already off: nothing to set or give back
+        return
+    conf.set(ADAPTIVE, "false")
+    try:
+        yield
+    finally:
+        if previous is None:
+            conf.unset(ADAPTIVE)
+        else:
+            conf.set(ADAPTIVE, previous)
 
 
 @dataclass(frozen=True)
