@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from dstl.checks import check_callable, check_number, check_protocol, check_str
-from dstl.errors import ConfigError, UsageError
+from dstl.errors import UsageError
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -123,9 +123,9 @@ MAX_STATE_NAME_CHARS: Final = 255
 
 @dataclass(frozen=True)
 class StateDescriptor:
-    """Base of all descriptors: a name, an optional value codec (default: the safe codec) and,
-    for value, list and map states, an optional time to live ``ttl_s`` (seconds, keyword only;
-    Spark's ``TTLConfig``: :mod:`materializer.ttl`).
+    """Base of all descriptors: a name, an optional value codec (default: the safe codec) and
+    an optional time to live ``ttl_s`` (seconds, keyword only; Spark's ``TTLConfig``:
+    :mod:`materializer.ttl`).
 
     Raises:
         ConfigError: a bad name, codec or ttl_s (ConfigTypeError: a wrong type), at
@@ -147,10 +147,6 @@ class StateDescriptor:
                   fix="the state's name, unique within its backend")
         check_codec(self.serializer, "serializer", owner)
         if self.ttl_s is not None:
-            if self.kind not in ("value", "list", "map"):
-                raise ConfigError("ttl_s", self.ttl_s, "None (TTL is for value, list and map "
-                                  "states)", owner=owner, fix="leave ttl_s out, or keep the "
-                                  "values in a value, list or map state with ttl_s")
             check_ttl_s(self.ttl_s, owner)
 
     def codec(self) -> Codec:
@@ -188,11 +184,11 @@ class ReducingStateDescriptor(StateDescriptor):
     kind: str = field(default="reducing", init=False)
 
     def __init__(self, name: str, reduce_fn: Callable[[Any, Any], Any],
-                 serializer: Codec | None = None) -> None:
+                 serializer: Codec | None = None, *, ttl_s: float | None = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "reduce_fn", reduce_fn)
-        object.__setattr__(self, "ttl_s", None)
+        object.__setattr__(self, "ttl_s", ttl_s)
         self._check()
 
     def _check(self) -> None:
@@ -207,11 +203,11 @@ class AggregatingStateDescriptor(StateDescriptor):
     kind: str = field(default="aggregating", init=False)
 
     def __init__(self, name: str, agg: AggregateFunction,
-                 serializer: Codec | None = None) -> None:
+                 serializer: Codec | None = None, *, ttl_s: float | None = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "agg", agg)
-        object.__setattr__(self, "ttl_s", None)
+        object.__setattr__(self, "ttl_s", ttl_s)
         self._check()
 
     def _check(self) -> None:

@@ -1,4 +1,6 @@
-"""State TTL: values, list elements and map entries that expire (Spark's ``TTLConfig``).
+"""State TTL: values, list elements, map entries and reducing/aggregating states' folded values
+that expire (Spark's ``TTLConfig``; Flink's ``StateTtlConfig`` with ``OnCreateAndWrite`` and
+``NeverReturnExpired``).
 
 Theory of operation
 -------------------
@@ -9,19 +11,23 @@ the log: a 9-byte header before the value's bytes) and the state's metadata (cod
 ``ttl:<inner>``) carry it, and restores, rescales, file snapshots and the reader need nothing
 else. As in Spark, every write sets the written value's expiry to *now + ttl* (an update
 refreshes it; a list append gives the new elements theirs and leaves the others as they are).
+A reducing or aggregating state stores its folded value (the result, the accumulator) as one
+such pair, like a value state: each ``add`` refreshes it, and an ``add`` to an expired value
+folds from nothing, as if the state were empty (:class:`TtlReducingState`,
+:class:`TtlAggregatingState`).
 
 *Now* is the backend's TTL clock (:meth:`TtlService.set_time`): under Spark the batch's
 processing time, fixed per batch and kept by a re-run (``dstl.spark.operator``); without it the
 wall clock. A value whose expiry is at or before now is **invisible at once**: the TTL states
-(:class:`TtlValueState`, :class:`TtlListState`, :class:`TtlMapState`) filter every read —
-``get``, ``exists``, iteration, ``keys``, ``values``, ``contains``.
+(:class:`TtlValueState`, :class:`TtlListState`, :class:`TtlMapState`, and the two folding
+states) filter every read — ``get``, ``exists``, iteration, ``keys``, ``values``, ``contains``.
 
 **Purge.** Expired values are removed by :meth:`TtlService.purge`, which the Spark task calls at
 the start of every batch (before initial state, timers and input), so an expired value is gone
 from the table by the end of the first batch whose processing time reaches its expiry. Every
-removal is an ordinary change record (``CLEAR`` of a value, ``SET_INTERNAL`` of a list's
-survivors, ``REMOVE_ELEMENT`` of a map entry), so a restore from the log, from a snapshot, or a
-rescale sees exactly what the uninterrupted run sees.
+removal is an ordinary change record (``CLEAR`` of a value or a folded value, ``SET_INTERNAL``
+of a list's survivors, ``REMOVE_ELEMENT`` of a map entry), so a restore from the log, from a
+snapshot, or a rescale sees exactly what the uninterrupted run sees.
 
 The purge never scans the states. ``$ttl_index`` is a raw state (like the timer index,
 :mod:`materializer.timers`) in each key's key group: entry key = ``expiry (8 order-preserving
@@ -74,9 +80,11 @@ from materializer.codecs import SafeCodec, TtlCodec, expiry_of
 from materializer.states import (
     _IMMUTABLE,
     MAX_TTL_S,
+    AggregatingState,
     KeyedState,
     ListState,
     MapState,
+    ReducingState,
     ValueState,
     check_ttl_s,
     copy_out,
@@ -86,8 +94,10 @@ __all__ = [
     "MAX_TTL_S",
     "TTL_INDEX_STATE",
     "TTL_STATE_CLASSES",
+    "TtlAggregatingState",
     "TtlListState",
     "TtlMapState",
+    "TtlReducingState",
     "TtlService",
     "TtlValueState",
     "check_ttl_s",
@@ -454,7 +464,83 @@ class TtlMapState(MapState, _Ttl):
                          "are not supported (use a state without ttl_s)")
 
 
-#: The TTL state class of each kind that can have a TTL.
+class _TtlFolding(_Ttl):
+    """What the TTL reducing and aggregating states share: the folded value (the result, or
+    the accumulator) is stored as one ``(expiry, value)`` pair, like a value state's, and every
+    ``add`` refreshes it. An ``add`` to an expired value starts from nothing, as if the state
+    were empty (it is invisible; the purge may not have removed it yet)."""
+
+    _b: Any
+    _sid: int
+    _heap: bool
+    _codec: Any
+
+    def _folded(self, state: KeyedState) -> Any:
+        """The live folded value (a copy on the heap), or None when none or expired."""
+        b = self._b
+        b.before_read()
+        v = b.read_state(self._sid, state._shape)
+        if v is None or v[0] <= self._svc.now():
+            return None
+        return copy_out(v[1]) if self._heap else v[1]
+
+    def _fold(self, state: KeyedState, fold: Any) -> None:
+        """Store ``fold(live value or None)`` with a new expiry (logged as the result, so a
+        replay runs no user function)."""
+        b = self._b
+        b.before_mutation()
+        now = self._svc.now()
+        old = b.read_state(self._sid, state._shape)
+        live = None if old is None or old[0] <= now else copy_out(old[1])
+        new = fold(live)
+        expiry = _expiry(now, self._ttl_ms)
+        vb = self._codec.encode((expiry, new))
+        b.write_state(self._sid, self._stored(state, expiry, new, vb) if self._heap else vb)
+        b.log_change(SET_INTERNAL, self._sid, vb)
+        self._svc.note(self._sid, expiry, None if old is None else int(old[0]))
+
+    def exists(self) -> bool:
+        b = self._b
+        b.before_read()
+        raw = b.read_state_raw(self._sid)
+        if raw is None:
+            return False
+        return (raw[0] if self._heap else expiry_of(raw)) > self._svc.now()
+
+
+class TtlReducingState(_TtlFolding, ReducingState):
+    """A reducing state whose value expires ``ttl_s`` after its last ``add``."""
+
+    def get(self) -> Any:
+        return self._folded(self)
+
+    def add(self, value: Any) -> None:
+        self._fold(self, lambda cur: value if cur is None else self._fn(cur, value))
+
+    def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
+        raise UsageError(f"reducing state {self.name!r} has a TTL; namespace merges of TTL "
+                         "states are not supported (use a state without ttl_s)")
+
+
+class TtlAggregatingState(_TtlFolding, AggregatingState):
+    """An aggregating state whose accumulator expires ``ttl_s`` after its last ``add``."""
+
+    def get(self) -> Any:
+        acc = self._folded(self)
+        return None if acc is None else self._agg.get_result(acc)
+
+    def add(self, value: Any) -> None:
+        agg = self._agg
+        self._fold(self, lambda cur: agg.add(value, agg.create_accumulator() if cur is None
+                                             else cur))
+
+    def merge_namespaces(self, target: Any, sources: Iterable[Any]) -> None:
+        raise UsageError(f"aggregating state {self.name!r} has a TTL; namespace merges of TTL "
+                         "states are not supported (use a state without ttl_s)")
+
+
+#: The TTL state class of each kind.
 TTL_STATE_CLASSES: Final[dict[str, type[KeyedState]]] = {
     "value": TtlValueState, "list": TtlListState, "map": TtlMapState,
+    "reducing": TtlReducingState, "aggregating": TtlAggregatingState,
 }

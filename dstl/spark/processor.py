@@ -4,8 +4,8 @@ Shaped like Spark's ``transformWithState`` (``init(handle)``, ``handle_input_row
 timer_values)`` — the two-argument form ``handle_input_rows(key, rows)`` works too —,
 ``handle_expired_timer(key, timer_values, expired_timer_info)``, ``close()``), but state calls
 go to the local DSTL backend (microseconds, no RPC to the JVM). The states answer to Spark's
-method names and to PyFlink's (:mod:`materializer.states`); value, list and map states take a
-time to live (``ttl_s``, or Spark's ``ttl_duration_ms``: :mod:`materializer.ttl`). Timers (``register_timer``,
+method names and to PyFlink's (:mod:`materializer.states`); every state kind takes a time to
+live (``ttl_s``, or Spark's ``ttl_duration_ms``: :mod:`materializer.ttl`). Timers (``register_timer``,
 ``delete_timer``, ``list_timers``) are DSTL state too (:mod:`materializer.timers`); the task
 sets the handle's current key before each call. State names starting with ``$`` are DSTL's.
 """
@@ -107,15 +107,21 @@ class StatefulProcessorHandle:
             _state_name(name), serializer, key_serializer=key_serializer,
             ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
-    def get_reducing_state(self, name: str, reduce_fn: Any,
-                           serializer: Codec | None = None) -> Any:
-        return self._backend.get_state(ReducingStateDescriptor(_state_name(name), reduce_fn,
-                                                               serializer))
+    def get_reducing_state(self, name: str, reduce_fn: Any, serializer: Codec | None = None,
+                           ttl_s: float | None = None, *,
+                           ttl_duration_ms: int | None = None) -> Any:
+        """The reducing state ``name``; with a TTL its value expires that long after its last
+        ``add`` (an ``add`` after that starts from the new value alone)."""
+        return self._backend.get_state(ReducingStateDescriptor(
+            _state_name(name), reduce_fn, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
     def get_aggregating_state(self, name: str, agg: AggregateFunction,
-                              serializer: Codec | None = None) -> Any:
-        return self._backend.get_state(AggregatingStateDescriptor(_state_name(name), agg,
-                                                                  serializer))
+                              serializer: Codec | None = None, ttl_s: float | None = None, *,
+                              ttl_duration_ms: int | None = None) -> Any:
+        """The aggregating state ``name``; with a TTL its accumulator expires that long after
+        its last ``add`` (an ``add`` after that starts from a new accumulator)."""
+        return self._backend.get_state(AggregatingStateDescriptor(
+            _state_name(name), agg, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
 
     def delete_if_exists(self, name: str) -> None:
         """Delete state ``name`` for every key of this partition (Spark's ``deleteIfExists``;

@@ -5,7 +5,9 @@ time, so every output and the purge count per batch (``ttl_purged``) must match 
 re-run of a committed batch with another clock keeps the batch's recorded processing time (the
 same output), a clock that steps back does not move the processing time back, a rescale (3 -> 2
 partitions), a restart in a fresh SparkSession, and the state reader (each value with its
-expiry; nothing expired left after a batch's purge). Heap and LMDB, executor agent on and off.
+expiry; nothing expired left after a batch's purge). Reducing and aggregating states with a
+TTL against their own model (expire, purge, restart from nothing, rescale, reader). Heap and
+LMDB, executor agent on and off.
 The deduplication example (examples/dedup_ttl.py) runs here in quick mode."""
 
 from __future__ import annotations
@@ -217,3 +219,94 @@ def test_dedup_example_drops_copies_and_forgets_ids_after_the_ttl(
     assert len(emitted) < rows, "copies were dropped"
     assert len(emitted) > len(ids), "some ids expired and were emitted again"
     assert sum(s["ttl_purged"] for s in r["stats"]) > 0
+
+
+class _Count:
+    """An aggregating state's function: how many rows (the accumulator, a one-element list,
+    mutated in place)."""
+
+    def create_accumulator(self) -> list[int]:
+        return [0]
+
+    def add(self, value: Any, acc: list[int]) -> list[int]:
+        acc[0] += 1
+        return acc
+
+    def get_result(self, acc: list[int]) -> int:
+        return acc[0]
+
+    def merge(self, a: list[int], b: list[int]) -> list[int]:
+        return [a[0] + b[0]]
+
+
+class FoldingTtlJob(StatefulProcessor):
+    """Per key: outputs its reducing state (the longest ``arg`` so far) and aggregating state
+    (rows so far), both with a TTL, after the batch's purge; then adds the batch's rows."""
+
+    def init(self, handle: Any) -> None:
+        self.r = handle.get_reducing_state("r", max, ttl_s=TTL_MS / 1000)
+        self.g = handle.get_aggregating_state("g", _Count(), ttl_duration_ms=TTL_MS)
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]],
+                          timer_values: TimerValues) -> Iterator[dict[str, Any]]:
+        yield {"key": key, "r": json.dumps(self.r.get()), "g": json.dumps(self.g.get())}
+        for r in rows:
+            self.r.add(r["arg"])
+            self.g.add(r["arg"])
+
+
+@pytest.mark.parametrize("table,agent", [("lmdb", True), ("heap", False)])
+def test_reducing_and_aggregating_ttl_expire_purge_and_rescale(
+        spark: Any, tmp_path: Path, table: str, agent: bool) -> None:  # noqa: F811
+    """Folded values expire ``TTL_MS`` after their key's last row (every add refreshes), are
+    purged by the next batch (counted in ``ttl_purged``), restart from nothing, move with their
+    keys in a rescale, and the state reader shows the live ones with their expiries."""
+    rng = random.Random(17)
+    folded: dict[str, tuple[str, int, int]] = {}  # key -> (max arg, rows, expiry)
+    out: dict[int, list[tuple[Any, ...]]] = {}
+
+    def operator(partitions: int, tag: str) -> DstlStatefulOperator:
+        return DstlStatefulOperator(
+            name="fold", processor=FoldingTtlJob, key_column="key",
+            output_schema="key string, r string, g string", state_uri=str(tmp_path / "store"),
+            partitions=partitions, max_parallelism=16, table=table, agent=agent,
+            local_dir=str(tmp_path / f"local-{tag}"), materialization_interval_s=0.0,
+            sink=lambda df, b: out.__setitem__(b, sorted(tuple(r) for r in df.collect())))
+
+    def batch(op: DstlStatefulOperator, batch_id: int, now: int, n: int) -> None:
+        rows = [(f"k{rng.randrange(10)}", "x", f"a{rng.randrange(1000):04d}") for _ in range(n)]
+        purged = sum(2 for p in folded.values() if p[2] <= now)
+        live = {k: p for k, p in folded.items() if p[2] > now}
+        want = sorted((k, json.dumps(live[k][0] if k in live else None),
+                       json.dumps(live[k][1] if k in live else None)) for k in {r[0] for r in rows})
+        for key, _, arg in rows:
+            m, c, _ = live.get(key, ("", 0, 0))
+            live[key] = (max(m, arg), c + 1, now + TTL_MS)
+        folded.clear()
+        folded.update(live)
+        op.clock_ms = lambda: now
+        op.foreach_batch(spark.createDataFrame(rows, SCHEMA), batch_id)
+        assert out[batch_id] == want, f"batch {batch_id}"
+        assert op.batch_stats[-1]["ttl_purged"] == purged, f"batch {batch_id}: purged"
+
+    op = operator(3, "a")
+    batch(op, 0, 10_000, 30)
+    batch(op, 1, 10_600, 8)
+    batch(op, 2, 11_200, 8)  # batch 0's keys that batch 1 did not refresh expired
+    assert op.batch_stats[-1]["ttl_purged"] > 0
+    op.close()
+    op = operator(2, "b")  # rescale 3 -> 2: expiries move with their keys
+    batch(op, 3, 11_500, 8)
+    assert "rescale" in op.batch_stats[-1]["accesses"]
+    batch(op, 4, 12_300, 5)
+    want = {(k, "r", e, json.dumps(m)) for k, (m, _, e) in folded.items()}
+    want |= {(k, "g", e, json.dumps([c])) for k, (_, c, e) in folded.items()}
+    store = open_store(str(tmp_path / "store"))
+    try:
+        catalog = CheckpointCatalog(ReadOnlyBlobStore(store), job_id="fold")
+        got = {(r.key, r.state, r.value[0], json.dumps(r.value[1]))
+               for r in read_state(catalog)}
+    finally:
+        store.close()
+    assert got == want
+    op.close()

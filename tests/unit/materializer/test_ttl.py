@@ -319,14 +319,17 @@ def test_bad_ttl_s_is_a_typed_error(bad: Any, error: type) -> None:
             make()
 
 
-def test_ttl_only_on_value_list_and_map_states(storage: ChangelogStorage, tmp_path: Path
-                                               ) -> None:
+def test_ttl_is_keyword_only_and_checked_through_the_handle(storage: ChangelogStorage,
+                                                           tmp_path: Path) -> None:
+    """(Reducing and aggregating states: tests/unit/materializer/test_ttl_folding.py.)"""
     assert ReducingStateDescriptor("r", lambda a, c: a + c).ttl_s is None
+    assert ReducingStateDescriptor("r", lambda a, c: a + c, ttl_s=5).ttl_s == 5
     assert ValueStateDescriptor("v", ttl_s=1e10).ttl_s == 1e10  # the largest
     with pytest.raises(TypeError):
-        ReducingStateDescriptor("r", lambda a, c: a + c, ttl_s=5)  # type: ignore[call-arg]
+        ReducingStateDescriptor("r", lambda a, c: a + c, None, 5)  # type: ignore[misc]
     assert AggregatingStateDescriptor.__init__.__code__.co_varnames[:4] == \
         ("self", "name", "agg", "serializer")
+    assert AggregatingStateDescriptor.__init__.__code__.co_kwonlyargcount == 1
     b = _backend(storage, "heap", "op/h", tmp_path)
     h = StatefulProcessorHandle(b)
     with pytest.raises(ConfigError, match="ttl_s"):
