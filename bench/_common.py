@@ -146,6 +146,30 @@ def other_jvms() -> int:
     return n
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system, reaped children's included) used so far by this process and
+    every live descendant (a Spark bench: the driver JVM, Spark's Python workers, DSTL's
+    executor agents): the cost of the work done between two calls, which other jobs on a shared
+    machine inflate far less than they inflate wall time."""
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(d.name)] = int(f[1])
+            ticks[int(d.name)] = sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    total = 0
+    for pid, t in ticks.items():
+        p = pid
+        while p > 1 and p != me:
+            p = parent.get(p, 0)
+        total += t if p == me else 0
+    return total / tick
+
+
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
                   command: str, no_doc: bool = False, tag: str | None = None,
                   machine: dict[str, Any] | None = None) -> Path:
