@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 
-def new_session(name: str, master: str = "local[2,2]") -> Any:
-    """``local[2,2]``: 2 cores and up to 2 attempts per task, so a killed task is retried."""
+def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | None = None) -> Any:
+    """``local[2,2]``: 2 cores and up to 2 attempts per task, so a killed task is retried.
+    ``conf``: more Spark conf (static ones take effect only if no session is active)."""
     from pyspark.sql import SparkSession
 
     # workers must run this interpreter (the venv), not whatever `python3` is on PATH, and must
@@ -22,7 +23,7 @@ def new_session(name: str, master: str = "local[2,2]") -> Any:
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    spark = (SparkSession.builder.master(master).appName(name)
+    builder = (SparkSession.builder.master(master).appName(name)
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "4")
@@ -31,8 +32,10 @@ def new_session(name: str, master: str = "local[2,2]") -> Any:
              # a Python worker that starts slowly on a loaded machine (the streaming source
              # runner imports pyspark, pyarrow and dstl) may take longer than the 15 s default
              # to connect back; the query would fail with "Python worker failed to connect back"
-             .config("spark.python.authenticate.socketTimeout", "120s")
-             .getOrCreate())
+             .config("spark.python.authenticate.socketTimeout", "120s"))
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

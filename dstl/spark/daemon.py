@@ -1,0 +1,138 @@
+"""A PySpark daemon that imports a DSTL task's modules once, before it forks Python workers.
+
+Theory of operation
+-------------------
+An executor starts one Python daemon (``python -m <spark.python.daemon.module> <worker
+module>``) when its first Python task arrives; the daemon forks one worker per task slot, and
+each worker then imports pyspark's worker module and, unpickling the task, everything the task
+refers to. For a DSTL task that is DSTL's worker side, the state tables, pyarrow's compute and
+IPC modules and pandas (pyarrow imports pandas the first time it builds an array from Python
+objects, which the task's output rows do). Each worker pays those imports itself — 2-4 s of CPU
+on this machine class, on the first batch after every restart, on every executor, in every
+worker.
+
+``spark.python.daemon.module=dstl.spark.daemon`` (a static Spark conf: set it before the
+SparkContext starts) runs :func:`main` instead of ``pyspark.daemon``: it imports those modules
+(:data:`PRELOAD`, plus the worker module Spark names and the modules listed in the environment
+variable :data:`PRELOAD_ENV`, e.g. the processor's own module) and then hands over to
+``pyspark.daemon.manager()``, which is unchanged. Every worker it forks starts with the modules
+loaded (copy-on-write pages of the daemon); what the first batch's tasks import drops to the
+task's own closure.
+
+Why it is safe to fork after these imports (pyspark's own daemon imports the worker module only
+after the fork, because an import *may* start threads):
+
+* No Python thread: none of these modules starts one at import, and :func:`main` checks it
+  (``threading.active_count() == 1``) and refuses to start otherwise, naming the threads, rather
+  than fork a process whose other threads' locks the children would inherit held.
+* No open resource: importing DSTL opens no LMDB environment, socket or file and starts no
+  agent; those are made in the worker, per process (:mod:`dstl.spark.runtime` builds a
+  runtime only in the process that uses it and never reuses one across a fork).
+* Native threads: importing pyarrow starts jemalloc's background thread, and numpy (via
+  pandas) may start OpenBLAS threads (Spark sets ``OMP_NUM_THREADS`` to the task's cores for
+  the daemon, so none with one core per task). Both libraries register fork handlers that take
+  their locks across ``fork()`` and restart their threads in the child.
+
+A module that cannot be imported stops the daemon with a :class:`~dstl.errors.ConfigError`
+message on its stderr (module, cause, fix), which Spark puts into the task's error; a missing
+``pandas`` is not an error (it is optional for pyarrow, and the workers would not import it
+either). :data:`PRELOADED` records, in the daemon and so in every worker forked from it, what was
+imported and how long it took (empty in a worker of another daemon).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from dstl.errors import ConfigError
+
+__all__ = ["PRELOAD", "PRELOADED", "PRELOAD_ENV", "OPTIONAL", "main", "modules_to_preload",
+           "preload"]
+
+#: What every DSTL task imports in a worker (measured: the modules a DSTL batch task and a
+#: warm-up task leave in ``sys.modules``), in import order.
+PRELOAD: tuple[str, ...] = (
+    "pyspark.worker", "pyspark.sql.pandas.serializers", "pyarrow", "pyarrow.compute",
+    "pandas", "lmdb", "zstandard", "xxhash", "dstl.spark.task", "dstl.spark.warmup",
+)
+#: Imported only when installed: pyarrow uses pandas when it is there, and a worker without it
+#: would not import it either.
+OPTIONAL: frozenset[str] = frozenset({"pandas"})
+#: Comma-separated extra modules to import in the daemon (e.g. the module that defines the
+#: processor class; set through ``spark.executorEnv.DSTL_DAEMON_PRELOAD``).
+PRELOAD_ENV = "DSTL_DAEMON_PRELOAD"
+
+#: module -> seconds its import took in the daemon this process was forked from (empty: this
+#: process did not come from a DSTL daemon)
+PRELOADED: dict[str, float] = {}
+
+_FIX = ("install it into the executors' Python (PYSPARK_PYTHON), remove it from "
+        f"{PRELOAD_ENV}, or unset spark.python.daemon.module to use pyspark.daemon")
+
+
+def modules_to_preload(argv: Sequence[str], environ: dict[str, str] | os._Environ[str]
+                       ) -> list[str]:
+    """The modules to import: the worker module Spark passes as the daemon's first argument
+    (``pyspark.worker`` by default), :data:`PRELOAD`, then the :data:`PRELOAD_ENV` list; each
+    once, in that order."""
+    worker = argv[1] if len(argv) > 1 and argv[1] else "pyspark.worker"
+    extra = [m.strip() for m in environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    return list(dict.fromkeys([worker, *PRELOAD, *extra]))
+
+
+def preload(modules: Sequence[str]) -> dict[str, float]:
+    """Import ``modules`` in order; seconds per module.
+
+    Raises:
+        ConfigError: a module (not in :data:`OPTIONAL`) cannot be imported, or its import
+            started a Python thread (forking then would copy that thread's held locks).
+    """
+    took: dict[str, float] = {}
+    for name in modules:
+        if name in OPTIONAL and importlib.util.find_spec(name) is None:
+            continue
+        started = time.perf_counter()
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure: named, with the fix
+            raise ConfigError(PRELOAD_ENV if name not in PRELOAD else "spark.python.daemon.module",
+                              name, f"a module the executors' Python can import (got "
+                              f"{type(exc).__name__}: {exc})", owner="dstl.spark.daemon",
+                              fix=_FIX) from exc
+        took[name] = time.perf_counter() - started
+        threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        if threads:
+            raise ConfigError("preloaded module", name,
+                              f"an import that starts no thread (it started {threads})",
+                              owner="dstl.spark.daemon",
+                              fix=f"remove it from {PRELOAD_ENV}: the daemon forks workers "
+                                  "and must hold no thread when it does")
+    return took
+
+
+def main() -> None:
+    """``python -m dstl.spark.daemon [worker module]``: preload, then run pyspark's daemon."""
+    try:
+        took = preload(modules_to_preload(sys.argv, os.environ))
+    except ConfigError as exc:
+        # the daemon's stdout is Spark's channel (the port); stderr ends up in the task error
+        print(f"dstl.spark.daemon: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    PRELOADED.update(took)
+    from pyspark import daemon
+
+    daemon.manager()
+
+
+if __name__ == "__main__":
+    # run as ``-m``, this file is ``__main__``; the workers read PRELOADED of the module by its
+    # own name, so run main() there
+    from dstl.spark.daemon import main as _main
+
+    _main()
