@@ -125,6 +125,10 @@ def main() -> None:
         print(f"dstl.spark.daemon: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     PRELOADED.update(took)
+    # one line into the executor's log (Spark copies the daemon's stderr there)
+    print(f"dstl.spark.daemon: imported {len(took)} modules in {sum(took.values()):.2f}s before "
+          "forking workers: " + ", ".join(f"{m} {s:.2f}s" for m, s in took.items()),
+          file=sys.stderr, flush=True)
     from pyspark import daemon
 
     daemon.manager()

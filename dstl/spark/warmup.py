@@ -66,9 +66,11 @@ def warm_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable
                    partition: int | None = None) -> Iterator[Any]:
     """The body of one warm-up task (see the module docstring): one row, the partition and a
     JSON outcome (``access``: how it got the state, ``marked``: whether the table is now
-    adoptable, ``seconds``)."""
+    adoptable, ``seconds``, ``daemon_preloaded``: whether this worker was forked by
+    :mod:`dstl.spark.daemon` with DSTL imported)."""
     import pyarrow as pa
 
+    from dstl.spark.daemon import PRELOADED
     from dstl.spark.task import _task_identity, check_version
 
     for _ in batches:  # the job's input only places the task; nothing to read
@@ -79,7 +81,8 @@ def warm_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable
     rt = runtime_for(cfg)
     runtime_s = time.monotonic() - started
     outcome = pre_restore(rt, partition, task_input)
-    outcome.update(runtime_seconds=runtime_s, seconds=time.monotonic() - started)
+    outcome.update(runtime_seconds=runtime_s, seconds=time.monotonic() - started,
+                   daemon_preloaded="dstl.spark.task" in PRELOADED)
     yield pa.RecordBatch.from_pydict({"partition": [partition],
                                       "outcome": [json.dumps(outcome)]},
                                      schema=pa.schema([("partition", pa.int32()),
