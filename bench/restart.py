@@ -103,18 +103,19 @@ class Variant:
     table: str  # "lmdb" | "heap" | "rocksdb"
     snapshots: bool
     warm: bool = False  # DSTL: op.warm_up(spark) before the query starts
+    daemon: bool = False  # DSTL: spark.python.daemon.module=dstl.spark.daemon
 
     @property
     def label(self) -> str:
         what = {"lmdb": "DSTL LMDB + agent", "heap": "DSTL heap", "rocksdb": "Spark RocksDB"}
         return (f"{what[self.table]}, {'snapshots' if self.snapshots else 'log only'}"
-                + (", warm-up" if self.warm else ""))
+                + (", warm-up" if self.warm else "") + (", DSTL daemon" if self.daemon else ""))
 
     @property
     def build_name(self) -> str:
-        """The variant whose built state this one restarts from (a warm-up variant shares
-        its twin's build)."""
-        return self.name.removesuffix("-warm")
+        """The variant whose built state this one restarts from (a warm-up or daemon variant
+        shares its twin's build)."""
+        return self.name.removesuffix("-daemon").removesuffix("-warm")
 
 
 VARIANTS = {v.name: v for v in (
@@ -123,7 +124,12 @@ VARIANTS = {v.name: v for v in (
     Variant("spark", "spark", "rocksdb", False), Variant("spark-snap", "spark", "rocksdb", True),
     Variant("dstl-lmdb-warm", "dstl", "lmdb", False, True),
     Variant("dstl-lmdb-snap-warm", "dstl", "lmdb", True, True),
-    Variant("dstl-heap-snap-warm", "dstl", "heap", True, True))}
+    Variant("dstl-heap-snap-warm", "dstl", "heap", True, True),
+    Variant("dstl-lmdb-daemon", "dstl", "lmdb", False, daemon=True),
+    Variant("dstl-lmdb-snap-daemon", "dstl", "lmdb", True, daemon=True),
+    Variant("dstl-heap-snap-daemon", "dstl", "heap", True, daemon=True),
+    Variant("dstl-lmdb-warm-daemon", "dstl", "lmdb", False, True, True),
+    Variant("dstl-lmdb-snap-warm-daemon", "dstl", "lmdb", True, True, True))}
 
 
 def spark_twin(v: Variant) -> Variant:
@@ -313,6 +319,8 @@ def session(v: Variant, spark_local: Path) -> Any:
          .config("spark.sql.shuffle.partitions", str(PARTITIONS))
          .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
          .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true"))
+    if v.daemon:  # workers forked with DSTL, pyarrow and pandas imported (dstl.spark.daemon)
+        b = b.config("spark.python.daemon.module", "dstl.spark.daemon")
     if v.engine == "spark" and v.snapshots:
         b = (b.config("spark.sql.streaming.stateStore.minDeltasForSnapshot", "1")
              .config("spark.sql.streaming.stateStore.maintenanceInterval", "1s"))
@@ -929,8 +937,10 @@ def goals(figs: dict[int, dict[str, Any]]) -> list[str]:
     lines = ["| keys | snapshots | DSTL LMDB / Spark | DSTL heap / Spark | goal <= 0.5x |",
              "|---|---|---|---|---|"]
     for n, per in sorted(figs.items()):
-        for snap, warm in ((False, False), (True, False), (False, True), (True, True)):
-            sfx = ("-snap" if snap else "") + ("-warm" if warm else "")
+        for snap, warm, daemon in ((s, w, d) for d in (False, True) for w in (False, True)
+                                   for s in (False, True)):
+            sfx = ("-snap" if snap else "") + ("-warm" if warm else "") + \
+                ("-daemon" if daemon else "")
             if not any(f"dstl-{t}{sfx}" in per for t in ("lmdb", "heap")):
                 continue
             cells, met = [], []
@@ -942,7 +952,8 @@ def goals(figs: dict[int, dict[str, Any]]) -> list[str]:
                     met.append(r["median"] <= 0.5)
             verdict = ("met" if met and all(met) else "**missed**") if met else "-"
             lines.append(f"| {n:,} | {'yes' if snap else 'no'}"
-                         f"{' (warm-up before the query)' if warm else ''} | " + " | ".join(cells)
+                         f"{' (warm-up before the query)' if warm else ''}"
+                         f"{' (DSTL daemon)' if daemon else ''} | " + " | ".join(cells)
                          + f" | {verdict} |")
     return lines
 
@@ -1018,6 +1029,7 @@ def interpretation(figs: dict[int, dict[str, Any]]) -> list[str]:
                "restart batch." if before > _m(sp, "trigger_s") else
                f"The Python start-up before the first task is {before / _m(lm, 'trigger_s'):.0%}"
                " of the DSTL batch."))
+        out += _daemon_findings(n, per)
         for name in ("dstl-lmdb-snap-warm", "dstl-lmdb-warm", "dstl-heap-snap-warm"):
             w, cold = per.get(name), per.get(VARIANTS[name].build_name)
             twin = per.get(spark_twin(VARIANTS[name]).name)
@@ -1052,6 +1064,29 @@ def interpretation(figs: dict[int, dict[str, Any]]) -> list[str]:
     return out
 
 
+def _daemon_findings(n: int, per: dict[str, Any]) -> list[str]:
+    """One bullet per DSTL-daemon variant against the same variant with pyspark's daemon."""
+    out = []
+    for name, f in per.items():
+        v = VARIANTS[name]
+        twin = per.get(name.removesuffix("-daemon"))
+        if not v.daemon or twin is None:
+            continue
+        out.append(
+            f"- **DSTL daemon, {v.label} ({n:,} keys).** Restart batch {_m(f, 'trigger_s'):.1f} s "
+            f"against {_m(twin, 'trigger_s'):.1f} s with pyspark's daemon in the same rounds; "
+            f"Python daemon up after {_m(f, 'daemon_start_after_s'):.1f} s "
+            f"({_m(twin, 'daemon_start_after_s'):.1f}), first worker forked after "
+            f"{_m(f, 'worker_start_after_s'):.1f} s ({_m(twin, 'worker_start_after_s'):.1f}), "
+            f"task code imported after {_m(f, 'worker_imported_after_s'):.1f} s "
+            f"({_m(twin, 'worker_imported_after_s'):.1f}), first task body after "
+            f"{_m(f, 'first_task_after_s'):.1f} s ({_m(twin, 'first_task_after_s'):.1f})"
+            + (f"; warm-up {_m(f, 'warm_up_s'):.1f} s ({_m(twin, 'warm_up_s'):.1f}), warm-up "
+               f"start to first batch done {_m(f, 'start_to_first_s'):.1f} s "
+               f"({_m(twin, 'start_to_first_s'):.1f})" if v.warm else "") + ".")
+    return out
+
+
 def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -1060,7 +1095,8 @@ def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     styles = {"lmdb": "o-", "heap": "^-", "rocksdb": "s--", "lmdb-warm": "o:",
-              "heap-warm": "^:"}
+              "heap-warm": "^:", "lmdb-daemon": "D-", "heap-daemon": "v-",
+              "lmdb-warm-daemon": "D:", "heap-warm-daemon": "v:"}
     for name, v in VARIANTS.items():
         xs = sorted(n for n, per in figs.items() if name in per)
         if not xs:
@@ -1069,7 +1105,7 @@ def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
         med = [s["median"] for s in ss]
         ax.errorbar(xs, med, yerr=[[m - s["min"] for m, s in zip(med, ss)],
                                    [s["max"] - m for m, s in zip(med, ss)]],
-                    fmt=styles[v.table + ("-warm" if v.warm else "")], mfc="none" if not v.snapshots else None, capsize=3,
+                    fmt=styles[v.table + ("-warm" if v.warm else "") + ("-daemon" if v.daemon else "")], mfc="none" if not v.snapshots else None, capsize=3,
                     label=v.label)
     ax.set_xscale("log")
     ax.set_xlabel("keys in the state (count per key, 4 partitions)")

@@ -100,7 +100,7 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
         started = time.perf_counter()
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - any import failure: named, with the fix
+        except Exception as exc:
             raise ConfigError(PRELOAD_ENV if name not in PRELOAD else "spark.python.daemon.module",
                               name, f"a module the executors' Python can import (got "
                               f"{type(exc).__name__}: {exc})", owner="dstl.spark.daemon",

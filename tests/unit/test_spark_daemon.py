@@ -60,7 +60,7 @@ def test_a_module_that_cannot_be_imported_is_named_with_the_fix(module_dir: Path
     assert "unset spark.python.daemon.module" in msg and daemon.PRELOAD_ENV in msg
     assert e.value.value == "r2_broken" and e.value.field == daemon.PRELOAD_ENV
     assert isinstance(e.value.__cause__, ModuleNotFoundError)
-    with pytest.raises(ConfigError, match="r2_syntax.*SyntaxError"):
+    with pytest.raises(ConfigError, match=r"r2_syntax.*SyntaxError"):
         (module_dir / "r2_syntax.py").write_text("def (:\n")
         daemon.preload(["r2_syntax"])
 
@@ -73,7 +73,7 @@ def test_a_module_whose_import_starts_a_thread_is_refused(module_dir: Path) -> N
         t.start()
     """))
     try:
-        with pytest.raises(ConfigError, match="r2_threads.*r2-poller.*must hold no thread"):
+        with pytest.raises(ConfigError, match=r"r2_threads.*r2-poller.*must hold no thread"):
             daemon.preload(["json", "r2_threads"])
     finally:
         mod = sys.modules.get("r2_threads")
