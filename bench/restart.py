@@ -1073,7 +1073,7 @@ def _daemon_findings(n: int, per: dict[str, Any]) -> list[str]:
         if not v.daemon or twin is None:
             continue
         out.append(
-            f"- **DSTL daemon, {v.label} ({n:,} keys).** Restart batch {_m(f, 'trigger_s'):.1f} s "
+            f"- **{v.label} ({n:,} keys), against pyspark's daemon.** Restart batch {_m(f, 'trigger_s'):.1f} s "
             f"against {_m(twin, 'trigger_s'):.1f} s with pyspark's daemon in the same rounds; "
             f"Python daemon up after {_m(f, 'daemon_start_after_s'):.1f} s "
             f"({_m(twin, 'daemon_start_after_s'):.1f}), first worker forked after "
