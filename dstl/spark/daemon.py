@@ -33,6 +33,15 @@ after the fork, because an import *may* start threads):
   the daemon, so none with one core per task). Both libraries register fork handlers that take
   their locks across ``fork()`` and restart their threads in the child.
 
+*The executor agent, started ahead.* Unless ``DSTL_DAEMON_AGENT=0``, the daemon also starts the
+executor agent (:func:`dstl.spark.agent.spawn.spawn_agent`: detached, watching the executor
+JVM, the daemon's parent) before it forks workers, and does not wait for it: the agent's own
+start-up (about 1 s of imports and socket set-up) then runs while the daemon and its workers
+start, instead of after the first task's worker asked for it. Workers forked here wait for that
+agent (:func:`agent_starting`) rather than start a second one, as long as it runs. It costs one idle process per
+executor when no operator uses the agent (``agent=False``); it exits with the executor.
+``Popen`` starts no thread, and nothing of it stays open in the daemon but the child's pid.
+
 A module that cannot be imported stops the daemon with a :class:`~dstl.errors.ConfigError`
 message on its stderr (module, cause, fix), which Spark puts into the task's error; a missing
 ``pandas`` is not an error (it is optional for pyarrow, and the workers would not import it
@@ -50,10 +59,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from dstl.errors import ConfigError
+from dstl.errors import ConfigError, DstlError
 
-__all__ = ["PRELOAD", "PRELOADED", "PRELOAD_ENV", "OPTIONAL", "main", "modules_to_preload",
-           "preload"]
+__all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "OPTIONAL", "PRELOAD", "PRELOADED", "PRELOAD_ENV", "main",
+           "modules_to_preload", "preload", "start_agent"]
 
 #: What every DSTL task imports in a worker (measured: the modules a DSTL batch task and a
 #: warm-up task leave in ``sys.modules``), in import order.
@@ -67,6 +76,14 @@ OPTIONAL: frozenset[str] = frozenset({"pandas"})
 #: Comma-separated extra modules to import in the daemon (e.g. the module that defines the
 #: processor class; set through ``spark.executorEnv.DSTL_DAEMON_PRELOAD``).
 PRELOAD_ENV = "DSTL_DAEMON_PRELOAD"
+
+#: ``0`` turns off starting the executor agent in the daemon.
+AGENT_ENV = "DSTL_DAEMON_AGENT"
+
+#: the agent directory whose agent the daemon this process was forked from started, and that
+#: agent's pid (``None``: none was started, or not a DSTL daemon)
+AGENT_DIR: str | None = None
+AGENT_PID: int | None = None
 
 #: module -> seconds its import took in the daemon this process was forked from (empty: this
 #: process did not come from a DSTL daemon)
@@ -116,8 +133,37 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
     return took
 
 
+def start_agent(environ: dict[str, str] | os._Environ[str]) -> tuple[str, int] | None:
+    """Start the executor agent without waiting (see the module docstring): its directory and
+    pid, or ``None`` when turned off (:data:`AGENT_ENV` ``=0``) or one answers already."""
+    if environ.get(AGENT_ENV, "1").strip() == "0":
+        return None
+    from dstl.spark.agent.spawn import agent_answers, spawn_agent
+    from dstl.spark.runtime import agent_dir
+
+    directory = agent_dir()
+    if agent_answers(directory):  # another daemon of this executor started it
+        return None
+    return directory, spawn_agent(directory, os.getppid())  # the daemon's parent: the JVM
+
+
+def agent_starting(directory: str) -> bool:
+    """Whether the daemon this worker was forked from started the agent of ``directory`` and
+    that process still runs (so waiting for it beats starting another). After that agent died
+    (a worker rebuilds its runtime then), ``False``: the worker starts one at once."""
+    if directory != AGENT_DIR or AGENT_PID is None:
+        return False
+    try:
+        with open(f"/proc/{AGENT_PID}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is a dead agent not reaped yet
+
+
 def main() -> None:
-    """``python -m dstl.spark.daemon [worker module]``: preload, then run pyspark's daemon."""
+    """``python -m dstl.spark.daemon [worker module]``: preload, start the agent, then run
+    pyspark's daemon."""
     try:
         took = preload(modules_to_preload(sys.argv, os.environ))
     except ConfigError as exc:
@@ -125,13 +171,28 @@ def main() -> None:
         print(f"dstl.spark.daemon: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     PRELOADED.update(took)
+    _start_agent_ahead()
     # one line into the executor's log (Spark copies the daemon's stderr there)
     print(f"dstl.spark.daemon: imported {len(took)} modules in {sum(took.values()):.2f}s before "
-          "forking workers: " + ", ".join(f"{m} {s:.2f}s" for m, s in took.items()),
+          "forking workers: " + ", ".join(f"{m} {s:.2f}s" for m, s in took.items())
+          + (f"; executor agent started ahead (pid {AGENT_PID})" if AGENT_PID else ""),
           file=sys.stderr, flush=True)
     from pyspark import daemon
 
     daemon.manager()
+
+
+def _start_agent_ahead() -> None:
+    global AGENT_DIR, AGENT_PID
+    try:
+        started = start_agent(os.environ)
+    except (OSError, DstlError) as exc:
+        # not fatal: the first worker that needs the agent starts it (and reports what fails)
+        print(f"dstl.spark.daemon: the executor agent was not started ahead ({type(exc).__name__}"
+              f": {exc}); the workers start it", file=sys.stderr, flush=True)
+        return
+    if started is not None:
+        AGENT_DIR, AGENT_PID = started
 
 
 if __name__ == "__main__":

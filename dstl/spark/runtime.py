@@ -49,7 +49,8 @@ from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
 from restore.cache import LocalFileCache
 
-__all__ = ["Slot", "WorkerRuntime", "close_runtime", "runtime_for", "runtime_of", "runtimes"]
+__all__ = ["Slot", "WorkerRuntime", "agent_dir", "close_runtime", "runtime_for", "runtime_of",
+           "runtimes"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,12 @@ def _executor_dir() -> str:
     return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
 
 
+def agent_dir() -> str:
+    """The executor agent's directory: ``<executor dir>/dstl-agent`` (it goes away with the
+    executor)."""
+    return os.path.join(_executor_dir(), "dstl-agent")
+
+
 class WorkerRuntime:
     """Per worker process and operator: storage, cache, agent client, and the partitions served
     here (see the module docstring)."""
@@ -98,8 +105,12 @@ class WorkerRuntime:
         self.agent: AgentClient | None = None
         uploader = None
         if cfg.agent:
-            # the agent lives in the executor's own directory: it goes away with the executor
-            path = ensure_agent(os.path.join(executor_dir, "dstl-agent"), executor_pid())
+            from dstl.spark import daemon
+
+            directory = agent_dir()
+            # started by the DSTL daemon before it forked this worker: wait for that one
+            path = ensure_agent(directory, executor_pid(),
+                                started_elsewhere=daemon.agent_starting(directory))
             self.agent = AgentClient(path)
             uploader = AgentUploadScheduler(self.agent, cfg.state_uri, cfg.storage_options,
                                             cfg.dstl_options)

@@ -42,7 +42,7 @@ class RecordingCount(StatefulProcessor):
 
         with open(os.path.join(self.out, f"{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "preloaded": daemon.PRELOADED,
-                       "parent": _cmdline(os.getppid())}, f)
+                       "daemon_pid": os.getppid(), "parent": _cmdline(os.getppid())}, f)
 
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
                           ) -> Iterator[dict[str, Any]]:
@@ -54,6 +54,11 @@ class RecordingCount(StatefulProcessor):
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode()
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -124,6 +129,17 @@ def test_workers_start_with_dstl_imported_and_counts_stay_exact(
         assert "dstl.spark.daemon" in r["parent"], r
         for name in ("dstl.spark.task", "pandas", "pyarrow", "lmdb", "pyspark.worker"):
             assert name in r["preloaded"], (name, r)
+    if agent:
+        # the agent the tasks used was started ahead by a daemon (a child of the executor JVM;
+        # an agent started by a worker is a grandchild, and a forked worker shows the daemon's
+        # command line too). Spark may start more than one daemon per executor (one per set of
+        # worker environment variables): the later ones find the agent answering.
+        agent_pids = {t["agent_pid"] for s in op.batch_stats for t in s["tasks"]}
+        assert len(agent_pids) == 1, agent_pids
+        starter = _parent_of(agent_pids.pop())
+        assert "dstl.spark.daemon" in _cmdline(starter)
+        jvms = {_parent_of(r["daemon_pid"]) for r in records}
+        assert _parent_of(starter) in jvms, (starter, jvms)
 
 
 def test_extra_modules_from_the_executor_environment_are_preloaded(daemon_spark: Any) -> None:

@@ -4,12 +4,14 @@ through its real entry point (``python -m dstl.spark.daemon``) speaking Spark's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,7 +94,7 @@ def test_a_missing_optional_module_is_skipped_and_a_present_one_imported(
 
 
 def _daemon(env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **env_extra}
+    env = {**os.environ, daemon.AGENT_ENV: "0", **env_extra}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "dstl.spark.daemon", "pyspark.worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -145,3 +147,121 @@ def test_no_python_thread_runs_in_this_process_after_the_default_preload() -> No
                          check=True, cwd=str(ROOT), timeout=120)
     assert out.stdout.strip() == "1"
     assert threading.active_count() >= 1
+
+
+def _agents_of(directory: Path) -> list[int]:
+    """Pids of the processes running ``python -m dstl.spark.agent --dir <directory>``."""
+    out = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dstl.spark.agent" in argv and str(directory).encode() in argv:
+            out.append(pid)
+    return out
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _stop(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _serving(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    raw = proc.stdout.read(4)
+    assert len(raw) == 4, proc.stderr.read().decode() if proc.stderr else ""
+
+
+def test_the_daemon_starts_the_executor_agent_before_it_serves(tmp_path: Path) -> None:
+    from dstl.spark.agent.spawn import agent_answers
+
+    local = tmp_path / "executor"
+    local.mkdir()
+    proc = _daemon({daemon.AGENT_ENV: "1", "SPARK_LOCAL_DIRS": f"{local},{tmp_path}/other"})
+    agents: list[int] = []
+    try:
+        _serving(proc)  # the agent is spawned before the port is written
+        agents = _agents_of(local / "dstl-agent")
+        assert len(agents) == 1
+        assert _parent_of(agents[0]) == proc.pid
+        with open(f"/proc/{agents[0]}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        # it watches the executor JVM: the daemon's parent (here, this test process)
+        assert argv[argv.index(b"--watch-pid") + 1] == str(os.getpid()).encode()
+        deadline = time.monotonic() + 60
+        while not agent_answers(str(local / "dstl-agent")):
+            assert time.monotonic() < deadline, "the agent did not answer within 60 s"
+            time.sleep(0.1)  # a process starting up; nothing to wait on
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(30)
+        _stop(agents)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert f"executor agent started ahead (pid {agents[0]})" in err
+
+
+def test_no_agent_is_started_with_dstl_daemon_agent_0(tmp_path: Path) -> None:
+    proc = _daemon({daemon.AGENT_ENV: "0", "SPARK_LOCAL_DIRS": str(tmp_path)})
+    try:
+        _serving(proc)
+        assert _agents_of(tmp_path / "dstl-agent") == []
+        assert not (tmp_path / "dstl-agent").exists()
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(30)
+
+
+def test_a_worker_waits_only_for_a_living_agent_of_its_own_directory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(daemon, "AGENT_DIR", str(tmp_path))
+    monkeypatch.setattr(daemon, "AGENT_PID", os.getpid())
+    assert daemon.agent_starting(str(tmp_path))
+    assert not daemon.agent_starting(str(tmp_path / "other"))
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while not _is_zombie(child):  # exited, not reaped yet: a dead agent
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # waiting for the kernel to mark the child; no event to wait on
+    monkeypatch.setattr(daemon, "AGENT_PID", child)
+    try:
+        assert not daemon.agent_starting(str(tmp_path))
+    finally:
+        os.waitpid(child, 0)
+    assert not daemon.agent_starting(str(tmp_path))  # reaped: gone
+    monkeypatch.setattr(daemon, "AGENT_PID", None)
+    assert not daemon.agent_starting(str(tmp_path))
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_an_agent_said_to_start_elsewhere_that_never_answers_is_started_after_the_wait(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dstl.spark.agent import spawn
+
+    monkeypatch.setattr(spawn, "_ELSEWHERE_WAIT_S", 0.3)
+    directory = tmp_path / "agent"
+    started = time.monotonic()
+    path = spawn.ensure_agent(str(directory), watch_pid=os.getpid(), started_elsewhere=True)
+    try:
+        assert time.monotonic() - started >= 0.3  # it waited for the other one first
+        assert spawn.agent_answers(str(directory)) and path == spawn.socket_path(str(directory))
+        assert len(_agents_of(directory)) == 1
+    finally:
+        _stop(_agents_of(directory))

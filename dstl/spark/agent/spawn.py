@@ -14,6 +14,12 @@ dstl.spark.agent --dir DIR --watch-pid PID`` with ``start_new_session=True`` —
 Spark SIGKILLing the worker does not take the agent down. Start-up failures land in
 ``<dir>/agent.err`` and in the raised error.
 
+*Started ahead.* :mod:`dstl.spark.daemon` (the optional Python daemon) starts the agent with
+:func:`spawn_agent` before it forks any worker, without waiting for it; its workers pass
+``started_elsewhere=True`` and wait for that agent to answer (up to ``_ELSEWHERE_WAIT_S``)
+before they would start one themselves — a second agent would only find ``agent.lock`` taken
+and exit, after paying its imports on the cores the first batch needs.
+
 *One at a time.* The agent holds ``<dir>/agent.lock`` for its whole life
 (:func:`hold_agent_lock`); a second agent started by accident exits at once.
 """
@@ -38,12 +44,17 @@ from dstl.spark.agent.protocol import (
     send_frame,
 )
 
-__all__ = ["SOCKET_ROOT", "ensure_agent", "executor_pid", "hold_agent_lock", "socket_path"]
+__all__ = ["SOCKET_ROOT", "ensure_agent", "executor_pid", "hold_agent_lock", "socket_path",
+           "agent_answers", "spawn_agent"]
 
 #: Where the per-user socket directory lives (short: see the module docstring).
 SOCKET_ROOT = "/tmp"
 #: How long a ping may take before the agent is taken as not answering.
 _PING_TIMEOUT_S = 2.0
+#: How long a worker waits for an agent that its daemon started before it starts one itself:
+#: the agent's own start-up (imports, socket) took 0.8-1.1 s at load ~10 (``bench/restart.py``);
+#: an agent that crashed at start costs the worker at most this much.
+_ELSEWHERE_WAIT_S = 15.0
 
 
 def socket_path(directory: str) -> str:
@@ -84,16 +95,21 @@ def hold_agent_lock(directory: str) -> IO[str] | None:
     return lock
 
 
-def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0) -> str:
+def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0,
+                 started_elsewhere: bool = False) -> str:
     """Return the agent's socket path, starting the agent if none answers.
+
+    Args:
+        started_elsewhere: an agent of this directory was started without waiting (by the
+            Python daemon, :func:`spawn_agent`): wait up to ``_ELSEWHERE_WAIT_S`` for it to
+            answer before starting one.
 
     Raises:
         AgentUnavailableError: no agent could be started within ``timeout_s``.
     """
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
+    _prepare(directory)
     path = socket_path(directory)
-    if _ping(path):
+    if _ping(path) or (started_elsewhere and _wait_for(path, _ELSEWHERE_WAIT_S)):
         return path
     with open(os.path.join(directory, "spawn.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one spawner; the others wait here, then find it
@@ -109,19 +125,42 @@ def ensure_agent(directory: str, watch_pid: int | None, timeout_s: float = 30.0)
                                 f"{directory}/agent.log and agent.err){': ' + tail if tail else ''}")
 
 
-def _spawn_and_wait(directory: str, path: str, watch_pid: int | None, timeout_s: float) -> bool:
-    """Start a detached agent; whether it answers within ``timeout_s``."""
+def spawn_agent(directory: str, watch_pid: int | None) -> int:
+    """Start a detached agent of ``directory`` and return its pid at once (no waiting: the
+    caller may be a process that must not block, the Python daemon). Starts no thread."""
+    _prepare(directory)
     cmd = [sys.executable, "-m", "dstl.spark.agent", "--dir", directory]
     if watch_pid is not None:
         cmd += ["--watch-pid", str(watch_pid)]
     with open(os.path.join(directory, "agent.err"), "ab") as err:  # start-up failures land here
-        subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
-                         stdout=err, stderr=err, close_fds=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=err, stderr=err, close_fds=True)
+    return proc.pid
+
+
+def agent_answers(directory: str) -> bool:
+    """Whether the agent of ``directory`` answers a ping now."""
+    return _ping(socket_path(directory))
+
+
+def _prepare(directory: str) -> None:
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+
+
+def _spawn_and_wait(directory: str, path: str, watch_pid: int | None, timeout_s: float) -> bool:
+    """Start a detached agent; whether it answers within ``timeout_s``."""
+    spawn_agent(directory, watch_pid)
+    return _wait_for(path, timeout_s)
+
+
+def _wait_for(path: str, timeout_s: float) -> bool:
+    """Whether an agent answers on ``path`` within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _ping(path):
             return True
-        time.sleep(0.05)  # polling a process we just started; no event to wait on
+        time.sleep(0.05)  # polling a process started elsewhere; no event to wait on
     return False
 
 
