@@ -138,8 +138,7 @@ def start_agent(environ: dict[str, str] | os._Environ[str]) -> tuple[str, int] |
     pid, or ``None`` when turned off (:data:`AGENT_ENV` ``=0``) or one answers already."""
     if environ.get(AGENT_ENV, "1").strip() == "0":
         return None
-    from dstl.spark.agent.spawn import agent_answers, spawn_agent
-    from dstl.spark.runtime import agent_dir
+    from dstl.spark.agent.spawn import agent_answers, agent_dir, spawn_agent
 
     directory = agent_dir()
     if agent_answers(directory):  # another daemon of this executor started it

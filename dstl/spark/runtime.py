@@ -43,14 +43,14 @@ from dstl.spark.agent import (
     ensure_agent,
     executor_pid,
 )
+from dstl.spark.agent.spawn import agent_dir
 from dstl.spark.config import OperatorConfig
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
 from restore.cache import LocalFileCache
 
-__all__ = ["Slot", "WorkerRuntime", "agent_dir", "close_runtime", "runtime_for", "runtime_of",
-           "runtimes"]
+__all__ = ["Slot", "WorkerRuntime", "close_runtime", "runtime_for", "runtime_of", "runtimes"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,6 @@ def _executor_dir() -> str:
     return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
 
 
-def agent_dir() -> str:
-    """The executor agent's directory: ``<executor dir>/dstl-agent`` (it goes away with the
-    executor)."""
-    return os.path.join(_executor_dir(), "dstl-agent")
-
-
 class WorkerRuntime:
     """Per worker process and operator: storage, cache, agent client, and the partitions served
     here (see the module docstring)."""
@@ -107,7 +101,7 @@ class WorkerRuntime:
         if cfg.agent:
             from dstl.spark import daemon
 
-            directory = agent_dir()
+            directory = agent_dir(executor_dir)
             # started by the DSTL daemon before it forked this worker: wait for that one
             path = ensure_agent(directory, executor_pid(),
                                 started_elsewhere=daemon.agent_starting(directory))

@@ -33,6 +33,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import IO
 
@@ -44,7 +45,7 @@ from dstl.spark.agent.protocol import (
     send_frame,
 )
 
-__all__ = ["SOCKET_ROOT", "ensure_agent", "executor_pid", "hold_agent_lock", "socket_path",
+__all__ = ["SOCKET_ROOT", "agent_dir", "ensure_agent", "executor_pid", "hold_agent_lock", "socket_path",
            "agent_answers", "spawn_agent"]
 
 #: Where the per-user socket directory lives (short: see the module docstring).
@@ -55,6 +56,15 @@ _PING_TIMEOUT_S = 2.0
 #: the agent's own start-up (imports, socket) took 0.8-1.1 s at load ~10 (``bench/restart.py``);
 #: an agent that crashed at start costs the worker at most this much.
 _ELSEWHERE_WAIT_S = 15.0
+
+
+def agent_dir(executor_dir: str | None = None) -> str:
+    """The executor agent's directory: ``<executor dir>/dstl-agent``, the executor dir being
+    the first ``SPARK_LOCAL_DIRS`` entry (else the temp dir), so it goes away with the
+    executor."""
+    if executor_dir is None:
+        executor_dir = (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
+    return os.path.join(executor_dir, "dstl-agent")
 
 
 def socket_path(directory: str) -> str:
