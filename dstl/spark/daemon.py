@@ -22,9 +22,10 @@ task's own closure.
 Why it is safe to fork after these imports (pyspark's own daemon imports the worker module only
 after the fork, because an import *may* start threads):
 
-* No Python thread: none of these modules starts one at import, and :func:`main` checks it
-  (``threading.active_count() == 1``) and refuses to start otherwise, naming the threads, rather
-  than fork a process whose other threads' locks the children would inherit held.
+* No Python thread: none of these modules starts one at import, and :func:`preload` checks it
+  (no thread that was not there before the import) and refuses to start otherwise, naming the
+  threads, rather than fork a process whose other threads' locks the children would inherit
+  held.
 * No open resource: importing DSTL opens no LMDB environment, socket or file and starts no
   agent; those are made in the worker, per process (:mod:`dstl.spark.runtime` builds a
   runtime only in the process that uses it and never reuses one across a fork).
@@ -111,6 +112,7 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
             started a Python thread (forking then would copy that thread's held locks).
     """
     took: dict[str, float] = {}
+    before = set(threading.enumerate())  # in the daemon: the main thread alone
     for name in modules:
         if name in OPTIONAL and importlib.util.find_spec(name) is None:
             continue
@@ -123,7 +125,7 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
                               f"{type(exc).__name__}: {exc})", owner="dstl.spark.daemon",
                               fix=_FIX) from exc
         took[name] = time.perf_counter() - started
-        threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        threads = sorted(t.name for t in set(threading.enumerate()) - before)
         if threads:
             raise ConfigError("preloaded module", name,
                               f"an import that starts no thread (it started {threads})",
