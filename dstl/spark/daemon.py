@@ -26,8 +26,9 @@ after the fork, because an import *may* start threads):
   (no thread that was not there before the import) and refuses to start otherwise, naming the
   threads, rather than fork a process whose other threads' locks the children would inherit
   held.
-* No open resource: importing DSTL opens no LMDB environment, socket or file and starts no
-  agent; those are made in the worker, per process (:mod:`dstl.spark.runtime` builds a
+* No open resource: importing DSTL opens no LMDB environment, socket or file; starting the
+  agent (below) leaves nothing open in the daemon (its output goes to a file closed at once,
+  the ping's socket is closed). Storage, tables and agent connections are made in the worker, per process (:mod:`dstl.spark.runtime` builds a
   runtime only in the process that uses it and never reuses one across a fork).
 * Native threads: importing pyarrow starts jemalloc's background thread, and numpy (via
   pandas) may start OpenBLAS threads (Spark sets ``OMP_NUM_THREADS`` to the task's cores for
