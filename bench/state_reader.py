@@ -416,7 +416,8 @@ _ANALYSIS = (
     "JVM and emits 3 columns): a Python source can at best tie it here. The split reads are "
     "column-wise (`dstl/reader/columns.py`): a v2 snapshot's LMDB file parsed page-wise with "
     "numpy (`materializer/lmdb_pages.py`), the log cut into columns per change set and replayed "
-    "column-wise, ints decoded as words — about 0.5 µs of Python per entry, the difference "
+    "column-wise, ints decoded as words — about 0.5 to 0.75 µs of Python per entry, the "
+    "difference "
     "between the DSTL and floor CPU columns. Batches of 64 k rows: larger ones (256 k) cost the "
     "floor more CPU, not less. The readers ran alternately in the same session, so their ratio "
     "is fairer than either time.")
