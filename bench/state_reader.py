@@ -51,7 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, summary, write_results  # noqa: E402
+from bench._common import fmt, parser, summary, tree_cpu_s, write_results  # noqa: E402
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle  # noqa: E402
 
 PARTITIONS = 4
@@ -220,32 +220,6 @@ def _read_floor(spark: Any, keys: int) -> float:
     return time.monotonic() - t0
 
 
-def _tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every process under it — the driver
-    JVM (local mode: the executors too) and its Python workers — including children that ended
-    (Linux ``/proc``): what a read costs on a shared machine, where wall time also counts the
-    other jobs' load."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(name))
-        cpu[int(name)] = sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
-    total, todo = 0.0, [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
 def _reads(spark: Any, uri: str, ck: str, repeats: int, keys: int) -> dict[str, Any]:
     spark.dataSource.register(_floor_source())
     reads: dict[str, Callable[[], float]] = {
@@ -258,9 +232,9 @@ def _reads(spark: Any, uri: str, ck: str, repeats: int, keys: int) -> dict[str, 
     loads: list[float] = []
     for i in range(repeats):
         for name in ("dstl", "spark", "floor") if i % 2 == 0 else ("spark", "dstl", "floor"):
-            before = _tree_cpu_s()
+            before = tree_cpu_s()
             wall[name].append(reads[name]())
-            cpu[name].append(_tree_cpu_s() - before)
+            cpu[name].append(tree_cpu_s() - before)
         loads.append(os.getloadavg()[0])
     d, s = summary(wall["dstl"]), summary(wall["spark"])
     return {"dstl_read_s": d, "spark_read_s": s, "ratio_spark_over_dstl":
