@@ -15,22 +15,12 @@ from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
+from test_spark_operator import Count
 
-from dstl.spark import DstlStatefulOperator, StatefulProcessor
+from dstl.spark import DstlStatefulOperator
 from dstl.spark.operator import ADAPTIVE
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
 
 
 class Poison(Count):

@@ -14,24 +14,25 @@ of TTL states are refused."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_ttl
+from test_ttl import ALL, MP, NO_TIMER, _backend
 
-from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
+from dstl import ChangelogStorage, KeyGroupRange
 from dstl.errors import ConfigError, ConfigTypeError, KeyGroupError, StateError, UsageError
 from dstl.spark.processor import StatefulProcessorHandle
-from dstl.stores import MemoryBlobStore
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.options import BackendOptions
 from materializer.states import AggregatingStateDescriptor, ReducingStateDescriptor
 from restore import restore_backend
 
-MP = 16
-ALL = KeyGroupRange(0, MP - 1)
-NO_TIMER = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+# the fixtures of test_ttl (bound by assignment, so that test parameters do not shadow an import)
+storage = test_ttl.storage
+table = test_ttl.table
+
 WAIT = 10.0
 KEYS = ["a", "b", "c", "d", "e", "f", "g"]
 TTL_MS = 1000
@@ -58,24 +59,6 @@ class Mean:
 
 def _add(a: int, b: int) -> int:
     return a + b
-
-
-@pytest.fixture(params=["heap", "lmdb"])
-def table(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def storage() -> Iterator[ChangelogStorage]:
-    s = ChangelogStorage(store=MemoryBlobStore(), options=DstlOptions(persist_delay_s=0.0))
-    yield s
-    s.close()
-
-
-def _backend(storage: ChangelogStorage, table: str, op: str, tmp: Path,
-             options: BackendOptions = NO_TIMER) -> ChangelogKeyedStateBackend:
-    return ChangelogKeyedStateBackend(storage, op, ALL, MP, table=table, options=options,
-                                      local_directory=str(tmp / op.replace("/", "_")))
 
 
 def _states(b: ChangelogKeyedStateBackend, ttl_s: float = TTL_MS / 1000) -> tuple[Any, Any]:
@@ -155,7 +138,7 @@ def test_folded_values_expire_like_the_model_across_restores_and_a_rescale(
     opts = NO_TIMER if materialize is None else BackendOptions(
         materialization_interval_s=None, materialize_log_ratio=None,
         lmdb_snapshot_format=materialize)
-    b = _backend(storage, table, "op/fold", tmp_path, opts)
+    b = _backend(storage, table, "op/fold", tmp_path, options=opts)
     b.set_ttl_time(0)
     r, g = _states(b)
     model = Model()
