@@ -98,10 +98,16 @@ def test_progress_listener_prometheus_and_bounded_stats(
         assert fams["dstl_operator_lastBatchId"].samples[0].value == 4
         assert fams["dstl_CheckpointCoordinator_numberOfCompletedCheckpoints"].samples[0].value \
             == 5
-        agents = {s.labels["agent"] for s in
-                  fams["dstl_ChangelogStorage_numberOfUploadRequests"].samples}
+        agents = {s.labels["agent"] for s in fams["dstl_Agent_requests"].samples}
         assert agents and all(a.isdigit() for a in agents)
-        assert fams["dstl_ChangelogStorage_uploadSizes"].type == "summary"
+        assert all(s.value > 0 for s in fams["dstl_Agent_requests"].samples)
+        # an agent has storage metrics once a change set went through it: not when every task
+        # of every batch materialized its partition in the checkpoint (0 segments; seen on a
+        # loaded machine with the heap table, whose worker materializes)
+        if sum(p["stateOperators"][0]["customMetrics"]["segments"] for p in seen):
+            uploads = fams["dstl_ChangelogStorage_numberOfUploadRequests"].samples
+            assert uploads and {s.labels["agent"] for s in uploads} <= agents
+            assert fams["dstl_ChangelogStorage_uploadSizes"].type == "summary"
     finally:
         op.close()
     with pytest.raises(OSError):  # the endpoint is gone with the operator
