@@ -282,9 +282,23 @@ def _purge_slot(b: Any, sid: int, shape: Any, now: int) -> tuple[int, int | None
 class _Ttl:
     """What the TTL states share: the service and the TTL in ms."""
 
+    _b: Any
+    _sid: int
+    _heap: bool
+
     def _init_ttl(self, service: TtlService, ttl_s: float) -> None:
         self._svc = service
         self._ttl_ms = ttl_ms_of(ttl_s)
+
+    def _pair_alive(self) -> bool:
+        """Whether a state stored as one ``(expiry, value)`` pair (a value state's, a folding
+        state's) holds one that has not expired, read without decoding the value."""
+        b = self._b
+        b.before_read()
+        raw = b.read_state_raw(self._sid)
+        if raw is None:
+            return False
+        return (raw[0] if self._heap else expiry_of(raw)) > self._svc.now()
 
     def _stored(self, state: KeyedState, expiry: int, value: Any, encoded: bytes) -> Any:
         """What the heap keeps for a pair written as ``encoded``."""
@@ -321,12 +335,7 @@ class TtlValueState(ValueState, _Ttl):
         return self._alive()
 
     def exists(self) -> bool:
-        b = self._b
-        b.before_read()
-        raw = b.read_state_raw(self._sid)
-        if raw is None:
-            return False
-        return (raw[0] if self._heap else expiry_of(raw)) > self._svc.now()
+        return self._pair_alive()
 
     def update(self, value: Any) -> None:
         if value is None:
@@ -470,9 +479,6 @@ class _TtlFolding(_Ttl):
     ``add`` refreshes it. An ``add`` to an expired value starts from nothing, as if the state
     were empty (it is invisible; the purge may not have removed it yet)."""
 
-    _b: Any
-    _sid: int
-    _heap: bool
     _codec: Any
 
     def _folded(self, state: KeyedState) -> Any:
@@ -500,12 +506,7 @@ class _TtlFolding(_Ttl):
         self._svc.note(self._sid, expiry, None if old is None else int(old[0]))
 
     def exists(self) -> bool:
-        b = self._b
-        b.before_read()
-        raw = b.read_state_raw(self._sid)
-        if raw is None:
-            return False
-        return (raw[0] if self._heap else expiry_of(raw)) > self._svc.now()
+        return self._pair_alive()
 
 
 class TtlReducingState(_TtlFolding, ReducingState):

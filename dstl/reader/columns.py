@@ -61,11 +61,10 @@ from dstl.reader.arrow import STATE_SCHEMA
 from dstl.reader.checks import check_cache, check_key_bytes, check_names
 from dstl.reader.image import (
     Ident,
-    LeaseSource,
     StateImage,
     StateInfo,
+    block_snapshot,
     decompressed_file_snapshot,
-    snapshot_states,
     state_info,
 )
 from dstl.reader.plan import StateSplit
@@ -78,10 +77,9 @@ from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_files import iter_raw_chunks
 from materializer.lmdb_pages import EntrySpans, entry_spans
 from materializer.replay import uniform_block
-from materializer.state_tables import BlobRangeSource, SnapshotReader
 from restore.file_restore import is_file_snapshot
 from restore.leasing import LeasingCache
-from restore.reader import ChangelogReader, verify_snapshot
+from restore.reader import ChangelogReader
 from restore.restore import plan_restore
 
 __all__ = ["Run", "int_values", "log_columns", "read_state_batches", "run_batches",
@@ -422,11 +420,7 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
                 cache: LeasingCache | None) -> Iterator[Run]:
     """A v1 snapshot's entries in ``wanted``, one key-group block at a time."""
-    lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
-    try:
-        source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
-        reader = SnapshotReader(source, key=ref.key)
-        states = snapshot_states(reader, allow_pickle)
+    with block_snapshot(store, ref, allow_pickle, cache) as (reader, states):
         for kg, block in reader.read(wanted.intersection(reader.key_groups)):
             entries = list(block)
             if not entries:
@@ -437,9 +431,6 @@ def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow
                                      pa.array(kbs, type=pa.binary()),
                                      pa.array(nbs, type=pa.binary()),
                                      pa.array(vbs, type=pa.binary()), ref.key)
-    finally:
-        if lease is not None:
-            lease.release()
 
 
 def snapshot_runs(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,

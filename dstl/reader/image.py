@@ -142,11 +142,7 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
         if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
             yield from _file_snapshot_entries(store, ref, wanted, allow_pickle, cache)
             continue
-        lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
-        try:
-            source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
-            reader = SnapshotReader(source, key=ref.key)
-            states = snapshot_states(reader, allow_pickle)
+        with block_snapshot(store, ref, allow_pickle, cache) as (reader, states):
             for kg, block in reader.read(wanted.intersection(reader.key_groups)):
                 for sid, kb, nb, vb in block:
                     info = states.get(sid)
@@ -155,9 +151,22 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
                                                              "the snapshot's metadata does not "
                                                              "name")
                     yield info, kg, kb, nb, vb
-        finally:
-            if lease is not None:
-                lease.release()
+
+
+@contextlib.contextmanager
+def block_snapshot(store: BlobStore, ref: SnapshotRef, allow_pickle: bool,
+                   cache: LeasingCache | None
+                   ) -> Iterator[tuple[SnapshotReader, dict[int, StateInfo]]]:
+    """A v1 (key-group block) snapshot open for reading: its reader and its states, read by
+    ranged reads or, with ``cache``, from a lease held until the block exits."""
+    lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
+    try:
+        source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
+        reader = SnapshotReader(source, key=ref.key)
+        yield reader, snapshot_states(reader, allow_pickle)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
 @contextlib.contextmanager
