@@ -42,6 +42,20 @@ the budget) or a full local disk (``ENOSPC``/``EFBIG``/``EDQUOT`` while writing)
 :class:`~dstl.errors.CacheFullError` (chained to :class:`~dstl.errors.LocalDiskFullError` for the
 disk), or with ``on_full="direct"`` a *direct* lease whose reads are ranged reads from the store.
 
+*Prefetch.* :meth:`LocalFileCache.prefetch` queues the objects a restore is about to lease, in
+its order; up to ``prefetch_threads`` threads (``dstl-prefetch``, started on demand, gone when
+the queue is empty) take them in turn and run the same flight as a lease — a LOADING entry in the
+map, so a lease of the object joins it like any waiter — except that a prefetch never evicts,
+never serves direct reads and never raises: an object already cached or in flight is left alone;
+one that does not fit in the free budget, or would take the prefetched-but-not-yet-leased bytes
+beyond ``PREFETCH_BUDGET_SHARE`` of ``max_bytes``, is skipped; a failed download is forgotten
+(the entry ends GONE, not FAILED, so a waiting lease downloads anew and raises its own error).
+A published prefetch is an idle file (idle TTL scheduled, evictable; when the budget must make
+room, idle files nobody asked for go first, then prefetched ones, furthest-needed first). A lease
+that finds the budget held by prefetches in flight waits for them to publish (then they are
+evictable) instead of raising ``CacheFullError``. ``cancel()`` of the returned
+:class:`CachePrefetch` drops its queued objects and waits for its downloads in flight.
+
 *Start and close.* The directory is locked (``flock``) for the cache's lifetime, so no two caches
 share it. Opening removes temp files of crashed processes and the published files of a previous
 process: a fresh process starts empty (a file that nobody verified in this process is not
@@ -66,8 +80,8 @@ import os
 import re
 import secrets
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, cast
@@ -89,11 +103,14 @@ from dstl.errors import (
 from dstl.stores.base import BlobStore, check_key
 from dstl.stores.local import write_new_file_durably
 from dstl.timer import ThreadTimer, Timer, TimerHandle, check_timer
-from restore.leasing import LeasingCache, Verify
+from restore.leasing import LeasingCache, PrefetchItem, Verify
 
 __all__ = [
     "DEFAULT_IDLE_TTL_S",
+    "DEFAULT_PREFETCH_THREADS",
+    "PREFETCH_BUDGET_SHARE",
     "CacheLease",
+    "CachePrefetch",
     "Lease",
     "LocalFileCache",
     "OnFull",
@@ -110,6 +127,13 @@ DEFAULT_IDLE_TTL_S = 600.0
 MAX_IDLE_TTL_S = 7 * 86_400.0
 #: How long ``close()`` waits for downloads in flight to finish and clean up their temp files.
 _CLOSE_WAIT_S = 30.0
+#: Downloads a cache's prefetches run at once: object-store latency, not bandwidth, is what a
+#: restore waits for, and store I/O, zstd and crc release the GIL, so a few threads overlap it
+#: with loading; more would only hold more objects in memory at once.
+DEFAULT_PREFETCH_THREADS = 4
+#: The share of ``max_bytes`` that prefetched objects no lease has taken yet may hold: the rest
+#: stays for the leases (a prefetch never evicts anything to make room).
+PREFETCH_BUDGET_SHARE = 0.5
 
 OnFull = Literal["raise", "direct"]
 
@@ -126,6 +150,9 @@ _DISK_FULL_ERRNOS = {
                  "(EFBIG)",
 }
 _DISK_FULL_RETRY_ERRNOS = {errno.ENOSPC, errno.EDQUOT}  # evicting idle files can help these
+#: The prefetch counters of :meth:`LocalFileCache.stats`.
+_PREFETCH_COUNTS = ("prefetch_started", "prefetch_joined", "prefetch_present", "prefetch_skipped",
+                    "prefetch_failed", "prefetch_cancelled", "prefetch_evicted")
 
 
 class _State(enum.Enum):
@@ -139,8 +166,8 @@ class _State(enum.Enum):
 class _Entry:
     """One object of one store in the cache (all fields guarded by the cache's lock)."""
 
-    __slots__ = ("done", "error", "ident", "key", "leases", "path", "reserved", "size", "state",
-                 "ttl", "ttl_gen")
+    __slots__ = ("done", "error", "ident", "key", "leases", "path", "prefetched", "reserved",
+                 "size", "state", "ttl", "ttl_gen")
 
     def __init__(self, ident: tuple[str, str]) -> None:
         self.ident = ident
@@ -154,6 +181,35 @@ class _Entry:
         self.leases = 0
         self.ttl: TimerHandle | None = None
         self.ttl_gen = 0
+        self.prefetched = False  # downloaded by a prefetch, not leased yet
+
+
+class _Skipped(Exception):
+    """A prefetch that does not fit (budget, disk): skipped, never an error."""
+
+
+class CachePrefetch:
+    """The ticket of one :meth:`LocalFileCache.prefetch` call (a
+    :class:`~restore.leasing.PrefetchTicket`); its counts are guarded by the cache's lock."""
+
+    __slots__ = ("_cache", "queued", "running")
+
+    def __init__(self, cache: LocalFileCache) -> None:
+        self._cache = cache
+        self.queued = 0  # objects in the cache's queue
+        self.running = 0  # objects a prefetch thread works on
+
+    def cancel(self, *, wait: bool = True) -> None:
+        """Drop the objects not started yet; with ``wait``, wait (up to 30 s) for the ones in
+        flight and for the threads that ran them to end. Idempotent, never raises."""
+        self._cache._cancel(self, wait)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    ticket: CachePrefetch
+    store: BlobStore
+    item: PrefetchItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +440,8 @@ def _pread_exact(fd: int, offset: int, length: int) -> bytes:
 
 
 def _checked_arguments(directory: object, idle_ttl_s: object, max_bytes: object,
-                       timer: object, on_full: object) -> tuple[str, float, int | None, OnFull]:
+                       timer: object, on_full: object, prefetch_threads: object
+                       ) -> tuple[str, float, int | None, OnFull, int]:
     """The constructor's arguments, checked (one place): ``(absolute directory, idle TTL,
     byte budget, on_full)``.
 
@@ -402,7 +459,9 @@ def _checked_arguments(directory: object, idle_ttl_s: object, max_bytes: object,
         max_bytes, "max_bytes", owner, lo=1, fix="use None for no budget")
     check_timer(timer, "timer", owner)
     mode = check_choice(on_full, "on_full", owner, ("raise", "direct"))
-    return os.path.abspath(path), ttl, budget, cast(OnFull, mode)
+    threads = check_int(prefetch_threads, "prefetch_threads", owner, lo=1, hi=64,
+                        fix="downloads prefetches run at once")
+    return os.path.abspath(path), ttl, budget, cast(OnFull, mode), threads
 
 
 class LocalFileCache:
@@ -424,6 +483,7 @@ class LocalFileCache:
             :class:`~dstl.errors.CacheFullError`, or ``"direct"``: hand out a lease that reads
             ranges straight from the store (no local file, no whole-object verification; the
             change-set reader still checks every record's CRC).
+        prefetch_threads: downloads :meth:`prefetch` runs at once (1..64).
 
     Raises:
         ConfigError: an argument is out of range.
@@ -432,9 +492,11 @@ class LocalFileCache:
 
     def __init__(self, directory: str | os.PathLike[str], idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
                  max_bytes: int | None = None, *, timer: Timer | None = None,
-                 on_full: OnFull = "raise") -> None:
-        self.directory, self.idle_ttl_s, self.max_bytes, self.on_full = _checked_arguments(
-            directory, idle_ttl_s, max_bytes, timer, on_full)
+                 on_full: OnFull = "raise",
+                 prefetch_threads: int = DEFAULT_PREFETCH_THREADS) -> None:
+        (self.directory, self.idle_ttl_s, self.max_bytes, self.on_full,
+         self.prefetch_threads) = _checked_arguments(directory, idle_ttl_s, max_bytes, timer,
+                                                     on_full, prefetch_threads)
         self._pid = os.getpid()
         self._timer: Timer | None = timer
         self._own_timer = timer is None
@@ -448,7 +510,10 @@ class LocalFileCache:
         self._counts = dict.fromkeys(
             ("downloads", "hits", "waits", "bytes_downloaded", "download_failures",
              "evictions_ttl", "evictions_budget", "evictions_disk_full", "direct_leases",
-             "direct_reads"), 0)
+             "direct_reads", *_PREFETCH_COUNTS), 0)
+        self._queue: deque[_Job] = deque()  # prefetches not started yet, first needed first
+        self._workers: set[threading.Thread] = set()  # prefetch threads running
+        self._retired: list[threading.Thread] = []  # prefetch threads that ended (to be joined)
         self._created_dir = False
         self._lock_fd = -1
         try:
@@ -526,6 +591,48 @@ class LocalFileCache:
                 return lease
             # READY (take a lease on the next turn) or already GONE again (download anew)
 
+    def prefetch(self, store: BlobStore, objects: Sequence[PrefetchItem]) -> CachePrefetch:
+        """Start downloading ``objects`` of ``store`` in the background, first first, on up to
+        ``prefetch_threads`` threads (see the module docstring); a later :meth:`lease` of one of
+        them joins its download or finds its file.
+
+        Never raises for an object: a repeated object is queued once, a key that
+        :meth:`lease` would refuse or a bad size hint is left to the lease (which raises as
+        it does without a prefetch), an object already cached or in flight is left alone, one
+        that does not fit is skipped, a failed download is forgotten.
+
+        Args:
+            store: where the objects live.
+            objects: what the leases will ask for, in the order they will.
+
+        Returns:
+            A :class:`CachePrefetch`; its ``cancel()`` drops what has not started.
+
+        Raises:
+            ClosedError: the cache is closed.
+            CacheError: used in a forked child.
+            UsageError: ``objects`` holds something that is not a ``PrefetchItem``.
+        """
+        self._check_pid()
+        items: dict[str, PrefetchItem] = {}
+        for item in objects:
+            if not isinstance(item, PrefetchItem):
+                raise UsageError(f"{self!r}.prefetch: {item!r} is not a restore.PrefetchItem")
+            if item.key not in items and _prefetchable(item):
+                items[item.key] = item
+        ticket = CachePrefetch(self)
+        with self._cond:
+            self._check_open()
+            self._queue.extend(_Job(ticket, store, item) for item in items.values())
+            ticket.queued = len(items)
+            for _ in range(min(self.prefetch_threads - len(self._workers), len(self._queue))):
+                t = threading.Thread(target=self._prefetch_worker, name="dstl-prefetch",
+                                     daemon=True)
+                self._workers.add(t)
+                t.start()
+            self._cond.notify_all()
+        return ticket
+
     def stats(self) -> dict[str, int]:
         """Counters and gauges (a consistent snapshot).
 
@@ -535,7 +642,16 @@ class LocalFileCache:
             for a download in flight), ``bytes_downloaded``, ``download_failures``,
             ``leases_open``, ``files``, ``bytes_cached``, ``bytes_reserved`` (downloads in
             flight), ``downloads_in_flight``, ``evictions`` (= ``evictions_ttl`` +
-            ``evictions_budget`` + ``evictions_disk_full``), ``direct_leases``, ``direct_reads``.
+            ``evictions_budget`` + ``evictions_disk_full``), ``direct_leases``, ``direct_reads``;
+            of :meth:`prefetch`: ``prefetch_started`` (downloads a prefetch began; also counted
+            in ``downloads`` once the GET returned), ``prefetch_joined`` (prefetched objects a
+            lease then took: joined the download or found the file), ``prefetch_present``
+            (already cached or in flight: nothing to do), ``prefetch_skipped`` (did not fit the
+            free budget or the prefetch share of it, or the disk), ``prefetch_failed``
+            (forgotten; the lease downloads again), ``prefetch_cancelled`` (dropped from the queue
+            unstarted), ``prefetch_evicted`` (prefetched files evicted before any lease took
+            them), and the gauges ``prefetch_queued`` and ``bytes_prefetched`` (prefetched
+            bytes no lease has taken yet, in flight or cached).
 
         Raises:
             CacheError: called in a forked child.
@@ -574,10 +690,12 @@ class LocalFileCache:
         taken = self._take_everything()
         if taken is None:
             return  # closed already
-        leases, entries = taken
+        leases, entries, threads = taken
         for lease in leases:
             lease._invalidate()
         self._wait_for_downloads(entries)
+        for t in threads:  # they saw the cache closed; their downloads just ended
+            t.join(_CLOSE_WAIT_S)
         removed = sum(_unlink(e.path) for e in entries
                       if e.state is _State.READY and e.path is not None)
         if self._own_timer and self._timer is not None:
@@ -594,12 +712,20 @@ class LocalFileCache:
                     "%d evictions", self.directory, removed, st["downloads"],
                     st["bytes_downloaded"], st["hits"], st["evictions"])
 
-    def _take_everything(self) -> tuple[list[CacheLease], list[_Entry]] | None:
-        """Mark the cache closed and empty its maps (``None``: it was closed already)."""
+    def _take_everything(self) -> tuple[list[CacheLease], list[_Entry],
+                                        list[threading.Thread]] | None:
+        """Mark the cache closed, empty its maps and its prefetch queue (``None``: it was closed
+        already); also returns the prefetch threads, to be joined."""
         with self._cond:
             if self._closed:
                 return None
             self._closed = True
+            for job in self._queue:
+                job.ticket.queued -= 1
+            self._counts["prefetch_cancelled"] += len(self._queue)
+            self._queue.clear()
+            threads = [*self._workers, *self._retired]
+            self._retired.clear()
             leases = list(self._leases)
             self._leases.clear()
             entries = list(self._entries.values())
@@ -608,7 +734,7 @@ class LocalFileCache:
             for e in entries:
                 self._cancel_ttl(e)
             self._cond.notify_all()
-        return leases, entries
+        return leases, entries, threads
 
     def _wait_for_downloads(self, entries: list[_Entry]) -> None:
         for e in entries:
@@ -765,15 +891,144 @@ class LocalFileCache:
                          outcome.size, outcome.path)
         return lease
 
+    # ------------------------------------------------------------------ prefetch
+
+    def _prefetch_worker(self) -> None:
+        """A ``dstl-prefetch`` thread: take queued objects until the queue is empty."""
+        me = threading.current_thread()
+        finished: CachePrefetch | None = None
+        while True:
+            with self._cond:
+                if finished is not None:
+                    finished.running -= 1  # in the same turn as retiring: cancel() can join us
+                if self._closed or not self._queue:
+                    self._workers.discard(me)
+                    self._retired.append(me)
+                    self._cond.notify_all()
+                    return
+                job = self._queue.popleft()
+                job.ticket.queued -= 1
+                job.ticket.running += 1
+                self._cond.notify_all()
+            finished = job.ticket
+            try:
+                self._prefetch_one(job.store, job.item)
+            except Exception as exc:  # a bug here must not kill the thread or the restore
+                logger.error("restore cache: prefetch of %s/%s failed unexpectedly",
+                             job.store.location, job.item.key, exc_info=exc)
+
+    def _prefetch_one(self, store: BlobStore, item: PrefetchItem) -> None:
+        """Own the flight of ``item`` unless it is cached, in flight or cannot fit."""
+        ident = (store.location, item.key)
+        with self._cond:
+            if self._closed:
+                return
+            if ident in self._entries:
+                self._counts["prefetch_present"] += 1
+                return
+            if self.max_bytes is not None and item.size_hint is not None \
+                    and not self._prefetch_fits(item.size_hint):
+                self._counts["prefetch_skipped"] += 1
+                return
+            entry = _Entry(ident)
+            entry.prefetched = True
+            self._entries[ident] = entry
+            self._counts["prefetch_started"] += 1
+            self._cond.notify_all()
+        self._fly_prefetch(entry, store, item)
+
+    def _fly_prefetch(self, entry: _Entry, store: BlobStore, item: PrefetchItem) -> None:
+        """A prefetch's flight: publish an idle file, or end GONE (leases waiting on it then
+        download anew)."""
+        outcome: _Outcome | None = None
+        try:
+            outcome = self._fetch(entry, store, item.key, item.verify, item.size_hint,
+                                  prefetch=True)
+            assert outcome.path is not None  # a prefetch never serves direct reads
+            with self._cond:
+                self._check_open()
+                self._bytes_reserved -= entry.reserved
+                entry.reserved = 0
+                entry.size = outcome.size
+                entry.state = _State.READY
+                entry.path = outcome.path
+                self._bytes_cached += outcome.size
+                self._lru[entry.ident] = entry
+                self._schedule_expiry(entry)  # idle until leased: evictable like any idle file
+                self._cond.notify_all()
+        except _Skipped as why:
+            self._forget(entry, outcome, "prefetch_skipped")
+            logger.debug("restore cache: prefetch of %s/%s skipped: %s", store.location,
+                         item.key, why)
+        except Exception as exc:  # noqa: BLE001 - forgotten, counted, logged; the lease retries
+            self._forget(entry, outcome, "prefetch_failed")
+            logger.info("restore cache: prefetch of %s/%s failed, forgotten (a lease downloads "
+                        "it again): %s", store.location, item.key, exc)
+        except BaseException:
+            self._forget(entry, outcome, "prefetch_failed")
+            raise
+        entry.done.set()
+
+    def _forget(self, entry: _Entry, outcome: _Outcome | None, counter: str) -> None:
+        """End a prefetch's flight with nothing cached (GONE, not FAILED: a lease waiting on it
+        downloads anew, so it raises its own error, not the prefetch's)."""
+        if outcome is not None and outcome.path is not None:
+            _unlink(outcome.path)
+        with self._cond:
+            if self._entries.get(entry.ident) is entry:
+                del self._entries[entry.ident]
+            self._bytes_reserved -= entry.reserved
+            entry.reserved = 0
+            entry.state = _State.GONE
+            self._counts[counter] += 1
+            self._cond.notify_all()
+        entry.done.set()
+
+    def _cancel(self, ticket: CachePrefetch, wait: bool) -> None:
+        if os.getpid() != self._pid:
+            return
+        with self._cond:
+            if ticket.queued:
+                kept = deque(j for j in self._queue if j.ticket is not ticket)
+                self._counts["prefetch_cancelled"] += len(self._queue) - len(kept)
+                self._queue = kept
+                ticket.queued = 0
+                self._cond.notify_all()
+            if not wait:
+                return
+            if not self._cond.wait_for(lambda: ticket.running == 0, _CLOSE_WAIT_S):
+                logger.warning("%r: prefetch downloads still running after %.0f s; they end on "
+                               "their own", self, _CLOSE_WAIT_S)
+            retired, self._retired = self._retired, []
+        for t in retired:
+            t.join(_CLOSE_WAIT_S)
+
+    def _prefetch_fits(self, size: int) -> bool:
+        """Whether a prefetch of ``size`` bytes fits the free budget and the prefetch share
+        (lock held; a prefetch never evicts)."""
+        assert self.max_bytes is not None
+        free = self.max_bytes - self._bytes_cached - self._bytes_reserved
+        prefetched = self._prefetched_bytes()
+        return size <= free and prefetched + size <= self.max_bytes * PREFETCH_BUDGET_SHARE
+
+    def _prefetched_bytes(self) -> int:
+        """Bytes of prefetches no lease has taken yet: reserved in flight, or cached."""
+        return (sum(e.reserved for e in self._entries.values()
+                    if e.prefetched and e.state is _State.LOADING)
+                + sum(e.size for e in self._lru.values() if e.prefetched))
+
+    # ------------------------------------------------------------------ download
+
     def _fetch(self, entry: _Entry, store: BlobStore, key: str, verify: Verify | None,
-               size_hint: int | None) -> _Outcome:
+               size_hint: int | None, *, prefetch: bool = False) -> _Outcome:
         exact = False
         size = size_hint
         if self.max_bytes is not None:
             if size is None:
                 size, exact = self._head(store, key), True
-            if not self._reserve(entry, size):
-                return self._cannot_fit(store, key, size, exact, self._budget_message(key, size))
+            if not self._reserve(entry, size, prefetch=prefetch):
+                return self._cannot_fit(store, key, size, exact, self._budget_message(key, size),
+                                        prefetch=prefetch)
         data = store.get(key)
         with self._cond:
             self._counts["downloads"] += 1
@@ -783,14 +1038,16 @@ class LocalFileCache:
             raise TruncatedObjectError(key, min(len(data), size), size, len(data),
                                        "download (size differs from head)")
         if self.max_bytes is not None and len(data) != entry.reserved \
-                and not self._reserve(entry, len(data)):
+                and not self._reserve(entry, len(data), prefetch=prefetch):
             return self._cannot_fit(store, key, len(data), True,
-                                    self._budget_message(key, len(data)))
+                                    self._budget_message(key, len(data)), prefetch=prefetch)
         if verify is not None:
             _run_verify(verify, data, key)
         try:
             path = self._write_file(store.location, key, data)
         except LocalDiskFullError as full:
+            if prefetch:  # evicting to make room is the lease's call, not a hint's
+                raise _Skipped(f"{full}") from full
             if getattr(full.__cause__, "errno", None) in _DISK_FULL_RETRY_ERRNOS \
                     and self._evict_idle():
                 try:
@@ -812,7 +1069,10 @@ class LocalFileCache:
 
     def _cannot_fit(self, store: BlobStore, key: str, size: int, exact: bool, message: str,
                     cause: BaseException | None = None, *,
-                    hint: str = "raise LocalFileCache(max_bytes=...)") -> _Outcome:
+                    hint: str = "raise LocalFileCache(max_bytes=...)",
+                    prefetch: bool = False) -> _Outcome:
+        if prefetch:
+            raise _Skipped(message) from cause
         if self.on_full == "raise":
             raise CacheFullError(f"{message}; {hint}, or pass on_full='direct' to read such "
                                  "objects with ranged reads from the store") from cause
@@ -861,6 +1121,9 @@ class LocalFileCache:
 
     def _retain(self, entry: _Entry, store: BlobStore) -> CacheLease:
         self._cancel_ttl(entry)
+        if entry.prefetched:
+            entry.prefetched = False
+            self._counts["prefetch_joined"] += 1
         entry.leases += 1
         self._lru.move_to_end(entry.ident)
         assert entry.path is not None
@@ -880,23 +1143,39 @@ class LocalFileCache:
             entry.ttl.cancel()
             entry.ttl = None
 
-    def _reserve(self, entry: _Entry, size: int) -> bool:
-        """Reserve ``size`` budget bytes for ``entry``, evicting idle files in LRU order."""
+    def _reserve(self, entry: _Entry, size: int, *, prefetch: bool = False) -> bool:
+        """Reserve ``size`` budget bytes for ``entry``: a lease evicts idle files (those nobody
+        asked for first, in LRU order, then prefetched ones, furthest-needed first) and waits
+        for prefetches in flight that hold the room it needs; a prefetch takes free room only."""
         assert self.max_bytes is not None
         victims: list[str] = []
+        idle: list[_Entry] = []
+        used = 0
         with self._cond:
-            self._check_open()
-            self._bytes_reserved -= entry.reserved
-            entry.reserved = 0
-            used = self._bytes_cached + self._bytes_reserved
-            evictable = sum(e.size for e in self._lru.values() if not e.leases)
-            if size > self.max_bytes or used - evictable + size > self.max_bytes:
-                return False  # evicting would not help: evict nothing
-            for e in list(self._lru.values()):
+            while True:
+                self._check_open()
+                self._bytes_reserved -= entry.reserved
+                entry.reserved = 0
+                if prefetch:
+                    if not self._prefetch_fits(size):
+                        return False
+                    break
+                used = self._bytes_cached + self._bytes_reserved
+                idle = [e for e in self._lru.values() if not e.leases]
+                evictable = sum(e.size for e in idle)
+                flying = sum(e.reserved for e in self._entries.values()
+                             if e.prefetched and e.state is _State.LOADING)
+                if size > self.max_bytes or used - evictable - flying + size > self.max_bytes:
+                    return False  # evicting would not help: evict nothing
+                if used - evictable + size <= self.max_bytes:
+                    break
+                # prefetches in flight hold the room: once published they are idle, evictable
+                self._cond.wait(_CLOSE_WAIT_S)
+            # idle is empty for a prefetch: it never evicts
+            for e in [*(e for e in idle if not e.prefetched),
+                      *(e for e in reversed(idle) if e.prefetched)]:
                 if used + size <= self.max_bytes:
                     break
-                if e.leases:
-                    continue
                 used -= e.size
                 victims.append(self._remove(e, "evictions_budget"))
             entry.reserved = size
@@ -931,6 +1210,8 @@ class LocalFileCache:
         self._bytes_cached -= entry.size
         entry.state = _State.GONE
         self._counts[counter] += 1
+        if entry.prefetched:
+            self._counts["prefetch_evicted"] += 1
         assert entry.path is not None
         return entry.path
 
@@ -991,6 +1272,8 @@ class LocalFileCache:
             downloads_in_flight=sum(1 for e in self._entries.values()
                                     if e.state is _State.LOADING),
             evictions=c["evictions_ttl"] + c["evictions_budget"] + c["evictions_disk_full"],
+            prefetch_queued=len(self._queue),
+            bytes_prefetched=self._prefetched_bytes(),
         )
         return out
 
@@ -1004,6 +1287,19 @@ class LocalFileCache:
             raise CacheError(f"{self!r} was created in process {self._pid} and used in forked "
                              f"process {pid}; create a new LocalFileCache, in a directory of its "
                              "own, in each process (never share one across fork)")
+
+
+def _prefetchable(item: PrefetchItem) -> bool:
+    """Whether a lease of ``item`` would get as far as downloading (else the lease raises the
+    error, as without a prefetch)."""
+    hint = item.size_hint
+    if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int) or hint < 0):
+        return False
+    try:
+        check_key(item.key)
+    except DstlError:
+        return False
+    return True
 
 
 def _run_verify(verify: Verify, data: bytes, key: str) -> None:

@@ -8,7 +8,13 @@ Theory of operation (Flink's ``ChangelogBackendRestoreOperation``, plus what it 
    each change set once per key group whatever handles are passed (after any sequence of
    rescales, the same handle twice, two checkpoints of one backend); handles that tell two
    different histories of a key group are refused.
-3. Build an empty backend for the new key-group range.
+3. With a cache, tell it every object the plan will lease, in the order it will (the snapshots,
+   then the segments in replay order; each once, with the lease's verify function): the cache
+   downloads them in the background (:meth:`~restore.leasing.LeasingCache.prefetch`), so the
+   downloads overlap each other and the loading below, and each lease joins its object's
+   download or finds its file. Only a hint: a failed or skipped prefetch is forgotten and the
+   lease downloads the object as it would without one; the restore cancels what is left of it
+   when it ends, successful or not. Build an empty backend for the new key-group range.
 4. Load the planned snapshots: for each snapshot reference, read its tail, its metadata block
    (the state registry at that time) and ONLY the key-group blocks it is loaded for — with
    ranged reads, or through the process's :class:`~restore.cache.LocalFileCache`.
@@ -83,11 +89,11 @@ from restore.file_restore import (
     stage_file_snapshot,
 )
 from restore.gcpause import collector_paused
-from restore.leasing import LeasingCache, ObjectLease
+from restore.leasing import LeasingCache, ObjectLease, PrefetchItem, PrefetchTicket
 from restore.plan import RestorePlan, plan_restore
-from restore.reader import ChangelogReader, snapshot_verifier
+from restore.reader import ChangelogReader, segment_verifier, snapshot_verifier
 
-__all__ = ["RestorePlan", "RestoreStats", "plan_restore", "restore_backend"]
+__all__ = ["RestorePlan", "RestoreStats", "plan_restore", "prefetch_items", "restore_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +119,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                     options: BackendOptions | None = None, local_directory: str | None = None,
                     timer: Timer | None = None, allow_pickle: bool = False,
                     stats: RestoreStats | None = None,
-                    auto_materialize: bool = True) -> ChangelogKeyedStateBackend:
+                    auto_materialize: bool = True,
+                    prefetch: bool = True) -> ChangelogKeyedStateBackend:
     """Restore a keyed backend for ``key_groups`` from checkpoint handles.
 
     Args:
@@ -130,6 +137,9 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
         allow_pickle: allow states whose metadata names the pickle codec (executes code from the
             store on load; only for trusted checkpoints).
         stats: filled with figures of this restore.
+        prefetch: with a cache, start downloading every object the restore needs before
+            loading the first (``False``: each is downloaded when it is reached, as the
+            benchmark's control does). Without a cache it changes nothing.
 
     Raises:
         UsageError: malformed handles, or ids/parallelism that cannot be inferred.
@@ -137,23 +147,31 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
             message names the object, the offset and the checkpoint).
     """
     _check_arguments(handles, storage, key_groups, table, cache, operator_id, max_parallelism,
-                     options, local_directory, timer, allow_pickle, stats, auto_materialize)
+                     options, local_directory, timer, allow_pickle, stats, auto_materialize,
+                     prefetch)
     plan = plan_restore(_parse(handles), key_groups, operator_id=operator_id,
                         max_parallelism=max_parallelism)
     st = stats if stats is not None else RestoreStats()
-    backend = ChangelogKeyedStateBackend(storage, plan.operator_id, key_groups,
-                                         plan.max_parallelism, table=table, options=options,
-                                         local_directory=local_directory, timer=timer,
-                                         clear_local=True, auto_materialize=auto_materialize)
+    # before the backend is built: an LMDB table's creation overlaps the first downloads too
+    ticket = (_start_prefetch(plan, storage, cache, options or BackendOptions(), st)
+              if prefetch and cache is not None else None)
     try:
-        with collector_paused(freeze=table == "heap"):
-            _execute(plan, backend, storage, cache, allow_pickle, st, local_directory)
-    except DstlError as exc:
-        backend.close()
-        raise _with_checkpoint(exc, plan.checkpoint) from exc
-    except BaseException:
-        backend.close()
-        raise
+        backend = ChangelogKeyedStateBackend(storage, plan.operator_id, key_groups,
+                                             plan.max_parallelism, table=table, options=options,
+                                             local_directory=local_directory, timer=timer,
+                                             clear_local=True, auto_materialize=auto_materialize)
+        try:
+            with collector_paused(freeze=table == "heap"):
+                _execute(plan, backend, storage, cache, allow_pickle, st, local_directory)
+        except DstlError as exc:
+            backend.close()
+            raise _with_checkpoint(exc, plan.checkpoint) from exc
+        except BaseException:
+            backend.close()
+            raise
+    finally:
+        if ticket is not None:
+            _end_prefetch(ticket)
     logger.info("restored backend %s (%s, key groups %s) from checkpoint %s: %d snapshot(s), "
                 "%d entries, %d change sets, %d changes in %.3fs", plan.operator_id, table,
                 key_groups, plan.checkpoint, len(plan.snapshots), st.get("entries", 0),
@@ -164,7 +182,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
 def _check_arguments(handles: object, storage: object, key_groups: object, table: object,
                      cache: object, operator_id: object, max_parallelism: object,
                      options: object, local_directory: object, timer: object,
-                     allow_pickle: object, stats: object, auto_materialize: object) -> None:
+                     allow_pickle: object, stats: object, auto_materialize: object,
+                     prefetch: object) -> None:
     """The arguments of :func:`restore_backend`, checked before anything is read (one place).
 
     Raises:
@@ -193,6 +212,52 @@ def _check_arguments(handles: object, storage: object, key_groups: object, table
     if stats is not None:
         check_instance(stats, "stats", owner, dict, fix="pass a restore.RestoreStats()")
     check_bool(auto_materialize, "auto_materialize", owner)
+    check_bool(prefetch, "prefetch", owner)
+
+
+def prefetch_items(plan: RestorePlan, options: BackendOptions,
+                   max_change_set_bytes: int | None) -> list[PrefetchItem]:
+    """Every object ``plan`` leases, once, in the order a restore leases them — the snapshots,
+    then the segments in replay order — each with the verify function its lease passes."""
+    snapshot = snapshot_verifier(options.max_snapshot_block_bytes)
+    segment = segment_verifier(max_change_set_bytes)
+    items: dict[str, PrefetchItem] = {}
+    for ref in plan.snapshots:
+        items.setdefault(ref.key, PrefetchItem(ref.key, snapshot, ref.size))
+    for h in plan.logs:
+        for cs in h.change_sets:
+            if cs.key not in items:
+                items[cs.key] = PrefetchItem(cs.key, segment)
+    return list(items.values())
+
+
+def _start_prefetch(plan: RestorePlan, storage: ChangelogStorage, cache: LeasingCache,
+                    options: BackendOptions, st: RestoreStats) -> PrefetchTicket | None:
+    """Hand the plan's objects to the cache's prefetch; ``None`` when the cache has none or
+    refused (a hint: the leases then download as they would without it)."""
+    start = getattr(cache, "prefetch", None)
+    if not callable(start):
+        return None  # a LeasingCache of an older shape: lease() alone
+    items = prefetch_items(plan, options, storage.options.max_change_set_bytes)
+    st["prefetched_objects"] = len(items)
+    if not items:
+        return None
+    try:
+        ticket: PrefetchTicket = start(storage.store, items)
+    except DstlError as exc:
+        logger.warning("restore of checkpoint %s: prefetch refused by %r (%s); each object is "
+                       "downloaded when it is reached", plan.checkpoint, cache, exc)
+        return None
+    return ticket
+
+
+def _end_prefetch(ticket: PrefetchTicket) -> None:
+    """Drop what the restore did not lease (it failed midway) and let its downloads end."""
+    try:
+        ticket.cancel()
+    except DstlError as exc:
+        logger.warning("cancelling a restore's prefetch failed (%s); its downloads end on their "
+                       "own", exc)
 
 
 def _execute(plan: RestorePlan, backend: ChangelogKeyedStateBackend, storage: ChangelogStorage,

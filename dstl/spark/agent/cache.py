@@ -32,6 +32,15 @@ descriptor keeps an unlinked file readable, so a worker never reads a file that 
 threads (``dstl-agent-cache``) that reply when done; ``release`` and ``cache_stats`` are quick and
 answered in the frame loop. A lease granted after its connection ended is released at once.
 
+*Prefetch.* A restore first tells the cache every object it will lease
+(:meth:`AgentCache.prefetch`): one ``prefetch`` request names them (key, verify name, size hint)
+under a ticket number of the worker's; the agent answers at once, opens the store on its lease
+threads and queues the objects in its cache, whose prefetch threads download them — in the
+agent's process, so truly in parallel with the worker's loading — and the worker's leases join
+those downloads. ``cancel()`` of the ticket (a ``prefetch_cancel`` request; sent when the restore
+ends) drops what has not started; so does the end of the connection. A verify function that
+cannot be named leaves its object out of the prefetch (its lease raises, as without one).
+
 *Failures.* Errors of the agent's cache (``ObjectNotFoundError``, ``CorruptObjectError``,
 ``CacheFullError``, ...) arrive in the worker as the same type with the same message. If the
 agent dies, requests in flight fail with
@@ -44,11 +53,12 @@ opens it fails the same way. Leases whose file is open keep reading it.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -68,15 +78,28 @@ from dstl.spark.agent.protocol import (
     CacheStatsRequest,
     LeaseReply,
     LeaseRequest,
+    PrefetchCancelReply,
+    PrefetchCancelRequest,
+    PrefetchReply,
+    PrefetchRequest,
     ReleaseRequest,
     StoreRef,
 )
 from dstl.stores.base import BlobStore
-from restore.cache import DEFAULT_IDLE_TTL_S, CacheLease, Lease, LocalFileCache, OnFull, Verify
+from restore.cache import (
+    DEFAULT_IDLE_TTL_S,
+    CacheLease,
+    CachePrefetch,
+    Lease,
+    LocalFileCache,
+    OnFull,
+    Verify,
+)
+from restore.leasing import LeasingCache, PrefetchItem
 from restore.reader import VERIFIERS
 
 __all__ = ["DEFAULT_LEASE_THREADS", "DEFAULT_LEASE_TIMEOUT_S", "AgentCache", "AgentCacheService",
-           "AgentLease"]
+           "AgentLease", "AgentPrefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +172,54 @@ class AgentCacheService:
         self._conns: dict[int, _Connection] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        # (connection, ticket) -> its prefetch in the cache (None: not queued yet)
+        self._prefetches: dict[tuple[int, int], CachePrefetch | None] = {}
 
     def __repr__(self) -> str:
         return f"AgentCacheService({self.cache.directory!r})"
+
+    def submit_prefetch(self, conn_id: int, ticket: int, open_store: Callable[[], BlobStore],
+                        objects: Sequence[tuple[str, str | None, int | None]]) -> None:
+        """Queue ``objects`` (key, verify name, size hint) in the cache's prefetch, as ticket
+        ``ticket`` of connection ``conn_id``; ``open_store`` runs on the service's threads.
+
+        Raises:
+            UsageError: a verify name is not in :data:`restore.reader.VERIFIERS`.
+            ClosedError: the service is closed.
+        """
+        items = [PrefetchItem(key, self._verify(name), hint) for key, name, hint in objects]
+        with self._lock:
+            self._check_open()
+            self._prefetches[(conn_id, ticket)] = None
+        try:
+            self._pool.submit(self._start_prefetch, conn_id, ticket, open_store, items)
+        except RuntimeError as exc:  # the pool was shut down: close() is running
+            self.cancel_prefetch(conn_id, ticket)
+            raise ClosedError(repr(self), "the executor agent is stopping") from exc
+
+    def cancel_prefetch(self, conn_id: int, ticket: int) -> None:
+        """Drop what prefetch ``ticket`` of ``conn_id`` has not started (unknown: nothing)."""
+        with self._lock:
+            prefetch = self._prefetches.pop((conn_id, ticket), None)
+        if prefetch is not None:
+            prefetch.cancel(wait=False)  # its downloads run on; the frame loop must not wait
+
+    def _start_prefetch(self, conn_id: int, ticket: int, open_store: Callable[[], BlobStore],
+                        items: list[PrefetchItem]) -> None:
+        try:
+            prefetch = self.cache.prefetch(open_store(), items)
+        except DstlError as exc:  # a hint: the worker's leases go their own way
+            logger.info("agent restore cache: prefetch %d of connection %d not started: %s",
+                        ticket, conn_id, exc)
+            with self._lock:
+                self._prefetches.pop((conn_id, ticket), None)
+            return
+        with self._lock:
+            keep = (conn_id, ticket) in self._prefetches and not self._closed
+            if keep:
+                self._prefetches[(conn_id, ticket)] = prefetch
+        if not keep:  # cancelled (or the connection ended) while the store was being opened
+            prefetch.cancel(wait=False)
 
     def lease(self, conn_id: int, store: BlobStore, key: str, verify_name: str | None,
               size_hint: int | None) -> LeaseReply:
@@ -225,6 +293,10 @@ class AgentCacheService:
             How many leases were released now.
         """
         with self._lock:
+            mine = [k for k in self._prefetches if k[0] == conn_id]
+        for _, ticket in mine:
+            self.cancel_prefetch(conn_id, ticket)
+        with self._lock:
             conn = self._conns.get(conn_id)
             if conn is None:
                 return 0
@@ -255,6 +327,7 @@ class AgentCacheService:
                 return
             self._closed = True
             self._conns.clear()
+            self._prefetches.clear()  # the cache's close() drops their queue
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()  # waits for downloads in flight, which then fail
         self._pool.shutdown(wait=True)
@@ -398,6 +471,7 @@ class AgentCache:
         self._lock = threading.Lock()
         self._leases: set[AgentLease] = set()
         self._closed = False
+        self._tickets = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"AgentCache({self._client.path!r}, {self._store.uri!r})"
@@ -456,6 +530,31 @@ class AgentCache:
                 return lease
         lease._release(explicit=False)  # close() ran meanwhile
         raise ClosedError(repr(self))
+
+    def prefetch(self, store: BlobStore, objects: Sequence[PrefetchItem]) -> AgentPrefetch:
+        """Have the agent's cache start downloading ``objects`` (see
+        :meth:`LocalFileCache.prefetch`); returns at once, without waiting for the agent.
+
+        An object whose ``verify`` is not in :data:`restore.reader.VERIFIERS` is left out (its
+        lease raises ``UsageError``, as without a prefetch).
+
+        Raises:
+            AgentUnavailableError: the connection to the agent is broken.
+            ClosedError: this cache is closed.
+            CacheError: used in a forked child.
+        """
+        self._check_pid()
+        self._check_open()
+        named: list[tuple[str, str | None, int | None]] = []
+        for item in objects:
+            try:
+                named.append((item.key, _verify_name(item.verify), item.size_hint))
+            except UsageError as exc:
+                logger.debug("prefetch of %s/%s left out: %s", store.location, item.key, exc)
+        ticket = next(self._tickets)
+        fut = self._client.request(PrefetchRequest(self._store, ticket, tuple(named)))
+        fut.add_done_callback(functools.partial(_log_refusal, "prefetch", ticket))
+        return AgentPrefetch(self, ticket)
 
     def stats(self) -> dict[str, int]:
         """The agent cache's stats (:meth:`LocalFileCache.stats`: ``downloads``, ``hits``,
@@ -520,6 +619,15 @@ class AgentCache:
         except DstlError as exc:
             logger.debug("late release of lease %s: %s", lease_id, exc)
 
+    def _cancel_prefetch(self, ticket: int) -> None:
+        """Send the cancel and do not wait: the downloads are the agent's."""
+        try:
+            fut = self._client.request(PrefetchCancelRequest(ticket))
+        except DstlError as exc:  # the connection is gone, and its prefetches with it
+            logger.debug("cancel of prefetch %d: %s", ticket, exc)
+            return
+        fut.add_done_callback(functools.partial(_log_refusal, "prefetch_cancel", ticket))
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(repr(self), "create a new AgentCache")
@@ -530,3 +638,32 @@ class AgentCache:
             raise CacheError(f"{self!r} was created in process {self._pid} and used in forked "
                              f"process {pid}; create a new AgentClient and AgentCache in each "
                              "process")
+
+
+class AgentPrefetch:
+    """The worker's ticket of one :meth:`AgentCache.prefetch` (a
+    :class:`~restore.leasing.PrefetchTicket`)."""
+
+    def __init__(self, cache: AgentCache, ticket: int) -> None:
+        self._cache = cache
+        self.ticket = ticket
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Ask the agent to drop what has not started (once; never raises, never waits)."""
+        if self._cancelled or os.getpid() != self._cache._pid:
+            return
+        self._cancelled = True
+        self._cache._cancel_prefetch(self.ticket)
+
+
+def _log_refusal(what: str, ticket: int,
+                 fut: Future[PrefetchReply] | Future[PrefetchCancelReply]) -> None:
+    """A prefetch is a hint: the agent refusing one is logged, never raised."""
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        logger.info("the executor agent refused %s %d: %s", what, ticket, exc)
+
+
+#: mypy proves here that the agent's cache is a :class:`~restore.leasing.LeasingCache` too.
+_AGENT_CACHE_IS_LEASING: type[LeasingCache] = AgentCache

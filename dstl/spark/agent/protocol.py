@@ -63,7 +63,8 @@ __all__ = [
     "CacheStatsRequest", "CommittedReply", "CommittedRequest", "ErrorReply", "FrameDecoder",
     "Header", "LeaseReply", "LeaseRequest", "MaterializationReply", "MaterializationRequest",
     "MetricsReply", "MetricsRequest", "OfferedSnapshot", "PersistReply", "PersistRequest",
-    "PingReply", "PingRequest", "ReleaseReply", "ReleaseRequest", "Reply", "Request",
+    "PingReply", "PingRequest", "PrefetchCancelReply", "PrefetchCancelRequest", "PrefetchReply",
+    "PrefetchRequest", "ReleaseReply", "ReleaseRequest", "Reply", "Request",
     "ShutdownReply", "ShutdownRequest", "StoreRef", "decode_error", "decode_request",
     "encode_error", "encode_frame", "recv_frame", "send_frame",
 ]
@@ -545,6 +546,66 @@ class ReleaseRequest(Request[ReleaseReply]):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchReply(Reply):
+    op = "prefetch"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchRequest(Request[PrefetchReply]):
+    """Start downloading ``objects`` — ``(key, verify name, size hint)`` each, in the order the
+    worker will lease them — into the agent's restore cache; ``ticket`` is the worker's id of this
+    prefetch on its connection (answered at once, before any download)."""
+
+    op = "prefetch"
+    store: StoreRef
+    ticket: int
+    objects: tuple[tuple[str, str | None, int | None], ...]
+
+    def _fields(self) -> Header:
+        return {**self.store.to_fields(), "ticket": self.ticket,
+                "objects": [list(o) for o in self.objects]}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> PrefetchRequest:
+        f = _fields(header, "prefetch request")
+        objects: list[tuple[str, str | None, int | None]] = []
+        for raw in f.array("objects"):
+            if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
+                    and (raw[1] is None or isinstance(raw[1], str))
+                    and (raw[2] is None or (isinstance(raw[2], int)
+                                            and not isinstance(raw[2], bool) and raw[2] >= 0))):
+                raise f.bad("objects", "a list of [key, verify name or null, size hint or null]")
+            objects.append((raw[0], raw[1], raw[2]))
+        return cls(StoreRef.from_fields(f), f.integer("ticket", 1, _MAX_I64), tuple(objects))
+
+    def decode_reply(self, header: Header) -> PrefetchReply:
+        return PrefetchReply()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchCancelReply(Reply):
+    op = "prefetch_cancel"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchCancelRequest(Request[PrefetchCancelReply]):
+    """Drop what prefetch ``ticket`` of this connection has not started downloading."""
+
+    op = "prefetch_cancel"
+    ticket: int
+
+    def _fields(self) -> Header:
+        return {"ticket": self.ticket}
+
+    @classmethod
+    def decode(cls, header: Header, body: bytes) -> PrefetchCancelRequest:
+        return cls(_fields(header, "prefetch_cancel request").integer("ticket", 1, _MAX_I64))
+
+    def decode_reply(self, header: Header) -> PrefetchCancelReply:
+        return PrefetchCancelReply()
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStatsReply(Reply):
     """The agent cache's :meth:`~restore.cache.LocalFileCache.stats`."""
 
@@ -629,6 +690,7 @@ _NO_FIELDS: dict[str, type[Request[Any]]] = {
 _WITH_FIELDS: dict[str, Callable[[Header, bytes], Request[Any]]] = {
     "persist": PersistRequest.decode, "lease": LeaseRequest.decode,
     "release": ReleaseRequest.decode, "committed": CommittedRequest.decode,
+    "prefetch": PrefetchRequest.decode, "prefetch_cancel": PrefetchCancelRequest.decode,
     "materialization": MaterializationRequest.decode}
 
 

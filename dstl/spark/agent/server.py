@@ -12,7 +12,8 @@ and runs one ``dstl-agent-conn`` thread per worker connection, which reads frame
 into a typed request (:func:`~dstl.spark.agent.protocol.decode_request`) and answers it — in
 the frame loop for the quick ops, from another thread for the slow ones: a ``persist`` is
 answered by the batching scheduler's upload threads once its segment is durable, a ``lease`` by
-the restore cache's threads once the object is local. A failed request is answered with
+the restore cache's threads once the object is local (a ``prefetch`` is answered at once: its
+downloads run on the cache's prefetch threads, and later leases join them). A failed request is answered with
 :func:`~dstl.spark.agent.protocol.encode_error`; a frame that cannot be read ends the
 connection. When a connection ends, the restore cache gives back every lease it still holds
 (a SIGKILLed worker must not pin files).
@@ -66,6 +67,10 @@ from dstl.spark.agent.protocol import (
     PersistRequest,
     PingReply,
     PingRequest,
+    PrefetchCancelReply,
+    PrefetchCancelRequest,
+    PrefetchReply,
+    PrefetchRequest,
     ReleaseReply,
     ReleaseRequest,
     Reply,
@@ -268,6 +273,12 @@ class AgentServer:
             case ReleaseRequest():
                 self.restore_cache().release(conn_id, request.lease)
                 respond(ReleaseReply())
+            case PrefetchRequest():
+                self._prefetch(conn_id, request)
+                respond(PrefetchReply())
+            case PrefetchCancelRequest():
+                self.restore_cache().cancel_prefetch(conn_id, request.ticket)
+                respond(PrefetchCancelReply())
             case CacheStatsRequest():
                 respond(CacheStatsReply(self.restore_cache().stats()))
             case CommittedRequest():
@@ -315,6 +326,14 @@ class AgentServer:
         fut = self.restore_cache().submit_lease(conn_id, open_store, request.key,
                                                 request.verify, request.size_hint)
         fut.add_done_callback(done)
+
+    def _prefetch(self, conn_id: int, request: PrefetchRequest) -> None:
+        """Queue the objects in the restore cache; the store is opened on the cache's threads."""
+        def open_store() -> BlobStore:
+            return self.storage_for(request.store).store
+
+        self.restore_cache().submit_prefetch(conn_id, request.ticket, open_store,
+                                             request.objects)
 
     def _committed(self, request: CommittedRequest) -> None:
         """Register the partition with the materializer (a heap partition has none: the worker
