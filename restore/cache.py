@@ -643,8 +643,8 @@ class LocalFileCache:
             ``leases_open``, ``files``, ``bytes_cached``, ``bytes_reserved`` (downloads in
             flight), ``downloads_in_flight``, ``evictions`` (= ``evictions_ttl`` +
             ``evictions_budget`` + ``evictions_disk_full``), ``direct_leases``, ``direct_reads``;
-            of :meth:`prefetch`: ``prefetch_started`` (downloads a prefetch began; also counted
-            in ``downloads`` once the GET returned), ``prefetch_joined`` (prefetched objects a
+            of :meth:`prefetch`: ``prefetch_started`` (GETs a prefetch began; also counted in
+            ``downloads`` once they returned), ``prefetch_joined`` (prefetched objects a
             lease then took: joined the download or found the file), ``prefetch_present``
             (already cached or in flight: nothing to do), ``prefetch_skipped`` (did not fit the
             free budget or the prefetch share of it, or the disk), ``prefetch_failed``
@@ -926,14 +926,16 @@ class LocalFileCache:
             if ident in self._entries:
                 self._counts["prefetch_present"] += 1
                 return
-            if self.max_bytes is not None and item.size_hint is not None \
-                    and not self._prefetch_fits(item.size_hint):
-                self._counts["prefetch_skipped"] += 1
-                return
             entry = _Entry(ident)
             entry.prefetched = True
+            if self.max_bytes is not None and item.size_hint is not None:
+                # checked and reserved in one turn, so concurrent prefetches cannot overshoot
+                if not self._prefetch_fits(item.size_hint):
+                    self._counts["prefetch_skipped"] += 1
+                    return
+                entry.reserved = item.size_hint
+                self._bytes_reserved += item.size_hint
             self._entries[ident] = entry
-            self._counts["prefetch_started"] += 1
             self._cond.notify_all()
         self._fly_prefetch(entry, store, item)
 
@@ -1029,6 +1031,9 @@ class LocalFileCache:
             if not self._reserve(entry, size, prefetch=prefetch):
                 return self._cannot_fit(store, key, size, exact, self._budget_message(key, size),
                                         prefetch=prefetch)
+        if prefetch:
+            with self._cond:
+                self._counts["prefetch_started"] += 1
         data = store.get(key)
         with self._cond:
             self._counts["downloads"] += 1
