@@ -24,7 +24,11 @@ spread min..max, ratios next to the absolute numbers):
     download-and-decompress floor and the bare loop of the same run, and the count job (small
     int values: replay of N changes and load of a v1 snapshot of N keys, heap and LMDB, 1 M;
     quick: 50 k) against its floors; ``--before RESULT.json`` shows a run of earlier code beside
-    (run that code's tree with this script and ``--no-doc --tag replay-before``).
+    (run that code's tree with this script and ``--no-doc --tag replay-before``). Every
+    restore of (e) is also run without prefetch (``restore_backend(..., prefetch=False)``, the
+    path before prefetch existed), interleaved, against the serial GETs of its objects and the
+    loading alone (the local-fs restore); and 4 partitions sharing every segment, restored one
+    after another and in parallel through one cache, on moto, prefetch on and off.
 
 (f) **Materialization at scale** (issue #13, ``--only-materialize``, docs section
     ``recovery-materialize``): one LMDB backend with 1 M and 4 M keys (``--mat-keys``; quick:
@@ -379,8 +383,8 @@ def gen_single(root: str, state_keys: int, log_changes: int, log_keys: int,
 
 
 def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = False,
-                table: str = "heap", profile: cProfile.Profile | None = None
-                ) -> dict[str, Any]:
+                table: str = "heap", profile: cProfile.Profile | None = None,
+                prefetch: bool = True) -> dict[str, Any]:
     """Restore every backend of ``ds`` in a fresh storage (+ fresh cache); time and count."""
     counting = CountingStore(place.store)
     objects = ds.objects
@@ -393,7 +397,7 @@ def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = Fals
 
     def one(i: int) -> None:
         restored[i] = restore_backend([ds.handles[i]], storage, ds.ranges[i], table=table,
-                                      cache=c, options=OPTS, stats=stats[i])
+                                      cache=c, options=OPTS, stats=stats[i], prefetch=prefetch)
 
     gc.collect()
     try:
@@ -449,7 +453,21 @@ def restore_all(place: Place, ds: DataSet, *, cache: bool, parallel: bool = Fals
 
 
 def measure(place: Place, ds: DataSet, repeats: int, **kw: Any) -> dict[str, Any]:
-    runs = [restore_all(place, ds, **kw) for _ in range(repeats)]
+    return summarise([restore_all(place, ds, **kw) for _ in range(repeats)])
+
+
+def measure_interleaved(place: Place, ds: DataSet, repeats: int,
+                        variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``measure`` of each variant, their repeats interleaved (A B A B ...), so a change of the
+    machine's load during the run hits every variant alike and their ratio holds."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, kw in variants.items():
+            runs[name].append(restore_all(place, ds, **kw))
+    return {name: summarise(rs) for name, rs in runs.items()}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"seconds": summary([r["seconds"] for r in runs]),
                            "mb_downloaded": summary([r["bytes"] / 1e6 for r in runs])}
     for name in ("reads_per_object_mean", "reads_per_object_max", "reads_per_segment_max",
@@ -467,6 +485,7 @@ def measure(place: Place, ds: DataSet, repeats: int, **kw: Any) -> dict[str, Any
         out["load_entries_per_s"] = summary([r["entries"] / r["snapshot_seconds"] for r in runs])
     out["cache_downloads"] = runs[-1]["cache"].get("downloads")
     out["cache_hits"] = runs[-1]["cache"].get("hits")
+    out["prefetch_joined"] = runs[-1]["cache"].get("prefetch_joined")
     return out
 
 
@@ -730,18 +749,40 @@ def log_floor(place: Place, ds: DataSet, repeats: int) -> dict[str, Any]:
     return summary(xs)
 
 
-def bench_log_length(stores: Stores, lengths: list[int], repeats: int) -> dict[str, Any]:
+def gets_floor(place: Place, ds: DataSet, repeats: int) -> dict[str, Any]:
+    """The downloads of a restore of ``ds`` one after another: GET every object it reads
+    (snapshot and segments) whole, nothing else."""
+    keys = list(ds.objects)
+    xs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for key in keys:
+            place.store.get(key)
+        xs.append(time.perf_counter() - t0)
+    return summary(xs)
+
+
+def bench_log_length(stores: Stores, lengths: list[int], repeats: int,
+                     control: bool = False) -> dict[str, Any]:
+    """(c)/(e): replay of logs of ``lengths`` changes; with ``control``, every restore is also
+    run without prefetch (interleaved) and the serial GETs of its objects are timed."""
     out: dict[str, Any] = {}
     for n in lengths:
         name = f"log-{n}"
         ds = gen_single(stores.local_root(name), 1000, n, 100_000, 100_000)
         for place in stores.place(name, ds.objects):
             floor = log_floor(place, ds, repeats)
+            gets = gets_floor(place, ds, repeats) if control else None
             for table in ("heap", "lmdb"):
-                r = measure(place, ds, repeats, cache=True, table=table)
+                variants = {"cache": {"cache": True, "table": table}}
+                if control:
+                    variants["no_prefetch"] = {"cache": True, "table": table, "prefetch": False}
+                rs = measure_interleaved(place, ds, repeats, variants)
+                r = rs["cache"]
                 out[f"{place.target}/{table}/{n}"] = {
                     "store": place.target, "table": table, "changes": n,
                     "data": {k: v for k, v in ds.info.items() if k != "objects"}, "cache": r,
+                    "no_prefetch": rs.get("no_prefetch"), "gets_s": gets,
                     "floor_s": floor,
                     "replay_vs_floor": (r["replay_s"]["median"] / floor["median"]
                                         if n else None)}
@@ -1213,6 +1254,85 @@ def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[
     return [*md, ""]
 
 
+def markdown_prefetch(fig: dict[str, Any]) -> list[str]:
+    """(e) The overlap: each restore with prefetch (the default) and without (the control, the
+    path of the rows measured before prefetch existed), interleaved in one run, against the
+    serial GETs of its objects and the loading alone (the same restore from local fs)."""
+    md = ["#### Prefetch: downloads overlapping the loading (issue #13)", "",
+          "The same restores as above, each also run with `restore_backend(..., "
+          "prefetch=False)` (every object downloaded when its lease reaches it, as before "
+          "prefetch existed), the two variants' repeats interleaved. *restore s* = the whole "
+          "`restore_backend` call (snapshot load + replay); *GETs s* = GET of every object the "
+          "restore reads, one after another (the downloads a restore without prefetch waits "
+          "for); *loading alone* = the same restore from local fs (no download cost to speak "
+          "of), without prefetch; *hidden* = (off - on) / GETs s, the share of the serial "
+          "download time prefetch took off the restore.", "",
+          "| store | table | changes | objects | restore s, prefetch off | restore s, prefetch on "
+          "| on / off | replay changes/s off → on | GETs s | loading alone s | hidden |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in fig.values():
+        off, on = r.get("no_prefetch"), r["cache"]
+        if not r["changes"] or off is None:
+            continue
+        local = fig.get(f"{LOCAL}/{r['table']}/{r['changes']}", {}).get("no_prefetch")
+        gets = r["gets_s"]["median"] if r.get("gets_s") else None
+        hidden = ((off["seconds"]["median"] - on["seconds"]["median"]) / gets
+                  if gets else None)
+        md.append(f"| {r['store']} | {r['table']} | {r['changes']:,} | "
+                  f"{r['data']['segments'] + 1} | "
+                  f"{_s(off['seconds'])} | {_s(on['seconds'])} | "
+                  f"{on['seconds']['median'] / off['seconds']['median']:.2f} | "
+                  f"{_rate(off['replay_per_s'])} → {_rate(on['replay_per_s'])} | "
+                  f"{_s(r['gets_s']) if r.get('gets_s') else '-'} | "
+                  f"{_s(local['seconds']) if local else '-'} | "
+                  f"{_n(hidden * 100 if hidden is not None else None, 0)} % |")
+    return [*md, ""]
+
+
+def bench_partitions(stores: Stores, n: int, rounds: int, per_round: int,
+                     repeats: int) -> dict[str, Any]:
+    """(e) ``n`` partitions (backends) of one storage sharing every segment, restored in one
+    process through one cache, one after another and in parallel, with and without prefetch
+    (interleaved); moto + 20 ms only (on local fs there is nothing to overlap)."""
+    name = f"partitions-{n}"
+    ds = gen_shared(stores.local_root(name), n, rounds, per_round)
+    out: dict[str, Any] = {}
+    for place in stores.place(name, ds.objects):
+        if place.target != MOTO:
+            continue
+        for mode in ("sequential", "parallel"):
+            par = mode == "parallel"
+            rs = measure_interleaved(place, ds, repeats, {
+                "on": {"cache": True, "parallel": par},
+                "off": {"cache": True, "parallel": par, "prefetch": False}})
+            out[mode] = {"store": place.target, "mode": mode, "partitions": n,
+                         "data": {k: v for k, v in ds.info.items() if k != "objects"},
+                         "gets_s": gets_floor(place, ds, repeats), **rs}
+            print(f"(e) {n} partitions {mode}: prefetch off {rs['off']['seconds']['median']:.3f}s,"
+                  f" on {rs['on']['seconds']['median']:.3f}s", flush=True)
+    return out
+
+
+def markdown_partitions(fig: dict[str, Any]) -> list[str]:
+    if not fig:
+        return []
+    any_r = next(iter(fig.values()))
+    d = any_r["data"]
+    md = [f"{any_r['partitions']} partitions (backends) of one storage, each writing "
+          f"{d['changes_per_backend_per_checkpoint']:,} changes of 64 B values per checkpoint for "
+          f"{d['rounds']} checkpoints (every segment holds a change set of each partition: "
+          f"{d['segments']} segments, {d['stored_mb']:.1f} MB), no snapshot; restored in one "
+          "process through one fresh `LocalFileCache`, one partition after another or one "
+          "thread each; moto + 20 ms; prefetch on / off interleaved.", "",
+          "| mode | restore s, prefetch off | restore s, prefetch on | on / off | GETs s |",
+          "|---|---|---|---|---|"]
+    for r in fig.values():
+        md.append(f"| {r['mode']} | {_s(r['off']['seconds'])} | {_s(r['on']['seconds'])} | "
+                  f"{r['on']['seconds']['median'] / r['off']['seconds']['median']:.2f} | "
+                  f"{_s(r['gets_s'])} |")
+    return [*md, ""]
+
+
 def gen_counts(root: str, state_keys: int, log_changes: int) -> DataSet:
     """(e) The restart job's data: keys ``k%08d``, one value state holding a small int (what
     ``groupBy(key).count()`` keeps): ``state_keys`` keys materialized by a heap backend (a v1
@@ -1315,7 +1435,10 @@ def main_replay(args: Any) -> None:
     try:
         figures: dict[str, Any] = {"repeats": reps,
                                    "bare_replay": bare_replay(50_000 if q else 200_000, reps),
-                                   "log_length": bench_log_length(stores, lengths, reps),
+                                   "log_length": bench_log_length(stores, lengths, reps,
+                                                                  control=True),
+                                   "partitions": bench_partitions(stores, 4, 5 if q else 10,
+                                                                  1000 if q else 5000, reps),
                                    "count_job": bench_count_job(stores, 50_000 if q else
                                                                 1_000_000, reps)}
     finally:
@@ -1327,6 +1450,8 @@ def main_replay(args: Any) -> None:
     md = "\n".join([f"{figures['load_note']}. Total {figures['wall_seconds'] / 60:.0f} min."
                     + (f" _moto figures missing: {stores.error}_" if stores.error else ""), "",
                     *markdown_replay(figures, before),
+                    *markdown_prefetch(figures["log_length"]),
+                    *markdown_partitions(figures["partitions"]),
                     *markdown_count_job(figures["count_job"], before)])
     cmd = (f"python bench/recovery.py --only-replay{' --quick' if q else ''}"
            + (f" --replay-lengths {args.replay_lengths}" if not q else "")

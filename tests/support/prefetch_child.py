@@ -1,0 +1,44 @@
+"""A restoring process for tests/integration/test_restore_prefetch.py, SIGKILLed mid-prefetch.
+
+    python prefetch_child.py STORE_DIR HANDLE_FILE CACHE_DIR LATENCY_S
+
+Opens a ``LocalFileCache`` in CACHE_DIR and restores the backend handle in HANDLE_FILE from the
+local directory STORE_DIR, read through ``FaultyFileSystem(latency_s=LATENCY_S)`` (so the
+downloads are slow), in a thread; once the cache holds a published file while downloads are still
+in flight it prints ``prefetching`` and waits to be killed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+
+from dstl import ChangelogStorage
+from materializer.handles import ChangelogStateBackendHandle
+from materializer.options import BackendOptions
+from restore import LocalFileCache, restore_backend
+from support.faulty_fs import FaultyFileSystem
+
+
+def main(argv: list[str]) -> int:
+    store_dir, handle_file, cache_dir, latency = argv
+    handle = ChangelogStateBackendHandle.from_json(Path(handle_file).read_text())
+    ffs = FaultyFileSystem(fsspec.filesystem("file"), latency_s=float(latency))
+    storage = ChangelogStorage(store_dir, filesystem=ffs)
+    cache = LocalFileCache(cache_dir)
+    opts = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+    threading.Thread(target=restore_backend, name="child-restore", daemon=True,
+                     args=([handle], storage, handle.key_groups),
+                     kwargs={"cache": cache, "options": opts}).start()
+    cache.wait_for_stats(lambda s: s["files"] >= 1 and s["downloads_in_flight"] >= 1, 60.0)
+    print("prefetching", flush=True)
+    time.sleep(120)  # the test SIGKILLs this process here
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
