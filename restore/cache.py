@@ -625,6 +625,8 @@ class LocalFileCache:
             self._check_open()
             self._queue.extend(_Job(ticket, store, item) for item in items.values())
             ticket.queued = len(items)
+            # threads nobody joined (cancel without waiting: the agent's) are forgotten here
+            self._retired = [t for t in self._retired if t.is_alive()]
             for _ in range(min(self.prefetch_threads - len(self._workers), len(self._queue))):
                 t = threading.Thread(target=self._prefetch_worker, name="dstl-prefetch",
                                      daemon=True)
