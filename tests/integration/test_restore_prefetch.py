@@ -46,8 +46,9 @@ from dstl.errors import (
     DstlError,
     ObjectNotFoundError,
     StorageError,
+    UsageError,
 )
-from dstl.spark.agent import AgentCache, AgentClient, ensure_agent
+from dstl.spark.agent import AgentCache, AgentCacheService, AgentClient, ensure_agent
 from dstl.spark.agent.protocol import CacheStatsRequest, ShutdownRequest
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle
@@ -355,3 +356,61 @@ def test_a_process_killed_while_prefetching_leaves_a_cache_the_next_one_opens(
             assert _values(restore_backend([handle], storage, KGS, cache=cache,
                                            options=OPTS)) == model
         assert cache.stats()["downloads"] == len(_objects(handle))
+
+
+# --------------------------------------------------------------------------- the agent's service
+
+
+class _SlowStore:
+    """Opening the store waits for the test, so a prefetch stays unqueued while it is cancelled."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.started = threading.Event()
+        self.go = threading.Event()
+
+    def open(self) -> Any:
+        self.started.set()
+        assert self.go.wait(WAIT)
+        return self.store
+
+
+def test_the_agents_service_queues_cancels_and_drops_prefetches_with_their_connection(
+        tmp_path: Path) -> None:
+    with ChangelogStorage(str(tmp_path / "store"), options=DOPTS) as storage:
+        handle, _ = _write(storage, "heap")
+        objects = _objects(handle)
+        svc = AgentCacheService(str(tmp_path / "svc"))
+        try:
+            with pytest.raises(UsageError, match="nope"):
+                svc.submit_prefetch(1, 1, lambda: storage.store, [(objects[0], "nope", None)])
+            # cancelled while its store is being opened: nothing is queued or downloaded
+            slow = _SlowStore(storage.store)
+            svc.submit_prefetch(1, 2, slow.open, [(k, None, None) for k in objects])
+            assert slow.started.wait(WAIT)
+            svc.cancel_prefetch(1, 2)
+            slow.go.set()
+            # the connection's end cancels what it has queued
+            slow2 = _SlowStore(storage.store)
+            svc.submit_prefetch(2, 1, slow2.open, [(k, None, None) for k in objects])
+            assert slow2.started.wait(WAIT)
+            assert svc.release_connection(2) == 0
+            slow2.go.set()
+            # an ordinary prefetch: every object downloaded once, then leased from the cache
+            svc.submit_prefetch(3, 1, lambda: storage.store,
+                                [(k, None, None) for k in objects])
+            svc.cache.wait_for_stats(lambda s: s["files"] == len(objects), WAIT)
+            for k in objects:
+                reply = svc.lease(3, storage.store, k, None, None)
+                svc.release(3, reply.lease)
+            svc.cancel_prefetch(3, 1)
+            svc.cancel_prefetch(3, 99)  # unknown: nothing to do
+        finally:
+            svc.close()  # waits for the service's threads: every prefetch start has run
+    st = svc.cache.stats()
+    assert (st["downloads"], st["prefetch_joined"], st["prefetch_started"]) == \
+        (len(objects), len(objects), len(objects))
+    # the cancelled prefetches never reached the cache's queue
+    assert st["prefetch_present"] == st["prefetch_cancelled"] == 0
+    assert _prefetch_threads() == []
+    assert not (tmp_path / "svc" / "cache").exists()

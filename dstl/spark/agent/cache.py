@@ -207,7 +207,11 @@ class AgentCacheService:
     def _start_prefetch(self, conn_id: int, ticket: int, open_store: Callable[[], BlobStore],
                         items: list[PrefetchItem]) -> None:
         try:
-            prefetch = self.cache.prefetch(open_store(), items)
+            store = open_store()
+            with self._lock:
+                if (conn_id, ticket) not in self._prefetches:
+                    return  # cancelled (or the connection ended) while the store was opened
+            prefetch = self.cache.prefetch(store, items)
         except DstlError as exc:  # a hint: the worker's leases go their own way
             logger.info("agent restore cache: prefetch %d of connection %d not started: %s",
                         ticket, conn_id, exc)
@@ -218,7 +222,7 @@ class AgentCacheService:
             keep = (conn_id, ticket) in self._prefetches and not self._closed
             if keep:
                 self._prefetches[(conn_id, ticket)] = prefetch
-        if not keep:  # cancelled (or the connection ended) while the store was being opened
+        if not keep:  # cancelled just now
             prefetch.cancel(wait=False)
 
     def lease(self, conn_id: int, store: BlobStore, key: str, verify_name: str | None,
