@@ -2,17 +2,18 @@
 
 ``restore_backend`` (and ``RestoreStats``, ``plan_restore``, ``RestorePlan``) are imported on first
 use, so that reading the log (``ChangelogReader``, ``LocalFileCache``) does not load the state
-tables. ``LeasingCache`` and ``ObjectLease`` are the cache seam (:mod:`restore.leasing`).
+tables. ``LeasingCache``, ``ObjectLease`` and ``PrefetchItem`` are the cache seam
+(:mod:`restore.leasing`).
 """
 
 from typing import Any
 
 from restore.cache import CacheLease, LocalFileCache
-from restore.leasing import LeasingCache, ObjectLease
+from restore.leasing import LeasingCache, ObjectLease, PrefetchItem
 from restore.reader import VERIFIERS, ChangelogReader, SegmentCache, verify_segment, verify_snapshot
 
 __all__ = ["VERIFIERS", "CacheLease", "ChangelogReader", "LeasingCache", "LocalFileCache",
-           "ObjectLease", "RestorePlan", "RestoreStats", "SegmentCache", "plan_restore",
+           "ObjectLease", "PrefetchItem", "RestorePlan", "RestoreStats", "SegmentCache", "plan_restore",
            "restore_backend", "verify_segment", "verify_snapshot"]
 
 
