@@ -13,8 +13,8 @@ from restore.leasing import LeasingCache, ObjectLease, PrefetchItem
 from restore.reader import VERIFIERS, ChangelogReader, SegmentCache, verify_segment, verify_snapshot
 
 __all__ = ["VERIFIERS", "CacheLease", "ChangelogReader", "LeasingCache", "LocalFileCache",
-           "ObjectLease", "PrefetchItem", "RestorePlan", "RestoreStats", "SegmentCache", "plan_restore",
-           "restore_backend", "verify_segment", "verify_snapshot"]
+           "ObjectLease", "PrefetchItem", "RestorePlan", "RestoreStats", "SegmentCache",
+           "plan_restore", "restore_backend", "verify_segment", "verify_snapshot"]
 
 
 def __getattr__(name: str) -> Any:
