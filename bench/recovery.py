@@ -1277,7 +1277,7 @@ def markdown_prefetch(fig: dict[str, Any]) -> list[str]:
         local = fig.get(f"{LOCAL}/{r['table']}/{r['changes']}", {}).get("no_prefetch")
         gets = r["gets_s"]["median"] if r.get("gets_s") else None
         hidden = ((off["seconds"]["median"] - on["seconds"]["median"]) / gets
-                  if gets else None)
+                  if gets and r["store"] != LOCAL else None)  # local fs: nothing to hide
         md.append(f"| {r['store']} | {r['table']} | {r['changes']:,} | "
                   f"{r['data']['segments'] + 1} | "
                   f"{_s(off['seconds'])} | {_s(on['seconds'])} | "
@@ -1285,7 +1285,7 @@ def markdown_prefetch(fig: dict[str, Any]) -> list[str]:
                   f"{_rate(off['replay_per_s'])} → {_rate(on['replay_per_s'])} | "
                   f"{_s(r['gets_s']) if r.get('gets_s') else '-'} | "
                   f"{_s(local['seconds']) if local else '-'} | "
-                  f"{_n(hidden * 100 if hidden is not None else None, 0)} % |")
+                  f"{'-' if hidden is None else f'{hidden * 100:.0f} %'} |")
     return [*md, ""]
 
 
