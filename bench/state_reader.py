@@ -72,7 +72,7 @@ class Count(StatefulProcessor):
         yield {"key": key, "count": c}
 
 
-def _session(local_dir: str, snapshots: bool) -> Any:
+def _session(local_dir: str, snapshots: bool, extra: dict[str, str] | None = None) -> Any:
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -88,6 +88,8 @@ def _session(local_dir: str, snapshots: bool) -> Any:
     if snapshots:
         b = (b.config("spark.sql.streaming.stateStore.minDeltasForSnapshot", "1")
              .config("spark.sql.streaming.stateStore.maintenanceInterval", "1s"))
+    for k, v in (extra or {}).items():
+        b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark

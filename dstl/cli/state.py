@@ -6,6 +6,13 @@ entry); ``--key`` reads only the key groups that can hold the keys. ``changes`` 
 change after ``--start`` (exclusive; omit it to start from the empty state) up to ``--end``, in
 log order per key. JSON lines carry values as JSON (bytes, tuples and non-string map keys
 tagged, see :mod:`dstl.reader.rows`); Parquet files have the Spark sources' columns.
+
+``dump --format parquet`` with the heap table is read column-wise, split by split, the way the
+Spark source reads it (:func:`dstl.reader.columns.read_state_table`: snapshot entries and
+integer values without Python per row); it writes the rows the row path writes (the tests
+compare the two), possibly in another order within a partition. ``--table lmdb`` (a partition
+restored into a temporary LMDB directory, for state larger than memory) and JSON lines use the
+row path.
 """
 
 from __future__ import annotations
@@ -76,16 +83,24 @@ def run(argv: list[str]) -> int:
     with open_read_only(args.state_uri, storage_options(p, args)) as store:
         catalog = CheckpointCatalog(store, job_id=args.job)
         rows: Iterable[StateRow] | Iterable[ChangeRow]
-        if args.action == "dump":
+        if args.action == "dump" and args.format == "parquet" and args.table == "heap":
+            n = _parquet_columns(catalog, args)
+        elif args.action == "dump":
             rows = read_state(catalog, args.checkpoint, keys=args.key, states=args.state,
                               table=args.table, allow_pickle=args.allow_pickle)
+            n = _write(rows, args)
         else:
             rows = read_changes(catalog, args.start, args.end, on_lost=args.on_lost,
                                 allow_pickle=args.allow_pickle)
-        n = (_parquet(rows, args.output, args.action) if args.format == "parquet"
-             else _jsonl(rows, args.output))
+            n = _write(rows, args)
     print(f"{n} rows", file=sys.stderr)
     return 0
+
+
+def _write(rows: Iterable[StateRow] | Iterable[ChangeRow], args: argparse.Namespace) -> int:
+    if args.format == "parquet":
+        return _parquet(rows, args.output, args.action)
+    return _jsonl(rows, args.output)
 
 
 def _record(row: StateRow | ChangeRow) -> dict[str, Any]:
@@ -115,18 +130,40 @@ def _jsonl(rows: Iterable[StateRow] | Iterable[ChangeRow], path: str | None) -> 
     return n
 
 
-def _parquet(rows: Iterable[StateRow] | Iterable[ChangeRow], path: str, action: str) -> int:
+def _need_pyarrow() -> None:
     try:
-        import pyarrow.parquet as pq
-
-        from dstl.reader.arrow import CHANGE_SCHEMA, STATE_SCHEMA, batches
+        import pyarrow.parquet  # noqa: F401
     except ImportError as exc:
         raise ConfigError("--format", "parquet", "jsonl, or install pyarrow (pip install "
                           "'dstl[spark]')", owner="dstl state") from exc
+
+
+def _parquet(rows: Iterable[StateRow] | Iterable[ChangeRow], path: str, action: str) -> int:
+    _need_pyarrow()
+    from dstl.reader.arrow import CHANGE_SCHEMA, STATE_SCHEMA, batches
+
     schema = STATE_SCHEMA if action == "dump" else CHANGE_SCHEMA
+    return _write_batches(batches(rows, schema), schema, path)
+
+
+def _parquet_columns(catalog: CheckpointCatalog, args: argparse.Namespace) -> int:
+    """``dump --format parquet`` (heap table) column-wise: the same rows as the row path,
+    without Python per row (:mod:`dstl.reader.columns`)."""
+    _need_pyarrow()
+    from dstl.reader.arrow import STATE_SCHEMA
+    from dstl.reader.columns import read_state_table
+
+    return _write_batches(read_state_table(catalog, args.checkpoint, keys=args.key,
+                                           states=args.state, allow_pickle=args.allow_pickle),
+                          STATE_SCHEMA, args.output)
+
+
+def _write_batches(batches: Iterable[Any], schema: Any, path: str) -> int:
+    import pyarrow.parquet as pq
+
     n = 0
     with pq.ParquetWriter(path, schema) as writer:
-        for batch in batches(rows, schema):
+        for batch in batches:
             writer.write_batch(batch)
             n += batch.num_rows
     return n

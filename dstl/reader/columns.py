@@ -58,7 +58,15 @@ from dstl.envelope import HEADER_SIZE
 from dstl.errors import CorruptObjectError, ObjectNotFoundError, TruncatedObjectError
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.arrow import STATE_SCHEMA
-from dstl.reader.checks import check_cache, check_key_bytes, check_names
+from dstl.reader.catalog import CheckpointCatalog
+from dstl.reader.checks import (
+    check_cache,
+    check_checkpoint_id,
+    check_key_bytes,
+    check_key_group_count,
+    check_keys,
+    check_names,
+)
 from dstl.reader.image import (
     Ident,
     StateImage,
@@ -68,6 +76,7 @@ from dstl.reader.image import (
     state_info,
 )
 from dstl.reader.plan import StateSplit
+from dstl.reader.read import plan_state_read
 from dstl.reader.rows import to_json
 from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
@@ -82,8 +91,8 @@ from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader
 from restore.restore import plan_restore
 
-__all__ = ["Run", "int_values", "log_columns", "read_state_batches", "run_batches",
-           "snapshot_runs"]
+__all__ = ["Run", "int_values", "log_columns", "read_state_batches", "read_state_table",
+           "run_batches", "snapshot_runs"]
 
 _SAFE = SafeCodec()  # namespaces
 _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
@@ -777,4 +786,38 @@ def read_state_batches(store: BlobStore, split: StateSplit, *,
             raise translate_missing(store, split.checkpoint_id, exc) from exc
 
     return batches()
+
+
+def read_state_table(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
+                     keys: Collection[str | bytes] | None = None,
+                     states: Collection[str] | None = None, cache: LeasingCache | None = None,
+                     allow_pickle: bool = False, max_key_groups: int | None = None
+                     ) -> Iterator[pa.RecordBatch]:
+    """Every state row of a checkpoint (``None``: the newest) as record batches of
+    :data:`~dstl.reader.arrow.STATE_SCHEMA`, split by split: the rows
+    :func:`~dstl.reader.read.read_state` gives (heap table), built column-wise
+    (``dstl state dump --format parquet``).
+
+    Raises:
+        ConfigError: an argument of the wrong type or out of range (raised by the call, before
+            anything is read).
+        CheckpointNotFoundError, CheckpointDeletedError, CorruptObjectError, UsageError: as
+            :func:`~dstl.reader.read.read_state` (as the result is iterated).
+    """
+    owner = "read_state_table"
+    check_instance(catalog, "catalog", owner, CheckpointCatalog)
+    check_checkpoint_id(checkpoint_id, "checkpoint_id", owner)
+    check_keys(keys, owner)
+    states = check_names(states, "states", owner)
+    check_bool(allow_pickle, "allow_pickle", owner)
+    check_key_group_count(max_key_groups, "max_key_groups", owner)
+    check_cache(cache, owner)
+
+    def table() -> Iterator[pa.RecordBatch]:
+        splits, wanted = plan_state_read(catalog, checkpoint_id, keys, max_key_groups)
+        for split in splits:
+            yield from read_state_batches(catalog.store, split, cache=cache,
+                                          allow_pickle=allow_pickle, keys=wanted, states=states)
+
+    return table()
 

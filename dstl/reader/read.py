@@ -18,13 +18,13 @@ from dstl.reader.checks import (
     check_names,
     check_table,
 )
-from dstl.reader.plan import ChangeSplit, plan_state_splits
+from dstl.reader.plan import ChangeSplit, StateSplit, plan_state_splits
 from dstl.reader.rows import ChangeRow, StateRow
 from dstl.reader.state import read_state_split
 from materializer.codecs import StrOrBytesKeyCodec
 from restore.leasing import LeasingCache
 
-__all__ = ["key_bytes_of", "read_changes", "read_state"]
+__all__ = ["key_bytes_of", "plan_state_read", "read_changes", "read_state"]
 
 
 def key_bytes_of(keys: Collection[str | bytes]) -> frozenset[bytes]:
@@ -69,10 +69,12 @@ def read_state(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
                        max_key_groups)
 
 
-def _read_state(catalog: CheckpointCatalog, checkpoint_id: int | None,
-                keys: Collection[str | bytes] | None, states: Collection[str] | None,
-                cache: LeasingCache | None, table: str, allow_pickle: bool,
-                max_key_groups: int | None) -> Iterator[StateRow]:
+def plan_state_read(catalog: CheckpointCatalog, checkpoint_id: int | None,
+                    keys: Collection[str | bytes] | None, max_key_groups: int | None
+                    ) -> tuple[list[StateSplit], frozenset[bytes] | None]:
+    """The splits of a whole-checkpoint read (only the key groups that can hold ``keys``) and
+    the keys' bytes: the plan :func:`read_state` and
+    :func:`dstl.reader.columns.read_state_table` read (arguments checked by them)."""
     manifest = catalog.manifest(checkpoint_id)
     tasks = task_states(manifest)
     wanted = None if keys is None else key_bytes_of(keys)
@@ -80,8 +82,16 @@ def _read_state(catalog: CheckpointCatalog, checkpoint_id: int | None,
     if wanted is not None and tasks:
         mp = tasks[0].handle.max_parallelism
         kgs = {key_group_for(k, mp) for k in wanted}
-    for split in plan_state_splits(manifest.checkpoint_id, tasks, key_groups=kgs,
-                                   max_key_groups=max_key_groups):
+    return plan_state_splits(manifest.checkpoint_id, tasks, key_groups=kgs,
+                             max_key_groups=max_key_groups), wanted
+
+
+def _read_state(catalog: CheckpointCatalog, checkpoint_id: int | None,
+                keys: Collection[str | bytes] | None, states: Collection[str] | None,
+                cache: LeasingCache | None, table: str, allow_pickle: bool,
+                max_key_groups: int | None) -> Iterator[StateRow]:
+    splits, wanted = plan_state_read(catalog, checkpoint_id, keys, max_key_groups)
+    for split in splits:
         yield from read_state_split(catalog.store, split, cache=cache, table=table,
                                     allow_pickle=allow_pickle, keys=wanted, states=states)
 

@@ -21,7 +21,7 @@ from dstl.reader import (
     task_states,
 )
 from dstl.reader.arrow import STATE_SCHEMA, batches
-from dstl.reader.columns import read_state_batches
+from dstl.reader.columns import read_state_batches, read_state_table
 
 
 def _splits(catalog: CheckpointCatalog, checkpoint_id: int | None,
@@ -69,13 +69,27 @@ def sorted_rows(t: pa.Table) -> list[tuple[Any, ...]]:
     return sorted((tuple(r.values()) for r in t.to_pylist()), key=repr)
 
 
-def read_state_columns(catalog: CheckpointCatalog, checkpoint_id: int | None = None,
-                       **kw: Any) -> list[StateRow]:
-    """:func:`column_table` as state rows (values decoded from their JSON)."""
+def rows_of(t: pa.Table) -> list[StateRow]:
+    """A STATE_SCHEMA table as state rows (values decoded from their JSON)."""
     rows = []
-    for r in column_table(catalog, checkpoint_id, **kw).to_pylist():
+    for r in t.to_pylist():
         key = r["key"] if r["key"] is not None else r["key_bytes"]
         rows.append(StateRow(r["checkpoint"], r["partition"], r["key_group"], key,
                              r["key_bytes"], r["state"], r["kind"], from_json(r["namespace"]),
                              from_json(r["user_key"]), from_json(r["value"])))
     return rows
+
+
+def read_state_columns(catalog: CheckpointCatalog, checkpoint_id: int | None = None,
+                       **kw: Any) -> list[StateRow]:
+    """:func:`column_table` as state rows (values decoded from their JSON)."""
+    return rows_of(column_table(catalog, checkpoint_id, **kw))
+
+
+def read_state_table_rows(catalog: CheckpointCatalog, checkpoint_id: int | None = None,
+                          **kw: Any) -> list[StateRow]:
+    """:func:`dstl.reader.columns.read_state_table` (the whole checkpoint, column-wise, as
+    ``dstl state dump --format parquet`` reads it) as state rows."""
+    batches = list(read_state_table(catalog, checkpoint_id, **kw))
+    assert all(b.schema == STATE_SCHEMA for b in batches)
+    return rows_of(pa.Table.from_batches(batches, schema=STATE_SCHEMA))

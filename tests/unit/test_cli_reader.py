@@ -37,6 +37,22 @@ def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Mi
     yield root, job
 
 
+@pytest.fixture(scope="module")
+def lmdb_job_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, MiniJob]]:
+    """LMDB tables: v2 snapshots (the column path parses their pages), then a log tail."""
+    root = tmp_path_factory.mktemp("cli-lmdb") / "state"
+    store = open_store(str(root))
+    job = MiniJob(store, partitions=2, seed=22, table="lmdb", retained=3)
+    job.run(150)
+    job.checkpoint()
+    job.materialize()
+    job.run(60)
+    job.checkpoint()
+    job.close()
+    store.close()
+    yield root, job
+
+
 class _Row:
     def __init__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -197,3 +213,88 @@ def test_exit_codes_are_one_rule_for_every_reading_command(
     assert main(["verify", str(root), "--job", "other"]) == 1
     assert main(["state", "changes", str(root), "--start", "2", "--end", "1"]) == 2
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("fixture", ["job_dir", "lmdb_job_dir"])
+def test_state_dump_parquet_reads_column_wise_and_equals_the_row_path(
+        fixture: str, request: pytest.FixtureRequest, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dump --format parquet`` (heap table) goes through dstl.reader.columns and writes the
+    rows of the row path, for every checkpoint and filter (keys, states, a key no one has);
+    ``--table lmdb`` stays on the row path."""
+    import pyarrow.parquet as pq
+    from support.columnar import row_table, sorted_rows
+
+    import dstl.reader.columns as columns
+    from dstl.reader import CheckpointCatalog, open_read_only
+
+    root, job = request.getfixturevalue(fixture)
+    calls: list[Any] = []
+    real = columns.read_state_table
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        calls.append(a[1:])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(columns, "read_state_table", spy)
+    catalog = CheckpointCatalog(open_read_only(str(root)))
+    filters: list[tuple[list[str], dict[str, Any]]] = [
+        ([], {}), (["--key", "k5", "--key", "k11"], {"keys": ["k5", "k11"]}),
+        (["--state", "count", "--state", "attrs"], {"states": ["count", "attrs"]}),
+        (["--key", "nobody"], {"keys": ["nobody"]})]
+    nonempty = 0
+    for cid in catalog.ids():
+        for args, kw in filters:
+            out = tmp_path / f"s{cid}-{len(calls)}.parquet"
+            before = len(calls)
+            assert main(["state", "dump", str(root), "--checkpoint", str(cid), "--format",
+                         "parquet", "-o", str(out), *args]) == 0
+            assert len(calls) == before + 1
+            got = pq.read_table(out)
+            want = row_table(catalog, cid, **kw)
+            assert got.schema.names == want.schema.names
+            assert sorted_rows(got) == sorted_rows(want), (cid, args)
+            nonempty += got.num_rows > 0
+        assert pq.read_table(tmp_path / f"s{cid}-{len(calls) - 1}.parquet").num_rows == 0
+    assert nonempty >= 2 * len(catalog.ids())
+    out = tmp_path / "lmdb.parquet"
+    before = len(calls)
+    assert main(["state", "dump", str(root), "--format", "parquet", "--table", "lmdb", "-o",
+                 str(out)]) == 0
+    assert len(calls) == before
+    assert sorted_rows(pq.read_table(out)) == sorted_rows(row_table(catalog, None))
+
+
+def test_state_dump_parquet_of_damaged_or_missing_objects_fails_like_the_row_path(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "state"
+    store = open_store(str(root))
+    job = MiniJob(store, partitions=1, seed=23, table="lmdb", retained=3)
+    job.run(120)
+    job.checkpoint()
+    job.materialize()
+    job.run(30)
+    job.checkpoint()
+    job.close()
+    from dstl.reader import CheckpointCatalog, open_read_only, task_states
+
+    catalog = CheckpointCatalog(open_read_only(str(root)))
+    handle = task_states(catalog.manifest(1))[0].handle
+    snapshot = handle.materialized[0].key
+    data = store.get(snapshot)
+    store.delete([snapshot])
+    store.put(snapshot, data[: len(data) // 2])
+    outcomes = []
+    for damage in ("truncated", "missing"):
+        if damage == "missing":
+            store.delete([snapshot])
+        for fmt in (["--format", "parquet", "-o", str(tmp_path / f"{damage}.parquet")], []):
+            code = main(["state", "dump", str(root), *fmt])
+            err = capsys.readouterr().err
+            assert snapshot in err, (damage, fmt, err)
+            # "dstl state: <error type>: ...": the same type and exit code in both paths
+            outcomes.append((code, err.split(":")[1].strip()))
+    store.close()
+    assert outcomes[0] == outcomes[1] and outcomes[2] == outcomes[3], outcomes
+    assert outcomes[0][0] != 0 and outcomes[2][0] != 0
+    assert outcomes[0][1] == "TruncatedObjectError"

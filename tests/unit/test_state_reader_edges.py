@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.columnar import read_state_columns
+from support.columnar import read_state_columns, read_state_table_rows
 from support.state_job import MiniJob, _Borrowed, replay, state_of
 
 from dstl.checkpoint import CheckpointCoordinator
@@ -44,7 +44,7 @@ from dstl.reader import (
     task_states,
     verify_checkpoint,
 )
-from dstl.reader.columns import read_state_batches
+from dstl.reader.columns import read_state_batches, read_state_table
 from dstl.storage import ChangelogStorage
 from dstl.stores import open_store, parse_storage_options
 from dstl.stores.base import BlobStore
@@ -100,6 +100,10 @@ def test_read_state_checks_its_arguments_before_reading(store: BlobStore, kwargs
     with pytest.raises(error) as exc:
         read_state(catalog, **kwargs)  # the call raises: no iteration needed
     assert f"read_state.{field}=" in str(exc.value)
+    if "table" not in kwargs:  # the column-wise whole read takes the same arguments
+        with pytest.raises(error) as exc:
+            read_state_table(catalog, **kwargs)
+        assert f"read_state_table.{field}=" in str(exc.value)
 
 
 @pytest.mark.parametrize(("args", "kwargs", "field"), [
@@ -261,6 +265,9 @@ def test_empty_checkpoints_and_emptied_state_read_as_nothing(store: BlobStore,
     for table_ in ("heap", "lmdb"):
         assert list(read_state(catalog, 0, table=table_)) == []
         assert list(read_state(catalog, 2, table=table_)) == []
+    for cid in (0, 2):
+        assert sum(b.num_rows for b in read_state_table(catalog, cid)) == 0
+    assert state_of(read_state_table_rows(catalog, 1)) == job.checkpoint_models[1]
     assert list(read_changes(catalog, None, 0)) == []
     cleared = list(read_changes(catalog, 1, 2))
     assert cleared and {r.op for r in cleared} == {"clear"}
@@ -352,16 +359,54 @@ def test_a_checkpoint_deleted_by_gc_mid_iteration(store: BlobStore) -> None:
     assert snapshot.key in str(exc.value)
 
 
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_a_checkpoint_deleted_between_the_splits_of_a_column_wise_read(store: BlobStore,
+                                                                      table: str) -> None:
+    """``read_state_table`` (``dstl state dump --format parquet``) has read the first split when
+    the checkpoint goes: the next split is a CheckpointDeletedError, not fewer rows."""
+    job = MiniJob(store, partitions=2, seed=9, table=table, retained=3)
+    try:
+        job.run(300, keys=200)
+        job.checkpoint()
+        job.materialize()
+        job.run(60)
+        job.checkpoint()  # 1: snapshots + a log tail in both partitions
+    finally:
+        job.close()
+    catalog = _catalog(store)
+    p0 = sum(r.partition == "p0" for r in read_state(catalog, 1))
+    assert p0 and p0 < len(list(read_state(catalog, 1)))
+    batches = read_state_table(catalog, 1)
+    seen = 0
+    while seen < p0:  # every row of the first split, not one more (the next split not begun)
+        b = next(batches)
+        assert set(b.column("partition").to_pylist()) == {"p0"}
+        seen += b.num_rows
+    assert seen == p0
+    store.delete([c.key for c in catalog.checkpoints()])
+    coordinator = CheckpointCoordinator.recover(store, "job", retained=1)
+    try:
+        assert coordinator.collect_orphans(0.0)
+    finally:
+        coordinator.close()
+    with pytest.raises(CheckpointDeletedError) as exc:
+        list(batches)
+    assert exc.value.checkpoint_id == 1
+
+
 # --------------------------------------------------------------------------- damaged objects
 
 
-#: the row path's two tables, and the column-wise read of the Spark source
-READERS = ("heap", "lmdb", "columns")
+#: the row path's two tables, the column-wise read of the Spark source (per split), and the
+#: whole checkpoint column-wise (``dstl state dump --format parquet``)
+READERS = ("heap", "lmdb", "columns", "table")
 
 
 def _read(catalog: CheckpointCatalog, cid: int | None, reader: str, **kw: Any) -> Any:
     if reader == "columns":
         return read_state_columns(catalog, cid, **kw)
+    if reader == "table":
+        return read_state_table_rows(catalog, cid, **kw)
     return read_state(catalog, cid, table=reader, **kw)
 
 
@@ -525,7 +570,7 @@ def test_pickle_states_need_allow_pickle(store: BlobStore) -> None:
             list(_read(catalog, None, table))
         rows = list(_read(catalog, None, table, allow_pickle=True))
         # the row path gives the object; the tables its repr (what to_json makes of it)
-        assert [r.value for r in rows] == [frozenset({1, 2})] if table != "columns" else [
+        assert [r.value for r in rows] == [frozenset({1, 2})] if table in ("heap", "lmdb") else [
             {"$repr": "frozenset({1, 2})"}]
     with pytest.raises(UsageError, match="pickle"):
         list(read_changes(catalog, None))
