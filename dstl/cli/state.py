@@ -7,11 +7,13 @@ change after ``--start`` (exclusive; omit it to start from the empty state) up t
 log order per key. JSON lines carry values as JSON (bytes, tuples and non-string map keys
 tagged, see :mod:`dstl.reader.rows`); Parquet files have the Spark sources' columns.
 
-``dump --format parquet`` with the heap table is read column-wise, split by split, the way the
+``dump`` with the heap table (the default) is read column-wise, split by split, the way the
 Spark source reads it (:func:`dstl.reader.columns.read_state_table`: snapshot entries and
-integer values without Python per row); it writes the rows the row path writes (the tests
-compare the two), possibly in another order within a partition. ``--table lmdb`` (a partition
-restored into a temporary LMDB directory, for state larger than memory) and JSON lines use the
+integer values without Python per row); Parquet takes the batches as they are, JSON lines are
+put together column by column (:func:`dstl.reader.arrow.state_json_lines`). Either writes what
+the row path writes (the same rows, the same line bytes: the tests compare them), possibly in
+another order within a partition. ``--table lmdb`` (a partition restored into a temporary LMDB
+directory, for state larger than memory), ``changes``, and JSON lines without pyarrow use the
 row path.
 """
 
@@ -85,6 +87,8 @@ def run(argv: list[str]) -> int:
         rows: Iterable[StateRow] | Iterable[ChangeRow]
         if args.action == "dump" and args.format == "parquet" and args.table == "heap":
             n = _parquet_columns(catalog, args)
+        elif args.action == "dump" and args.table == "heap" and _has_pyarrow():
+            n = _jsonl_columns(catalog, args)
         elif args.action == "dump":
             rows = read_state(catalog, args.checkpoint, keys=args.key, states=args.state,
                               table=args.table, allow_pickle=args.allow_pickle)
@@ -127,6 +131,29 @@ def _jsonl(rows: Iterable[StateRow] | Iterable[ChangeRow], path: str | None) -> 
         for row in rows:
             out.write(json.dumps(_record(row), separators=(",", ":")) + "\n")
             n += 1
+    return n
+
+
+def _has_pyarrow() -> bool:
+    try:
+        import pyarrow.compute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _jsonl_columns(catalog: CheckpointCatalog, args: argparse.Namespace) -> int:
+    """``dump`` as JSON lines (heap table) column-wise: the row path's lines (the same bytes),
+    put together from the columns (:func:`dstl.reader.arrow.state_json_lines`)."""
+    from dstl.reader.arrow import state_json_lines
+    from dstl.reader.columns import read_state_table
+
+    n = 0
+    with _text_out(args.output) as out:
+        for batch in read_state_table(catalog, args.checkpoint, keys=args.key,
+                                      states=args.state, allow_pickle=args.allow_pickle):
+            out.write(state_json_lines(batch))
+            n += batch.num_rows
     return n
 
 

@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dstl.reader.rows import ChangeRow, StateRow, to_json
 
-__all__ = ["CHANGE_DDL", "CHANGE_SCHEMA", "STATE_DDL", "STATE_SCHEMA", "batches"]
+__all__ = ["CHANGE_DDL", "CHANGE_SCHEMA", "STATE_DDL", "STATE_SCHEMA", "batches",
+           "state_json_lines"]
 
 STATE_SCHEMA = pa.schema([
     ("checkpoint", pa.int64()), ("partition", pa.string()), ("key_group", pa.int32()),
@@ -114,3 +116,47 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
         if typed is not None:
             arrays.append(pa.array(columns[value_at], type=typed[1]))
         yield pa.RecordBatch.from_arrays(arrays, schema=out_schema)
+
+
+#: Text ``json.dumps`` writes as it is between quotes: printable ASCII but ``"`` and ``\``.
+_PLAIN_TEXT = r"^[ !#-\[\]-~]*$"
+
+
+def _json_strings(col: pa.Array, null: Callable[[int], str]) -> pa.Array:
+    """A string column as the JSON string literals ``json.dumps`` writes (ASCII escapes); a null
+    at row ``i`` as ``null(i)``. Vectorised when every value is plain text (the usual case:
+    names, ASCII keys), else row by row with the encoder ``json.dumps`` uses."""
+    if col.null_count == 0 and pc.all(pc.match_substring_regex(col, _PLAIN_TEXT)).as_py():
+        return pc.binary_join_element_wise('"', col, '"', "")
+    return pa.array([null(i) if v is None else to_json(v) for i, v in enumerate(col.to_pylist())],
+                    type=pa.string())
+
+
+def _json_null(_: int) -> str:
+    return "null"
+
+
+def state_json_lines(batch: pa.RecordBatch) -> str:
+    """The JSON lines ``dstl state dump`` writes for the rows of a :data:`STATE_SCHEMA` batch:
+    each line ``json.dumps`` of the row's fields but ``key_bytes``, compact, values in their
+    tagged JSON form (:func:`~dstl.reader.rows.to_plain`; a binary key as ``{"$b64": ...}``) —
+    put together column by column (the JSON columns are that text already)."""
+    col = batch.column
+    key_bytes = col("key_bytes")
+    parts: list[Any] = [
+        '{"checkpoint":', col("checkpoint").cast(pa.string()),
+        ',"partition":', _json_strings(col("partition"), _json_null),
+        ',"key_group":', col("key_group").cast(pa.string()),
+        ',"key":', _json_strings(col("key"), lambda i: to_json(key_bytes[i].as_py()) or "null"),
+        ',"state":', _json_strings(col("state"), _json_null),
+        ',"kind":', _json_strings(col("kind"), _json_null)]
+    for name in ("namespace", "user_key", "value"):
+        parts += [f',"{name}":', pc.fill_null(col(name), "null")]
+    lines = pc.binary_join_element_wise(*parts, "}\n", "")
+    if len(lines) == 0:
+        return ""
+    offsets = pa.Array.from_buffers(pa.int32(), len(lines) + 1, [None, lines.buffers()[1]],
+                                    offset=lines.offset)
+    data = lines.buffers()[2]
+    assert data is not None  # a string array of >= 1 row has a data buffer
+    return memoryview(data)[offsets[0].as_py():offsets[-1].as_py()].tobytes().decode("ascii")

@@ -228,7 +228,7 @@ def test_state_dump_parquet_reads_column_wise_and_equals_the_row_path(
     import dstl.reader.columns as columns
     from dstl.reader import CheckpointCatalog, open_read_only
 
-    root, job = request.getfixturevalue(fixture)
+    root, _ = request.getfixturevalue(fixture)
     calls: list[Any] = []
     real = columns.read_state_table
 
@@ -298,3 +298,113 @@ def test_state_dump_parquet_of_damaged_or_missing_objects_fails_like_the_row_pat
     assert outcomes[0] == outcomes[1] and outcomes[2] == outcomes[3], outcomes
     assert outcomes[0][0] != 0 and outcomes[2][0] != 0
     assert outcomes[0][1] == "TruncatedObjectError"
+
+
+def _row_path_lines(root: Path, cid: int | None, tmp_path: Path, **kw: Any) -> list[str]:
+    """The JSON lines of the row path (read_state, heap table), as the CLI writes them."""
+    from dstl.cli import state as cli_state
+    from dstl.reader import CheckpointCatalog, open_read_only, read_state
+
+    out = tmp_path / "row-path.jsonl"
+    with open_read_only(str(root)) as store:
+        cli_state._jsonl(read_state(CheckpointCatalog(store), cid, **kw), str(out))
+    return sorted(out.read_text().splitlines())
+
+
+@pytest.mark.parametrize("fixture", ["job_dir", "lmdb_job_dir"])
+def test_state_dump_json_lines_read_column_wise_are_the_row_paths_bytes(
+        fixture: str, request: pytest.FixtureRequest, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import dstl.reader.columns as columns
+
+    root, _ = request.getfixturevalue(fixture)
+    calls: list[Any] = []
+    real = columns.read_state_table
+    monkeypatch.setattr(columns, "read_state_table",
+                        lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    for cid in (None, 0):
+        for args, kw in (([], {}), (["--key", "k5", "--state", "attrs"],
+                                    {"keys": ["k5"], "states": ["attrs"]}),
+                         (["--key", "nobody"], {"keys": ["nobody"]})):
+            cp = [] if cid is None else ["--checkpoint", str(cid)]
+            assert main(["state", "dump", str(root), *cp, *args]) == 0
+            out, err = capsys.readouterr()
+            lines = out.splitlines()
+            assert sorted(lines) == _row_path_lines(root, cid, tmp_path, **kw), (cid, args)
+            assert err.strip() == f"{len(lines)} rows"
+    assert len(calls) == 6
+
+
+def test_state_dump_json_lines_escape_keys_and_values_as_json_dumps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys and values json.dumps escapes (quotes, backslashes, control characters, DEL,
+    non-ASCII, astral characters, binary keys that are not UTF-8), every value shape: the
+    column-wise lines are the row path's bytes."""
+    from dstl.checkpoint import CheckpointCoordinator
+    from dstl.keygroups import KeyGroupRange
+    from dstl.storage import ChangelogStorage
+    from materializer.backend import ChangelogKeyedStateBackend
+    from materializer.states import (
+        ListStateDescriptor,
+        MapStateDescriptor,
+        ValueStateDescriptor,
+    )
+
+    keys: list[str | bytes] = ["plain", 'q"uote', "back\\slash", "\x01ctl", "del\x7f",
+                               "caf\u00e9", "\U0001f600", "", "tab\tnl\n", b"\xff\x00bin",
+                               b"ascii-bytes"]
+    values: list[Any] = [1, -(2**70), 2.5, float("nan"), "s\u00e9\"", b"\x00\xff", [1, "a"],
+                         (1, b"x"), {"a": 1}, {1: "x"}, None, True]
+    for table in ("heap", "lmdb"):
+        root = tmp_path / table
+        store = open_store(str(root))
+        storage = ChangelogStorage(store=store)
+        backend = ChangelogKeyedStateBackend(storage, "job/p0", KeyGroupRange(0, 15), 16,
+                                             table=table, auto_materialize=False)
+        try:
+            v = backend.get_state(ValueStateDescriptor("v"))
+            m = backend.get_state(MapStateDescriptor("m"))
+            lst = backend.get_state(ListStateDescriptor("l"))
+            for i, k in enumerate(keys):
+                backend.set_current_key(k)
+                if values[i % len(values)] is not None:
+                    v.update(values[i % len(values)])
+                m.put(f"u\u00e9{i}" if i % 2 else i, values[(i + 3) % len(values)])
+                lst.add(values[(i + 5) % len(values)])
+                if table == "lmdb" and i == len(keys) // 2:
+                    backend.materialize_now()  # a snapshot, then a log after it
+            coordinator = CheckpointCoordinator(store, job_id="job")
+            coordinator.trigger(["p0"], checkpoint_id=0)
+            h = backend.snapshot(0).result(timeout=30)
+            coordinator.acknowledge(0, "p0", h.to_json_obj(), h.referenced_keys(), h.full_size,
+                                    h.incremental_size)
+            coordinator.close()
+        finally:
+            backend.close()
+            storage.close()
+            store.close()
+        assert main(["state", "dump", str(root)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert sorted(lines) == _row_path_lines(root, None, tmp_path), table
+        assert len(lines) == 3 * len(keys) - 1  # one value state left unset
+        assert any('"key":{"$b64":' in line for line in lines)
+        assert any("\\ud83d\\ude00" in line for line in lines)
+
+
+@pytest.mark.parametrize("keys", [
+    ["a", "b c", "~!#[]{}"],            # plain: the vectorised path
+    ["a", 'q"uote'], ["a", "back\\slash"], ["a", "del\x7f"], ["a", "\x1f"],  # one to escape
+    ["a", "caf\u00e9", "\U0001f600"], [b"\xff\x00", "a"], [b"\x80"], []])
+def test_state_json_lines_are_json_dumps_of_the_rows(keys: list[str | bytes]) -> None:
+    """Each batch as a whole takes the vectorised or the row-by-row path: one key that needs an
+    escape among plain ones must still be escaped."""
+    from dstl.cli.state import _record
+    from dstl.reader import StateRow
+    from dstl.reader.arrow import STATE_SCHEMA, batches, state_json_lines
+
+    rows = [StateRow(7, "p1", i, k, k if isinstance(k, bytes) else k.encode(), "s\"t", "map",
+                     None if i % 2 else ("ns", 1), {"u": b"\x00"} if i % 2 else i, 2.5 * i)
+            for i, k in enumerate(keys)]
+    want = "".join(json.dumps(_record(r), separators=(",", ":")) + "\n" for r in rows)
+    got = "".join(state_json_lines(b) for b in batches(rows, STATE_SCHEMA))
+    assert got == want
