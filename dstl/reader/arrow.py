@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dstl.reader.rows import ChangeRow, StateRow, to_json
+from dstl.reader.rows import CHANGE_DDL, STATE_DDL, ChangeRow, StateRow, to_json
 
 __all__ = ["CHANGE_DDL", "CHANGE_SCHEMA", "STATE_DDL", "STATE_SCHEMA", "batches",
            "state_json_lines"]
@@ -40,12 +40,6 @@ CHANGE_SCHEMA = pa.schema([
     ("op", pa.string()), ("user_key", pa.string()), ("value", pa.string()),
     ("source", pa.string())])
 
-#: The same as Spark DDL (the sources' ``schema()``).
-STATE_DDL = ("checkpoint bigint, partition string, key_group int, key string, key_bytes binary, "
-             "state string, kind string, namespace string, user_key string, value string")
-CHANGE_DDL = ("checkpoint bigint, partition string, key_group int, seq bigint, key string, "
-              "key_bytes binary, state string, kind string, namespace string, op string, "
-              "user_key string, value string, source string")
 
 _JSON_COLUMNS = frozenset({"namespace", "user_key", "value"})
 

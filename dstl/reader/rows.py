@@ -31,10 +31,19 @@ import base64
 import json
 from typing import Any, NamedTuple
 
-__all__ = ["CHANGE_COLUMNS", "STATE_COLUMNS", "ChangeRow", "StateRow", "from_json",
-           "to_json", "to_plain"]
+__all__ = ["CHANGE_COLUMNS", "CHANGE_DDL", "STATE_COLUMNS", "STATE_DDL", "ChangeRow",
+           "StateRow", "from_json", "to_json", "to_plain"]
 
 _TAGS = frozenset({"$b64", "$map", "$tuple"})
+
+#: The Spark sources' columns as Spark DDL (their ``schema()``; the Arrow schemas of
+#: :mod:`dstl.reader.arrow` are the same columns). Here, without pyarrow: a driver that only
+#: plans a read (Spark's planner workers) needs no more.
+STATE_DDL = ("checkpoint bigint, partition string, key_group int, key string, key_bytes binary, "
+             "state string, kind string, namespace string, user_key string, value string")
+CHANGE_DDL = ("checkpoint bigint, partition string, key_group int, seq bigint, key string, "
+              "key_bytes binary, state string, kind string, namespace string, op string, "
+              "user_key string, value string, source string")
 
 
 class StateRow(NamedTuple):

@@ -23,6 +23,12 @@ it the way FLIP-27 (seed 003) maps a source onto an enumerator and split readers
   gets :class:`~dstl.reader.ChangesLostError` naming the lost checkpoints
   (``onLostChanges=resumeFromOldest`` continues after the oldest retained one instead).
 
+*Imports.* Spark plans a read in Python workers on the driver — one for ``load()`` (the source
+and its schema), one for ``partitions()`` — and a new worker imports this module again when it
+unpickles the source. What only a split's read needs (pyarrow, numpy, the column-wise reader,
+the restore cache) is imported by the code that reads, on the executors: the driver's workers
+import the options' checks, the catalog and the planner (``bench/state_reader_fixed.py``).
+
 Registration: :func:`dstl.spark.register` (``spark.dataSource.register`` of both classes);
 :class:`~dstl.spark.DstlStatefulOperator` registers them when it starts. Options are listed in
 docs/spark.md ("Reading state").
@@ -38,7 +44,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -58,20 +64,6 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAv
 from dstl.checks import check_mapping, check_str
 from dstl.errors import ConfigError, UsageError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
-from dstl.reader import (
-    ChangeSplit,
-    CheckpointCatalog,
-    StateSplit,
-    key_bytes_of,
-    open_read_only,
-    plan_change_range,
-    plan_state_splits,
-    read_change_split,
-    read_state_split,
-    task_states,
-)
-from dstl.reader.arrow import CHANGE_DDL, CHANGE_SCHEMA, STATE_DDL, STATE_SCHEMA, batches
-from dstl.reader.changes import OnLost
 from dstl.reader.checks import (
     TABLES,
     check_source_keys,
@@ -79,9 +71,12 @@ from dstl.reader.checks import (
     source_choice,
     source_int,
 )
-from dstl.reader.columns import read_state_batches
+from dstl.reader.rows import CHANGE_DDL, STATE_DDL
 from dstl.stores import check_store_uri, parse_storage_options
-from restore.cache import LocalFileCache
+
+if TYPE_CHECKING:
+    from dstl.reader import ChangeSplit, CheckpointCatalog, StateSplit
+    from restore.cache import LocalFileCache
 
 __all__ = ["DstlChangesDataSource", "DstlStateDataSource", "SourceOptions"]
 
@@ -171,6 +166,9 @@ class SourceOptions:
 
     def catalog(self) -> CheckpointCatalog:
         """The store's checkpoints, opened read-only (close ``catalog.store``)."""
+        from dstl.reader.catalog import CheckpointCatalog
+        from dstl.reader.store import open_read_only
+
         return CheckpointCatalog(open_read_only(self.state_uri, self.storage_options),
                                  job_id=self.operator)
 
@@ -271,6 +269,8 @@ class _Pushed:
             if col in ("key", "key_bytes"):
                 if not all(isinstance(v, (str, bytes, bytearray)) for v in values):
                     return False
+                from dstl.reader.read import key_bytes_of
+
                 self.keys = self._narrow(self.keys, key_bytes_of(
                     [bytes(v) if isinstance(v, bytearray) else v for v in values]))
                 return True
@@ -328,6 +328,8 @@ _CACHE: dict[int, LocalFileCache] = {}
 def _process_cache() -> LocalFileCache:
     """One restore cache per (executor worker) process, in a temporary directory removed at
     exit; objects that do not fit its budget are read with ranged reads."""
+    from restore.cache import LocalFileCache
+
     pid = os.getpid()
     cache = _CACHE.get(pid)
     if cache is None or cache.closed:
@@ -362,6 +364,13 @@ class _Split(InputPartition):
 def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
           partition: InputPartition) -> Iterator[Any]:
     """The Arrow batches of one split (runs on an executor)."""
+    from dstl.reader.arrow import CHANGE_SCHEMA, STATE_SCHEMA, batches
+    from dstl.reader.changes import read_change_split
+    from dstl.reader.columns import read_state_batches
+    from dstl.reader.plan import StateSplit
+    from dstl.reader.state import read_state_split
+    from dstl.reader.store import open_read_only
+
     if not isinstance(partition, _Split):
         # Spark reads a source that planned no split (every partition filtered out, an empty
         # change range) through one ``InputPartition(None)`` of its own: no rows
@@ -413,6 +422,9 @@ class _StateReader(DataSourceReader):
                 yield f
 
     def partitions(self) -> Sequence[InputPartition]:
+        from dstl.reader.catalog import task_states
+        from dstl.reader.plan import plan_state_splits
+
         catalog = self.opts.catalog()
         try:
             manifest = catalog.manifest(self.opts.checkpoint)
@@ -456,6 +468,8 @@ class _ChangeReader(DataSourceReader):
 
 def _change_partitions(opts: SourceOptions, pushed: _Pushed, start: int | None,
                        end: int | None) -> list[InputPartition]:
+    from dstl.reader.changes import OnLost, plan_change_range
+
     catalog = opts.catalog()
     try:
         on_lost: OnLost = "oldest" if opts.on_lost == "resumeFromOldest" else "fail"
