@@ -355,7 +355,49 @@ def _feed(spark: Any, work: Path, uri: str, keys: int, per_batch: int, batches: 
             "job_batch_s": summary([s["batch_seconds"] for s in op.batch_stats])}
 
 
-def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str, Any]:
+def _sorted_table(t: Any) -> Any:
+    return t.sort_by([(name, "ascending") for name in t.column_names])
+
+
+def _dump(uri: str, path: str, repeats: int) -> dict[str, Any]:
+    """``dstl state dump`` of the whole state, in this process (no Spark): CPU seconds of the
+    row path (``read_state``, heap table, as before) and of the column path (what the command
+    runs now), JSON lines and Parquet; the outputs are checked equal (same lines, same rows)."""
+    from argparse import Namespace
+
+    import pyarrow.parquet as pq
+
+    from dstl.cli import state as cli
+    from dstl.reader import CheckpointCatalog, open_read_only, read_state
+
+    out: dict[str, list[float]] = {}
+    with open_read_only(uri) as store:
+        catalog = CheckpointCatalog(store)
+        args = Namespace(checkpoint=None, key=None, state=None, allow_pickle=False,
+                         output=path, action="dump")
+        runs: dict[str, Callable[[], int]] = {
+            "jsonl rows": lambda: cli._jsonl(read_state(catalog), path),
+            "jsonl columns": lambda: cli._jsonl_columns(catalog, args),
+            "parquet rows": lambda: cli._parquet(read_state(catalog), path, "dump"),
+            "parquet columns": lambda: cli._parquet_columns(catalog, args)}
+        seen: dict[str, Any] = {}
+        for i in range(repeats):
+            for name, fn in (runs.items() if i % 2 == 0 else reversed(runs.items())):
+                t0 = time.process_time()
+                fn()
+                out.setdefault(name, []).append(time.process_time() - t0)
+                if i == 0:
+                    seen[name] = (sorted(Path(path).read_text().splitlines())
+                                  if name.startswith("jsonl") else
+                                  _sorted_table(pq.read_table(path)))
+    if seen["jsonl rows"] != seen["jsonl columns"] or not seen["parquet rows"].equals(
+            seen["parquet columns"]):
+        raise SystemExit("dstl state dump: the row and column paths wrote different output")
+    return {name: summary(v) for name, v in out.items()}
+
+
+def run_size(keys: int, snapshots: bool, repeats: int, quick: bool,
+             dump: int = 0) -> dict[str, Any]:
     per_batch = 100_000 if quick else (200_000 if keys <= 1_000_000 else 500_000)
     work = Path(tempfile.mkdtemp(prefix="dstl-bench-reader-"))
     spark = _session(str(work / "spark-local"), snapshots)
@@ -367,6 +409,9 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool) -> dict[str,
         _check(spark, uri, ck, keys)
         out = {"keys": keys, "snapshots": snapshots, "build": build,
                **_reads(spark, uri, ck, repeats, keys)}
+        if dump:
+            out["dump_cpu_s"] = _dump(uri, str(work / "dump.out"), dump)
+            print(f"  dstl state dump: {out['dump_cpu_s']}", flush=True)
         shown = {k: v for k, v in build.items() if k != "batch_stats"}
         print(f"  build: {shown}; read: DSTL {fmt(out['dstl_read_s'], 's')}, Spark "
               f"{fmt(out['spark_read_s'], 's')}", flush=True)
@@ -408,6 +453,9 @@ def main() -> None:
     p.add_argument("--keys", default=None, help="comma-separated key counts (default: 1 M, 4 M; "
                                                 "quick: 200 k)")
     p.add_argument("--snapshots", choices=("both", "on", "off"), default="both")
+    p.add_argument("--dump", type=int, default=0,
+                   help="also time `dstl state dump` (row vs column path, JSON lines and "
+                        "Parquet) this many times each, in this process")
     args = p.parse_args()
     sizes = [int(k) for k in args.keys.split(",")] if args.keys else (
         [200_000] if args.quick else [1_000_000, 4_000_000])
@@ -420,7 +468,7 @@ def main() -> None:
         for snap in modes:
             print(f"state reader: {keys:,} keys, snapshots {'on' if snap else 'off'}",
                   flush=True)
-            r = run_size(keys, snap, repeats, args.quick)
+            r = run_size(keys, snap, repeats, args.quick, args.dump)
             print(f"  DSTL {fmt(r['dstl_read_s'], 's')}  Spark {fmt(r['spark_read_s'], 's')}  "
                   f"ratio {r['ratio_spark_over_dstl']:.2f}; feed lag "
                   f"{fmt(r['feed']['lag_s'], 's')}, {r['feed']['rows_per_s']:,.0f} rows/s",
@@ -437,6 +485,18 @@ def main() -> None:
                     f"{fmt(r['loadavg_1m'], digits=1)} | "
                     f"{_cpu_cell(r['cpu_s'])} | "
                     f"{fmt(r['feed']['lag_s'], 's')} | {r['feed']['rows_per_s']:,.0f} rows/s |")
+    dumps = [r for r in results if "dump_cpu_s" in r]
+    if dumps:
+        rows += ["", "`dstl state dump` of the whole state (no Spark; CPU s, median (min..max) "
+                 f"of {args.dump}, in the bench process; the row path = `read_state` on the "
+                 "heap table, what the command ran before; the outputs compared equal):", "",
+                 "| keys | JSON lines: row path | JSON lines: column path | Parquet: row path "
+                 "| Parquet: column path |", "|---|---|---|---|---|"]
+        for r in dumps:
+            d = r["dump_cpu_s"]
+            rows.append(f"| {r['keys']:,} | " + " | ".join(
+                fmt(d[k], "s") for k in ("jsonl rows", "jsonl columns", "parquet rows",
+                                         "parquet columns")) + " |")
     md = ("### State reader vs Spark's state reader (issue #16)\n\n"
           "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
           "state written by both engines from the same input in the same run (count per key, "
@@ -444,7 +504,8 @@ def main() -> None:
           "writes new keys.\n\n" + "\n".join(rows) + "\n\n" + _ANALYSIS)
     cmd = "nice -n 10 python bench/state_reader.py" + (" --quick" if args.quick else "") + (
         f" --keys {args.keys}" if args.keys else "") + (
-        f" --snapshots {args.snapshots}" if args.snapshots != "both" else "")
+        f" --snapshots {args.snapshots}" if args.snapshots != "both" else "") + (
+        f" --dump {args.dump}" if args.dump else "")
     write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
                   command=cmd, no_doc=args.no_doc, tag=args.tag)
 
