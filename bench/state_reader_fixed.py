@@ -24,7 +24,10 @@ SparkContext, daemons and workers; the driver JVM stays warm):
   imported), one session per reader and round, the reader rotating;
 * **warm** reads — the same session's next reads of every reader, interleaved (reused workers);
 * each with ``spark.python.daemon.module`` unset (``pyspark.daemon``) and set to
-  ``dstl.spark.daemon`` (which preloads the modules a worker imports before it forks).
+  ``dstl.spark.daemon`` (which preloads the modules a worker imports before it forks; set up
+  for reading: ``DSTL_DAEMON_AGENT=0``, ``DSTL_DAEMON_PRELOAD`` = :data:`READ_PRELOAD`);
+* each with ``spark.python.worker.reuse`` on (Spark's default) and off: then every call forks
+  a new worker, as every read meets after a minute without one (Spark closes idle workers).
 
 CPU per process comes from ``/proc`` (utime + stime of every descendant, sampled every 50 ms on
 a thread, so a process that ends between two samples loses at most 50 ms; the sampler's own
@@ -206,12 +209,17 @@ CONFIGS: tuple[tuple[str, str | None, bool], ...] = (
     ("pyspark.daemon", None, True), ("dstl.spark.daemon", "dstl.spark.daemon", True),
     ("pyspark.daemon, no reuse", None, False),
     ("dstl.spark.daemon, no reuse", "dstl.spark.daemon", False))
+#: The DSTL daemon set up for a session that reads state (docs/configuration.md): no executor
+#: agent, and the modules a read task imports preloaded in the executors' daemon.
+READ_PRELOAD = "pyspark.sql.worker.plan_data_source_read,dstl.spark.datasource,dstl.reader.columns"
 
 
 def _session_for(local_dir: str, daemon: str | None, reuse: bool = True) -> Any:
     extra = {"spark.python.worker.reuse": str(reuse).lower()}
     if daemon is not None:
         extra["spark.python.daemon.module"] = daemon
+        extra["spark.executorEnv.DSTL_DAEMON_AGENT"] = "0"
+        extra["spark.executorEnv.DSTL_DAEMON_PRELOAD"] = READ_PRELOAD
     spark = _session(local_dir, True, extra=extra)
     from dstl.spark import register
 
