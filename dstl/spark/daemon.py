@@ -44,16 +44,14 @@ agent (:func:`agent_starting`) rather than start a second one, as long as it run
 executor when no operator uses the agent (``agent=False``); it exits with the executor.
 ``Popen`` starts no thread, and nothing of it stays open in the daemon but the child's pid.
 
-*Planner daemons on the driver.* The setting applies to every Python daemon of the context,
-also to those the driver starts for a Python data source's planning (one per
-``pyspark.sql.worker.*`` module: ``create_data_source`` for ``load()``, ``plan_data_source_read``
-for ``partitions()``, ...; ``bench/state_reader_fixed.py``). A daemon started for such a module
-preloads that module and the DSTL sources (:data:`PLANNER_PRELOAD`), not a task's modules, and
-starts no agent (the driver runs no task). Its workers plan a ``spark.read.format("dstl")``
-read with nothing left to import — which matters whenever Spark forks a new planner worker:
-Spark keeps a finished worker for the next call, but closes workers idle for a minute, so a
-read more than a minute after the last one meets new workers (each importing the sources again
-under ``pyspark.daemon``).
+*Not the driver's planner workers.* PySpark 4.3 plans a Python data source's read (``load()``,
+``partitions()``) in workers on the driver that Spark always forks from ``pyspark.daemon``
+(``PythonPlannerRunner`` calls ``SparkEnv.createPythonWorker`` without a daemon module, which
+picks ``PythonWorkerFactory.defaultDaemonModule``), so this setting does not reach them; it does
+reach the executors' read tasks of ``spark.read.format("dstl")``, which import
+``pyspark.sql.worker.plan_data_source_read`` and ``dstl.spark.datasource`` when they unpickle
+the read function (list them in :data:`PRELOAD_ENV` for executors that read state;
+``bench/state_reader_fixed.py``).
 
 A module that cannot be imported stops the daemon with a :class:`~dstl.errors.ConfigError`
 message on its stderr (module, cause, fix), which Spark puts into the task's error; a missing
@@ -74,9 +72,8 @@ from collections.abc import Sequence
 
 from dstl.errors import ConfigError, DstlError
 
-__all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "is_planner", "OPTIONAL",
-           "PLANNER_PRELOAD", "PRELOAD", "PRELOADED", "PRELOAD_ENV", "main", "modules_to_preload",
-           "preload", "start_agent"]
+__all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "OPTIONAL", "PRELOAD", "PRELOADED", "PRELOAD_ENV", "main",
+           "modules_to_preload", "preload", "start_agent"]
 
 #: What every DSTL task imports in a worker (measured: the modules a DSTL batch task and a
 #: warm-up task leave in ``sys.modules``), in import order.
@@ -84,11 +81,6 @@ PRELOAD: tuple[str, ...] = (
     "pyspark.worker", "pyspark.sql.pandas.serializers", "pyarrow", "pyarrow.compute",
     "pandas", "lmdb", "zstandard", "xxhash", "dstl.spark.task", "dstl.spark.warmup",
 )
-#: What a planner worker on the driver imports to plan a DSTL read, after its own module: the
-#: sources (unpickling the data source class imports them; they import the reader's planning).
-PLANNER_PRELOAD: tuple[str, ...] = ("dstl.spark.datasource",)
-#: The package of PySpark's driver-side planner worker modules (``PythonPlannerRunner``).
-_PLANNER_PACKAGE = "pyspark.sql.worker."
 #: Imported only when installed: pyarrow uses pandas when it is there, and a worker without it
 #: would not import it either.
 OPTIONAL: frozenset[str] = frozenset({"pandas"})
@@ -112,25 +104,12 @@ _FIX = ("install it into the executors' Python (PYSPARK_PYTHON), remove it from 
         f"{PRELOAD_ENV}, or unset spark.python.daemon.module to use pyspark.daemon")
 
 
-def _worker_module(argv: Sequence[str]) -> str:
-    return argv[1] if len(argv) > 1 and argv[1] else "pyspark.worker"
-
-
-def is_planner(argv: Sequence[str]) -> bool:
-    """Whether this daemon serves driver-side planner workers (its worker module is one of
-    ``pyspark.sql.worker.*``), not an executor's tasks."""
-    return _worker_module(argv).startswith(_PLANNER_PACKAGE)
-
-
 def modules_to_preload(argv: Sequence[str], environ: dict[str, str] | os._Environ[str]
                        ) -> list[str]:
     """The modules to import: the worker module Spark passes as the daemon's first argument
     (``pyspark.worker`` by default), :data:`PRELOAD`, then the :data:`PRELOAD_ENV` list; each
-    once, in that order. A planner daemon (:func:`is_planner`): its module, then
-    :data:`PLANNER_PRELOAD`."""
-    worker = _worker_module(argv)
-    if is_planner(argv):
-        return list(dict.fromkeys([worker, *PLANNER_PRELOAD]))
+    once, in that order."""
+    worker = argv[1] if len(argv) > 1 and argv[1] else "pyspark.worker"
     extra = [m.strip() for m in environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     return list(dict.fromkeys([worker, *PRELOAD, *extra]))
 
@@ -203,8 +182,7 @@ def main() -> None:
         print(f"dstl.spark.daemon: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     PRELOADED.update(took)
-    if not is_planner(sys.argv):  # a planner daemon's workers run no task: no agent
-        _start_agent_ahead()
+    _start_agent_ahead()
     # one line into the executor's log (Spark copies the daemon's stderr there)
     print(f"dstl.spark.daemon: imported {len(took)} modules in {sum(took.values()):.2f}s before "
           "forking workers: " + ", ".join(f"{m} {s:.2f}s" for m, s in took.items())

@@ -36,24 +36,6 @@ def test_the_worker_module_first_then_dstl_then_the_extra_modules_each_once() ->
     assert daemon.modules_to_preload(["d"], {})[0] == "pyspark.worker"
 
 
-def test_a_planner_daemon_preloads_its_module_and_the_sources_only() -> None:
-    """Spark starts a daemon per driver-side planner module (a Python data source's
-    create_data_source, plan_data_source_read, ...): the sources, not a task's modules; the
-    executor environment's extra modules are a task's, not the planner's."""
-    env = {daemon.PRELOAD_ENV: "my.processors"}
-    for module in ("pyspark.sql.worker.create_data_source",
-                   "pyspark.sql.worker.plan_data_source_read",
-                   "pyspark.sql.worker.data_source_pushdown_filters"):
-        argv = ["daemon.py", module]
-        assert daemon.is_planner(argv)
-        assert daemon.modules_to_preload(argv, env) == [module, *daemon.PLANNER_PRELOAD]
-    for argv in (["d"], ["d", ""], ["d", "pyspark.worker"], ["d", "pyspark.sql.workers"],
-                 ["d", "my.pyspark.sql.worker.x"]):
-        assert not daemon.is_planner(argv)
-        assert "my.processors" in daemon.modules_to_preload(argv, env)
-    assert "dstl.spark.datasource" in daemon.PLANNER_PRELOAD
-
-
 def test_the_preload_covers_what_a_dstl_task_imports() -> None:
     for name in ("dstl.spark.task", "dstl.spark.warmup", "pyarrow", "pandas", "lmdb",
                  "zstandard", "pyspark.worker"):
@@ -111,11 +93,10 @@ def test_a_missing_optional_module_is_skipped_and_a_present_one_imported(
         daemon.preload(["r2_absent_required"])
 
 
-def _daemon(env_extra: dict[str, str], worker: str = "pyspark.worker"
-            ) -> subprocess.Popen[bytes]:
+def _daemon(env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, daemon.AGENT_ENV: "0", **env_extra}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", "dstl.spark.daemon", worker],
+    return subprocess.Popen([sys.executable, "-m", "dstl.spark.daemon", "pyspark.worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=str(ROOT))
 
@@ -240,27 +221,6 @@ def test_no_agent_is_started_with_dstl_daemon_agent_0(tmp_path: Path) -> None:
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(30)
-
-
-def test_a_planner_daemon_starts_no_agent_and_serves_with_the_sources_loaded(
-        tmp_path: Path) -> None:
-    proc = _daemon({daemon.AGENT_ENV: "1", "SPARK_LOCAL_DIRS": str(tmp_path)},
-                   worker="pyspark.sql.worker.plan_data_source_read")
-    try:
-        _serving(proc)
-        assert _agents_of(tmp_path / "dstl-agent") == []
-        maps = Path(f"/proc/{proc.pid}/maps").read_text()
-        assert "libarrow" in maps and "pandas/_libs" not in maps  # pandas: a task's, not here
-    finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        proc.wait(30)
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    line = next(x for x in err.splitlines() if x.startswith("dstl.spark.daemon: imported"))
-    assert "pyspark.sql.worker.plan_data_source_read" in line
-    assert "dstl.spark.datasource" in line and "dstl.spark.task" not in line
-    assert "agent started ahead" not in line
-    assert not (tmp_path / "dstl-agent").exists()
 
 
 def test_a_worker_waits_only_for_a_living_agent_of_its_own_directory(
