@@ -440,8 +440,12 @@ _ANALYSIS = (
     "column-wise, ints decoded as words — about 0.5 to 0.75 µs of Python per entry, the "
     "difference "
     "between the DSTL and floor CPU columns. Batches of 64 k rows: larger ones (256 k) cost the "
-    "floor more CPU, not less. The readers ran alternately in the same session, so their ratio "
-    "is fairer than either time.")
+    "floor more CPU, not less. The fixed per-read cost is not the gap: a warm read of a 100-key "
+    "state costs DSTL about 0.3 s of CPU and Spark's reader about 0.2 s "
+    "(`bench/state_reader_fixed.py`, section `state_reader_fixed`); what a session's first read, "
+    "or a read after a minute without one, pays for starting Python workers (seconds) is not in "
+    "these repeats, which follow a warm-up read. The readers ran alternately in the same "
+    "session, so their ratio is fairer than either time.")
 
 
 def _cpu_cell(cpu: dict[str, dict[str, float]]) -> str:
