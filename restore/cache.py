@@ -514,6 +514,8 @@ class LocalFileCache:
         self._queue: deque[_Job] = deque()  # prefetches not started yet, first needed first
         self._workers: set[threading.Thread] = set()  # prefetch threads running
         self._retired: list[threading.Thread] = []  # prefetch threads that ended (to be joined)
+        # prefetch threads started that have not taken their first turn (cancel waits for them)
+        self._fresh: set[threading.Thread] = set()
         self._created_dir = False
         self._lock_fd = -1
         try:
@@ -631,6 +633,7 @@ class LocalFileCache:
                 t = threading.Thread(target=self._prefetch_worker, name="dstl-prefetch",
                                      daemon=True)
                 self._workers.add(t)
+                self._fresh.add(t)
                 t.start()
             self._cond.notify_all()
         return ticket
@@ -901,6 +904,7 @@ class LocalFileCache:
         finished: CachePrefetch | None = None
         while True:
             with self._cond:
+                self._fresh.discard(me)
                 if finished is not None:
                     finished.running -= 1  # in the same turn as retiring: cancel() can join us
                 if self._closed or not self._queue:
@@ -1000,7 +1004,11 @@ class LocalFileCache:
                 self._cond.notify_all()
             if not wait:
                 return
-            if not self._cond.wait_for(lambda: ticket.running == 0, _CLOSE_WAIT_S):
+            # its downloads, and threads not yet in their loop: with the queue empty such a
+            # thread holds no download but would retire only after this returned
+            if not self._cond.wait_for(
+                    lambda: ticket.running == 0 and (bool(self._queue) or not self._fresh),
+                    _CLOSE_WAIT_S):
                 logger.warning("%r: prefetch downloads still running after %.0f s; they end on "
                                "their own", self, _CLOSE_WAIT_S)
             retired, self._retired = self._retired, []

@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import fsspec
 import pytest
+import test_cache
 from support.faulty_fs import FaultyFileSystem, permanent_error
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
@@ -35,7 +34,6 @@ from dstl.errors import (
     StorageError,
     UsageError,
 )
-from dstl.retry import RetryPolicy
 from dstl.stores import FsspecBlobStore
 from dstl.timer import ManualTimer
 from materializer.backend import ChangelogKeyedStateBackend
@@ -52,30 +50,12 @@ MP = 32
 OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
 
 
-@pytest.fixture
-def ffs() -> Iterator[FaultyFileSystem]:
-    fs = FaultyFileSystem(fsspec.filesystem("memory", skip_instance_cache=True))
-    yield fs
-    fs.clear_faults()
-
-
-@pytest.fixture
-def root() -> str:
-    return f"/prefetch-test-{uuid.uuid4().hex}"
-
-
-@pytest.fixture
-def store(ffs: FaultyFileSystem, root: str) -> Iterator[FsspecBlobStore]:
-    s = FsspecBlobStore(ffs, root, retry=RetryPolicy(max_attempts=1))
-    yield s
-    s.close()
-    with contextlib.suppress(FileNotFoundError):
-        ffs.inner.rm(root, recursive=True)
-
-
-@pytest.fixture
-def timer() -> ManualTimer:
-    return ManualTimer()
+# test_cache's fixtures: a memory filesystem behind the fault wrapper, a store on a fresh root,
+# a manual timer (bound by assignment, so that test parameters do not shadow an import)
+ffs = test_cache.ffs
+root = test_cache.root
+store = test_cache.store
+timer = test_cache.timer
 
 
 def _prefetch_threads() -> list[threading.Thread]:
