@@ -874,18 +874,8 @@ class LocalFileCache:
                     lease = self._retain(entry, store)
                 self._cond.notify_all()
         except BaseException as exc:
-            if outcome is not None and outcome.path is not None:
-                _unlink(outcome.path)  # downloaded, but the cache closed meanwhile
-            with self._cond:
-                if self._entries.get(entry.ident) is entry:
-                    del self._entries[entry.ident]
-                self._bytes_reserved -= entry.reserved
-                entry.reserved = 0
-                entry.state = _State.FAILED
-                entry.error = exc
-                self._counts["download_failures"] += 1
-                self._cond.notify_all()
-            entry.done.set()
+            # downloaded, but the cache closed meanwhile: the file goes too
+            self._end_flight(entry, outcome, _State.FAILED, "download_failures", exc)
             logger.warning("restore cache: lease of %s/%s failed, nothing cached: %s",
                            store.location, key, exc)
             raise
@@ -980,6 +970,13 @@ class LocalFileCache:
     def _forget(self, entry: _Entry, outcome: _Outcome | None, counter: str) -> None:
         """End a prefetch's flight with nothing cached (GONE, not FAILED: a lease waiting on it
         downloads anew, so it raises its own error, not the prefetch's)."""
+        self._end_flight(entry, outcome, _State.GONE, counter)
+
+    def _end_flight(self, entry: _Entry, outcome: _Outcome | None, state: _State, counter: str,
+                    error: BaseException | None = None) -> None:
+        """End a flight with nothing cached: its file (if any) removed, its entry out of the
+        map, its reservation given back, ``state`` (FAILED with ``error``, or GONE) set and
+        the waiters woken."""
         if outcome is not None and outcome.path is not None:
             _unlink(outcome.path)
         with self._cond:
@@ -987,7 +984,9 @@ class LocalFileCache:
                 del self._entries[entry.ident]
             self._bytes_reserved -= entry.reserved
             entry.reserved = 0
-            entry.state = _State.GONE
+            entry.state = state
+            if error is not None:
+                entry.error = error
             self._counts[counter] += 1
             self._cond.notify_all()
         entry.done.set()
