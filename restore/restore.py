@@ -45,13 +45,14 @@ chained, so a restore from an untrusted store raises only DSTL errors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from dstl.checks import (
     check_bool,
@@ -153,9 +154,8 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
                         max_parallelism=max_parallelism)
     st = stats if stats is not None else RestoreStats()
     # before the backend is built: an LMDB table's creation overlaps the first downloads too
-    ticket = (_start_prefetch(plan, storage, cache, options or BackendOptions(), st)
-              if prefetch and cache is not None else None)
-    try:
+    with _prefetching(plan, storage, cache if prefetch else None, options or BackendOptions(),
+                      st):
         backend = ChangelogKeyedStateBackend(storage, plan.operator_id, key_groups,
                                              plan.max_parallelism, table=table, options=options,
                                              local_directory=local_directory, timer=timer,
@@ -169,9 +169,6 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
         except BaseException:
             backend.close()
             raise
-    finally:
-        if ticket is not None:
-            _end_prefetch(ticket)
     logger.info("restored backend %s (%s, key groups %s) from checkpoint %s: %d snapshot(s), "
                 "%d entries, %d change sets, %d changes in %.3fs", plan.operator_id, table,
                 key_groups, plan.checkpoint, len(plan.snapshots), st.get("entries", 0),
@@ -229,6 +226,19 @@ def prefetch_items(plan: RestorePlan, options: BackendOptions,
             if cs.key not in items:
                 items[cs.key] = PrefetchItem(cs.key, segment)
     return list(items.values())
+
+
+@contextlib.contextmanager
+def _prefetching(plan: RestorePlan, storage: ChangelogStorage, cache: LeasingCache | None,
+                 options: BackendOptions, st: RestoreStats) -> Iterator[None]:
+    """The plan's objects prefetched through ``cache`` (none: nothing) while the block runs;
+    what is left of the prefetch is cancelled when it ends, successful or not."""
+    ticket = _start_prefetch(plan, storage, cache, options, st) if cache is not None else None
+    try:
+        yield
+    finally:
+        if ticket is not None:
+            _end_prefetch(ticket)
 
 
 def _start_prefetch(plan: RestorePlan, storage: ChangelogStorage, cache: LeasingCache,
