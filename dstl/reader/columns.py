@@ -164,12 +164,16 @@ def _slices(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Arr
 def _equal_slices(data: np.ndarray, starts: np.ndarray, width: int) -> pa.Array:
     """:func:`_slices` of one width (fixed-width keys and values, the common case): 8 bytes per
     element gathered at a time through an unaligned ``uint64`` view of ``data`` (the last word
-    of a slice ends at its end, so no word reads past it), not one index per byte."""
+    of a slice ends at its end, so no word reads past it; a slice narrower than a word takes
+    its word's first bytes where a whole word fits in ``data``), not one index per byte."""
     n = len(starts)
     if width < 8:
-        body = _gather(data, starts, width)
+        if int(starts.max()) + 8 <= len(data):
+            body = _words(data, "<u8")[starts].view(np.uint8).reshape(n, 8)[:, :width].copy()
+        else:
+            body = _gather(data, starts, width)
     else:
-        words = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+        words = _words(data, "<u8")
         body = np.empty((n, width), dtype=np.uint8)
         for at in [*range(0, width - 8, 8), width - 8]:
             body[:, at:at + 8] = words[starts + at].view(np.uint8).reshape(n, 8)
@@ -178,6 +182,14 @@ def _equal_slices(data: np.ndarray, starts: np.ndarray, width: int) -> pa.Array:
         raise OverflowError(f"{n} slices of {width} bytes do not fit one binary array")
     return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)),
                                                   pa.py_buffer(body.reshape(-1))])
+
+
+def _words(data: np.ndarray, dtype: str) -> np.ndarray:
+    """``view[i]``: the integer of ``dtype`` (``"<u8"``, ``">u8"``, ``">u2"``) whose bytes start
+    at ``data[i]`` (zero copy; a plain ndarray even over a memory map, whose fancy indexing
+    costs more)."""
+    width = np.dtype(dtype).itemsize
+    return np.ndarray((max(len(data) - width + 1, 0),), dtype=dtype, buffer=data, strides=(1,))
 
 
 def _gather(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
@@ -206,33 +218,51 @@ def int_values(vb: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """``(ok, values)``: which stored values are an int as ``pickle.dumps(v, protocol=5)``
     writes it (byte for byte: see the module docstring), and those ints (int64; 0 elsewhere).
     Heads and integers are read as little-endian ``u64`` words at any byte (a copy of the values
-    padded with 16 zero bytes, so no word runs past it) and masked to their width."""
+    padded with 16 zero bytes, so no word runs past it) and masked to their width. Values of
+    one length (small counters: all ``BININT1``) are matched against that length's shape only,
+    without selecting rows."""
     offsets, data = _buffers(vb)
     starts, lengths = offsets[:-1], np.diff(offsets)
-    ok = np.zeros(len(vb), dtype=bool)
-    values = np.zeros(len(vb), dtype=np.int64)
+    n = len(vb)
+    ok = np.zeros(n, dtype=bool)
+    values = np.zeros(n, dtype=np.int64)
     padded = np.zeros(len(data) + 16, dtype=np.uint8)
     padded[:len(data)] = data
-    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
-    for total, head, width, signed in _INT_SHAPES:
-        rows = np.flatnonzero(lengths == total)
-        if not len(rows):
-            continue
-        s = starts[rows]
-        match = padded[s + total - 1] == 0x2E  # STOP
-        for at in range(0, len(head), 8):
-            part = head[at:at + 8]
-            match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
-        rows, s = rows[match], s[match]
-        if not len(rows):
-            continue
-        raw = (words[s + len(head)] & _mask(width)).view(np.int64)
-        if signed and width < 8:  # sign-extend the width's top bit
-            sign = np.int64(1 << (8 * width - 1))
-            raw = (raw ^ sign) - sign
-        values[rows] = raw
+    words = _words(padded, "<u8")
+    uniform = n > 0 and int(lengths.min()) == int(lengths.max())
+    for shape in _INT_SHAPES:
+        if uniform:
+            if shape[0] != lengths[0]:
+                continue
+            match, raw = _int_shape(padded, words, starts, shape)
+            if match.all():
+                return np.ones(n, dtype=bool), raw
+            rows = np.flatnonzero(match)
+        else:
+            rows = np.flatnonzero(lengths == shape[0])
+            if not len(rows):
+                continue
+            match, raw = _int_shape(padded, words, starts[rows], shape)
+            rows = rows[match]
+        values[rows] = raw[match]
         ok[rows] = True
     return ok, values
+
+
+def _int_shape(padded: np.ndarray, words: np.ndarray, s: np.ndarray,
+               shape: tuple[int, bytes, int, bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Which values starting at ``s`` (each ``shape``'s total length) match its bytes, and
+    their integers (meaningless where they do not match)."""
+    total, head, width, signed = shape
+    match = padded[s + total - 1] == 0x2E  # STOP
+    for at in range(0, len(head), 8):
+        part = head[at:at + 8]
+        match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
+    raw = (words[s + len(head)] & _mask(width)).view(np.int64)
+    if signed and width < 8:  # sign-extend the width's top bit
+        sign = np.int64(1 << (8 * width - 1))
+        raw = (raw ^ sign) - sign
+    return match, raw
 
 
 def _mask(width: int) -> np.uint64:
@@ -337,7 +367,8 @@ def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
 def _split_states(states: dict[int, StateInfo], sids: np.ndarray, kg: pa.Array, kb: pa.Array,
                   nb: pa.Array, vb: pa.Array, key: str) -> Iterator[Run]:
     """Runs of one state each from entries of several (a state's entries keep their order)."""
-    present = np.unique(sids)
+    one = len(sids) and (sids == sids[0]).all()
+    present = sids[:1] if one else np.unique(sids)  # one state (the common case): no sort
     for sid in present.tolist():
         info = states.get(sid)
         if info is None:
@@ -364,17 +395,17 @@ def _prefixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.nd
     ``data[starts[i]:starts[i] + lengths[i]]`` and whose values are ``vb``."""
     if (lengths < _PREFIX).any():
         raise CorruptObjectError(key, 0, "a key of the data file is shorter than its prefix")
-    head = _gather(data, starts, _PREFIX).astype(np.int64)
-    kgs = (head[:, 0] << 8) | head[:, 1]
-    sids = (head[:, 2] << 8) | head[:, 3]
-    klen = (head[:, 4] << 24) | (head[:, 5] << 16) | (head[:, 6] << 8) | head[:, 7]
+    head = _words(data, ">u8")[starts].astype(np.uint64)  # the prefix as one big-endian word
+    kgs = (head >> np.uint64(48)).astype(np.int32)
+    sids = ((head >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
+    klen = (head & np.uint64(0xFFFFFFFF)).astype(np.int64)
     nlen = lengths - _PREFIX - klen
     if (nlen < 0).any():
         raise CorruptObjectError(key, 0, "a key of the data file is shorter than its key "
                                          "length says")
     kb = _slices(data, starts + _PREFIX, klen)
     nb = _slices(data, starts + _PREFIX + klen, nlen)
-    yield from _split_states(states, sids, pa.array(kgs.astype(np.int32)), kb, nb, vb, key)
+    yield from _split_states(states, sids, pa.array(kgs), kb, nb, vb, key)
 
 
 def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupRange,
