@@ -105,7 +105,6 @@ _CHUNK = 65536
 #: of its keys or values at most (a binary array's offsets are 32-bit).
 _RUN = 1 << 20
 _RUN_BYTES = 1 << 30
-_BYTE_STEPS = np.arange(16, dtype=np.int64)  # the widest gather: a LONG1 head (13 bytes)
 
 
 @dataclass(frozen=True)
@@ -162,21 +161,10 @@ def _slices(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Arr
 
 
 def _equal_slices(data: np.ndarray, starts: np.ndarray, width: int) -> pa.Array:
-    """:func:`_slices` of one width (fixed-width keys and values, the common case): 8 bytes per
-    element gathered at a time through an unaligned ``uint64`` view of ``data`` (the last word
-    of a slice ends at its end, so no word reads past it; a slice narrower than a word takes
-    its word's first bytes where a whole word fits in ``data``), not one index per byte."""
+    """:func:`_slices` of one width (fixed-width keys and values, the common case): gathered as
+    one ``width``-byte item each (:func:`_gather`), not one index per byte."""
     n = len(starts)
-    if width < 8:
-        if int(starts.max()) + 8 <= len(data):
-            body = _words(data, "<u8")[starts].view(np.uint8).reshape(n, 8)[:, :width].copy()
-        else:
-            body = _gather(data, starts, width)
-    else:
-        words = _words(data, "<u8")
-        body = np.empty((n, width), dtype=np.uint8)
-        for at in [*range(0, width - 8, 8), width - 8]:
-            body[:, at:at + 8] = words[starts + at].view(np.uint8).reshape(n, 8)
+    body = _gather(data, starts, width)
     offsets = np.arange(0, n * width + 1, width, dtype=np.int64)
     if offsets[-1] > np.iinfo(np.int32).max:
         raise OverflowError(f"{n} slices of {width} bytes do not fit one binary array")
@@ -193,8 +181,12 @@ def _words(data: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _gather(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    """``(len(starts), width)`` bytes from ``starts`` (callers check they are in bounds)."""
-    return data[starts[:, None] + _BYTE_STEPS[:width]]
+    """``(len(starts), width)`` bytes from ``starts`` (callers check they are in bounds):
+    ``data`` seen as overlapping ``width``-byte void items, one at every byte, so numpy copies
+    each slice as one item (a fraction of the cost of an index per byte)."""
+    items = np.ndarray((max(len(data) - width + 1, 0),), dtype=np.dtype((np.void, width)),
+                       buffer=data, strides=(1,))
+    return items[starts].view(np.uint8).reshape(len(starts), width)
 
 
 # --------------------------------------------------------------------------- ints
