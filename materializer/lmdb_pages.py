@@ -11,9 +11,11 @@ bytes instead:
 - **Meta.** Pages 0 and 1 are meta pages; the one with the larger transaction id is current
   (LMDB's own rule). It gives the page size, the main database's flags, root page and entry
   count.
-- **Tree.** From the root, branch pages are walked depth-first in key order (a branch node's
-  child page number is its 48-bit ``lo | hi | flags`` field); the walk yields the leaf pages in
-  key order. A page is visited at most once and must be in the file.
+- **Tree.** From the root, the tree is walked a level at a time with numpy, children in key
+  order (a branch node's child page number is its 48-bit ``lo | hi | flags`` field); the last
+  level is the leaf pages in key order. LMDB's B+tree is balanced: a level that mixes branch and
+  leaf pages is a layout this module does not read. A page is visited at most once and must be
+  in the file.
 - **Leaves.** Every leaf page's node pointers (``u16`` after the 16-byte page header) and node
   headers (``u16 lo, hi, flags, key size``: 8 bytes, read as one little-endian ``u64``) are
   gathered for all leaves at once with numpy. A node's key follows its header; its value
@@ -98,37 +100,35 @@ def _meta(data: np.ndarray) -> tuple[int, int, int, int]:
 
 
 def _leaf_pages(data: np.ndarray, u16: np.ndarray, u64: np.ndarray, psize: int, root: int
-                ) -> list[int]:
-    """The leaf pages under ``root``, in key order."""
+                ) -> np.ndarray:
+    """The leaf pages under ``root``, in key order: the tree walked a level at a time (every
+    level's pages checked and their children gathered with numpy; LMDB's tree is balanced, so
+    a level holds branch pages only or leaf pages only)."""
     pages = len(data) // psize
-    out: list[int] = []
-    stack, seen = [root], set()
-    while stack:
-        page = stack.pop()
-        if not 2 <= page < pages or page in seen:
+    seen = np.zeros(pages, dtype=bool)
+    level = np.array([root], dtype=np.int64)
+    while True:
+        if ((level < 2) | (level >= pages)).any() or seen[level].any():
             raise _Unread
-        seen.add(page)
-        base = page * psize
-        kind, lower = int(u16[base + 10]) & _KINDS, int(u16[base + 12])
-        if kind == _P_LEAF:
-            out.append(page)
-            continue
-        if kind != _P_BRANCH or lower <= _HEADER or lower > psize or lower % 2:
+        seen[level] = True
+        if int(np.count_nonzero(seen[level])) != len(level):  # a page twice on one level
             raise _Unread
-        node = base + u16[base + _HEADER:base + lower:2].astype(np.int64)
-        if (node < base + lower).any() or (node + 8 > base + psize).any():
+        base = level * psize
+        kind = u16[base + 10] & _KINDS
+        if (kind == _P_LEAF).all():
+            return level
+        lower = u16[base + 12].astype(np.int64)
+        if ((kind != _P_BRANCH) | (lower <= _HEADER) | (lower > psize) | (lower % 2)).any():
             raise _Unread
-        stack.extend(reversed((u64[node] & 0xFFFFFFFFFFFF).astype(np.int64).tolist()))
-    return out
+        node, _, _ = _nodes(u16, base, lower, psize)
+        level = (u64[node] & 0xFFFFFFFFFFFF).astype(np.int64)
 
 
-def _leaf_nodes(u16: np.ndarray, u64: np.ndarray, psize: int, leaves: list[int]
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(node offset, node header word, end of its page) of every node of ``leaves``."""
-    base = np.array(leaves, dtype=np.int64) * psize
-    lower = u16[base + 12].astype(np.int64)
-    if (lower < _HEADER).any() or (lower > psize).any() or (lower % 2).any():
-        raise _Unread
+def _nodes(u16: np.ndarray, base: np.ndarray, lower: np.ndarray, psize: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node offset, its page's offset, end of its page) of every node of the pages at
+    ``base`` (whose pointer arrays end at ``lower``), in page order then pointer order; every
+    node's 8-byte header inside its page, after the pointers."""
     counts = (lower - _HEADER) // 2
     first = np.zeros(len(base) + 1, dtype=np.int64)
     np.cumsum(counts, out=first[1:])
@@ -138,12 +138,23 @@ def _leaf_nodes(u16: np.ndarray, u64: np.ndarray, psize: int, leaves: list[int]
     end = page + psize
     if (node < page + np.repeat(lower, counts)).any() or (node + 8 > end).any():
         raise _Unread
+    return node, page, end
+
+
+def _leaf_nodes(u16: np.ndarray, u64: np.ndarray, psize: int, leaves: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node offset, node header word, end of its page) of every node of ``leaves``."""
+    base = leaves * psize
+    lower = u16[base + 12].astype(np.int64)
+    if (lower < _HEADER).any() or (lower > psize).any() or (lower % 2).any():
+        raise _Unread
+    node, _, end = _nodes(u16, base, lower, psize)
     return node, u64[node], end
 
 
-def _spans(data: np.ndarray, psize: int, leaves: list[int]) -> EntrySpans:
+def _spans(data: np.ndarray, psize: int, leaves: np.ndarray) -> EntrySpans:
     u16, u64 = _view(data, "<u2", 2), _view(data, "<u8", 8)
-    if not leaves:
+    if not len(leaves):
         empty = np.zeros(0, dtype=np.int64)
         return EntrySpans(data, empty, empty, empty, empty)
     node, head, end = _leaf_nodes(u16, u64, psize, leaves)
@@ -184,7 +195,7 @@ def entry_spans(path: str) -> EntrySpans | None:
         if flags:
             raise _Unread
         if root == _NO_ROOT:
-            leaves: list[int] = []
+            leaves = np.zeros(0, dtype=np.int64)
         else:
             leaves = _leaf_pages(data, _view(data, "<u2", 2), _view(data, "<u8", 8), psize,
                                  root)

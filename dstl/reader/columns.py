@@ -164,11 +164,11 @@ def _equal_slices(data: np.ndarray, starts: np.ndarray, width: int) -> pa.Array:
     """:func:`_slices` of one width (fixed-width keys and values, the common case): gathered as
     one ``width``-byte item each (:func:`_gather`), not one index per byte."""
     n = len(starts)
-    body = _gather(data, starts, width)
-    offsets = np.arange(0, n * width + 1, width, dtype=np.int64)
-    if offsets[-1] > np.iinfo(np.int32).max:
+    if n * width > np.iinfo(np.int32).max:
         raise OverflowError(f"{n} slices of {width} bytes do not fit one binary array")
-    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)),
+    body = _gather(data, starts, width)
+    offsets = np.arange(0, n * width + 1, width, dtype=np.int32)
+    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets),
                                                   pa.py_buffer(body.reshape(-1))])
 
 
@@ -186,7 +186,8 @@ def _gather(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     each slice as one item (a fraction of the cost of an index per byte)."""
     items = np.ndarray((max(len(data) - width + 1, 0),), dtype=np.dtype((np.void, width)),
                        buffer=data, strides=(1,))
-    return items[starts].view(np.uint8).reshape(len(starts), width)
+    body: np.ndarray = items[starts].view(np.uint8)
+    return body.reshape(len(starts), width)
 
 
 # --------------------------------------------------------------------------- ints
@@ -244,13 +245,21 @@ def int_values(vb: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def _int_shape(padded: np.ndarray, words: np.ndarray, s: np.ndarray,
                shape: tuple[int, bytes, int, bool]) -> tuple[np.ndarray, np.ndarray]:
     """Which values starting at ``s`` (each ``shape``'s total length) match its bytes, and
-    their integers (meaningless where they do not match)."""
+    their integers (meaningless where they do not match). A value of at most 8 bytes
+    (``BININT1``) is one word: head, integer and STOP from one gather."""
     total, head, width, signed = shape
-    match = padded[s + total - 1] == 0x2E  # STOP
-    for at in range(0, len(head), 8):
-        part = head[at:at + 8]
-        match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
-    raw = (words[s + len(head)] & _mask(width)).view(np.int64)
+    if total <= 8:
+        word = words[s]
+        fixed = head + bytes(width) + b"\x2e"  # the integer's bytes masked out below
+        keep = _mask(total) & ~(_mask(width) << np.uint64(8 * len(head)))
+        match = (word & keep) == int.from_bytes(fixed, "little")
+        raw = ((word >> np.uint64(8 * len(head))) & _mask(width)).view(np.int64)
+    else:
+        match = padded[s + total - 1] == 0x2E  # STOP
+        for at in range(0, len(head), 8):
+            part = head[at:at + 8]
+            match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
+        raw = (words[s + len(head)] & _mask(width)).view(np.int64)
     if signed and width < 8:  # sign-extend the width's top bit
         sign = np.int64(1 << (8 * width - 1))
         raw = (raw ^ sign) - sign
@@ -409,7 +418,7 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
     is at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
     from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``."""
     data, starts = spans.data, spans.key_start
-    kgs = (data[starts].astype(np.int64) << 8) | data[starts + 1]
+    kgs = _words(data, ">u2")[starts]  # a key's first two bytes: its key group
     at = np.flatnonzero((kgs >= owned.start) & (kgs <= owned.end))
     for sel in _pieces(at, spans.key_size, spans.value_size):
         yield from _prefixed_runs(states, data, starts[sel], spans.key_size[sel],
