@@ -12,9 +12,12 @@ log follows a snapshot) — with per-row Python only where a value needs it:
   key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file is located by parsing its
   pages with numpy (:func:`materializer.lmdb_pages.entry_spans`: no Python object per entry;
   LMDB's cursors, :func:`materializer.lmdb_files.iter_raw_chunks`, list a file the parse does
-  not read) and its raw keys (``>HHI`` prefix: key group, state id, key length; then key and
-  namespace) are split with numpy, 64 k entries a run (fixed widths gathered 8 bytes at a time);
-  a v1 block's entries are transposed with ``zip``.
+  not read) and its raw keys (``>HHI`` prefix: key group, state id, key length, read as one
+  big-endian word per entry; then key and namespace) are split with numpy, up to a million
+  entries a run. Slices of one width (the usual keys and values) are gathered as one item each
+  from a view of the file as overlapping ``width``-byte void items: one copy of the key and
+  value bytes from the mapped file, which the record batch then shares (``key`` and
+  ``key_bytes`` are one data buffer); a v1 block's entries are transposed with ``zip``.
 - **Log.** When a log follows the snapshots it is read first, change set by change set
   (:func:`log_columns`: each verified body cut into a payload array with numpy — a block of
   equal-width SETs at its proven stride at once, any other block by its length fields, no bytes
@@ -30,10 +33,11 @@ log follows a snapshot) — with per-row Python only where a value needs it:
   ``value`` of a value, reducing or aggregating state with the safe codec: the pickles
   ``pickle.dumps(int, protocol=5)`` writes — ``BININT1`` (5 bytes), framed ``BININT2``,
   ``BININT`` and ``LONG1`` up to 8 bytes — are matched byte for byte over the whole column with
-  numpy (protocol, frame length, opcode, stop), decoded as little-endian integers and turned into
-  JSON text by one cast (the decimal text ``to_json`` gives an int). Every other value — other
-  codecs, floats, strings, containers, lists, maps (one row per map entry) — goes through the
-  codec and :func:`~dstl.reader.rows.to_json` per row, exactly as in the row path; the tests
+  numpy (protocol, frame length, opcode, stop; a ``BININT1`` value is one little-endian word,
+  and values of one length are matched against that length's shape only), decoded as
+  little-endian integers and turned into JSON text by one cast (the decimal text ``to_json``
+  gives an int). Every other value — other codecs, floats, strings, containers, lists, maps
+  (one row per map entry) — goes through the codec and :func:`~dstl.reader.rows.to_json` per row, exactly as in the row path; the tests
   compare the two paths.
 
 Values are decoded with the state's codec in both paths, so a damaged value fails the same way

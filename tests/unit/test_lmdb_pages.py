@@ -142,3 +142,35 @@ def test_damaged_pages_are_none_or_what_was_there(tmp_path: Path) -> None:
         p.write_bytes(bytes(bad))
         got = _parsed(str(p))
         assert got is None or got == want, (trial, at)
+
+
+def test_a_deep_tree_is_walked_level_by_level_and_a_bent_one_is_none(tmp_path: Path) -> None:
+    # three levels (root, branches, leaves): the level walk lists what the cursors list; a
+    # root whose children repeat a page, loop back to the root, or mix a leaf into the level of
+    # branches is a tree this module does not read (None), never a wrong list
+    from materializer.lmdb_pages import _meta
+
+    items = [(b"k%08d" % i, b"v%04d" % (i % 9999)) for i in range(60_000)]
+    path = _env(tmp_path, items)
+    env = lmdb.open(os.path.dirname(path), readonly=True, lock=False)
+    depth = env.stat()["depth"]
+    env.close()
+    assert depth >= 3
+    assert _parsed(path) == _cursor(path) == items
+    data = Path(path).read_bytes()
+    psize, _, root, _ = _meta(np.frombuffer(data, dtype=np.uint8))
+
+    def child(raw: bytes | bytearray, page: int, i: int) -> tuple[int, int]:
+        """(offset of the 48-bit child number of node i of branch ``page``, that number)."""
+        node = page * psize + int.from_bytes(raw[page * psize + 16 + 2 * i:][:2], "little")
+        return node, int.from_bytes(raw[node:node + 6], "little")
+
+    _, first = child(data, root, 0)
+    second_at, _ = child(data, root, 1)
+    _, leaf = child(data, first, 0)  # a page of the level below the root's children
+    for target in (first, root, leaf):
+        bad = bytearray(data)
+        bad[second_at:second_at + 6] = target.to_bytes(6, "little")
+        p = tmp_path / f"bent{target}.mdb"
+        p.write_bytes(bytes(bad))
+        assert entry_spans(str(p)) is None, target

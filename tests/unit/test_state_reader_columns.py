@@ -316,6 +316,36 @@ def test_int_decoder_refuses_what_is_not_exactly_an_int_pickle() -> None:
     _check_ints(accepted)
 
 
+def test_int_decoder_on_values_of_one_length_some_of_which_are_not_ints() -> None:
+    # values of one length take the one-shape path (BININT1 from one word): every byte of the
+    # head and the STOP still decides, position by position, also in a sliced array
+    rng = random.Random(12)
+    for v in (0, 7, 255, 256, 65535, 65536, -1, 2**31, -2**63):  # 5, 15, 17, 14+w bytes
+        blob = pickle.dumps(v, protocol=5)
+        for trial in range(60):
+            blobs = [blob] * rng.randrange(1, 40)
+            for _ in range(rng.randrange(0, 4)):  # damaged values of the same length
+                b = bytearray(blob)
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+                blobs.insert(rng.randrange(len(blobs) + 1), bytes(b))
+            first = rng.randrange(0, 3)
+            arr = pa.array([b"\x80\x05K\x01."] * first + blobs, type=pa.binary()).slice(first)
+            ok, values = int_values(arr)
+            for b, accepted, got in zip(blobs, ok.tolist(), values.tolist(), strict=True):
+                try:
+                    want = pickle.loads(b)
+                except Exception:
+                    want = None
+                if accepted:
+                    assert type(want) is int and got == want, b.hex()
+                else:
+                    assert got == 0 and (b != blob), (v, trial, b.hex())
+            assert ok.sum() >= blobs.count(blob)
+    assert [len(a) for a in int_values(pa.array([], type=pa.binary()))] == [0, 0]
+    ok, values = int_values(pa.array([b"\x80\x05K\x01x"] * 3, type=pa.binary()))
+    assert not ok.any() and not values.any()
+
+
 def test_a_damaged_value_fails_as_in_the_row_path() -> None:
     from dstl.reader.columns import Run, run_batches
     from dstl.reader.image import state_info
@@ -574,6 +604,25 @@ def test_slices_of_one_width_and_of_many_equal_python_slicing() -> None:
                     assert got == [raw[s:s + ln] for s, ln in zip(starts.tolist(),
                                                                   lengths.tolist(),
                                                                   strict=True)]
+
+
+def test_wide_slices_of_one_width_from_a_mapped_file_up_to_its_last_byte(tmp_path: Path
+                                                                      ) -> None:
+    import numpy as np
+
+    from dstl.reader.columns import _slices
+
+    rnd = np.random.default_rng(17)
+    path = tmp_path / "data"
+    raw = rnd.integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    path.write_bytes(raw)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for width in (1, 7, 8, 9, 4096, 70_000, len(raw)):
+        n = 1 if width == len(raw) else 30
+        starts = rnd.integers(0, len(raw) - width + 1, n).astype(np.int64)
+        starts[-1] = len(raw) - width  # the file's last bytes
+        got = _slices(data, starts, np.full(n, width, dtype=np.int64)).to_pylist()
+        assert got == [raw[s:s + width] for s in starts.tolist()]
 
 
 def test_pieces_of_a_file_keep_every_entry_in_order_within_their_limits(
