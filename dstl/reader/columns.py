@@ -102,6 +102,7 @@ _SAFE = SafeCodec()  # namespaces
 _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
 _PREFIX = 8  # >HHI: key group, state id, key length
 _U32 = struct.Struct(">I")
+_BYTE_TEXTS = pa.array([str(i) for i in range(256)], type=pa.string())  # see _int_text
 #: Rows per record batch handed to Spark (bench/state_reader.py: 256 k-row batches cost the JVM
 #: more than 16 k or 64 k), and entries per chunk of a v2 file listed by cursors.
 _CHUNK = 65536
@@ -305,7 +306,7 @@ def _values(run: Run) -> pa.Array:
     if run.info.kind not in _SCALAR_KINDS or type(shape.codec) is not SafeCodec:
         return pa.array([to_json(decode(b)) for b in run.vb.to_pylist()], type=pa.string())
     ok, ints = int_values(run.vb)
-    text = pa.array(ints, type=pa.int64()).cast(pa.string())
+    text = _int_text(ints)
     if ok.all():
         return text
     if not ok.any():
@@ -315,6 +316,14 @@ def _values(run: Run) -> pa.Array:
     for i, b in zip(others.tolist(), run.vb.take(pa.array(others)).to_pylist(), strict=True):
         rest[i] = to_json(decode(b))
     return pc.if_else(pa.array(ok), text, pa.array(rest, type=pa.string()))
+
+
+def _int_text(ints: np.ndarray) -> pa.Array:
+    """The JSON text of ``ints``: one cast, or, when every int is under 256 (small counters, the
+    ``BININT1`` values), a take from their 256 texts (a third of the cast's cost)."""
+    if len(ints) and int(ints.min()) >= 0 and int(ints.max()) < len(_BYTE_TEXTS):
+        return _BYTE_TEXTS.take(pa.array(ints))
+    return pa.array(ints, type=pa.int64()).cast(pa.string())
 
 
 def _batch(run: Run, checkpoint: int, partition: str, user_key: pa.Array | None,

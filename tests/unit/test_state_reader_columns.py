@@ -346,6 +346,18 @@ def test_int_decoder_on_values_of_one_length_some_of_which_are_not_ints() -> Non
     assert not ok.any() and not values.any()
 
 
+def test_int_text_is_the_decimal_text_of_every_int() -> None:
+    from dstl.reader.columns import _int_text
+
+    rng = random.Random(13)
+    cases = [[], [0], [255], [256], [-1], list(range(256)), [0, 255, 256], [-2**63, 2**63 - 1],
+             [rng.randrange(256) for _ in range(3000)], [rng.randrange(-300, 300) for _ in
+                                                         range(3000)]]
+    for ints in cases:
+        got = _int_text(np.array(ints, dtype=np.int64))
+        assert got.type == pa.string() and got.to_pylist() == [str(v) for v in ints], ints[:5]
+
+
 def test_a_damaged_value_fails_as_in_the_row_path() -> None:
     from dstl.reader.columns import Run, run_batches
     from dstl.reader.image import state_info
