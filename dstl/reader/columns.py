@@ -51,6 +51,7 @@ import os
 import struct
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,8 @@ _CHUNK = 65536
 #: of its keys or values at most (a binary array's offsets are 32-bit).
 _RUN = 1 << 20
 _RUN_BYTES = 1 << 30
+#: Runs of one length at most in a change set's payloads gathered run by run (more: at once).
+_MAX_RUNS = 16
 
 
 @dataclass(frozen=True)
@@ -555,6 +558,18 @@ def _change_spans(body: bytes, pos: int, end: int, key: str, offset: int
     return np.array(starts_l, dtype=np.int64), np.array(lengths_l, dtype=np.int64)
 
 
+def _slices_in_runs(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """:func:`_slices` of a change set's payloads, which come in runs of one length (its
+    metadata records; its blocks of equal-width SETs): one gather of whole items per run when
+    there are few runs, not one index per byte."""
+    edges = np.flatnonzero(lengths[1:] != lengths[:-1]) + 1
+    if len(edges) > _MAX_RUNS:
+        return _slices(data, starts, lengths)
+    bounds = [0, *edges.tolist(), len(lengths)]
+    parts = [_slices(data, starts[a:b], lengths[a:b]) for a, b in pairwise(bounds)]
+    return parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
+
+
 def log_columns(reader: ChangelogReader, handle: Any, key_groups: Any
                 ) -> tuple[np.ndarray, pa.Array]:
     """``(key groups, payloads)`` of every change of ``handle`` in ``key_groups`` (metadata
@@ -574,7 +589,7 @@ def log_columns(reader: ChangelogReader, handle: Any, key_groups: Any
         starts = np.concatenate([s[1] for s in spans])
         lengths = np.concatenate([s[2] for s in spans])
         kgs.append(np.concatenate([np.full(len(s[1]), s[0], dtype=np.int64) for s in spans]))
-        arrays.append(_slices(np.frombuffer(body, dtype=np.uint8), starts, lengths))
+        arrays.append(_slices_in_runs(np.frombuffer(body, dtype=np.uint8), starts, lengths))
     if not arrays:
         return np.zeros(0, dtype=np.int64), pa.array([], type=pa.binary())
     return np.concatenate(kgs), pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]

@@ -637,6 +637,27 @@ def test_wide_slices_of_one_width_from_a_mapped_file_up_to_its_last_byte(tmp_pat
         assert got == [raw[s:s + width] for s in starts.tolist()]
 
 
+def test_slices_in_runs_of_one_length_equal_python_slicing() -> None:
+    import numpy as np
+
+    from dstl.reader.columns import _MAX_RUNS, _slices_in_runs
+
+    rnd = np.random.default_rng(18)
+    data = rnd.integers(0, 256, 5000, dtype=np.uint8)
+    raw = data.tobytes()
+    for runs in (1, 2, 3, _MAX_RUNS, _MAX_RUNS + 1, _MAX_RUNS + 2, 60):
+        widths = rnd.choice([0, 1, 5, 9, 25, 300], runs)
+        lengths = np.concatenate([np.full(rnd.integers(1, 20), w, dtype=np.int64)
+                                  for w in widths])
+        starts = np.array([rnd.integers(0, len(raw) - ln + 1) for ln in lengths.tolist()],
+                          dtype=np.int64)
+        got = _slices_in_runs(data, starts, lengths)
+        assert got.type == pa.binary()
+        assert got.to_pylist() == [raw[a:a + ln] for a, ln in zip(starts.tolist(),
+                                                                   lengths.tolist(),
+                                                                   strict=True)]
+
+
 def test_pieces_of_a_file_keep_every_entry_in_order_within_their_limits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
