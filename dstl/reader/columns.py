@@ -429,14 +429,23 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
                key: str) -> Iterator[Run]:
     """Runs of the entries in ``owned`` of a v2 file located by its pages
     (:func:`materializer.lmdb_pages.entry_spans`): up to a million entries a piece
-    (:func:`_pieces`), so the log overlay probes a file in few calls (:meth:`_Overlay.through`
-    builds the log keys' hash set per call), not once per 64 k chunk. Every key of the file
+    (:func:`_pieces`; a whole file that fits one piece is cut as views of its spans), so the
+    log overlay probes a file in few calls (:meth:`_Overlay.through` builds the log keys' hash
+    set per call), not once per 64 k chunk. Every key of the file
     is at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
     from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``."""
     data, starts = spans.data, spans.key_start
     kgs = _words(data, ">u2")[starts]  # a key's first two bytes: its key group
-    at = np.flatnonzero((kgs >= owned.start) & (kgs <= owned.end))
-    for sel in _pieces(at, spans.key_size, spans.value_size):
+    inside = (kgs >= owned.start) & (kgs <= owned.end)
+    pieces: Iterable[Any]
+    if not len(inside):
+        return
+    if inside.all() and len(inside) <= _RUN and int(spans.key_size.sum()) <= _RUN_BYTES \
+            and int(spans.value_size.sum()) <= _RUN_BYTES:
+        pieces = [slice(None)]  # the whole file in one piece: views, not copies
+    else:
+        pieces = _pieces(np.flatnonzero(inside), spans.key_size, spans.value_size)
+    for sel in pieces:
         yield from _prefixed_runs(states, data, starts[sel], spans.key_size[sel],
                                   _slices(data, spans.value_start[sel], spans.value_size[sel]),
                                   key)
