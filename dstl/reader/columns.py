@@ -766,7 +766,7 @@ class _Overlay:
         is: a log of new keys, the common case, costs one hash lookup per entry)."""
         keys = self._wanted.get(f"\0{name}")  # not a state name: names are never empty
         if keys is None:
-            keys = self._wanted[f"\0{name}"] = last["kb"].combine_chunks().unique()
+            keys = self._wanted[f"\0{name}"] = last["kb"].combine_chunks()  # is_in dedups
         return bool(pc.any(pc.is_in(run.kb, value_set=keys)).as_py())
 
     def _through_entries(self, run: Run, name: str, touched: set[bytes]) -> Iterator[Run]:
