@@ -381,12 +381,19 @@ def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
 # --------------------------------------------------------------------------- sources
 
 
+def _distinct(sids: np.ndarray) -> list[int]:
+    """The distinct state ids of ``sids``, ascending; one state (the common case) without the
+    sort or hash of :func:`numpy.unique`."""
+    if len(sids) and (sids == sids[0]).all():
+        return [int(sids[0])]
+    return [int(v) for v in np.unique(sids).tolist()]
+
+
 def _split_states(states: dict[int, StateInfo], sids: np.ndarray, kg: pa.Array, kb: pa.Array,
                   nb: pa.Array, vb: pa.Array, key: str) -> Iterator[Run]:
     """Runs of one state each from entries of several (a state's entries keep their order)."""
-    one = len(sids) and (sids == sids[0]).all()
-    present = sids[:1] if one else np.unique(sids)  # one state (the common case): no sort
-    for sid in present.tolist():
+    present = _distinct(sids)
+    for sid in present:
         info = states.get(sid)
         if info is None:
             raise CorruptObjectError(key, 0, f"entry of state id {sid}, which the snapshot's "
@@ -685,7 +692,7 @@ class _Overlay:
         ops, sids, kb, nb, pl = _parse_changes(payloads if len(at) == len(kgs)
                                                else payloads.take(pa.array(at)))
         kg = pa.array(kgs[at].astype(np.int32))
-        for sid in np.unique(sids).tolist():
+        for sid in _distinct(sids):
             rows = np.flatnonzero(sids == sid)
             info = names.get(sid)
             if info is None or at[rows[0]] < first[sid]:
