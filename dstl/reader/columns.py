@@ -21,7 +21,7 @@ log follows a snapshot) — with per-row Python only where a value needs it:
 - **Log.** When a log follows the snapshots it is read first, change set by change set
   (:func:`log_columns`: each verified body cut into a payload array with numpy — a block of
   equal-width SETs at its proven stride at once, any other block by its length fields, no bytes
-  object per change), into an overlay: the changes of
+  object per change; the payloads gathered run by run of one length), into an overlay: the changes of
   every (state, key group, key, namespace) it touches, in log order (:meth:`StateImage.changes
   <dstl.reader.image.StateImage.changes>`). Snapshot runs then pass through it: one vectorised
   ``is_in`` on the key bytes finds the candidates; an entry the log touched is taken out and comes
