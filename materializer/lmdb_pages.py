@@ -110,9 +110,9 @@ def _leaf_pages(data: np.ndarray, u16: np.ndarray, u64: np.ndarray, psize: int, 
     while True:
         if ((level < 2) | (level >= pages)).any() or seen[level].any():
             raise _Unread
-        seen[level] = True
-        if int(np.count_nonzero(seen[level])) != len(level):  # a page twice on one level
+        if len(np.unique(level)) != len(level):  # a page twice on one level
             raise _Unread
+        seen[level] = True
         base = level * psize
         kind = u16[base + 10] & _KINDS
         if (kind == _P_LEAF).all():

@@ -174,3 +174,37 @@ def test_a_deep_tree_is_walked_level_by_level_and_a_bent_one_is_none(tmp_path: P
         p = tmp_path / f"bent{target}.mdb"
         p.write_bytes(bytes(bad))
         assert entry_spans(str(p)) is None, target
+
+
+def test_a_leaf_listed_twice_in_place_of_one_as_full_is_none(tmp_path: Path) -> None:
+    # a branch whose second child names its first leaf again, both leaves holding the same
+    # number of entries: the entry count still matches the meta page's, so only the check for a
+    # page twice on one level stops a list with the first leaf's rows twice and the second's
+    # missing
+    from materializer.lmdb_pages import _meta
+
+    items = [(b"k%08d" % i, b"v%04d" % (i % 9999)) for i in range(60_000)]
+    path = _env(tmp_path, items)
+    data = Path(path).read_bytes()
+    psize, _, root, _ = _meta(np.frombuffer(data, dtype=np.uint8))
+
+    def node(page: int, i: int) -> int:
+        return page * psize + int.from_bytes(data[page * psize + 16 + 2 * i:][:2], "little")
+
+    def entries(page: int) -> int:  # a page's node count: (lower - header) / 2
+        return (int.from_bytes(data[page * psize + 12:][:2], "little") - 16) // 2
+
+    def kid(page: int, i: int) -> int:
+        return int.from_bytes(data[node(page, i):node(page, i) + 6], "little")
+
+    branch = kid(root, 0)
+    while int.from_bytes(data[kid(branch, 0) * psize + 10:][:2], "little") & 0x01:  # P_BRANCH
+        branch = kid(branch, 0)
+    pair = next(i for i in range(entries(branch) - 1)
+                if entries(kid(branch, i)) == entries(kid(branch, i + 1)))
+    bad = bytearray(data)
+    at = node(branch, pair + 1)
+    bad[at:at + 6] = kid(branch, pair).to_bytes(6, "little")
+    p = tmp_path / "twice.mdb"
+    p.write_bytes(bytes(bad))
+    assert entry_spans(str(p)) is None
