@@ -37,18 +37,24 @@ def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Mi
     yield root, job
 
 
+def _snapshot_then_tail(job: MiniJob, first: int, tail: int) -> None:
+    """``first`` rows checkpointed and materialized (v2 snapshots with LMDB), then ``tail`` more
+    checkpointed as a log after them; the job closed."""
+    job.run(first)
+    job.checkpoint()
+    job.materialize()
+    job.run(tail)
+    job.checkpoint()
+    job.close()
+
+
 @pytest.fixture(scope="module")
 def lmdb_job_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, MiniJob]]:
     """LMDB tables: v2 snapshots (the column path parses their pages), then a log tail."""
     root = tmp_path_factory.mktemp("cli-lmdb") / "state"
     store = open_store(str(root))
     job = MiniJob(store, partitions=2, seed=22, table="lmdb", retained=3)
-    job.run(150)
-    job.checkpoint()
-    job.materialize()
-    job.run(60)
-    job.checkpoint()
-    job.close()
+    _snapshot_then_tail(job, 150, 60)
     store.close()
     yield root, job
 
@@ -270,12 +276,7 @@ def test_state_dump_parquet_of_damaged_or_missing_objects_fails_like_the_row_pat
     root = tmp_path / "state"
     store = open_store(str(root))
     job = MiniJob(store, partitions=1, seed=23, table="lmdb", retained=3)
-    job.run(120)
-    job.checkpoint()
-    job.materialize()
-    job.run(30)
-    job.checkpoint()
-    job.close()
+    _snapshot_then_tail(job, 120, 30)
     from dstl.reader import CheckpointCatalog, open_read_only, task_states
 
     catalog = CheckpointCatalog(open_read_only(str(root)))
