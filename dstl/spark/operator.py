@@ -5,10 +5,14 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
 1. Route rows to partitions by key group inside the JVM — ``pmod(xxhash64(key), max_parallelism)``
    is :func:`dstl.key_group_for`, and the partition is Flink's ``key_group * P div
    max_parallelism`` — with ``repartitionById`` (no Python UDF for routing).
-2. ``mapInArrow`` runs one task per partition (:func:`dstl.spark.task.run_partition`): state in an
+2. ``mapInArrow`` runs the partitions (:func:`dstl.spark.task.run_partition`): state in an
    executor-local table, restored from the base checkpoint on a miss, the batch's changes made
-   durable before the task returns, one report row per task
-   (:class:`~dstl.spark.report.TaskReport`) with its backend handle.
+   durable before the task returns, one report row per partition
+   (:class:`~dstl.spark.report.TaskReport`) with its backend handle. There is one Spark task
+   per partition, or, with fewer task slots than partitions, one task per slot that runs
+   partitions ``p ≡ task (mod tasks)`` one after another (:func:`dstl.spark.task.run_partitions`):
+   a batch then runs in one wave of tasks instead of several, which saves each further wave's
+   fixed cost (task launch, the hand-over to a Python worker, a group-commit window).
 3. The driver's :class:`~dstl.checkpoint.CheckpointCoordinator` collects the acknowledgements and
    writes the manifest for ``checkpoint_id = batch_id`` (the commit point; a re-run of a batch id
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and
@@ -134,7 +138,11 @@ class DstlStatefulOperator:
         key_column: the grouping column (string, binary or integer).
         output_schema: DDL of the rows ``handle_input_rows`` yields.
         state_uri: store root (``file://``, a path, ``s3://bucket/prefix``, ``hdfs://...``).
-        partitions: number of Spark partitions (tasks) per batch.
+        partitions: number of state partitions (backend handles, each a range of key groups).
+        tasks: Spark tasks per batch, ``1 … partitions``; partition ``p`` runs in task
+            ``p mod tasks``, a task's partitions one after another. ``None`` (default): one
+            wave of tasks, ``min(partitions, sparkContext.defaultParallelism)`` (the cluster's
+            task slots unless ``spark.default.parallelism`` says otherwise), read each batch.
         max_parallelism: number of key groups; fixed for the life of the state.
         table: ``"lmdb"`` (executor-local, shared by the executor's workers) or ``"heap"``
             (per worker process; for single-core executors).
@@ -191,7 +199,7 @@ class DstlStatefulOperator:
                  late_rows: str = "drop",
                  late_sink: Callable[[Any, int], None] | None = None,
                  initial_state: Any = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tasks: int | None = None) -> None:
         _check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
                          partitions=partitions, max_parallelism=max_parallelism, table=table,
@@ -206,6 +214,11 @@ class DstlStatefulOperator:
             check_int(metrics_port, "metrics_port", _OWNER, lo=0, hi=65535,
                       fix="a TCP port for the driver's Prometheus endpoint, or None")
         self.metrics_port = metrics_port
+        if tasks is not None:
+            check_int(tasks, "tasks", _OWNER, lo=1, hi=partitions,
+                      fix="Spark tasks per batch, at most the number of partitions; None: one "
+                          "per task slot")
+        self.tasks = tasks
         self._exporter: PrometheusExporter | None = None
         self._totals: dict[str, float] = {}
         self.name = name
@@ -602,29 +615,35 @@ class DstlStatefulOperator:
 
     def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
                    checkpoint_id: int) -> Any:
-        """Route the rows to partitions by key group in the JVM and run one task per partition;
-        the tasks' output and report rows as one Arrow table. A failed job aborts the checkpoint."""
+        """Route the rows to partitions by key group in the JVM and run the partitions in
+        :meth:`_task_count` tasks; the tasks' output and report rows as one Arrow table. A
+        failed job aborts the checkpoint."""
         from pyspark.sql import functions as F
         from pyspark.sql.types import StringType, StructField, StructType
 
-        from dstl.spark.task import run_partition
+        from dstl.spark.task import run_partition, run_partitions
 
         cfg = ready.task_config
         key = f"`{self.key_column}`"
         hashed = key if key_type == "binary" else f"cast({key} as string)"
         pid = F.expr(f"cast((pmod(xxhash64({hashed}), {self.max_parallelism}) * "
                      f"{self.partitions}) div {self.max_parallelism} as int)")
+        tasks = self._task_count(df.sparkSession)
 
         def task(batches: Any) -> Any:
             return run_partition(cfg, task_input, batches)
+
+        def grouped_task(batches: Any) -> Any:
+            return run_partitions(cfg, task_input, batches, tasks)
 
         schema = StructType([*ready.out_schema.fields,
                              StructField(REPORT_COLUMN, StringType(), True)])
         try:
             with _without_adaptive_execution(df.sparkSession):
+                # repartitionById takes the partition modulo ``tasks``: p -> task p mod tasks
                 return (df.withColumn("_dstl_pid", pid)
-                        .repartitionById(self.partitions, "_dstl_pid")
-                        .mapInArrow(task, schema)
+                        .repartitionById(tasks, "_dstl_pid")
+                        .mapInArrow(task if tasks == self.partitions else grouped_task, schema)
                         .toArrow())
         except BaseException as exc:
             ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
@@ -636,6 +655,13 @@ class DstlStatefulOperator:
             if typed is not None:
                 raise typed from exc
             raise
+
+    def _task_count(self, spark: Any) -> int:
+        """Spark tasks of this batch: ``tasks``, else one per task slot (at most one per
+        partition)."""
+        if self.tasks is not None:
+            return self.tasks
+        return max(1, min(self.partitions, int(spark.sparkContext.defaultParallelism)))
 
     def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int, result: Any
                  ) -> list[TaskReport]:

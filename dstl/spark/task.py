@@ -2,7 +2,9 @@
 
 Theory of operation
 -------------------
-:func:`run_partition` is the body of one task. Under the worker runtime's lock
+:func:`run_partition` is the body of one task, or of one of the partitions a task runs one after
+another (:func:`run_partitions`: fewer task slots than partitions; each partition is still
+acquired, processed, checkpointed and reported on its own, as below). Under the worker runtime's lock
 (:mod:`dstl.spark.runtime`: one per worker process and operator) and the partition's lock file
 (``flock``: one attempt of a partition at a time on a host's table, even a zombie attempt of a
 lost executor next to its re-run, with a ``local_dir`` shared by the host's executors) it
@@ -59,7 +61,7 @@ from dstl.spark.timing import EVENT_TIME_COLUMN, ExpiredTimerInfo, TimerValues
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 
-__all__ = ["run_partition"]
+__all__ = ["run_partition", "run_partitions"]
 
 #: How long a task waits for its checkpoint's log (and an in-task materialization) to be
 #: durable; beyond it the task fails and Spark retries it.
@@ -116,6 +118,56 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     report = _report(partition, attempt, access, run, started, committed_at, agent_metrics,
                      agent_log, table)
     yield from _record_batches(cfg, run.outputs, report)
+
+
+def run_partitions(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
+                   tasks: int, task: int | None = None) -> Iterator[Any]:
+    """The body of a Spark task that runs several partitions: those ``p`` with
+    ``p mod tasks == task`` (``task`` defaults to the Spark task's partition id), one after
+    another, each exactly as :func:`run_partition` runs one (its own lock, restore,
+    checkpoint and report row). The task's rows are split by their ``_dstl_pid`` column first,
+    keeping each partition's rows in arrival order. A failure in one partition fails the task:
+    Spark retries it whole, and the partitions that had committed restore from the base
+    checkpoint like any retried partition (their reports of the failed attempt never reach the
+    driver).
+
+    Raises:
+        UsageError: a row is routed to a partition that is not this task's (a routing bug:
+            nothing is processed).
+    """
+    if task is None:
+        task = _task_identity(None)[0]
+    mine = range(task, cfg.partitions, tasks)
+    rows = _split_by_partition(batches, mine)
+    for partition in mine:
+        yield from run_partition(cfg, task_input, rows[partition], partition)
+
+
+def _split_by_partition(batches: Iterable[Any], partitions: range) -> dict[int, list[Any]]:
+    """The record batches of each partition in ``partitions`` (by ``_dstl_pid``), each
+    partition's rows in their order of arrival (a stable sort)."""
+    import pyarrow.compute as pc
+
+    out: dict[int, list[Any]] = {p: [] for p in partitions}
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        pids = batch.column("_dstl_pid")
+        if len(partitions) > 1:
+            batch = batch.take(pc.sort_indices(pids))  # stable: arrival order per partition
+            pids = batch.column("_dstl_pid")
+        counts = pc.value_counts(pids)  # in order of first appearance: the sorted order
+        offset = 0
+        for pid, n in zip(counts.field("values").to_pylist(),
+                          counts.field("counts").to_pylist()):
+            if pid not in out:
+                raise UsageError(f"a row routed to partition {pid} reached the task of "
+                                 f"partitions {list(partitions)}; "
+                                 "the driver and this executor disagree on the routing: run "
+                                 "one DSTL version on both")
+            out[pid].append(batch.slice(offset, n))
+            offset += n
+    return out
 
 
 #: The start of the message of a task whose DSTL differs from the driver's (the driver finds it

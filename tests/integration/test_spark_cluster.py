@@ -279,13 +279,16 @@ class SlowOnExecutor(Count):
 def test_partitions_move_between_executors(cluster: Cluster, moto_endpoint: str,
                                            s3_bucket: str, tmp_path: Path,
                                            shared_local_dir: bool) -> None:
-    """Partitions move by themselves (4 partitions on 2 single-core executors, no locality
-    wait: a task runs where a core frees first), and in batches 2 and 4 partition 2 is made to
-    move: its previous executor is slowed down, so it runs only its first-wave task (partition
-    0 or 1; Spark launches tasks in partition order) while the other executor runs 2 and 3."""
+    """Partitions move by themselves (4 partitions in 4 tasks, ``tasks=PARTITIONS``, on 2
+    single-core executors, no locality wait: a task runs where a core frees first), and in
+    batches 2 and 4 partition 2 is made to move: its previous executor is slowed down, so it
+    runs only its first-wave task (partition 0 or 1; Spark launches tasks in partition order)
+    while the other executor runs 2 and 3."""
     slow = tmp_path / "slow-executor"
     latest: dict[str, int] = {}
-    kw: dict[str, Any] = {"local_dir": str(tmp_path / "shared")} if shared_local_dir else {}
+    kw: dict[str, Any] = {"tasks": PARTITIONS}
+    if shared_local_dir:
+        kw["local_dir"] = str(tmp_path / "shared")
     op = _op("moves", latest, f"s3://{s3_bucket}/{_prefix('moves')}",
              s3_storage_options(moto_endpoint),
              processor=type("Slow", (SlowOnExecutor,), {"slow": str(slow)}), mat_s=1.0, **kw)
@@ -325,13 +328,14 @@ def test_partitions_move_between_executors(cluster: Cluster, moto_endpoint: str,
 def test_partitions_move_without_the_agent(cluster: Cluster, moto_endpoint: str,
                                            s3_bucket: str, tmp_path: Path) -> None:
     """``agent=False``: each task writes its own segment and restores through its worker's own
-    cache; partition 2 is made to move in batch 2 (as above) and restores on its new executor.
+    cache; partition 2 (one task per partition) is made to move in batch 2 (as above) and
+    restores on its new executor.
     Without agents, the executor of a task is found from its worker (worker -> daemon ->
     executor JVM)."""
     slow = tmp_path / "slow-executor"
     latest: dict[str, int] = {}
     op = _op("moves-no-agent", latest, f"s3://{s3_bucket}/{_prefix('moves-no-agent')}",
-             s3_storage_options(moto_endpoint), agent=False,
+             s3_storage_options(moto_endpoint), agent=False, tasks=PARTITIONS,
              processor=type("Slow", (SlowOnExecutor,), {"slow": str(slow)}), mat_s=1.0)
     model = Model(cluster.spark, op, latest)
     try:

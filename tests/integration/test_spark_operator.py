@@ -14,6 +14,7 @@ from spark_support import spark  # noqa: F401
 from support import moto_server
 from support.moto_server import s3_storage_options
 
+from dstl import key_group_for
 from dstl.errors import AccessDeniedError, ConfigError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
@@ -52,6 +53,21 @@ class CrashOnce(Count):
         yield from super().handle_input_rows(key, rows)
 
 
+class FailOnceOnKey(Count):
+    """Raises (the Python worker lives on) on the first attempt that sees ``key``; ``flag``
+    (set on a subclass made per test) records that it happened."""
+
+    flag = ""
+    key = ""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        if key == self.key and self.flag and not os.path.exists(self.flag):
+            Path(self.flag).write_text("failed")
+            raise RuntimeError("fails once")
+        yield from super().handle_input_rows(key, rows)
+
+
 class Poison(Count):
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
                           ) -> Iterator[dict[str, Any]]:
@@ -65,7 +81,8 @@ def _op(processor: type, uri: str, opts: dict[str, Any], sink: Any, tmp: Path,
         **kw: Any) -> DstlStatefulOperator:
     return DstlStatefulOperator(name="count", processor=processor, key_column="key",
                                 output_schema="key string, count long", state_uri=uri,
-                                storage_options=opts, partitions=3, max_parallelism=32,
+                                storage_options=opts, partitions=3,
+                                max_parallelism=kw.pop("max_parallelism", 32),
                                 sink=sink, local_dir=str(tmp / "local"),
                                 materialization_interval_s=kw.pop("mat_s", 0.0), **kw)
 
@@ -104,6 +121,52 @@ def test_counts_exact_across_batches_retry_and_rerun(spark: Any, moto_endpoint: 
     stats = op.batch_stats
     assert sum(s["materializations"] for s in stats) > 0
     assert any(s["restores"] for s in stats)  # re-run and retry restored from the store
+    op.close()
+
+
+@pytest.mark.parametrize("table", ["lmdb", "heap"])
+def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
+        spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path,  # noqa: F811
+        table: str) -> None:
+    """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 the
+    processor fails once in partition 2, after partition 0 committed its checkpoint in the
+    same task: Spark retries the task whole, partition 0 runs again from the base (never from
+    the table it had already moved to batch 1), and every count stays exact."""
+    mp = 32
+
+    def partition_of(key: str) -> int:
+        return key_group_for(key.encode(), mp) * 3 // mp
+
+    keys = [f"u{i}" for i in range(60)]
+    by_partition = {p: [k for k in keys if partition_of(k) == p] for p in range(3)}
+    assert all(len(v) >= 3 for v in by_partition.values())
+    victim = by_partition[2][0]
+    failing = type("FailOnceHere", (FailOnceOnKey,),
+                   {"flag": str(tmp_path / "failed"), "key": victim})
+    latest: dict[str, int] = {}
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        for r in out_df.collect():
+            latest[r["key"]] = r["count"]
+
+    op = _op(failing, f"s3://{s3_bucket}/grouped-{table}", s3_storage_options(moto_endpoint),
+             sink, tmp_path, table=table, max_parallelism=mp, mat_s=None)
+    assert op._task_count(spark) == 2
+    batches = [[k for k in keys if k != victim], keys, keys[::3]]
+    expected: Counter[str] = Counter()
+    for batch_id, batch in enumerate(batches):
+        op.foreach_batch(_batch(spark, batch), batch_id)
+        expected.update(batch)
+        assert latest == dict(expected), f"after batch {batch_id}"
+    assert (tmp_path / "failed").exists()
+    retried = {t["partition"]: t for t in op.batch_stats[1]["tasks"]}
+    assert retried[0]["attempt"] == retried[2]["attempt"] == 1, retried
+    assert retried[1]["attempt"] == 0, retried
+    # both ran in one task (one worker), and partition 0 did not take its table of the failed
+    # attempt (a batch ahead of the base) as a hit
+    assert retried[0]["pid"] == retried[2]["pid"], retried
+    if table == "lmdb":
+        assert retried[0]["access"] == "restore", retried
     op.close()
 
 

@@ -11,12 +11,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from dstl import DstlOptions
+from dstl import DstlOptions, key_group_for
 from dstl.spark import StatefulProcessor
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.report import REPORT_COLUMN, TaskReport
 from dstl.spark.runtime import WorkerRuntime, close_runtime, runtime_of
-from dstl.spark.task import run_partition
+from dstl.errors import UsageError
+from dstl.spark.task import run_partition, run_partitions
 from materializer.options import BackendOptions
 
 
@@ -357,3 +358,49 @@ def test_another_processor_under_the_same_name_and_store_is_not_served_by_the_ol
             assert out3 == {"a": 14} and r3.slot.access != "hit", (out3, r3.slot)
     finally:
         close_runtime(base_cfg)
+
+
+def test_a_task_of_several_partitions_runs_each_on_its_own(tmp_path: Path) -> None:
+    """Fewer task slots than partitions: task 0 of 2 runs partitions 0 and 2 of 3 one after
+    another, each with its own rows (in arrival order), checkpoint and report; a row routed to
+    a partition the task does not run fails the task before any partition runs."""
+    cfg = dataclasses.replace(_lmdb_cfg(tmp_path, "grouped"), partitions=3)
+
+    def run(inp: TaskInput, keys: list[str], pids: list[int]
+            ) -> tuple[list[tuple[str, int]], dict[int, TaskReport]]:
+        batch = pa.RecordBatch.from_pydict({"key": keys, "_dstl_pid": pa.array(pids, pa.int32())})
+        rows, reports = [], {}
+        for rb in run_partitions(cfg, inp, iter([batch, batch.slice(0, 0)]), tasks=2, task=0):
+            for row in rb.to_pylist():
+                if row[REPORT_COLUMN] is None:
+                    rows.append((row["key"], row["count"]))
+                else:
+                    report = TaskReport.from_json(row[REPORT_COLUMN])
+                    reports[report.partition] = report
+        return rows, reports
+
+    def pids(keys: list[str]) -> list[int]:  # the driver's routing
+        return [key_group_for(k.encode(), cfg.max_parallelism) * 3 // cfg.max_parallelism
+                for k in keys]
+
+    try:
+        keys0 = ["d", "c", "d", "e"]
+        assert pids(keys0) == [2, 0, 2, 2]
+        rows0, reports0 = run(TaskInput(0, -1), keys0, pids(keys0))
+        assert sorted(reports0) == [0, 2]
+        assert rows0 == [("c", 1), ("d", 2), ("e", 1)]  # partition 0 first, then 2
+        assert reports0[0].rows_in == 1 and reports0[2].rows_in == 3
+        assert all(r.slot.access == "new" for r in reports0.values())
+        base = {p: r.handle.to_json() for p, r in reports0.items()}
+        # partition 0 gets no rows: it still runs (and checkpoints) from its base
+        rows1, reports1 = run(TaskInput(1, 0, base, (0,)), ["d"], [2])
+        assert rows1 == [("d", 3)] and sorted(reports1) == [0, 2]
+        assert reports1[0].rows_in == 0
+        assert all(r.slot.access == "hit" for r in reports1.values())
+        with pytest.raises(UsageError, match="routed to partition 1 reached the task of "
+                                             r"partitions \[0, 2\]"):
+            run(TaskInput(2, 1, {p: r.handle.to_json() for p, r in reports1.items()}, (0, 1)),
+                ["d", "a"], pids(["d", "a"]))
+        assert _runtime(cfg).slots[2].checkpoint_id == 1  # nothing ran
+    finally:
+        close_runtime(cfg)

@@ -104,6 +104,10 @@ BAD: list[tuple[str, Any, str]] = [
     ("local_dir", "", RANGE),  # accepted before
     ("agent", "no", TYPE),  # accepted before: "no" is truthy
     ("agent", 0, TYPE),  # accepted before
+    ("tasks", 0, RANGE),
+    ("tasks", 5, RANGE),  # more tasks than the 4 partitions
+    ("tasks", True, TYPE),
+    ("tasks", 2.0, TYPE),
 ]
 
 
