@@ -104,18 +104,20 @@ class Variant:
     snapshots: bool
     warm: bool = False  # DSTL: op.warm_up(spark) before the query starts
     daemon: bool = False  # DSTL: spark.python.daemon.module=dstl.spark.daemon
+    tasks: int | None = None  # DSTL: the operator's tasks (None: one wave over the slots)
 
     @property
     def label(self) -> str:
         what = {"lmdb": "DSTL LMDB + agent", "heap": "DSTL heap", "rocksdb": "Spark RocksDB"}
         return (f"{what[self.table]}, {'snapshots' if self.snapshots else 'log only'}"
-                + (", warm-up" if self.warm else "") + (", DSTL daemon" if self.daemon else ""))
+                + (", warm-up" if self.warm else "") + (", DSTL daemon" if self.daemon else "")
+                + (", one task per partition" if self.tasks == PARTITIONS else ""))
 
     @property
     def build_name(self) -> str:
-        """The variant whose built state this one restarts from (a warm-up or daemon variant
-        shares its twin's build)."""
-        return self.name.removesuffix("-daemon").removesuffix("-warm")
+        """The variant whose built state this one restarts from (a warm-up, daemon or
+        task-per-partition variant shares its twin's build)."""
+        return self.name.removesuffix("-pertask").removesuffix("-daemon").removesuffix("-warm")
 
 
 VARIANTS = {v.name: v for v in (
@@ -129,7 +131,9 @@ VARIANTS = {v.name: v for v in (
     Variant("dstl-lmdb-snap-daemon", "dstl", "lmdb", True, daemon=True),
     Variant("dstl-heap-snap-daemon", "dstl", "heap", True, daemon=True),
     Variant("dstl-lmdb-warm-daemon", "dstl", "lmdb", False, True, True),
-    Variant("dstl-lmdb-snap-warm-daemon", "dstl", "lmdb", True, True, True))}
+    Variant("dstl-lmdb-snap-warm-daemon", "dstl", "lmdb", True, True, True),
+    # one task per partition (two waves of tasks on local[2]): what `tasks=None` saves
+    Variant("dstl-lmdb-snap-warm-daemon-pertask", "dstl", "lmdb", True, True, True, PARTITIONS))}
 
 
 def spark_twin(v: Variant) -> Variant:
@@ -342,7 +346,7 @@ def dstl_operator(v: Variant, mod: Any, state: Path, local_dir: Path, restart: b
         name="count", processor=mod.RestartCount if restart else mod.Count, key_column="key",
         output_schema="key string, count long", state_uri=str(state), partitions=PARTITIONS,
         max_parallelism=MAX_PARALLELISM, table=v.table, local_dir=str(local_dir), agent=True,
-        backend_options=opts, materialization_interval_s=interval)
+        backend_options=opts, materialization_interval_s=interval, tasks=v.tasks)
 
 
 def spark_sink(restart: bool) -> Callable[[Any, int], None]:
