@@ -8,7 +8,8 @@ partition is restored from the store. Measured (``bench/restart.py``), the start
 restore itself. :meth:`DstlStatefulOperator.warm_up` runs that work before the query starts, as
 one small Spark job of ``partitions`` tasks, one per partition, spread over every executor core
 (so the restores of an executor run in parallel in its workers, not one after another behind
-the first task):
+the first task). The job has a batch's shape (routed rows, a ``repartitionById`` shuffle,
+``mapInArrow``), so the session's shuffle and post-shuffle Arrow path are warm too:
 
 * each task builds its worker's runtime (:func:`dstl.spark.runtime.runtime_for`: imports,
   agent spawn and connection, the agent's restore cache), and

@@ -33,7 +33,11 @@ def _run(src: Path, ck: Path, uri: str, opts: dict[str, Any], latest: dict[str, 
                               local_dir=str(tmp / "local"), materialization_interval_s=0.0)
     try:
         if warm is not None:
+            tracker = spark.sparkContext.statusTracker()
+            before = set(tracker.getJobIdsForGroup())
             warm.update(op.warm_up(spark))
+            warm["job_stages"] = [len(tracker.getJobInfo(j).stageIds)
+                                  for j in sorted(set(tracker.getJobIdsForGroup()) - before)]
         q = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
              .json(str(src)).writeStream.foreachBatch(op.foreach_batch)
              .option("checkpointLocation", str(ck)).trigger(availableNow=True).start())
@@ -100,6 +104,8 @@ def test_warm_up_restores_ahead_and_the_first_batch_adopts(moto_endpoint: str, s
     second = _run(src, ck, uri, opts, latest, tmp_path / "run2", warm)
     assert warm["base_checkpoint"] == 1 and "error" not in warm, warm
     assert sorted(warm["partitions"]) == [0, 1]
+    # one job shaped like a batch's: the routing shuffle, then the partitions' tasks
+    assert warm["job_stages"] == [2], warm
     assert all(p["access"] == "restore" and p["marked"] for p in warm["partitions"].values())
     assert [s["batch_id"] for s in second] == [2, 3]
     assert second[0]["restores"] == 0, second[0]  # adopted or hit: nothing read again
