@@ -12,11 +12,11 @@ import pyarrow as pa
 import pytest
 
 from dstl import DstlOptions, key_group_for
+from dstl.errors import UsageError
 from dstl.spark import StatefulProcessor
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.report import REPORT_COLUMN, TaskReport
 from dstl.spark.runtime import WorkerRuntime, close_runtime, runtime_of
-from dstl.errors import UsageError
 from dstl.spark.task import run_partition, run_partitions
 from materializer.options import BackendOptions
 
