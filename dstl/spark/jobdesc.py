@@ -76,11 +76,14 @@ class BatchJobs:
             logger.warning("%s: could not restore the job description: %r", self._prefix, err)
 
 
-def tasks_label(partitions: int, base_checkpoint: int, initial_state: bool) -> str:
-    """The state tasks' job: how many partitions, from which checkpoint."""
+def tasks_label(partitions: int, base_checkpoint: int, initial_state: bool,
+                tasks: int | None = None) -> str:
+    """The state tasks' job: how many partitions (in how many tasks, when fewer), from which
+    checkpoint."""
     base = f"checkpoint {base_checkpoint}" if base_checkpoint >= 0 else "no checkpoint"
     extra = ", with the initial state" if initial_state else ""
-    return f"state tasks ({partitions} partitions from {base}{extra})"
+    grouped = f" in {tasks} tasks" if tasks is not None and tasks < partitions else ""
+    return f"state tasks ({partitions} partitions{grouped} from {base}{extra})"
 
 
 def outcome_label(checkpoint_id: int, reports: Sequence[Any], completed: bool) -> str:

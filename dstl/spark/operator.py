@@ -452,11 +452,12 @@ class DstlStatefulOperator:
         initial = self.initial_state is not None and task_input.base_checkpoint < 0
         if initial:
             df = self._with_initial_state(df)  # no checkpoint yet: the query's first batch
+        tasks = self._task_count(df.sparkSession)
         with BatchJobs(df.sparkSession.sparkContext, self.name, batch_id) as jobs:
-            jobs.label(tasks_label(self.partitions, task_input.base_checkpoint, initial))
+            jobs.label(tasks_label(self.partitions, task_input.base_checkpoint, initial, tasks))
             checkpoint_id = ready.coordinator.trigger(
                 [f"p{i}" for i in range(self.partitions)], checkpoint_id=batch_id)
-            result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id)
+            result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id, tasks)
             tasks_done = time.monotonic()
             reports = self._reports(ready.coordinator, checkpoint_id, result)
             next_wm = self._commit_properties(ready.coordinator, checkpoint_id, task_input,
@@ -624,10 +625,10 @@ class DstlStatefulOperator:
         return wm
 
     def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
-                   checkpoint_id: int) -> Any:
+                   checkpoint_id: int, tasks: int) -> Any:
         """Route the rows to partitions by key group in the JVM and run the partitions in
-        :meth:`_task_count` tasks; the tasks' output and report rows as one Arrow table. A
-        failed job aborts the checkpoint."""
+        ``tasks`` Spark tasks (:meth:`_task_count`); the tasks' output and report rows as one
+        Arrow table. A failed job aborts the checkpoint."""
         from pyspark.sql import functions as F
         from pyspark.sql.types import StringType, StructField, StructType
 
@@ -637,7 +638,6 @@ class DstlStatefulOperator:
         key = f"`{self.key_column}`"
         hashed = key if key_type == "binary" else f"cast({key} as string)"
         pid = F.expr(_routing_sql(hashed, self.max_parallelism, self.partitions))
-        tasks = self._task_count(df.sparkSession)
 
         def task(batches: Any) -> Any:
             return run_partition(cfg, task_input, batches)

@@ -82,6 +82,8 @@ def test_the_labels_say_what_happened() -> None:
     assert tasks_label(4, -1, True) == ("state tasks (4 partitions from no checkpoint, with "
                                         "the initial state)")
     assert tasks_label(2, 11, False) == "state tasks (2 partitions from checkpoint 11)"
+    assert tasks_label(4, 3, False, 2) == "state tasks (4 partitions in 2 tasks from checkpoint 3)"
+    assert tasks_label(4, 3, False, 4) == "state tasks (4 partitions from checkpoint 3)"
     reports = [_report("restore", 10, True, ("s1",)), _report("rescale", 5, False, ("s1", "s2")),
                _report("hit", 7, True, ("s2",)), _report("adopt", 0, False, ())]
     assert outcome_label(12, reports, True) == (
