@@ -12,7 +12,7 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
    per partition, or, with fewer task slots than partitions, one task per slot that runs
    partitions ``p ≡ task (mod tasks)`` one after another (:func:`dstl.spark.task.run_partitions`):
    a batch then runs in one wave of tasks instead of several, which saves each further wave's
-   fixed cost (task launch, the hand-over to a Python worker, a group-commit window).
+   fixed cost (task launch, the hand-over to a Python worker and back).
 3. The driver's :class:`~dstl.checkpoint.CheckpointCoordinator` collects the acknowledgements and
    writes the manifest for ``checkpoint_id = batch_id`` (the commit point; a re-run of a batch id
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and

@@ -156,7 +156,9 @@ def _split_by_partition(batches: Iterable[Any], partitions: range) -> dict[int, 
         if len(partitions) > 1:
             batch = batch.take(pc.sort_indices(pids))  # stable: arrival order per partition
             pids = batch.column("_dstl_pid")
-        counts = pc.value_counts(pids)  # in order of first appearance: the sorted order
+        # in order of first appearance: the sorted order (a task of one partition does not
+        # sort: all its rows are that partition's, or the first other value fails the task)
+        counts = pc.value_counts(pids)
         offset = 0
         for pid, n in zip(counts.field("values").to_pylist(),
                           counts.field("counts").to_pylist()):
