@@ -87,13 +87,16 @@ def test_ten_backends_restore_in_parallel_and_read_each_segment_once(tmp_path: P
         assert {k: v for got in restored.values() for k, v in got.items()} == model
         assert {s: ffs.calls("cat_file", f"{root}/{s}") - before[s] for s in segments} == \
             dict.fromkeys(segments, 1)
-        st = cache.stats()
+        # every restore queued both segments for prefetch: each of the 2 N jobs started a
+        # download, found the segment cached or in flight, or was dropped unstarted because
+        # its restore had ended first (its leases found the files; seen in a clean-clone run)
+        st = cache.wait_for_stats(lambda s: s["prefetch_started"] + s["prefetch_present"]
+                                  + s["prefetch_cancelled"] == 2 * N)
         assert (st["downloads"], st["leases_open"]) == (2, 0)
-        # every restore prefetched both segments: each of the 2 N leases found its segment
-        # downloaded (a hit) unless it won the race to download it itself
+        # each of the 2 N leases found its segment downloaded (a hit) unless it won the race
+        # to download it itself
         lease_downloads = st["downloads"] - st["prefetch_started"]
         assert st["hits"] + lease_downloads == 2 * N
-        assert st["prefetch_started"] + st["prefetch_present"] == 2 * N
         assert st["prefetch_failed"] == st["prefetch_skipped"] == 0
     finally:
         cache.close()
