@@ -206,7 +206,7 @@ class DstlStatefulOperator:
                          sink=sink, storage_options=storage_options, options=options,
                          backend_options=backend_options, retained=retained,
                          materialization_interval_s=materialization_interval_s,
-                         local_dir=local_dir, agent=agent)
+                         local_dir=local_dir, agent=agent, tasks=tasks)
         self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
                                 late_sink, key_column)
         self.initial_state = _check_initial_state(initial_state, processor, key_column)
@@ -214,10 +214,6 @@ class DstlStatefulOperator:
             check_int(metrics_port, "metrics_port", _OWNER, lo=0, hi=65535,
                       fix="a TCP port for the driver's Prometheus endpoint, or None")
         self.metrics_port = metrics_port
-        if tasks is not None:
-            check_int(tasks, "tasks", _OWNER, lo=1, hi=partitions,
-                      fix="Spark tasks per batch, at most the number of partitions; None: one "
-                          "per task slot")
         self.tasks = tasks
         self._exporter: PrometheusExporter | None = None
         self._totals: dict[str, float] = {}
@@ -1040,7 +1036,7 @@ def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schem
                      state_uri: Any, partitions: Any, max_parallelism: Any, table: Any,
                      sink: Any, storage_options: Any, options: Any, backend_options: Any,
                      retained: Any, materialization_interval_s: Any, local_dir: Any,
-                     agent: Any) -> None:
+                     agent: Any, tasks: Any) -> None:
     """Every constructor argument, checked on the driver before Spark is touched (one place).
 
     Raises:
@@ -1075,6 +1071,10 @@ def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schem
     _check_interval(materialization_interval_s, backend_options)
     check_optional_path(local_dir, "local_dir", _OWNER)
     check_bool(agent, "agent", _OWNER)
+    if tasks is not None:
+        check_int(tasks, "tasks", _OWNER, lo=1, hi=partitions,
+                  fix="Spark tasks per batch, at most the number of partitions; None: one per "
+                      "task slot")
 
 
 def _check_processor(processor: Any) -> None:
