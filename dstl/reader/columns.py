@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 from typing import Any
 
@@ -58,9 +59,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dstl.checks import check_bool, check_instance
+from dstl.checks import check_bool, check_instance, check_int
 from dstl.envelope import HEADER_SIZE
-from dstl.errors import CorruptObjectError, ObjectNotFoundError, TruncatedObjectError
+from dstl.errors import (
+    ConfigError,
+    CorruptObjectError,
+    ObjectNotFoundError,
+    TruncatedObjectError,
+)
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.arrow import STATE_SCHEMA
 from dstl.reader.catalog import CheckpointCatalog
@@ -97,7 +103,7 @@ from restore.reader import ChangelogReader
 from restore.restore import plan_restore
 
 __all__ = ["Run", "int_values", "log_columns", "read_state_batches", "read_state_table",
-           "run_batches", "snapshot_runs"]
+           "run_batches", "snapshot_runs", "state_schema"]
 
 _SAFE = SafeCodec()  # namespaces
 _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
@@ -329,40 +335,92 @@ def _int_text(ints: np.ndarray) -> pa.Array:
     return pa.array(ints, type=pa.int64()).cast(pa.string())
 
 
+def _typed_values(run: Run, kind: pa.DataType) -> pa.Array:
+    """``typed_value`` of a run of a non-map state: each value converted to ``kind`` as
+    :func:`~dstl.reader.arrow.batches` converts it (``pyarrow.array`` of the decoded values);
+    safe-codec ints to an integer type in one cast (which, like that, refuses an int that does
+    not fit)."""
+    decode = run.info.shape.from_bytes
+    if run.info.kind in _SCALAR_KINDS and type(run.info.shape.codec) is SafeCodec \
+            and pa.types.is_integer(kind):
+        ok, ints = int_values(run.vb)
+        if ok.all():
+            try:
+                return pa.array(ints, type=pa.int64()).cast(kind)
+            except pa.ArrowInvalid:
+                pass  # an int that does not fit: fails below with the row path's error
+    return pa.array([decode(b) for b in run.vb.to_pylist()], type=kind)
+
+
 def _batch(run: Run, checkpoint: int, partition: str, user_key: pa.Array | None,
-           value: pa.Array) -> pa.RecordBatch:
+           value: Callable[[], pa.Array], schema: pa.Schema,
+           typed: Callable[[], pa.Array] | None = None) -> pa.RecordBatch:
+    """The run's rows as a batch of ``schema``'s columns (those of :data:`STATE_SCHEMA` it
+    names, and the typed value's): only those are built."""
     n = len(run)
-    arrays = [pa.repeat(pa.scalar(checkpoint, pa.int64()), n),
-              pa.repeat(pa.scalar(partition, pa.string()), n), run.kg, _text_keys(run.kb),
-              run.kb, pa.repeat(pa.scalar(run.info.name, pa.string()), n),
-              pa.repeat(pa.scalar(run.info.kind, pa.string()), n), _namespaces(run.nb),
-              user_key if user_key is not None else pa.nulls(n, type=pa.string()), value]
-    return pa.RecordBatch.from_arrays(arrays, schema=STATE_SCHEMA)
+    build: dict[str, Callable[[], pa.Array]] = {
+        "checkpoint": lambda: pa.repeat(pa.scalar(checkpoint, pa.int64()), n),
+        "partition": lambda: pa.repeat(pa.scalar(partition, pa.string()), n),
+        "key_group": lambda: run.kg, "key": lambda: _text_keys(run.kb), "key_bytes": lambda: run.kb,
+        "state": lambda: pa.repeat(pa.scalar(run.info.name, pa.string()), n),
+        "kind": lambda: pa.repeat(pa.scalar(run.info.kind, pa.string()), n),
+        "namespace": lambda: _namespaces(run.nb),
+        "user_key": lambda: user_key if user_key is not None else pa.nulls(n, type=pa.string()),
+        "value": value}
+    if typed is not None:
+        for name in schema.names:
+            build.setdefault(name, typed)  # the one column not of STATE_SCHEMA
+    return pa.RecordBatch.from_arrays([build[name]() for name in schema.names], schema=schema)
 
 
-def _map_batch(run: Run, checkpoint: int, partition: str) -> pa.RecordBatch:
+def _map_batch(run: Run, checkpoint: int, partition: str, schema: pa.Schema,
+               typed: pa.DataType | None) -> pa.RecordBatch:
     """One row per map entry (an empty map has none)."""
     at: list[int] = []
     user_keys: list[str | None] = []
-    values: list[str | None] = []
+    raw: list[Any] = []
     decode = run.info.shape.from_bytes
     for i, b in enumerate(run.vb.to_pylist()):
         for uk, uv in decode(b).items():
             at.append(i)
             user_keys.append(to_json(uk))
-            values.append(to_json(uv))
+            raw.append(uv)
     take = pa.array(at, type=pa.int64())
     rows = Run(run.info, run.kg.take(take), run.kb.take(take), run.nb.take(take),
                run.vb.take(take))
     return _batch(rows, checkpoint, partition, pa.array(user_keys, type=pa.string()),
-                  pa.array(values, type=pa.string()))
+                  lambda: pa.array([to_json(v) for v in raw], type=pa.string()), schema,
+                  lambda: pa.array(raw, type=typed))
+
+
+def state_schema(columns: Sequence[str] | None, typed: tuple[str, pa.DataType] | None = None,
+                 owner: str = "state_schema") -> pa.Schema:
+    """:data:`STATE_SCHEMA` (with ``typed``'s column after it), or its ``columns`` in that
+    order.
+
+    Raises:
+        ConfigError: ``columns`` is not a list or tuple of distinct names of its columns.
+    """
+    full = STATE_SCHEMA if typed is None else STATE_SCHEMA.append(pa.field(*typed))
+    if columns is None:
+        return full
+    names = list(columns) if isinstance(columns, (list, tuple)) else None
+    if not names or any(not isinstance(n, str) or n not in full.names
+                        or names.count(n) > 1 for n in names):
+        raise ConfigError("columns", columns, "None or a list of distinct columns of the state "
+                          f"schema ({', '.join(full.names)})", owner=owner)
+    return pa.schema([full.field(n) for n in names])
 
 
 def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
-                keys: Collection[bytes] | None, states: Collection[str] | None
+                keys: Collection[bytes] | None, states: Collection[str] | None,
+                schema: pa.Schema = STATE_SCHEMA, batch_rows: int = _CHUNK
                 ) -> Iterator[pa.RecordBatch]:
-    """The state rows of ``runs`` (raw states and filtered-out rows left out)."""
+    """The state rows of ``runs`` (raw states and filtered-out rows left out), as batches of
+    ``schema`` (:func:`state_schema`) of at most ``batch_rows`` rows."""
     wanted = pa.array(sorted(keys), type=pa.binary()) if keys is not None else None
+    extra = [f.type for f in schema if f.name not in STATE_SCHEMA.names]  # typed_value
+    typed = extra[0] if extra else None
     for run in runs:
         if run.info.raw or (states is not None and run.info.name not in states) or not len(run):
             continue
@@ -371,11 +429,12 @@ def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
             if not len(run):
                 continue
         if run.info.kind == "map":
-            batch = _map_batch(run, checkpoint, partition)
+            batch = _map_batch(run, checkpoint, partition, schema, typed)
         else:
-            batch = _batch(run, checkpoint, partition, None, _values(run))
-        for first in range(0, batch.num_rows, _CHUNK):  # zero-copy slices of Spark's size
-            yield batch.slice(first, _CHUNK)
+            batch = _batch(run, checkpoint, partition, None, partial(_values, run), schema,
+                           partial(_typed_values, run, typed))
+        for first in range(0, batch.num_rows, batch_rows):  # zero-copy slices
+            yield batch.slice(first, batch_rows)
 
 
 # --------------------------------------------------------------------------- sources
@@ -836,10 +895,18 @@ def _split_runs(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
 def read_state_batches(store: BlobStore, split: StateSplit, *,
                        cache: LeasingCache | None = None, allow_pickle: bool = False,
                        keys: Collection[bytes] | None = None,
-                       states: Collection[str] | None = None) -> Iterator[pa.RecordBatch]:
+                       states: Collection[str] | None = None,
+                       columns: Sequence[str] | None = None,
+                       typed: tuple[str, pa.DataType] | None = None,
+                       batch_rows: int = _CHUNK) -> Iterator[pa.RecordBatch]:
     """The state rows of one split as record batches of :data:`~dstl.reader.arrow.STATE_SCHEMA`
     — the rows :func:`~dstl.reader.state.read_state_split` gives (heap table), in
     :func:`~dstl.reader.arrow.batches`' columns, built column-wise (see the module docstring).
+    With ``columns``, the batches have only those columns, in that order, and only they are
+    built (a read of ``key`` and ``value`` decodes no namespace and copies no key bytes).
+    ``typed`` (``(name, Arrow type)``) adds a column of the values converted to that type, as
+    :func:`~dstl.reader.arrow.batches` adds it (after the others, or where ``columns`` names
+    it). Batches have at most ``batch_rows`` rows (zero-copy slices of larger ones).
 
     Raises:
         CheckpointDeletedError, ObjectNotFoundError, CorruptObjectError, UsageError: as
@@ -852,12 +919,20 @@ def read_state_batches(store: BlobStore, split: StateSplit, *,
     check_cache(cache, owner)
     keys = check_key_bytes(keys, owner)
     states = check_names(states, "states", owner)
+    if typed is not None and not (
+            isinstance(typed, tuple) and len(typed) == 2 and isinstance(typed[0], str)
+            and isinstance(typed[1], pa.DataType) and typed[0] not in STATE_SCHEMA.names):
+        raise ConfigError("typed", typed, "None or (a column name not in the state schema, a "
+                          "pyarrow.DataType)", owner=owner)
+    schema = state_schema(columns, typed, owner)
+    check_int(batch_rows, "batch_rows", owner, lo=1)
     handle = ChangelogStateBackendHandle.from_json(split.handle)
 
     def batches() -> Iterator[pa.RecordBatch]:
         try:
             yield from run_batches(_split_runs(store, split, handle, cache, allow_pickle),
-                                   split.checkpoint_id, split.task_id, keys, states)
+                                   split.checkpoint_id, split.task_id, keys, states, schema,
+                                   batch_rows)
         except ObjectNotFoundError as exc:
             raise translate_missing(store, split.checkpoint_id, exc) from exc
 

@@ -84,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 _TYPED_COLUMN = "typed_value"
 
+#: Rows per Arrow batch handed to Spark (the row path's size too): the JVM turns 16 k-row batches
+#: into rows with less CPU than 64 k or larger ones (bench: the floor source at 4 M rows)
+_BATCH_ROWS = 16384
+
 
 # --------------------------------------------------------------------------- options
 
@@ -345,12 +349,84 @@ def _process_cache() -> LocalFileCache:
     return cache
 
 
-def _typed(opts: SourceOptions, schema: Any) -> tuple[str, Any] | None:
-    if not opts.value_type:
-        return None
-    from pyspark.sql.pandas.types import to_arrow_type
+def _typed(schema: Any) -> tuple[str, Any] | None:
+    """``typed_value``'s name and Arrow type when ``schema`` has it (``valueType``, or a
+    user-specified schema that names it, in any case)."""
+    for f in schema.fields:
+        if f.name.lower() == _TYPED_COLUMN:
+            from pyspark.sql.pandas.types import to_arrow_type
 
-    return _TYPED_COLUMN, to_arrow_type(schema[_TYPED_COLUMN].dataType)
+            return _TYPED_COLUMN, to_arrow_type(f.dataType)
+    return None
+
+
+@dataclass(frozen=True)
+class _Output:
+    """The columns a read yields: all of the source's (``columns is None``), or those of a
+    user-specified schema (``spark.read.schema(...)``), in its order and spelling."""
+
+    typed: tuple[str, Any] | None
+    #: the source's column of each output column (``None``: the source's schema as it is)
+    columns: tuple[str, ...] | None = None
+    #: the user-specified schema (a Spark ``StructType``) when ``columns`` is set
+    schema: Any = None
+
+    @classmethod
+    def of(cls, opts: SourceOptions, schema: Any, ddl: str) -> _Output:
+        """The output for the schema Spark hands the reader: the source's own (``schema()``)
+        or the user's, which may name any of the source's columns, in any order, each with the
+        source's type (``typed_value``: any type, as ``valueType``).
+
+        Raises:
+            ConfigError: a column the source does not have, one of another type, a column
+                named twice, or no column (each named, with the source's columns).
+        """
+        own = _columns(ddl)
+        names = tuple(schema.fieldNames())
+        shown = schema.simpleString()
+        listed = ", ".join(f"{n} {t}" for n, t in own.items())
+        expected = f"columns of the source's schema ({listed}, {_TYPED_COLUMN} <any type>)"
+        if not names:
+            raise ConfigError("schema", shown, expected, owner="dstl source",
+                              fix="name at least one column, or give no schema")
+        by_lower = {n.lower(): n for n in (*own, _TYPED_COLUMN)}
+        columns: list[str] = []
+        for f in schema.fields:
+            col = by_lower.get(f.name.lower())
+            if col is None:
+                raise ConfigError("schema", shown, expected, owner="dstl source",
+                                  fix=f"the source has no column {f.name!r}")
+            if col in columns:
+                raise ConfigError("schema", shown, expected, owner="dstl source",
+                                  fix=f"column {f.name!r} is named twice")
+            if col != _TYPED_COLUMN and f.dataType.simpleString() != own[col]:
+                raise ConfigError("schema", shown, expected, owner="dstl source",
+                                  fix=f"column {f.name!r} is {own[col]} in the source, not "
+                                      f"{f.dataType.simpleString()}: declare it {own[col]} "
+                                      "(cast after reading)")
+            columns.append(col)
+        typed = _typed(schema)
+        if tuple(columns) == names == (*own, *((_TYPED_COLUMN,) if opts.value_type else ())):
+            return cls(typed)  # the source's own schema
+        return cls(typed, tuple(columns), schema)
+
+    def project(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` (of the source's columns) as the output's columns."""
+        if self.columns is None:
+            yield from batches
+            return
+        import pyarrow as pa
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        out = to_arrow_schema(self.schema, timezone="UTC")
+        for b in batches:
+            yield pa.RecordBatch.from_arrays([b.column(c) for c in self.columns], schema=out)
+
+
+def _columns(ddl: str) -> dict[str, str]:
+    """``{name: Spark type}`` of one of the sources' DDLs (:data:`STATE_DDL`,
+    :data:`CHANGE_DDL`: ``name type`` pairs, simple types)."""
+    return dict(pair.split(" ", 1) for pair in ddl.split(", "))
 
 
 @dataclass(frozen=True)
@@ -361,9 +437,15 @@ class _Split(InputPartition):
     cached: bool
 
 
-def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
+def _read(opts: SourceOptions, pushed: _Pushed, output: _Output,
           partition: InputPartition) -> Iterator[Any]:
-    """The Arrow batches of one split (runs on an executor)."""
+    """The Arrow batches of one split, of ``output``'s columns (runs on an executor)."""
+    return output.project(_read_split(opts, pushed, output, partition))
+
+
+def _read_split(opts: SourceOptions, pushed: _Pushed, output: _Output,
+                partition: InputPartition) -> Iterator[Any]:
+    """The Arrow batches of one split: the source's columns (only ``output``'s, or all)."""
     from dstl.reader.arrow import CHANGE_SCHEMA, STATE_SCHEMA, batches
     from dstl.reader.changes import read_change_split
     from dstl.reader.columns import read_state_batches
@@ -383,11 +465,13 @@ def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
     store = open_read_only(opts.state_uri, opts.storage_options)
     try:
         rows: Iterator[Any]
-        if isinstance(part.split, StateSplit) and opts.table == "heap" and typed is None:
-            # column-wise (dstl.reader.columns): the same rows, without Python per row
+        if isinstance(part.split, StateSplit) and opts.table == "heap":
+            # column-wise (dstl.reader.columns): the same rows, without Python per row, and
+            # only the columns the output has
             yield from read_state_batches(store, part.split, cache=cache,
                                           allow_pickle=opts.allow_pickle, keys=pushed.keys,
-                                          states=pushed.states)
+                                          states=pushed.states, columns=output.columns,
+                                          typed=output.typed, batch_rows=_BATCH_ROWS)
             return
         if isinstance(part.split, StateSplit):
             rows = read_state_split(store, part.split, cache=cache, table=opts.table,
@@ -399,7 +483,7 @@ def _read(opts: SourceOptions, pushed: _Pushed, typed: tuple[str, Any] | None,
                                                  allow_pickle=opts.allow_pickle)
                     if pushed.accept(r.partition, r.key_bytes, r.state))
             schema = CHANGE_SCHEMA
-        yield from batches(rows, schema, typed=typed)
+        yield from batches(rows, schema, typed=output.typed)
     finally:
         store.close()
 
@@ -414,7 +498,7 @@ class _StateReader(DataSourceReader):
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
         self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
-        self.typed = _typed(opts, schema)
+        self.output = _Output.of(opts, schema, STATE_DDL)
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         for f in filters:
@@ -442,7 +526,7 @@ class _StateReader(DataSourceReader):
         return [_Split(s, cached) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _read(self.opts, self.pushed, self.typed, partition)
+        return _read(self.opts, self.pushed, self.output, partition)
 
 
 class _ChangeReader(DataSourceReader):
@@ -452,7 +536,7 @@ class _ChangeReader(DataSourceReader):
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
         self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
-        self.typed = _typed(opts, schema)
+        self.output = _Output.of(opts, schema, CHANGE_DDL)
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         for f in filters:
@@ -463,7 +547,7 @@ class _ChangeReader(DataSourceReader):
         return _change_partitions(self.opts, self.pushed, self.opts.start, self.opts.end)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _read(self.opts, self.pushed, self.typed, partition)
+        return _read(self.opts, self.pushed, self.output, partition)
 
 
 def _change_partitions(opts: SourceOptions, pushed: _Pushed, start: int | None,
@@ -505,7 +589,7 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
         self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
-        self.typed = _typed(opts, schema)
+        self.output = _Output.of(opts, schema, CHANGE_DDL)
         self.target: int | None = None  # availableNow: the newest checkpoint when it started
 
     def _ids(self) -> list[int]:
@@ -550,7 +634,7 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _change_partitions(self.opts, self.pushed, a if a >= 0 else None, b)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _read(self.opts, self.pushed, self.typed, partition)
+        return _read(self.opts, self.pushed, self.output, partition)
 
     def commit(self, end: dict[str, int]) -> None:
         logger.debug("dstl change feed of %s committed up to checkpoint %s",

@@ -196,3 +196,81 @@ def test_a_stream_behind_retention_names_what_was_lost(spark: Any,  # noqa: F811
     rows.sort(key=lambda r: (r.checkpoint, r.partition, r.seq))
     assert {r.checkpoint for r in rows} == {3}  # the changes after the oldest retained (2)
     assert replay(rows, job.checkpoint_models[2]) == job.checkpoint_models[3]
+
+
+def _rows(df: Any) -> list[tuple[Any, ...]]:
+    return sorted((tuple(r) for r in df.collect()), key=repr)
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])  # the column-wise path and the row path
+def test_a_user_schema_reads_only_its_columns_in_its_order(spark: Any,  # noqa: F811
+                                                           job: tuple[str, MiniJob],
+                                                           table: str) -> None:
+    root, _ = job
+    register(spark)
+    full = _load(spark, root, table=table)
+    for ddl, cols in (("value string, key string, partition string",
+                       ["value", "key", "partition"]),
+                      ("key_bytes binary", ["key_bytes"]),
+                      ("KEY string, Kind string, user_key string, namespace string, "
+                       "key_group int, checkpoint bigint, state string",
+                       ["key", "kind", "user_key", "namespace", "key_group", "checkpoint",
+                        "state"])):
+        reader = spark.read.format("dstl").schema(ddl).option("operator", "job")
+        got = reader.option("table", table).load(root)
+        assert got.columns == ddl_names(ddl)
+        assert _rows(got) == _rows(full.select(*cols)), ddl
+    # filters still push down to the key groups that can match
+    one = (spark.read.format("dstl").schema("key string, value string")
+           .option("operator", "job").option("table", table).load(root).filter("key = 'k7'"))
+    assert one.rdd.getNumPartitions() == 1
+    assert _rows(one) == _rows(full.filter("key = 'k7'").select("key", "value"))
+    # a typed value column by the schema alone (no valueType), or with it
+    typed = (spark.read.format("dstl").schema("typed_value bigint, key string")
+             .option("operator", "job").option("state", "count").option("table", table)
+             .load(root))
+    with_option = _load(spark, root, state="count", valueType="bigint", table=table)
+    assert _rows(typed) == _rows(with_option.select("typed_value", "key"))
+
+
+def ddl_names(ddl: str) -> list[str]:
+    return [pair.strip().split(" ")[0] for pair in ddl.split(",")]
+
+
+def test_a_user_schema_projects_the_change_feed_batch_and_stream(
+        spark: Any, job: tuple[str, MiniJob], tmp_path: Path) -> None:  # noqa: F811
+    root, _ = job
+    register(spark)
+    ddl = "op string, seq bigint, key string, value string, checkpoint bigint"
+    full = _load(spark, root, readChangeFeed="true", startCheckpoint=0)
+    batch = (spark.read.format("dstl").schema(ddl).option("operator", "job")
+             .option("readChangeFeed", "true").option("startCheckpoint", 0).load(root))
+    expected = _rows(full.select("op", "seq", "key", "value", "checkpoint"))
+    assert _rows(batch) == expected and expected
+    got: list[Any] = []
+    query = (spark.readStream.format("dstl_changes").schema(ddl).option("operator", "job")
+             .option("startingCheckpoint", 0).load(root).writeStream
+             .foreachBatch(lambda df, _: got.extend(df.collect()))
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True)
+             .start())
+    try:
+        query.awaitTermination(300)
+        assert query.exception() is None
+    finally:
+        query.stop()
+    assert sorted((tuple(r) for r in got), key=repr) == expected
+
+
+def test_a_user_schema_the_source_cannot_give_is_a_typed_error(
+        spark: Any, job: tuple[str, MiniJob]) -> None:  # noqa: F811
+    root, _ = job
+    register(spark)
+    for ddl, says in (("key string, owner string", "the source has no column 'owner'"),
+                      ("key int", "column 'key' is string in the source, not int"),
+                      ("key string, KEY string", "column 'KEY' is named twice"),
+                      ("seq bigint", "the source has no column 'seq'")):  # a change column
+        with pytest.raises(Exception, match="ConfigError") as err:
+            (spark.read.format("dstl").schema(ddl).option("operator", "job").load(root)
+             .collect())
+        assert says in str(err.value), (ddl, str(err.value)[:2000])
+        assert "dstl source.schema" in str(err.value)

@@ -21,7 +21,7 @@ from dstl.reader import (
     task_states,
 )
 from dstl.reader.arrow import STATE_SCHEMA, batches
-from dstl.reader.columns import read_state_batches, read_state_table
+from dstl.reader.columns import read_state_batches, read_state_table, state_schema
 
 
 def _splits(catalog: CheckpointCatalog, checkpoint_id: int | None,
@@ -38,30 +38,35 @@ def _splits(catalog: CheckpointCatalog, checkpoint_id: int | None,
 def column_table(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
                  keys: Collection[str | bytes] | None = None,
                  states: Collection[str] | None = None, allow_pickle: bool = False,
-                 max_key_groups: int | None = None, cache: Any = None) -> pa.Table:
-    """Every split's record batches (column-wise path) as one table."""
+                 max_key_groups: int | None = None, cache: Any = None,
+                 columns: list[str] | None = None,
+                 typed: tuple[str, pa.DataType] | None = None) -> pa.Table:
+    """Every split's record batches (column-wise path) as one table (of ``columns``)."""
     wanted = None if keys is None else key_bytes_of(keys)
+    schema = state_schema(columns, typed)
     out = []
     for split in _splits(catalog, checkpoint_id, keys, max_key_groups):
         for b in read_state_batches(catalog.store, split, cache=cache,
-                                    allow_pickle=allow_pickle, keys=wanted, states=states):
-            assert b.schema == STATE_SCHEMA
+                                    allow_pickle=allow_pickle, keys=wanted, states=states,
+                                    columns=columns, typed=typed):
+            assert b.schema == schema
             out.append(b)
-    return pa.Table.from_batches(out, schema=STATE_SCHEMA)
+    return pa.Table.from_batches(out, schema=schema)
 
 
 def row_table(catalog: CheckpointCatalog, checkpoint_id: int | None = None, *,
               keys: Collection[str | bytes] | None = None,
               states: Collection[str] | None = None, allow_pickle: bool = False,
-              max_key_groups: int | None = None, table: str = "heap") -> pa.Table:
+              max_key_groups: int | None = None, table: str = "heap",
+              typed: tuple[str, pa.DataType] | None = None) -> pa.Table:
     """The same through the row path (``read_state_split`` + ``arrow.batches``)."""
     wanted = None if keys is None else key_bytes_of(keys)
     out = []
     for split in _splits(catalog, checkpoint_id, keys, max_key_groups):
         out.extend(batches(read_state_split(catalog.store, split, table=table,
                                             allow_pickle=allow_pickle, keys=wanted,
-                                            states=states), STATE_SCHEMA))
-    return pa.Table.from_batches(out, schema=STATE_SCHEMA)
+                                            states=states), STATE_SCHEMA, typed=typed))
+    return pa.Table.from_batches(out, schema=state_schema(None, typed))
 
 
 def sorted_rows(t: pa.Table) -> list[tuple[Any, ...]]:

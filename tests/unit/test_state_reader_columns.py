@@ -28,10 +28,15 @@ from support.columnar import (  # noqa: E402
 from support.state_job import MiniJob, _Borrowed, state_of  # noqa: E402
 
 from dstl.checkpoint import CheckpointCoordinator  # noqa: E402
-from dstl.errors import CorruptObjectError, UsageError  # noqa: E402
+from dstl.errors import ConfigError, CorruptObjectError, UsageError  # noqa: E402
 from dstl.keygroups import KeyGroupRange  # noqa: E402
-from dstl.reader import CheckpointCatalog, ReadOnlyBlobStore  # noqa: E402
-from dstl.reader.columns import int_values  # noqa: E402
+from dstl.reader import (  # noqa: E402
+    CheckpointCatalog,
+    ReadOnlyBlobStore,
+    plan_state_splits,
+    task_states,
+)
+from dstl.reader.columns import int_values, read_state_batches  # noqa: E402
 from dstl.storage import ChangelogStorage  # noqa: E402
 from dstl.stores import open_store  # noqa: E402
 from dstl.stores.base import BlobStore  # noqa: E402
@@ -252,8 +257,103 @@ def test_every_value_shape_and_the_json_fallback_through_a_snapshot_and_its_log(
         assert text_of[b"\xff\xfe"] is None and text_of["\u00e9".encode()] == "\u00e9"
     _same(catalog, 2, allow_pickle=True, keys=[b"\xff\xfe", "k3", "new1"])
     _same(catalog, 2, allow_pickle=True, states=["v"])
+    # only some columns, in any order: the same values as those of the whole rows
+    full = column_table(catalog, 2, allow_pickle=True)
+    for columns in (["value", "key"], ["user_key", "namespace", "kind", "state"],
+                    ["key_bytes", "key_group", "partition", "checkpoint", "value"]):
+        got = column_table(catalog, 2, allow_pickle=True, columns=columns)
+        assert got.column_names == columns
+        assert sorted_rows(got) == sorted_rows(full.select(columns)), columns
     if table == "lmdb":
         _listed(listing)
+
+
+def _split_of_keys(store: BlobStore, n: int) -> Any:
+    storage, backend = _one_backend(store, "heap")
+    try:
+        for i in range(n):
+            backend.set_current_key(f"k{i}")
+            backend.get_state(ValueStateDescriptor("v")).update(i)
+        _commit(store, backend, 0)
+    finally:
+        backend.close()
+        storage.close()
+    return plan_state_splits(0, task_states(_catalog(store).manifest(0)))[0]
+
+
+@pytest.mark.parametrize("columns", [[], ["key", "key"], ["owner"], "key", ("key", 1)])
+def test_columns_not_of_the_state_schema_are_a_config_error(store: BlobStore,
+                                                            columns: Any) -> None:
+    split = _split_of_keys(store, 1)
+    with pytest.raises(ConfigError, match=r"read_state_batches\.columns=.*distinct columns of "
+                                          r"the state schema \(checkpoint, partition"):
+        read_state_batches(store, split, columns=columns)
+
+
+def test_typed_values_equal_the_row_paths_and_fail_as_it_does(store: BlobStore) -> None:
+    storage, backend = _one_backend(store, "heap")
+    small = [0, 1, 255, 256, -1, -256, 2**31, -2**40, 2**63 - 1, -2**63]
+    try:
+        st = {"n": backend.get_state(ValueStateDescriptor("n")),
+              "sum": backend.get_state(ReducingStateDescriptor("sum", lambda a, b: a + b)),
+              "m": backend.get_state(MapStateDescriptor("m")),
+              "l": backend.get_state(ListStateDescriptor("l"))}
+        for i in range(300):
+            backend.set_current_key(f"k{i}")
+            st["n"].update(small[i % len(small)])
+            st["sum"].add(i)
+            st["m"].put(f"u{i % 4}", i * 1000)
+            st["l"].add(i)
+        _commit(store, backend, 0)
+        assert backend.materialize_now(timeout_s=30) is not None
+        for i in range(0, 300, 7):  # a log after the snapshot
+            backend.set_current_key(f"k{i}")
+            st["n"].update(-i)
+            st["sum"].add(10)
+            st["m"].put("new", i)
+        backend.set_current_key("fresh")
+        st["n"].update(2**62)
+        _commit(store, backend, 1)
+    finally:
+        backend.close()
+        storage.close()
+    catalog = _catalog(store)
+    for states, kind in ((["n", "sum"], pa.int64()), (["sum"], pa.float64()),
+                         (["sum"], pa.int32()), (["m"], pa.int64()),
+                         (["l"], pa.list_(pa.int64())), (["n", "sum", "m"], pa.decimal128(38, 0))):
+        typed = ("typed_value", kind)
+        cols = column_table(catalog, 1, states=states, typed=typed)
+        assert cols.schema.field("typed_value").type == kind
+        assert sorted_rows(cols) == sorted_rows(row_table(catalog, 1, states=states,
+                                                          typed=typed)), (states, kind)
+        assert cols.num_rows >= 300
+    for states, kind in ((["n"], pa.int32()), (["n"], pa.string()), (["sum"], pa.int8()),
+                         (["m"], pa.bool_())):
+        typed = ("typed_value", kind)
+        with pytest.raises(Exception) as rows_err:
+            row_table(catalog, 1, states=states, typed=typed)
+        with pytest.raises(type(rows_err.value)):
+            column_table(catalog, 1, states=states, typed=typed)
+    # only the typed column, or it between others
+    only = column_table(catalog, 1, states=["n"], typed=("typed_value", pa.int64()),
+                        columns=["typed_value", "key"])
+    assert only.column_names == ["typed_value", "key"]
+    split = plan_state_splits(1, task_states(catalog.manifest(1)))[0]
+    for bad in (("value", pa.int64()), ("t", "bigint"), "t"):
+        with pytest.raises(ConfigError, match=r"read_state_batches\.typed="):
+            read_state_batches(store, split, typed=bad)  # type: ignore[arg-type]
+
+
+def test_batches_have_at_most_batch_rows_rows(store: BlobStore) -> None:
+    split = _split_of_keys(store, 20)
+    whole = list(read_state_batches(store, split, columns=["key", "value"]))
+    assert [b.num_rows for b in whole] == [20]
+    small = list(read_state_batches(store, split, columns=["key", "value"], batch_rows=7))
+    assert [b.num_rows for b in small] == [7, 7, 6]
+    assert pa.Table.from_batches(small).equals(pa.Table.from_batches(whole))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match=r"read_state_batches\.batch_rows"):
+            read_state_batches(store, split, batch_rows=bad)
 
 
 def read_value(text: str | None) -> Any:

@@ -214,12 +214,46 @@ def test_the_spark_source_reads_sparks_placeholder_partition_as_no_rows() -> Non
     from pyspark.sql.datasource import InputPartition
 
     from dstl.errors import UsageError
-    from dstl.spark.datasource import _Pushed, _read
+    from dstl.spark.datasource import _Output, _Pushed, _read
 
     opts = _parse({}, stream=False)
-    assert list(_read(opts, _Pushed(), None, InputPartition(None))) == []
+    assert list(_read(opts, _Pushed(), _Output(None), InputPartition(None))) == []
     with pytest.raises(UsageError, match="not one of the splits it planned"):
-        list(_read(opts, _Pushed(), None, InputPartition(3)))
+        list(_read(opts, _Pushed(), _Output(None), InputPartition(3)))
+
+
+def test_the_spark_sources_take_a_user_schema_as_their_columns() -> None:
+    from pyspark.sql.types import (
+        BinaryType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    from dstl.reader.rows import CHANGE_DDL, STATE_DDL
+    from dstl.spark.datasource import _Output
+
+    def schema(*fields: tuple[str, Any]) -> StructType:
+        return StructType([StructField(n, t) for n, t in fields])
+
+    opts = _parse({}, stream=False)
+    types = {"bigint": LongType(), "int": IntegerType(), "binary": BinaryType(),
+             "string": StringType()}
+    own = schema(*((n, types[t]) for n, t in (p.split(" ") for p in STATE_DDL.split(", "))))
+    assert _Output.of(opts, own, STATE_DDL) == _Output(None)  # the source's own: as it is
+    out = _Output.of(opts, schema(("Value", StringType()), ("KEY", StringType()),
+                                  ("typed_value", LongType())), STATE_DDL)
+    assert out.columns == ("value", "key", "typed_value") and out.typed is not None
+    assert _Output.of(opts, schema(("seq", LongType())), CHANGE_DDL).columns == ("seq",)
+    with pytest.raises(ConfigError, match=r"dstl source\.schema=.*name at least one column"):
+        _Output.of(opts, StructType([]), STATE_DDL)
+    with pytest.raises(ConfigError, match=r"the source has no column 'seq'"):
+        _Output.of(opts, schema(("seq", LongType())), STATE_DDL)
+    with pytest.raises(ConfigError, match=r"column 'checkpoint' is bigint in the source, not "
+                                          r"string: declare it bigint"):
+        _Output.of(opts, schema(("checkpoint", StringType())), STATE_DDL)
 
 
 def test_spark_source_options_accept_what_the_docs_show() -> None:
