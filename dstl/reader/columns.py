@@ -110,8 +110,8 @@ _SCALAR_KINDS = frozenset({"value", "reducing", "aggregating"})
 _PREFIX = 8  # >HHI: key group, state id, key length
 _U32 = struct.Struct(">I")
 _BYTE_TEXTS = pa.array([str(i) for i in range(256)], type=pa.string())  # see _int_text
-#: Rows per record batch handed to Spark (bench/state_reader.py: 256 k-row batches cost the JVM
-#: more than 16 k or 64 k), and entries per chunk of a v2 file listed by cursors.
+#: Rows per record batch by default (the Spark source asks for 16 k:
+#: ``dstl.spark.datasource._BATCH_ROWS``), and entries per chunk of a v2 file listed by cursors.
 _CHUNK = 65536
 #: Entries of a v2 file per run (the overlay probes the log's keys once per run) and the bytes
 #: of its keys or values at most (a binary array's offsets are 32-bit).
