@@ -84,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 _TYPED_COLUMN = "typed_value"
 
+#: Columns a row may leave null (a key that is not UTF-8 text, the default namespace, a state
+#: that is no map, a change without a value): a user-specified schema may not declare them NOT NULL
+_MAY_BE_NULL = frozenset({"key", "namespace", "user_key", "value", _TYPED_COLUMN})
+
 #: Rows per Arrow batch handed to Spark (the row path's size too): the JVM turns 16 k-row batches
 #: into rows with less CPU than 64 k or larger ones (bench: the floor source at 4 M rows)
 _BATCH_ROWS = 16384
@@ -378,8 +382,9 @@ class _Output:
         source's type (``typed_value``: any type, as ``valueType``).
 
         Raises:
-            ConfigError: a column the source does not have, one of another type, a column
-                named twice, or no column (each named, with the source's columns).
+            ConfigError: a column the source does not have, one of another type, one that may
+                be null declared NOT NULL, a column named twice, or no column (each named,
+                with the source's columns).
         """
         own = _columns(ddl)
         names = tuple(schema.fieldNames())
@@ -399,6 +404,11 @@ class _Output:
             if col in columns:
                 raise ConfigError("schema", shown, expected, owner="dstl source",
                                   fix=f"column {f.name!r} is named twice")
+            if not f.nullable and col in _MAY_BE_NULL:
+                raise ConfigError("schema", shown, expected, owner="dstl source",
+                                  fix=f"column {f.name!r} can be null (docs/spark.md): declare "
+                                      "it without NOT NULL (Spark trusts NOT NULL: a null "
+                                      "there would read as a value or drop out of a filter)")
             if col != _TYPED_COLUMN and f.dataType.simpleString() != own[col]:
                 raise ConfigError("schema", shown, expected, owner="dstl source",
                                   fix=f"column {f.name!r} is {own[col]} in the source, not "

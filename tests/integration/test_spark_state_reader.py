@@ -268,6 +268,7 @@ def test_a_user_schema_the_source_cannot_give_is_a_typed_error(
     for ddl, says in (("key string, owner string", "the source has no column 'owner'"),
                       ("key int", "column 'key' is string in the source, not int"),
                       ("key string, KEY string", "column 'KEY' is named twice"),
+                      ("key string not null", "column 'key' can be null"),
                       ("seq bigint", "the source has no column 'seq'")):  # a change column
         with pytest.raises(Exception, match="ConfigError") as err:
             (spark.read.format("dstl").schema(ddl).option("operator", "job").load(root)

@@ -254,6 +254,16 @@ def test_the_spark_sources_take_a_user_schema_as_their_columns() -> None:
     with pytest.raises(ConfigError, match=r"column 'checkpoint' is bigint in the source, not "
                                           r"string: declare it bigint"):
         _Output.of(opts, schema(("checkpoint", StringType())), STATE_DDL)
+    # NOT NULL: refused where a row may hold null (Spark would trust it), kept elsewhere
+    for name, kind, ddl in (("key", StringType(), STATE_DDL), ("value", StringType(), CHANGE_DDL),
+                            ("typed_value", LongType(), STATE_DDL),
+                            ("namespace", StringType(), STATE_DDL)):
+        with pytest.raises(ConfigError, match=rf"column '{name}' can be null"):
+            _Output.of(opts, StructType([StructField(name, kind, False)]), ddl)
+    kept = _Output.of(opts, StructType([StructField("checkpoint", LongType(), False),
+                                        StructField("key_bytes", BinaryType(), False)]),
+                      STATE_DDL)
+    assert kept.columns == ("checkpoint", "key_bytes")
 
 
 def test_spark_source_options_accept_what_the_docs_show() -> None:
