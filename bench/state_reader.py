@@ -21,10 +21,11 @@ Read figure: wall time of one read of the whole state, every column, into Spark'
 query's checkpoint; and DSTL's read of the three columns Spark's reader gives (``key``, the count
 as ``typed_value bigint``, ``partition``: ``.schema(SPARK_COLUMNS)``, so only those are built and
 handed over). Reads rotate among the five (with the two floors below), ``--repeats`` each
-(median, spread), after one unmeasured warm-up read of each. Both reads are checked: as many rows as keys. Floor: the
-same read of a Python data source with DSTL's schema whose splits yield record batches built
-before the read (no state read at all): what Spark's Python Data Source plumbing costs for as
-many rows — the floor under the DSTL source (of all ten columns, and of the three).
+(median, spread), after one unmeasured warm-up read of each. The reads are checked: as many
+rows as keys, counts summing to the keys. Floor: the same read of a Python data source with
+DSTL's schema whose splits yield record batches built before the read (no state read at all):
+what Spark's Python Data Source plumbing costs for as many rows — the floor under the DSTL
+source (of all ten columns, and of the three).
 
 Change feed: a ``dstl_changes`` stream (processing-time trigger 0.5 s, ``foreachBatch`` counting
 its rows) runs while the DSTL job processes ``--feed-batches`` more batches of new keys
