@@ -353,17 +353,6 @@ def _process_cache() -> LocalFileCache:
     return cache
 
 
-def _typed(schema: Any) -> tuple[str, Any] | None:
-    """``typed_value``'s name and Arrow type when ``schema`` has it (``valueType``, or a
-    user-specified schema that names it, in any case)."""
-    for f in schema.fields:
-        if f.name.lower() == _TYPED_COLUMN:
-            from pyspark.sql.pandas.types import to_arrow_type
-
-            return _TYPED_COLUMN, to_arrow_type(f.dataType)
-    return None
-
-
 @dataclass(frozen=True)
 class _Output:
     """The columns a read yields: all of the source's (``columns is None``), or those of a
@@ -391,31 +380,34 @@ class _Output:
         shown = schema.simpleString()
         listed = ", ".join(f"{n} {t}" for n, t in own.items())
         expected = f"columns of the source's schema ({listed}, {_TYPED_COLUMN} <any type>)"
+
+        def refuse(fix: str) -> ConfigError:
+            return ConfigError("schema", shown, expected, owner="dstl source", fix=fix)
+
         if not names:
-            raise ConfigError("schema", shown, expected, owner="dstl source",
-                              fix="name at least one column, or give no schema")
+            raise refuse("name at least one column, or give no schema")
         by_lower = {n.lower(): n for n in (*own, _TYPED_COLUMN)}
         columns: list[str] = []
+        typed: tuple[str, Any] | None = None
         for f in schema.fields:
             col = by_lower.get(f.name.lower())
             if col is None:
-                raise ConfigError("schema", shown, expected, owner="dstl source",
-                                  fix=f"the source has no column {f.name!r}")
+                raise refuse(f"the source has no column {f.name!r}")
             if col in columns:
-                raise ConfigError("schema", shown, expected, owner="dstl source",
-                                  fix=f"column {f.name!r} is named twice")
+                raise refuse(f"column {f.name!r} is named twice")
             if not f.nullable and col in _MAY_BE_NULL:
-                raise ConfigError("schema", shown, expected, owner="dstl source",
-                                  fix=f"column {f.name!r} can be null (docs/spark.md): declare "
-                                      "it without NOT NULL (Spark trusts NOT NULL: a null "
-                                      "there would read as a value or drop out of a filter)")
-            if col != _TYPED_COLUMN and f.dataType.simpleString() != own[col]:
-                raise ConfigError("schema", shown, expected, owner="dstl source",
-                                  fix=f"column {f.name!r} is {own[col]} in the source, not "
-                                      f"{f.dataType.simpleString()}: declare it {own[col]} "
-                                      "(cast after reading)")
+                raise refuse(f"column {f.name!r} can be null (docs/spark.md): declare it "
+                             "without NOT NULL (Spark trusts NOT NULL: a null there would "
+                             "read as a value or drop out of a filter)")
+            if col == _TYPED_COLUMN:
+                from pyspark.sql.pandas.types import to_arrow_type
+
+                typed = _TYPED_COLUMN, to_arrow_type(f.dataType)
+            elif f.dataType.simpleString() != own[col]:
+                raise refuse(f"column {f.name!r} is {own[col]} in the source, not "
+                             f"{f.dataType.simpleString()}: declare it {own[col]} (cast after "
+                             "reading)")
             columns.append(col)
-        typed = _typed(schema)
         if tuple(columns) == names == (*own, *((_TYPED_COLUMN,) if opts.value_type else ())):
             return cls(typed)  # the source's own schema
         return cls(typed, tuple(columns), schema)

@@ -202,6 +202,10 @@ def _rows(df: Any) -> list[tuple[Any, ...]]:
     return sorted((tuple(r) for r in df.collect()), key=repr)
 
 
+def _ddl_names(ddl: str) -> list[str]:
+    return [pair.strip().split(" ")[0] for pair in ddl.split(",")]
+
+
 @pytest.mark.parametrize("table", ["heap", "lmdb"])  # the column-wise path and the row path
 def test_a_user_schema_reads_only_its_columns_in_its_order(spark: Any,  # noqa: F811
                                                            job: tuple[str, MiniJob],
@@ -218,7 +222,7 @@ def test_a_user_schema_reads_only_its_columns_in_its_order(spark: Any,  # noqa: 
                         "state"])):
         reader = spark.read.format("dstl").schema(ddl).option("operator", "job")
         got = reader.option("table", table).load(root)
-        assert got.columns == ddl_names(ddl)
+        assert got.columns == _ddl_names(ddl)
         assert _rows(got) == _rows(full.select(*cols)), ddl
     # filters still push down to the key groups that can match
     one = (spark.read.format("dstl").schema("key string, value string")
@@ -231,10 +235,6 @@ def test_a_user_schema_reads_only_its_columns_in_its_order(spark: Any,  # noqa: 
              .load(root))
     with_option = _load(spark, root, state="count", valueType="bigint", table=table)
     assert _rows(typed) == _rows(with_option.select("typed_value", "key"))
-
-
-def ddl_names(ddl: str) -> list[str]:
-    return [pair.strip().split(" ")[0] for pair in ddl.split(",")]
 
 
 def test_a_user_schema_projects_the_change_feed_batch_and_stream(
