@@ -22,7 +22,12 @@ This package is an entry point like :mod:`dstl.spark` and :mod:`dstl.cli`: it ma
 
 from dstl.reader.catalog import CheckpointCatalog, StoredCheckpoint, TaskState, task_states
 from dstl.reader.changes import ChangePlan, plan_change_range, read_change_split
-from dstl.reader.errors import ChangesLostError, CheckpointDeletedError, CheckpointNotFoundError
+from dstl.reader.errors import (
+    ChangesLostError,
+    CheckpointDeletedError,
+    CheckpointNotFoundError,
+    ValueTypeError,
+)
 from dstl.reader.objects import identify_object
 from dstl.reader.plan import (
     ChangeSplit,
@@ -55,6 +60,7 @@ __all__ = [
     "StateSplit",
     "StoredCheckpoint",
     "TaskState",
+    "ValueTypeError",
     "VerifyProblem",
     "VerifyReport",
     "from_json",

@@ -17,16 +17,18 @@ Columns (``namespace``, ``user_key`` and ``value`` as JSON text, :func:`~dstl.re
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dstl.reader.errors import ValueTypeError
 from dstl.reader.rows import CHANGE_DDL, STATE_DDL, ChangeRow, StateRow, to_json
 
 __all__ = ["CHANGE_DDL", "CHANGE_SCHEMA", "STATE_DDL", "STATE_SCHEMA", "batches",
-           "state_json_lines"]
+           "state_json_lines", "typed_column"]
 
 STATE_SCHEMA = pa.schema([
     ("checkpoint", pa.int64()), ("partition", pa.string()), ("key_group", pa.int32()),
@@ -42,6 +44,30 @@ CHANGE_SCHEMA = pa.schema([
 
 
 _JSON_COLUMNS = frozenset({"namespace", "user_key", "value"})
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+#: what ``pyarrow.array`` raises for a value that does not convert to the type asked for
+_CONVERSION_ERRORS = (pa.ArrowException, ValueError, TypeError, OverflowError)
+
+
+def typed_column(values: Sequence[Any], kind: pa.DataType,
+                 where: Callable[[int], tuple[str, Any]]) -> pa.Array:
+    """``values`` (decoded) as a column of ``kind``, converted by ``pyarrow.array``.
+
+    Raises:
+        ValueTypeError: a value does not convert; it names the first such value with its state
+            and key (``where(i)``: the state name and key of ``values[i]``).
+    """
+    try:
+        return pa.array(values, type=kind)
+    except _CONVERSION_ERRORS as exc:
+        for i, v in enumerate(values):
+            try:
+                pa.array([v], type=kind)
+            except _CONVERSION_ERRORS as one:
+                state, key = where(i)
+                raise ValueTypeError(state, key, v, kind, str(one) or type(one).__name__) \
+                    from exc
+        raise  # each value converts alone: the column's error as it is
 
 
 def _text_key(k: Any) -> str | None:
@@ -57,11 +83,9 @@ def _converter(name: str) -> Callable[[Any], Any] | None:
 
 def _column(name: str, col: tuple[Any, ...], conv: Callable[[Any], Any] | None,
             kind: pa.DataType) -> pa.Array:
-    if name == "value" and all(type(v) is int for v in col):
-        try:  # integer values (counters, sums): JSON text in one vectorised cast
-            return pa.array(col, type=pa.int64()).cast(pa.string())
-        except OverflowError:
-            pass  # beyond 64 bits: one by one
+    if name == "value" and all(type(v) is int and _I64_MIN <= v <= _I64_MAX for v in col):
+        # integer values (counters, sums): JSON text in one vectorised cast
+        return pa.array(col, type=pa.int64()).cast(pa.string())
     if name == "key":
         return pa.nulls(len(col), type=pa.string())  # filled from key_bytes by the caller
     return pa.array(col if conv is None else list(map(conv, col)), type=kind)
@@ -74,6 +98,11 @@ def _text_keys(key_bytes: pa.Array, keys: tuple[Any, ...]) -> pa.Array:
         return key_bytes.cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         return pa.array([k if type(k) is str else None for k in keys], type=pa.string())
+
+
+def _state_and_key(columns: list[tuple[Any, ...]], state_at: int, key_at: int, i: int
+                   ) -> tuple[str, Any]:
+    return columns[state_at][i], columns[key_at][i]
 
 
 def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *,
@@ -89,11 +118,12 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
             that type (the Spark sources' ``valueType`` option).
 
     Raises:
-        pyarrow.ArrowInvalid / ArrowTypeError: a value does not convert to ``typed``'s type.
+        ValueTypeError: a value does not convert to ``typed``'s type.
     """
     names = [f.name for f in schema]
     convs = [_converter(n) for n in names]
     value_at = schema.get_field_index("value")
+    state_at, key_col = names.index("state"), names.index("key")
     key_at = names.index("key") if "key" in names and "key_bytes" in names else None
     key_bytes_at = names.index("key_bytes") if key_at is not None else -1
     out_schema = schema.append(pa.field(typed[0], typed[1])) if typed is not None else schema
@@ -108,7 +138,8 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
         if key_at is not None:  # the key as text: one vectorised UTF-8 check of key_bytes
             arrays[key_at] = _text_keys(arrays[key_bytes_at], columns[key_at])
         if typed is not None:
-            arrays.append(pa.array(columns[value_at], type=typed[1]))
+            arrays.append(typed_column(columns[value_at], typed[1],
+                                       partial(_state_and_key, columns, state_at, key_col)))
         yield pa.RecordBatch.from_arrays(arrays, schema=out_schema)
 
 

@@ -68,7 +68,7 @@ from dstl.errors import (
     TruncatedObjectError,
 )
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
-from dstl.reader.arrow import STATE_SCHEMA
+from dstl.reader.arrow import STATE_SCHEMA, typed_column
 from dstl.reader.catalog import CheckpointCatalog
 from dstl.reader.checks import (
     check_cache,
@@ -337,19 +337,36 @@ def _int_text(ints: np.ndarray) -> pa.Array:
 
 def _typed_values(run: Run, kind: pa.DataType) -> pa.Array:
     """``typed_value`` of a run of a non-map state: each value converted to ``kind`` as
-    :func:`~dstl.reader.arrow.batches` converts it (``pyarrow.array`` of the decoded values);
-    safe-codec ints to an integer type in one cast (which, like that, refuses an int that does
-    not fit)."""
+    :func:`~dstl.reader.arrow.batches` converts it (:func:`~dstl.reader.arrow.typed_column`, a
+    :class:`~dstl.reader.errors.ValueTypeError` for a value that does not convert); safe-codec
+    ints that fit an integer ``kind`` in one cast."""
     decode = run.info.shape.from_bytes
     if run.info.kind in _SCALAR_KINDS and type(run.info.shape.codec) is SafeCodec \
             and pa.types.is_integer(kind):
         ok, ints = int_values(run.vb)
-        if ok.all():
-            try:
-                return pa.array(ints, type=pa.int64()).cast(kind)
-            except pa.ArrowInvalid:
-                pass  # an int that does not fit: fails below with the row path's error
-    return pa.array([decode(b) for b in run.vb.to_pylist()], type=kind)
+        if ok.all() and _fits(ints, kind):
+            return pa.array(ints, type=pa.int64()).cast(kind)
+    return typed_column([decode(b) for b in run.vb.to_pylist()], kind,
+                        lambda i: (run.info.name, _shown_key(run.kb[i].as_py())))
+
+
+def _fits(ints: np.ndarray, kind: pa.DataType) -> bool:
+    """Whether every int64 of ``ints`` is in the range of the integer type ``kind``."""
+    if not len(ints):
+        return True
+    lo, hi = int(ints.min()), int(ints.max())
+    bits = int(kind.bit_width)
+    if pa.types.is_signed_integer(kind):
+        return -(1 << (bits - 1)) <= lo and hi < (1 << (bits - 1))
+    return lo >= 0 and hi < (1 << bits)
+
+
+def _shown_key(kb: bytes) -> str | bytes:
+    """A key as the row path's ``key`` column shows it: text when it is UTF-8, else its bytes."""
+    try:
+        return kb.decode("utf-8")
+    except UnicodeDecodeError:
+        return kb
 
 
 def _batch(run: Run, checkpoint: int, partition: str, user_key: pa.Array | None,
@@ -390,7 +407,8 @@ def _map_batch(run: Run, checkpoint: int, partition: str, schema: pa.Schema,
                run.vb.take(take))
     return _batch(rows, checkpoint, partition, pa.array(user_keys, type=pa.string()),
                   lambda: pa.array([to_json(v) for v in raw], type=pa.string()), schema,
-                  lambda: pa.array(raw, type=typed))
+                  lambda: typed_column(raw, typed, lambda i: (run.info.name, _shown_key(
+                      run.kb[at[i]].as_py()))))
 
 
 def state_schema(columns: Sequence[str] | None, typed: tuple[str, pa.DataType] | None = None,

@@ -6,16 +6,19 @@ deleted by the running job's retention meanwhile (:class:`CheckpointDeletedError
 one), and a change feed whose start fell out of retention (:class:`ChangesLostError`, which names
 the checkpoints whose changes are gone). Damaged objects keep their
 :class:`~dstl.errors.CorruptObjectError` types, and a missing object whose checkpoint still exists
-is an :class:`~dstl.errors.ObjectNotFoundError` naming both.
+is an :class:`~dstl.errors.ObjectNotFoundError` naming both. A ``typed_value`` type that a
+stored value does not convert to is the caller's to fix (:class:`ValueTypeError`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from dstl.errors import DstlError, ObjectNotFoundError, UsageError
 
-__all__ = ["ChangesLostError", "CheckpointDeletedError", "CheckpointNotFoundError"]
+__all__ = ["ChangesLostError", "CheckpointDeletedError", "CheckpointNotFoundError",
+           "ValueTypeError"]
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -83,3 +86,29 @@ class ChangesLostError(DstlError):
                          "consumer fell behind the job's retention. Resume from the oldest "
                          f"retained checkpoint with {option} (those changes stay lost: re-read "
                          "the state to rebuild), or run the job with a larger retained=")
+
+
+class ValueTypeError(UsageError):
+    """A value does not convert to the type asked for the ``typed_value`` column (the Spark
+    sources' ``valueType`` option or a user-specified schema's ``typed_value``).
+
+    Attributes:
+        state: the state whose value it is.
+        key: the entry's key (decoded).
+        value: the value (decoded by the state's codec).
+        type: the Arrow type asked for.
+    """
+
+    def __init__(self, state: str, key: Any, value: Any, type_: Any, reason: str):
+        self.state = state
+        self.key = key
+        self.value = value
+        self.type = type_
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"state {state!r}, key {key!r}: value {shown} ({type(value).__name__}) "
+                         f"does not convert to typed_value {type_} ({reason}); ask for a type "
+                         "every value of the state converts to (valueType, or typed_value in the "
+                         "schema), narrow the read to states of that type (.option(\"state\", "
+                         "name)), or read the JSON text column value instead")

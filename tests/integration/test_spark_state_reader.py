@@ -144,6 +144,13 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
         _load(spark, root, startCheckpoint=0).collect()  # not a change feed
     with pytest.raises(Exception, match=r"ConfigError.*keyGroupsPerSplit"):
         _load(spark, root, keyGroupsPerSplit=0).collect()
+    # a typed value the state's values do not convert to names the state, a key and the value
+    for reader in (_load(spark, root, state="count", valueType="boolean"),
+                   spark.read.format("dstl").schema("key string, typed_value array<int>")
+                   .option("operator", "job").option("state", "count").load(root)):
+        with pytest.raises(Exception, match=r"ValueTypeError: state 'count', key 'k\d+': "
+                                            r"value \d+ \(int\) does not convert"):
+            reader.collect()
     query = None
     with pytest.raises(Exception, match=r"ConfigError.*dstl_changes"):
         query = (spark.readStream.format("dstl").load(root)  # the stream is dstl_changes

@@ -33,6 +33,7 @@ from dstl.keygroups import KeyGroupRange  # noqa: E402
 from dstl.reader import (  # noqa: E402
     CheckpointCatalog,
     ReadOnlyBlobStore,
+    ValueTypeError,
     plan_state_splits,
     task_states,
 )
@@ -290,7 +291,7 @@ def test_columns_not_of_the_state_schema_are_a_config_error(store: BlobStore,
         read_state_batches(store, split, columns=columns)
 
 
-def test_typed_values_equal_the_row_paths_and_fail_as_it_does(store: BlobStore) -> None:
+def test_typed_values_equal_the_row_paths_and_a_value_that_does_not_convert_is_named(store: BlobStore) -> None:
     storage, backend = _one_backend(store, "heap")
     small = [0, 1, 255, 256, -1, -256, 2**31, -2**40, 2**63 - 1, -2**63]
     try:
@@ -327,13 +328,21 @@ def test_typed_values_equal_the_row_paths_and_fail_as_it_does(store: BlobStore) 
         assert sorted_rows(cols) == sorted_rows(row_table(catalog, 1, states=states,
                                                           typed=typed)), (states, kind)
         assert cols.num_rows >= 300
-    for states, kind in ((["n"], pa.int32()), (["n"], pa.string()), (["sum"], pa.int8()),
-                         (["m"], pa.bool_())):
+    # a value that does not convert: one typed error in both paths, naming the state, a key
+    # and the value (an int that does not fit included)
+    for states, kind, value in ((["n"], pa.int32(), r"-?\d{10,}"), (["n"], pa.string(), r"-?\d+"),
+                                (["sum"], pa.int8(), r"\d{3,}"), (["m"], pa.bool_(), r"\d+"),
+                                (["n"], pa.uint64(), r"-\d+")):
         typed = ("typed_value", kind)
-        with pytest.raises(Exception) as rows_err:
+        shown = (rf"state '{states[0]}', key '(k\d+|fresh)': value {value} \(int\) does not "
+                 rf"convert to typed_value {kind} \(.+\); ask for a type every value")
+        with pytest.raises(ValueTypeError, match=shown) as rows_err:
             row_table(catalog, 1, states=states, typed=typed)
-        with pytest.raises(type(rows_err.value)):
+        with pytest.raises(ValueTypeError, match=shown) as cols_err:
             column_table(catalog, 1, states=states, typed=typed)
+        for err in (rows_err.value, cols_err.value):
+            assert (err.state, err.type) == (states[0], kind)
+            assert isinstance(err.value, int) and isinstance(err.key, str)
     # only the typed column, or it between others
     only = column_table(catalog, 1, states=["n"], typed=("typed_value", pa.int64()),
                         columns=["typed_value", "key"])
