@@ -402,7 +402,12 @@ class _Output:
             if col == _TYPED_COLUMN:
                 from pyspark.sql.pandas.types import to_arrow_type
 
-                typed = _TYPED_COLUMN, to_arrow_type(f.dataType)
+                try:
+                    typed = _TYPED_COLUMN, to_arrow_type(f.dataType)
+                except (TypeError, ValueError) as exc:  # PySparkTypeError: no Arrow type
+                    raise refuse(f"column {f.name!r} is {f.dataType.simpleString()}, which "
+                                 f"Spark does not convert from Arrow ({exc}): declare a type "
+                                 "it does (e.g. bigint, string, array<...>)") from exc
             elif f.dataType.simpleString() != own[col]:
                 raise refuse(f"column {f.name!r} is {own[col]} in the source, not "
                              f"{f.dataType.simpleString()}: declare it {own[col]} (cast after "

@@ -11,6 +11,9 @@ tests/integration/test_spark_state_reader.py).
 
 from __future__ import annotations
 
+import io
+import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +228,7 @@ def test_the_spark_source_reads_sparks_placeholder_partition_as_no_rows() -> Non
 def test_the_spark_sources_take_a_user_schema_as_their_columns() -> None:
     from pyspark.sql.types import (
         BinaryType,
+        CalendarIntervalType,
         IntegerType,
         LongType,
         StringType,
@@ -264,6 +268,11 @@ def test_the_spark_sources_take_a_user_schema_as_their_columns() -> None:
                                         StructField("key_bytes", BinaryType(), False)]),
                       STATE_DDL)
     assert kept.columns == ("checkpoint", "key_bytes")
+    # a typed_value type Spark cannot take from Arrow (interval) is refused, named
+    with pytest.raises(ConfigError, match=r"column 'typed_value' is interval, which Spark does "
+                                          r"not convert from Arrow \(.*UNSUPPORTED_DATA_TYPE"):
+        _Output.of(opts, schema(("key", StringType()), ("typed_value", CalendarIntervalType())),
+                   STATE_DDL)
 
 
 def test_spark_source_options_accept_what_the_docs_show() -> None:
@@ -538,6 +547,37 @@ def test_damaged_snapshots_and_segments_are_typed_errors_naming_them(
     if what == "segment":
         with pytest.raises(CorruptObjectError, match=key):
             list(read_changes(catalog, 0, 1))
+
+
+@pytest.mark.parametrize("payload", ["garbage", "zeros", "short", "empty"])
+def test_a_v2_snapshot_whose_checksums_hold_around_no_lmdb_file_is_a_typed_error(
+        store: BlobStore, tmp_path: Path, payload: str) -> None:
+    """A forged (or buggy) v2 object: its framing, zstd frame and checksums are right, but the
+    file inside is no LMDB environment; every reader names the object."""
+    from materializer.file_snapshot import verify_file_snapshot, write_file_snapshot
+
+    job = MiniJob(store, partitions=1, seed=8, table="lmdb", retained=3)
+    try:
+        job.run(200)
+        job.checkpoint()
+        job.materialize()
+        job.checkpoint()
+    finally:
+        job.close()
+    catalog = _catalog(store)
+    key = task_states(catalog.manifest(1))[0].handle.materialized[0].key
+    data = store.get(key)
+    layout = verify_file_snapshot(lambda o, n: data[o:o + n], len(data), key=key)
+    body = {"garbage": random.Random(1).randbytes(65536), "zeros": bytes(65536),
+            "short": b"\x01" * 100, "empty": b""}[payload]
+    out = io.BytesIO()
+    write_file_snapshot(lambda fd: os.write(fd, body), layout.meta, out, tmp_dir=str(tmp_path))
+    _replace(store, key, out.getvalue())
+    assert [p.key for p in verify_checkpoint(catalog, 1).problems] == [key]
+    for reader_table in READERS:
+        with pytest.raises(CorruptObjectError) as exc:
+            list(_read(catalog, 1, reader_table))
+        assert key in str(exc.value), reader_table
 
 
 # --------------------------------------------------------------------------- keys and codecs
