@@ -1092,13 +1092,15 @@ def _check_processor(processor: Any) -> None:
         raise ConfigError("processor", processor, expected + " that implements "
                           "handle_input_rows", owner=_OWNER)
     try:
-        inspect.signature(processor).bind()
+        signature = inspect.signature(processor)
+    except ValueError:  # no introspectable signature: instantiation will tell
+        return
+    try:
+        signature.bind()
     except TypeError as exc:
         raise ConfigError("processor", processor, expected + " whose constructor takes no "
                           f"arguments ({exc})", owner=_OWNER,
                           fix="set state up in init(handle), not in __init__") from None
-    except ValueError:
-        pass  # no introspectable signature: instantiation will tell
 
 
 def _check_output_schema(output_schema: Any) -> None:
