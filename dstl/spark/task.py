@@ -2,12 +2,15 @@
 
 Theory of operation
 -------------------
-:func:`run_partition` is the body of one task, or of one of the partitions a task runs one after
-another (:func:`run_partitions`: fewer task slots than partitions; each partition is still
-acquired, processed, checkpointed and reported on its own, as below). Under the worker runtime's lock
-(:mod:`dstl.spark.runtime`: one per worker process and operator) and the partition's lock file
+:func:`run_partition` is the body of one task; :func:`run_partitions` that of a task running
+several partitions (fewer task slots than partitions): each is acquired, processed,
+checkpointed and reported on its own, as below, but steps 1-2 run for every partition of the
+task before step 3 waits for any, so their logs go to the store in one persist window (one
+segment with the agent, one wait) rather than one window each. Under the worker runtime's lock
+(:mod:`dstl.spark.runtime`: one per worker process and operator) and the partitions' lock files
 (``flock``: one attempt of a partition at a time on a host's table, even a zombie attempt of a
-lost executor next to its re-run, with a ``local_dir`` shared by the host's executors) it
+lost executor next to its re-run, with a ``local_dir`` shared by the host's executors; a task
+takes its partitions' locks in ascending order) it
 
 1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
    adopt, restore or new);
@@ -41,10 +44,12 @@ also writes its own segment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,52 +100,96 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     check_version(task_input.driver_version)
     partition, attempt = _task_identity(partition)
     rt = runtime_for(cfg)
-    started = time.monotonic()
     # the runtime's lock: one task per worker at a time; the partition lock: one attempt of the
     # partition on this host's table at a time (a zombie attempt, a shared local_dir)
     with rt.lock, rt.partition_lock(partition):
-        try:
+        done = _run_group(rt, task_input, [(partition, batches)])
+    yield from _reported(rt, cfg, attempt, done)
+
+
+def _run_group(rt: WorkerRuntime, task_input: TaskInput,
+               parts: list[tuple[int, Iterable[Any]]]) -> list[_Committed]:
+    """Process the partitions one after another, then checkpoint them together: every
+    partition's checkpoint is requested before the first is waited for, so their logs go to the
+    store in one persist window (one segment, one wait) rather than one each; each partition
+    commits once its own log is durable. Call with the runtime's lock and the partitions' locks
+    held. A failure drops every partition that had not committed (its backend and batch-id
+    file: a retry restores it) and aborts the write batches still open; partitions that had
+    committed keep their state at this batch, which a retry restores from the base like any
+    re-run partition."""
+    started: list[_Started] = []
+    done: list[_Committed] = []
+    current: int | None = None
+    try:
+        for partition, batches in parts:
+            current = partition
+            t0 = time.monotonic()
             slot, access = acquire(rt, partition, task_input)
-            run = _run_batch(rt, slot, task_input, batches)
-            slot.checkpoint_id = task_input.batch_id
-            if cfg.table == "lmdb":
-                rt.write_table_batch_id(partition, task_input.batch_id)
-            committed_at = time.monotonic()
-            table = _table_stats(slot.backend)
-        except BaseException:
-            rt.drop(partition)
-            rt.write_table_batch_id(partition, None)
-            raise
-    agent_metrics: dict[str, float] | None = None
-    agent_log: tuple[str, ...] = ()
-    if rt.agent is not None:
-        agent_metrics, agent_log = _register_commit(rt.agent, cfg, slot.backend, run.handle)
-    report = _report(partition, attempt, access, run, started, committed_at, agent_metrics,
-                     agent_log, table)
-    yield from _record_batches(cfg, run.outputs, report)
+            started.append(_start_batch(rt, partition, slot, access, t0, task_input, batches))
+        current = None
+        for s in started:
+            run = _finish_batch(s)
+            s.slot.checkpoint_id = task_input.batch_id
+            if rt.cfg.table == "lmdb":
+                rt.write_table_batch_id(s.partition, task_input.batch_id)
+            done.append(_Committed(s, run, time.monotonic(), _table_stats(s.slot.backend)))
+    except BaseException as exc:
+        failed = started[len(done):]
+        try:
+            for s in failed:
+                s.abort(exc)
+        finally:  # dropped even if a rollback fails
+            for partition in (*(s.partition for s in failed),
+                              *(() if current is None else (current,))):
+                rt.drop(partition)
+                rt.write_table_batch_id(partition, None)
+        raise
+    return done
+
+
+def _reported(rt: WorkerRuntime, cfg: OperatorConfig, attempt: int,
+              done: list[_Committed]) -> Iterator[Any]:
+    """Each committed partition registered with the executor agent, then its output rows and
+    report row."""
+    for c in done:
+        agent_metrics: dict[str, float] | None = None
+        agent_log: tuple[str, ...] = ()
+        if rt.agent is not None:
+            agent_metrics, agent_log = _register_commit(rt.agent, cfg, c.started.slot.backend,
+                                                        c.run.handle)
+        report = _report(c.started.partition, attempt, c.started.access, c.run,
+                         c.started.started, c.committed_at, agent_metrics, agent_log, c.table)
+        yield from _record_batches(cfg, c.run.outputs, report)
 
 
 def run_partitions(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
                    tasks: int, task: int | None = None) -> Iterator[Any]:
     """The body of a Spark task that runs several partitions: those ``p`` with
-    ``p mod tasks == task`` (``task`` defaults to the Spark task's partition id), one after
-    another, each exactly as :func:`run_partition` runs one (its own lock, restore,
-    checkpoint and report row). The task's rows are split by their ``_dstl_pid`` column first,
-    keeping each partition's rows in arrival order. A failure in one partition fails the task:
-    Spark retries it whole, and the partitions that had committed restore from the base
-    checkpoint like any retried partition (their reports of the failed attempt never reach the
-    driver).
+    ``p mod tasks == task`` (``task`` defaults to the Spark task's partition id). Each is
+    acquired, processed, checkpointed and reported as :func:`run_partition` does one, but the
+    task holds all their locks, processes them one after another and then checkpoints them
+    together (:func:`_run_group`: one persist window for all, not one each). The task's rows
+    are split by their ``_dstl_pid`` column first, keeping each partition's rows in arrival
+    order. A failure in one partition fails the task: Spark retries it whole, and the
+    partitions that had committed restore from the base checkpoint like any retried partition
+    (their reports of the failed attempt never reach the driver).
 
     Raises:
         UsageError: a row is routed to a partition that is not this task's (a routing bug:
             nothing is processed).
     """
+    check_version(task_input.driver_version)
     if task is None:
         task = _task_identity(None)[0]
+    attempt = _task_identity(task)[1]
     mine = range(task, cfg.partitions, tasks)
     rows = _split_by_partition(batches, mine)
-    for partition in mine:
-        yield from run_partition(cfg, task_input, rows[partition], partition)
+    rt = runtime_for(cfg)
+    with rt.lock, contextlib.ExitStack() as locks:
+        for partition in mine:  # ascending, as every task takes them: no lock-order deadlock
+            locks.enter_context(rt.partition_lock(partition))
+        done = _run_group(rt, task_input, [(p, rows[p]) for p in mine])
+    yield from _reported(rt, cfg, attempt, done)
 
 
 def _split_by_partition(batches: Iterable[Any], partitions: range) -> dict[int, list[Any]]:
@@ -205,9 +254,48 @@ def _task_identity(partition: int | None) -> tuple[int, int]:
     return partition, ctx.attemptNumber() if ctx is not None else 0
 
 
-def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: Iterable[Any]
-               ) -> _BatchRun:
-    """Process the task's rows and checkpoint them as the batch (steps 2 and 3)."""
+@dataclass
+class _Started:
+    """A partition's batch processed and its checkpoint requested (its log on the way to the
+    store): what :func:`_finish_batch` needs to commit it."""
+
+    partition: int
+    slot: Slot
+    access: SlotAccess
+    started: float  # monotonic time the task began the partition
+    #: the write batch still open (LMDB with the agent: the marker goes into it once the log is
+    #: durable, then it commits); empty when the checkpoint was requested after it
+    open_batch: contextlib.ExitStack
+    pending: Future[ChangelogStateBackendHandle]
+    write_marker: bool
+    outputs: Any
+    rows_out: int
+    rows: _Rows
+    processed_at: float
+    snapshot: SnapshotRef | None
+    first_sqn: int
+    timers_fired: int
+    ttl_purged: int
+
+    def abort(self, exc: BaseException) -> None:
+        """Roll back the write batch if it is still open (another partition failed)."""
+        self.open_batch.__exit__(type(exc), exc, exc.__traceback__)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A partition whose batch committed, with the table's figures after the commit."""
+
+    started: _Started
+    run: _BatchRun
+    committed_at: float
+    table: dict[str, int]
+
+
+def _start_batch(rt: WorkerRuntime, partition: int, slot: Slot, access: SlotAccess,
+                 started: float, task_input: TaskInput, batches: Iterable[Any]) -> _Started:
+    """Process the partition's rows (step 2) and request its checkpoint (step 3) without
+    waiting for the log to be durable."""
     cfg = rt.cfg
     backend = slot.backend
     batch_id = task_input.batch_id
@@ -217,7 +305,11 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
     materializing_agent = rt.agent if cfg.agent_materializes else None
     outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
                          f"{cfg.name!r}", cfg.session_time_zone)
-    with backend.write_batch():
+    open_batch = contextlib.ExitStack()
+    pending: Future[ChangelogStateBackendHandle] | None = None
+    snapshot: SnapshotRef | None = None
+    with contextlib.ExitStack() as batch:
+        batch.enter_context(backend.write_batch())
         purged = _purge_expired(backend, task_input.processing_time_ms)
         _apply_initial_state(slot, rows.initial, times)
         fired = _fire_timers(slot, cfg.time_mode, times, outputs)
@@ -225,19 +317,33 @@ def _run_batch(rt: WorkerRuntime, slot: Slot, task_input: TaskInput, batches: It
         # before the checkpoint: rows that do not fit the schema fail the batch uncommitted
         out_batch = _output_batch(cfg, outputs)
         processed_at = time.monotonic()
-        checkpointed: tuple[ChangelogStateBackendHandle, SnapshotRef | None] | None = None
         if materializing_agent is not None:
             snapshot = _install_agent_snapshot(materializing_agent, cfg, backend)
             # commits with this batch's state: a read transaction sees both or neither
-            checkpointed = _checkpoint(backend, batch_id, write_marker=True), snapshot
-    if checkpointed is None:
+            pending = backend.snapshot(batch_id)
+            open_batch = batch.pop_all()
+    write_marker = True
+    if pending is None:
         snapshot = _materialize_if_due(slot)
         # LMDB: the marker lets another worker adopt the table without reads
-        checkpointed = _checkpoint(backend, batch_id, write_marker=cfg.table == "lmdb"), snapshot
-    handle, snapshot = checkpointed
-    return _BatchRun(out_batch, len(outputs), rows.count, len(rows.groups), processed_at,
-                     handle, snapshot,
-                     _refs_since(backend, first_sqn), rows.max_event_time_ms, fired, purged)
+        pending = backend.snapshot(batch_id)
+        write_marker = cfg.table == "lmdb"
+    return _Started(partition, slot, access, started, open_batch, pending, write_marker,
+                    out_batch, len(outputs), rows, processed_at, snapshot, first_sqn, fired,
+                    purged)
+
+
+def _finish_batch(s: _Started) -> _BatchRun:
+    """Wait for the partition's log to be durable, write the table marker and commit (the
+    write batch, if still open: on an error it rolls back)."""
+    backend = s.slot.backend
+    with s.open_batch:
+        handle = s.pending.result(timeout=_CHECKPOINT_TIMEOUT_S)
+        if s.write_marker:
+            backend.write_table_marker(handle)
+    return _BatchRun(s.outputs, s.rows_out, s.rows.count, len(s.rows.groups), s.processed_at,
+                     handle, s.snapshot, _refs_since(backend, s.first_sqn),
+                     s.rows.max_event_time_ms, s.timers_fired, s.ttl_purged)
 
 
 @dataclass
@@ -371,14 +477,6 @@ def _output_batch(cfg: OperatorConfig, outputs: OutputRows) -> Any:
     if not len(outputs):
         return None
     return outputs.to_batch(cfg.arrow_schema, {REPORT_COLUMN: [None] * len(outputs)})
-
-
-def _checkpoint(backend: ChangelogKeyedStateBackend, batch_id: int, *, write_marker: bool
-                ) -> ChangelogStateBackendHandle:
-    handle = backend.snapshot(batch_id).result(timeout=_CHECKPOINT_TIMEOUT_S)
-    if write_marker:
-        backend.write_table_marker(handle)
-    return handle
 
 
 def _refs_since(backend: ChangelogKeyedStateBackend, first_sqn: int) -> list[ChangeSetRef]:

@@ -129,9 +129,11 @@ def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
         spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path,  # noqa: F811
         table: str) -> None:
     """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 the
-    processor fails once in partition 2, after partition 0 committed its checkpoint in the
-    same task: Spark retries the task whole, partition 0 runs again from the base (never from
-    the table it had already moved to batch 1), and every count stays exact."""
+    processor fails once in partition 2, after partition 0 was processed in the same task
+    (its checkpoint requested, not committed: the task commits after processing all its
+    partitions): Spark retries the task whole, partition 0 runs again from the base (rolled
+    back and dropped, so restored, never taken from a table past the base), and every count
+    stays exact."""
     mp = 32
 
     def partition_of(key: str) -> int:

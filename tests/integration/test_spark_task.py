@@ -404,3 +404,67 @@ def test_a_task_of_several_partitions_runs_each_on_its_own(tmp_path: Path) -> No
         assert _runtime(cfg).slots[2].checkpoint_id == 1  # nothing ran
     finally:
         close_runtime(cfg)
+
+
+class FailOnBang(Count):
+    """Count, but a row with key ``bang`` fails the batch (after the keys before it)."""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        if key == "bang":
+            raise RuntimeError("bang")
+        yield from super().handle_input_rows(key, rows)
+
+
+def test_a_task_of_several_partitions_checkpoints_them_in_one_window(tmp_path: Path) -> None:
+    """The partitions of a grouped task are checkpointed together: with a 50 ms persist window
+    both logs go to one segment (one after the other, the first window would close before the
+    second partition's log arrives). A failure while the second partition is processed rolls
+    back the first too (it had not committed): the task's tables keep the base's state, both
+    partitions are dropped (no batch-id file), and the retry restores and counts once."""
+    cfg = dataclasses.replace(_lmdb_cfg(tmp_path, "grouped-window"), partitions=2,
+                              dstl_options=DstlOptions(persist_delay_s=0.05))
+    keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
+
+    def pid(k: str) -> int:
+        return key_group_for(k.encode(), cfg.max_parallelism) * 2 // cfg.max_parallelism
+
+    def run(c: OperatorConfig, inp: TaskInput, ks: list[str]
+            ) -> tuple[dict[str, int], dict[int, TaskReport]]:
+        ks = sorted(ks, key=pid)
+        batch = pa.RecordBatch.from_pydict({"key": ks,
+                                            "_dstl_pid": pa.array([pid(k) for k in ks],
+                                                                  pa.int32())})
+        out, reports = {}, {}
+        for rb in run_partitions(c, inp, iter([batch]), tasks=1, task=0):
+            for row in rb.to_pylist():
+                if row[REPORT_COLUMN] is None:
+                    out[row["key"]] = row["count"]
+                else:
+                    report = TaskReport.from_json(row[REPORT_COLUMN])
+                    reports[report.partition] = report
+        return out, reports
+
+    assert {pid(k) for k in keys} == {0, 1} and pid("bang") == 1
+    try:
+        out0, reports0 = run(cfg, TaskInput(0, -1), keys)
+        assert out0 == dict.fromkeys(keys, 1) and sorted(reports0) == [0, 1]
+        segments = {p: r.segment_keys for p, r in reports0.items()}
+        assert segments[0] == segments[1] and len(segments[0]) == 1, segments
+        base = {p: r.handle.to_json() for p, r in reports0.items()}
+        rt = _runtime(cfg)
+        bad = dataclasses.replace(cfg, processor=FailOnBang)
+        rt.cfg = bad  # the same runtime (tables, storage), the failing processor
+        for slot in rt.slots.values():
+            slot.processor = FailOnBang()
+            slot.processor.init(slot.handle)
+        with pytest.raises(RuntimeError, match="bang"):
+            run(bad, TaskInput(1, 0, base, (0,)), [*keys, "bang"])
+        assert rt.slots == {}  # both dropped: partition 0 had processed but not committed
+        assert [rt.read_table_batch_id(p) for p in (0, 1)] == [None, None]
+        rt.cfg = cfg
+        out1, reports1 = run(cfg, TaskInput(1, 0, base, (0,)), keys)
+        assert out1 == dict.fromkeys(keys, 2)  # counted once: nothing of the failed try kept
+        assert {r.slot.access for r in reports1.values()} == {"restore"}
+    finally:
+        close_runtime(cfg)
