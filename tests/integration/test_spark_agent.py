@@ -23,11 +23,18 @@ pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone and not a zombie (a killed agent stays a zombie until the
+    worker that spawned it reaps it, which a reused worker may do much later)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
