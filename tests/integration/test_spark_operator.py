@@ -172,6 +172,65 @@ def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
     op.close()
 
 
+class CrashOnceOnKey(Count):
+    """Kills its Python worker on the first attempt that sees ``key`` (the work of the task so
+    far dies with it, uncommitted); ``flag`` records that it happened."""
+
+    flag = ""
+    key = ""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        if key == self.key and self.flag and not os.path.exists(self.flag):
+            Path(self.flag).write_text("crashed")
+            os._exit(137)
+        yield from super().handle_input_rows(key, rows)
+
+
+@pytest.mark.parametrize("table", ["lmdb", "heap"])
+def test_a_task_of_two_partitions_killed_in_its_second_is_retried_whole(
+        spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path,  # noqa: F811
+        table: str) -> None:
+    """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 its
+    Python worker dies while processing partition 2, with partition 0 processed and its
+    checkpoint requested but not committed: nothing of the attempt is kept (LMDB: partition
+    0's open write transaction died with the worker, so the retry finds its table still at the
+    base and adopts it), and every count stays exact."""
+    mp = 32
+
+    def partition_of(key: str) -> int:
+        return key_group_for(key.encode(), mp) * 3 // mp
+
+    keys = [f"w{i}" for i in range(60)]
+    by_partition = {p: [k for k in keys if partition_of(k) == p] for p in range(3)}
+    assert all(len(v) >= 3 for v in by_partition.values())
+    victim = by_partition[2][0]
+    crashing = type("CrashOnceHere", (CrashOnceOnKey,),
+                    {"flag": str(tmp_path / "crashed"), "key": victim})
+    latest: dict[str, int] = {}
+
+    def sink(out_df: Any, batch_id: int) -> None:
+        for r in out_df.collect():
+            latest[r["key"]] = r["count"]
+
+    op = _op(crashing, f"s3://{s3_bucket}/grouped-kill-{table}",
+             s3_storage_options(moto_endpoint), sink, tmp_path, table=table, max_parallelism=mp,
+             mat_s=None)
+    assert op._task_count(spark) == 2
+    batches = [[k for k in keys if k != victim], keys, keys[::3]]
+    expected: Counter[str] = Counter()
+    for batch_id, batch in enumerate(batches):
+        op.foreach_batch(_batch(spark, batch), batch_id)
+        expected.update(batch)
+        assert latest == dict(expected), f"after batch {batch_id}"
+    assert (tmp_path / "crashed").exists()
+    retried = {t["partition"]: t for t in op.batch_stats[1]["tasks"]}
+    assert retried[0]["attempt"] == retried[2]["attempt"] == 1, retried
+    if table == "lmdb":
+        assert retried[0]["access"] == "adopt", retried  # the table never left the base
+    op.close()
+
+
 def test_failing_processor_fails_the_batch_and_leaves_state_unchanged(
         spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:  # noqa: F811
     latest: dict[str, int] = {}
