@@ -5,8 +5,9 @@ Theory of operation
 :func:`run_partition` is the body of one task; :func:`run_partitions` that of a task running
 several partitions (fewer task slots than partitions): each is acquired, processed,
 checkpointed and reported on its own, as below, but steps 1-2 run for every partition of the
-task before step 3 waits for any, so their logs go to the store in one persist window (one
-segment with the agent, one wait) rather than one window each. Under the worker runtime's lock
+task before step 3 requests any checkpoint, so their logs go to the store in one persist
+window (one segment with the agent, one wait) rather than one window each. Under the worker
+runtime's lock
 (:mod:`dstl.spark.runtime`: one per worker process and operator) and the partitions' lock files
 (``flock``: one attempt of a partition at a time on a host's table, even a zombie attempt of a
 lost executor next to its re-run, with a ``local_dir`` shared by the host's executors; a task
@@ -110,9 +111,9 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
 def _run_group(rt: WorkerRuntime, task_input: TaskInput,
                parts: list[tuple[int, Iterable[Any]]]) -> list[_Committed]:
     """Process the partitions one after another, then checkpoint them together: every
-    partition's checkpoint is requested before the first is waited for, so their logs go to the
-    store in one persist window (one segment, one wait) rather than one each; each partition
-    commits once its own log is durable. Call with the runtime's lock and the partitions' locks
+    checkpoint is requested once the last partition is processed and before the first is
+    waited for, so their logs go to the store in one persist window (one segment, one wait)
+    rather than one each; each partition commits once its own log is durable. Call with the runtime's lock and the partitions' locks
     held. A failure drops every partition that had not committed (its backend and batch-id
     file: a retry restores it) and aborts the write batches still open; partitions that had
     committed keep their state at this batch, which a retry restores from the base like any
@@ -127,6 +128,8 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
             slot, access = acquire(rt, partition, task_input)
             started.append(_start_batch(rt, partition, slot, access, t0, task_input, batches))
         current = None
+        for s in started:  # every log on its way before the task waits for any
+            _request_checkpoint(rt, s, task_input.batch_id)
         for s in started:
             run = _finish_batch(s)
             s.slot.checkpoint_id = task_input.batch_id
@@ -263,10 +266,11 @@ class _Started:
     slot: Slot
     access: SlotAccess
     started: float  # monotonic time the task began the partition
-    #: the write batch still open (LMDB with the agent: the marker goes into it once the log is
-    #: durable, then it commits); empty when the checkpoint was requested after it
+    #: the write batch, open from the processing on (LMDB with the agent: until the marker is
+    #: in it, once the log is durable; otherwise until the checkpoint is requested)
     open_batch: contextlib.ExitStack
-    pending: Future[ChangelogStateBackendHandle]
+    #: the checkpoint, once requested (:func:`_request_checkpoint`)
+    pending: Future[ChangelogStateBackendHandle] | None
     write_marker: bool
     outputs: Any
     rows_out: int
@@ -294,20 +298,15 @@ class _Committed:
 
 def _start_batch(rt: WorkerRuntime, partition: int, slot: Slot, access: SlotAccess,
                  started: float, task_input: TaskInput, batches: Iterable[Any]) -> _Started:
-    """Process the partition's rows (step 2) and request its checkpoint (step 3) without
-    waiting for the log to be durable."""
+    """Process the partition's rows (step 2), leaving its write batch open for
+    :func:`_request_checkpoint`."""
     cfg = rt.cfg
     backend = slot.backend
-    batch_id = task_input.batch_id
     first_sqn = backend.writer.next_sqn()
     rows = _group_rows(batches, cfg.key_column)
     times = TimerValues(task_input.processing_time_ms, task_input.watermark_ms)
-    materializing_agent = rt.agent if cfg.agent_materializes else None
     outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
                          f"{cfg.name!r}", cfg.session_time_zone)
-    open_batch = contextlib.ExitStack()
-    pending: Future[ChangelogStateBackendHandle] | None = None
-    snapshot: SnapshotRef | None = None
     with contextlib.ExitStack() as batch:
         batch.enter_context(backend.write_batch())
         purged = _purge_expired(backend, task_input.processing_time_ms)
@@ -316,27 +315,35 @@ def _start_batch(rt: WorkerRuntime, partition: int, slot: Slot, access: SlotAcce
         _process(slot, rows.groups, times, outputs)
         # before the checkpoint: rows that do not fit the schema fail the batch uncommitted
         out_batch = _output_batch(cfg, outputs)
-        processed_at = time.monotonic()
-        if materializing_agent is not None:
-            snapshot = _install_agent_snapshot(materializing_agent, cfg, backend)
-            # commits with this batch's state: a read transaction sees both or neither
-            pending = backend.snapshot(batch_id)
-            open_batch = batch.pop_all()
-    write_marker = True
-    if pending is None:
-        snapshot = _materialize_if_due(slot)
-        # LMDB: the marker lets another worker adopt the table without reads
-        pending = backend.snapshot(batch_id)
-        write_marker = cfg.table == "lmdb"
-    return _Started(partition, slot, access, started, open_batch, pending, write_marker,
-                    out_batch, len(outputs), rows, processed_at, snapshot, first_sqn, fired,
-                    purged)
+        open_batch = batch.pop_all()
+    return _Started(partition, slot, access, started, open_batch, None, True, out_batch,
+                    len(outputs), rows, time.monotonic(), None, first_sqn, fired, purged)
+
+
+def _request_checkpoint(rt: WorkerRuntime, s: _Started, batch_id: int) -> None:
+    """Request the partition's checkpoint (step 3) without waiting for its log to be durable.
+    With the agent materializing (LMDB), the agent's newest snapshot is installed and the
+    checkpoint requested inside the open write batch, which commits with the table marker once
+    the log is durable (a read transaction sees both or neither); otherwise the write batch
+    commits now, the task materializes if due, and the checkpoint is requested after."""
+    cfg = rt.cfg
+    backend = s.slot.backend
+    if cfg.agent_materializes and rt.agent is not None:
+        s.snapshot = _install_agent_snapshot(rt.agent, cfg, backend)
+        s.pending = backend.snapshot(batch_id)
+        return
+    s.open_batch.close()  # commits the write batch
+    s.snapshot = _materialize_if_due(s.slot)
+    # LMDB: the marker lets another worker adopt the table without reads
+    s.pending = backend.snapshot(batch_id)
+    s.write_marker = cfg.table == "lmdb"
 
 
 def _finish_batch(s: _Started) -> _BatchRun:
     """Wait for the partition's log to be durable, write the table marker and commit (the
     write batch, if still open: on an error it rolls back)."""
     backend = s.slot.backend
+    assert s.pending is not None, "the checkpoint is requested before it is finished"
     with s.open_batch:
         handle = s.pending.result(timeout=_CHECKPOINT_TIMEOUT_S)
         if s.write_marker:
