@@ -124,54 +124,6 @@ def test_counts_exact_across_batches_retry_and_rerun(spark: Any, moto_endpoint: 
     op.close()
 
 
-@pytest.mark.parametrize("table", ["lmdb", "heap"])
-def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
-        spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path,  # noqa: F811
-        table: str) -> None:
-    """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 the
-    processor fails once in partition 2, after partition 0 was processed in the same task
-    (its checkpoint requested, not committed: the task commits after processing all its
-    partitions): Spark retries the task whole, partition 0 runs again from the base (rolled
-    back and dropped, so restored, never taken from a table past the base), and every count
-    stays exact."""
-    mp = 32
-
-    def partition_of(key: str) -> int:
-        return key_group_for(key.encode(), mp) * 3 // mp
-
-    keys = [f"u{i}" for i in range(60)]
-    by_partition = {p: [k for k in keys if partition_of(k) == p] for p in range(3)}
-    assert all(len(v) >= 3 for v in by_partition.values())
-    victim = by_partition[2][0]
-    failing = type("FailOnceHere", (FailOnceOnKey,),
-                   {"flag": str(tmp_path / "failed"), "key": victim})
-    latest: dict[str, int] = {}
-
-    def sink(out_df: Any, batch_id: int) -> None:
-        for r in out_df.collect():
-            latest[r["key"]] = r["count"]
-
-    op = _op(failing, f"s3://{s3_bucket}/grouped-{table}", s3_storage_options(moto_endpoint),
-             sink, tmp_path, table=table, max_parallelism=mp, mat_s=None)
-    assert op._task_count(spark) == 2
-    batches = [[k for k in keys if k != victim], keys, keys[::3]]
-    expected: Counter[str] = Counter()
-    for batch_id, batch in enumerate(batches):
-        op.foreach_batch(_batch(spark, batch), batch_id)
-        expected.update(batch)
-        assert latest == dict(expected), f"after batch {batch_id}"
-    assert (tmp_path / "failed").exists()
-    retried = {t["partition"]: t for t in op.batch_stats[1]["tasks"]}
-    assert retried[0]["attempt"] == retried[2]["attempt"] == 1, retried
-    assert retried[1]["attempt"] == 0, retried
-    # both ran in one task (one worker), and partition 0 did not take its table of the failed
-    # attempt (a batch ahead of the base) as a hit
-    assert retried[0]["pid"] == retried[2]["pid"], retried
-    if table == "lmdb":
-        assert retried[0]["access"] == "restore", retried
-    op.close()
-
-
 class CrashOnceOnKey(Count):
     """Kills its Python worker on the first attempt that sees ``key`` (the work of the task so
     far dies with it, uncommitted); ``flag`` records that it happened."""
@@ -188,32 +140,36 @@ class CrashOnceOnKey(Count):
 
 
 @pytest.mark.parametrize("table", ["lmdb", "heap"])
-def test_a_task_of_two_partitions_killed_in_its_second_is_retried_whole(
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
         spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path,  # noqa: F811
-        table: str) -> None:
-    """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 its
-    Python worker dies while processing partition 2, with partition 0 processed and its
-    checkpoint requested but not committed: nothing of the attempt is kept (LMDB: partition
-    0's open write transaction died with the worker, so the retry finds its table still at the
-    base and adopts it), and every count stays exact."""
+        table: str, how: str) -> None:
+    """3 partitions on 2 task slots: Spark task 0 runs partitions 0 then 2. In batch 1 the
+    processor fails once in partition 2 (raises, or SIGKILLs its Python worker), after
+    partition 0 was processed in the same task (its checkpoint not yet requested: a task
+    checkpoints once all its partitions are processed). Spark retries the task whole and every
+    count stays exact. Partition 0 runs again from the base, never from a table past it: after
+    a raise it was rolled back and dropped (restored); after a kill its open write transaction
+    died with the worker, so with LMDB the retry finds its table still at the base and adopts
+    it."""
     mp = 32
 
     def partition_of(key: str) -> int:
         return key_group_for(key.encode(), mp) * 3 // mp
 
-    keys = [f"w{i}" for i in range(60)]
+    keys = [f"u{i}" for i in range(60)]
     by_partition = {p: [k for k in keys if partition_of(k) == p] for p in range(3)}
     assert all(len(v) >= 3 for v in by_partition.values())
     victim = by_partition[2][0]
-    crashing = type("CrashOnceHere", (CrashOnceOnKey,),
-                    {"flag": str(tmp_path / "crashed"), "key": victim})
+    failing = type("FailOnceHere", (FailOnceOnKey if how == "raise" else CrashOnceOnKey,),
+                   {"flag": str(tmp_path / "failed"), "key": victim})
     latest: dict[str, int] = {}
 
     def sink(out_df: Any, batch_id: int) -> None:
         for r in out_df.collect():
             latest[r["key"]] = r["count"]
 
-    op = _op(crashing, f"s3://{s3_bucket}/grouped-kill-{table}",
+    op = _op(failing, f"s3://{s3_bucket}/grouped-{how}-{table}",
              s3_storage_options(moto_endpoint), sink, tmp_path, table=table, max_parallelism=mp,
              mat_s=None)
     assert op._task_count(spark) == 2
@@ -223,11 +179,13 @@ def test_a_task_of_two_partitions_killed_in_its_second_is_retried_whole(
         op.foreach_batch(_batch(spark, batch), batch_id)
         expected.update(batch)
         assert latest == dict(expected), f"after batch {batch_id}"
-    assert (tmp_path / "crashed").exists()
+    assert (tmp_path / "failed").exists()
     retried = {t["partition"]: t for t in op.batch_stats[1]["tasks"]}
     assert retried[0]["attempt"] == retried[2]["attempt"] == 1, retried
+    assert retried[1]["attempt"] == 0, retried
+    assert retried[0]["pid"] == retried[2]["pid"], retried  # both in one task (one worker)
     if table == "lmdb":
-        assert retried[0]["access"] == "adopt", retried  # the table never left the base
+        assert retried[0]["access"] == ("restore" if how == "raise" else "adopt"), retried
     op.close()
 
 
