@@ -54,16 +54,20 @@ class CrashOnce(Count):
 
 
 class FailOnceOnKey(Count):
-    """Raises (the Python worker lives on) on the first attempt that sees ``key``; ``flag``
-    (set on a subclass made per test) records that it happened."""
+    """Raises (the Python worker lives on) on the first attempt that sees ``key``, or with
+    ``kill`` kills its Python worker (the task's work so far dies with it, uncommitted);
+    ``flag`` (set on a subclass made per test) records that it happened."""
 
     flag = ""
     key = ""
+    kill = False
 
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
                           ) -> Iterator[dict[str, Any]]:
         if key == self.key and self.flag and not os.path.exists(self.flag):
             Path(self.flag).write_text("failed")
+            if self.kill:
+                os._exit(137)
             raise RuntimeError("fails once")
         yield from super().handle_input_rows(key, rows)
 
@@ -124,21 +128,6 @@ def test_counts_exact_across_batches_retry_and_rerun(spark: Any, moto_endpoint: 
     op.close()
 
 
-class CrashOnceOnKey(Count):
-    """Kills its Python worker on the first attempt that sees ``key`` (the work of the task so
-    far dies with it, uncommitted); ``flag`` records that it happened."""
-
-    flag = ""
-    key = ""
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        if key == self.key and self.flag and not os.path.exists(self.flag):
-            Path(self.flag).write_text("crashed")
-            os._exit(137)
-        yield from super().handle_input_rows(key, rows)
-
-
 @pytest.mark.parametrize("table", ["lmdb", "heap"])
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
@@ -161,8 +150,8 @@ def test_a_task_of_two_partitions_failing_in_its_second_is_retried_whole(
     by_partition = {p: [k for k in keys if partition_of(k) == p] for p in range(3)}
     assert all(len(v) >= 3 for v in by_partition.values())
     victim = by_partition[2][0]
-    failing = type("FailOnceHere", (FailOnceOnKey if how == "raise" else CrashOnceOnKey,),
-                   {"flag": str(tmp_path / "failed"), "key": victim})
+    failing = type("FailOnceHere", (FailOnceOnKey,),
+                   {"flag": str(tmp_path / "failed"), "key": victim, "kill": how == "kill"})
     latest: dict[str, int] = {}
 
     def sink(out_df: Any, batch_id: int) -> None:
