@@ -7,11 +7,10 @@ several partitions (fewer task slots than partitions): each is acquired, process
 checkpointed and reported on its own, as below, but steps 1-2 run for every partition of the
 task before step 3 requests any checkpoint, so their logs go to the store in one persist
 window (one segment with the agent, one wait) rather than one window each. Under the worker
-runtime's lock
-(:mod:`dstl.spark.runtime`: one per worker process and operator) and the partitions' lock files
-(``flock``: one attempt of a partition at a time on a host's table, even a zombie attempt of a
-lost executor next to its re-run, with a ``local_dir`` shared by the host's executors; a task
-takes its partitions' locks in ascending order) it
+runtime's lock (:mod:`dstl.spark.runtime`: one per worker process and operator) and the
+partitions' lock files (``flock``: one attempt of a partition at a time on a host's table, even
+a zombie attempt of a lost executor next to its re-run, with a ``local_dir`` shared by the
+host's executors; a task takes its partitions' locks in ascending order) it
 
 1. gets the partition's state at the base checkpoint (:func:`dstl.spark.slots.acquire`: hit,
    adopt, restore or new);
@@ -113,11 +112,11 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
     """Process the partitions one after another, then checkpoint them together: every
     checkpoint is requested once the last partition is processed and before the first is
     waited for, so their logs go to the store in one persist window (one segment, one wait)
-    rather than one each; each partition commits once its own log is durable. Call with the runtime's lock and the partitions' locks
-    held. A failure drops every partition that had not committed (its backend and batch-id
-    file: a retry restores it) and aborts the write batches still open; partitions that had
-    committed keep their state at this batch, which a retry restores from the base like any
-    re-run partition."""
+    rather than one each; each partition commits once its own log is durable. Call with the
+    runtime's lock and the partitions' locks held. A failure drops every partition that had
+    not committed (its backend and batch-id file: a retry restores it) and rolls back the
+    write batches still open; partitions that had committed keep their state at this batch,
+    which a retry restores from the base like any re-run partition."""
     started: list[_Started] = []
     done: list[_Committed] = []
     current: int | None = None
@@ -259,8 +258,9 @@ def _task_identity(partition: int | None) -> tuple[int, int]:
 
 @dataclass
 class _Started:
-    """A partition's batch processed and its checkpoint requested (its log on the way to the
-    store): what :func:`_finish_batch` needs to commit it."""
+    """A partition's batch processed, its write batch still open, and (once
+    :func:`_request_checkpoint` ran) its checkpoint requested: what :func:`_finish_batch` needs
+    to commit it."""
 
     partition: int
     slot: Slot
