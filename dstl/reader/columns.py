@@ -724,8 +724,8 @@ class _Overlay:
 
     Value, reducing and aggregating states (whose changes are SET and CLEAR only) are replayed
     column-wise: a log's records are split with numpy, and the last change of every entry wins
-    (one group-by); a snapshot run drops the entries they name (one anti-join) and the
-    surviving SETs come last. List and map changes depend on the entry before them: they are
+    (one group-by); a snapshot run drops the entries they name (a hash lookup of its key
+    bytes, then an anti-join of only the entries found) and the surviving SETs come last. List and map changes depend on the entry before them: they are
     kept per entry in log order and applied by :meth:`StateImage.apply` to the stored bytes of
     the entries they touch. A log that redefines a state id is replayed change by change."""
 
@@ -833,25 +833,34 @@ class _Overlay:
         """``run`` with the entries the log changed replaced by their new state."""
         name = self.image.known(run.info, "a snapshot").name
         last = self._last_changes().get(name)
-        if last is not None and self._meets(name, last, run):
-            table = pa.table({"kg": run.kg, "kb": run.kb, "nb": run.nb, "vb": run.vb})
-            kept = table.join(last.select(["kg", "kb", "nb"]), keys=["kg", "kb", "nb"],
-                              join_type="left anti", use_threads=False).combine_chunks()
-            run = Run(run.info, kept["kg"].combine_chunks(), kept["kb"].combine_chunks(),
-                      kept["nb"].combine_chunks(), kept["vb"].combine_chunks())
+        if last is not None:
+            run = self._without_changed(name, last, run)
         touched = self.keys.get(name)
         if not touched:
             yield run
             return
         yield from self._through_entries(run, name, touched)
 
-    def _meets(self, name: str, last: pa.Table, run: Run) -> bool:
-        """Whether a key of ``run`` is one the log changed (the anti-join is skipped when none
-        is: a log of new keys, the common case, costs one hash lookup per entry)."""
+    def _without_changed(self, name: str, last: pa.Table, run: Run) -> Run:
+        """``run`` without the entries of a value-like state that the log changed (they come
+        back from :meth:`rest`). One hash lookup per entry finds those whose key bytes the log
+        names (none, for a log of new keys: the run as it is); only they are matched exactly,
+        on key group, key and namespace, with an anti-join; the run keeps its order."""
         keys = self._wanted.get(f"\0{name}")  # not a state name: names are never empty
         if keys is None:
             keys = self._wanted[f"\0{name}"] = last["kb"].combine_chunks()  # is_in dedups
-        return bool(pc.any(pc.is_in(run.kb, value_set=keys)).as_py())
+        hit = pc.is_in(run.kb, value_set=keys).to_numpy(zero_copy_only=False)
+        at = np.flatnonzero(hit)
+        if not len(at):
+            return run
+        take = pa.array(at)
+        candidates = pa.table({"kg": run.kg.take(take), "kb": run.kb.take(take),
+                               "nb": run.nb.take(take), "at": take})
+        unchanged = candidates.join(last.select(["kg", "kb", "nb"]), keys=["kg", "kb", "nb"],
+                                    join_type="left anti", use_threads=False)
+        keep = ~hit
+        keep[unchanged["at"].to_numpy()] = True
+        return run.filter(keep)
 
     def _through_entries(self, run: Run, name: str, touched: set[bytes]) -> Iterator[Run]:
         """List and map entries: those the log touched, with its changes applied."""
