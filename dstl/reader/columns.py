@@ -719,6 +719,23 @@ def _check_scalar_ops(info: StateInfo, ops: np.ndarray) -> None:
                                                    f"{info.name!r}")
 
 
+@dataclass(frozen=True)
+class _LastIndex:
+    """The key bytes of a value-like state's last changes (what a snapshot run is probed
+    with), and their key groups (``kg``) when each key bytes occurs once and every namespace
+    is the default one: then key bytes and key group name the entry."""
+
+    keys: pa.Array
+    kg: np.ndarray | None
+
+    @classmethod
+    def of(cls, last: pa.Table) -> _LastIndex:
+        keys = last["kb"].combine_chunks()
+        offsets, _ = _buffers(last["nb"].combine_chunks())
+        simple = offsets[-1] == offsets[0] and pc.count_distinct(keys).as_py() == len(keys)
+        return cls(keys, last["kg"].combine_chunks().to_numpy() if simple else None)
+
+
 class _Overlay:
     """The changes a log holds, applied to the snapshot runs passing through.
 
@@ -734,6 +751,7 @@ class _Overlay:
         self.changes: dict[Ident, list[tuple[StateInfo, int, bytes]]] = {}
         self.keys: dict[str, set[bytes]] = {}
         self._wanted: dict[str, pa.Array] = {}
+        self._index: dict[str, _LastIndex] = {}  # per value-like state: its last changes' keys
         self._scalar: dict[str, list[pa.RecordBatch]] = {}  # per state: its changes in order
         self._last: dict[str, pa.Table] | None = None
 
@@ -844,22 +862,32 @@ class _Overlay:
     def _without_changed(self, name: str, last: pa.Table, run: Run) -> Run:
         """``run`` without the entries of a value-like state that the log changed (they come
         back from :meth:`rest`). One hash lookup per entry finds those whose key bytes the log
-        names (none, for a log of new keys: the run as it is); only they are matched exactly,
-        on key group, key and namespace, with an anti-join; the run keeps its order."""
-        keys = self._wanted.get(f"\0{name}")  # not a state name: names are never empty
-        if keys is None:
-            keys = self._wanted[f"\0{name}"] = last["kb"].combine_chunks()  # is_in dedups
-        hit = pc.is_in(run.kb, value_set=keys).to_numpy(zero_copy_only=False)
+        names (none, for a log of new keys: the run as it is); only they are matched exactly
+        on key group, key and namespace: by comparing with the log's entry of the same key
+        bytes when the log changed each key bytes once, in the default namespace (a counter's
+        log), else with an anti-join. The run keeps its order."""
+        index = self._index.get(name)
+        if index is None:
+            index = self._index[name] = _LastIndex.of(last)
+        pos = pc.index_in(run.kb, value_set=index.keys)
+        hit = pos.is_valid().to_numpy(zero_copy_only=False)
         at = np.flatnonzero(hit)
         if not len(at):
             return run
-        take = pa.array(at)
-        candidates = pa.table({"kg": run.kg.take(take), "kb": run.kb.take(take),
-                               "nb": run.nb.take(take), "at": take})
-        unchanged = candidates.join(last.select(["kg", "kb", "nb"]), keys=["kg", "kb", "nb"],
-                                    join_type="left anti", use_threads=False)
         keep = ~hit
-        keep[unchanged["at"].to_numpy()] = True
+        if index.kg is not None:
+            offsets, _ = _buffers(run.nb)
+            same = (run.kg.to_numpy()[at] == index.kg[pos.drop_null().to_numpy()]) \
+                & (offsets[at + 1] == offsets[at])
+            keep[at[~same]] = True
+        else:
+            take = pa.array(at)
+            candidates = pa.table({"kg": run.kg.take(take), "kb": run.kb.take(take),
+                                   "nb": run.nb.take(take), "at": take})
+            unchanged = candidates.join(last.select(["kg", "kb", "nb"]),
+                                        keys=["kg", "kb", "nb"], join_type="left anti",
+                                        use_threads=False)
+            keep[unchanged["at"].to_numpy()] = True
         return run.filter(keep)
 
     def _through_entries(self, run: Run, name: str, touched: set[bytes]) -> Iterator[Run]:
