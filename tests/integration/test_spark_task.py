@@ -417,13 +417,13 @@ class FailOnBang(Count):
 
 
 def test_a_task_of_several_partitions_checkpoints_them_in_one_window(tmp_path: Path) -> None:
-    """The partitions of a grouped task are checkpointed together: with a 50 ms persist window
+    """The partitions of a grouped task are checkpointed together: with a 200 ms persist window
     both logs go to one segment (one after the other, the first window would close before the
     second partition's log arrives). A failure while the second partition is processed rolls
     back the first too (it had not committed): the task's tables keep the base's state, both
     partitions are dropped (no batch-id file), and the retry restores and counts once."""
     cfg = dataclasses.replace(_lmdb_cfg(tmp_path, "grouped-window"), partitions=2,
-                              dstl_options=DstlOptions(persist_delay_s=0.05))
+                              dstl_options=DstlOptions(persist_delay_s=0.2))
     keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
 
     def pid(k: str) -> int:
