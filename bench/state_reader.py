@@ -148,14 +148,18 @@ def _build(spark: Any, work: Path, keys: int, per_batch: int, snapshots: bool
 SPARK_COLUMNS = "key string, typed_value bigint, partition string"
 
 
-def _read_dstl(spark: Any, uri: str, ddl: str | None = None) -> float:
+def _noop_read(reader: Any, ddl: str | None, load: Callable[[Any], Any]) -> float:
+    """Seconds to read ``load(reader)`` (with the user-specified schema ``ddl``, if given) into
+    Spark's ``noop`` sink."""
     t0 = time.monotonic()
-    reader = spark.read.format("dstl")
-    if ddl is not None:
-        reader = reader.schema(ddl)
-    (reader.option("operator", "count").load(uri)
-     .write.format("noop").mode("overwrite").save())
+    load(reader if ddl is None else reader.schema(ddl)).write.format("noop").mode(
+        "overwrite").save()
     return time.monotonic() - t0
+
+
+def _read_dstl(spark: Any, uri: str, ddl: str | None = None) -> float:
+    return _noop_read(spark.read.format("dstl"), ddl,
+                      lambda r: r.option("operator", "count").load(uri))
 
 
 def _read_spark(spark: Any, ck: str) -> float:
@@ -238,12 +242,8 @@ def _floor_batches(rows: int, part: int, batch: int = 16384,
 
 
 def _read_floor(spark: Any, keys: int, ddl: str | None = None) -> float:
-    t0 = time.monotonic()
-    reader = spark.read.format("dstl_bench_floor")
-    if ddl is not None:
-        reader = reader.schema(ddl)
-    reader.option("rows", keys).load().write.format("noop").mode("overwrite").save()
-    return time.monotonic() - t0
+    return _noop_read(spark.read.format("dstl_bench_floor"), ddl,
+                      lambda r: r.option("rows", keys).load())
 
 
 def _reads(spark: Any, uri: str, ck: str, repeats: int, keys: int) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def batches(rows: Iterable[StateRow] | Iterable[ChangeRow], schema: pa.Schema, *
     convs = [_converter(n) for n in names]
     value_at = schema.get_field_index("value")
     state_at, key_col = names.index("state"), names.index("key")
-    key_at = names.index("key") if "key" in names and "key_bytes" in names else None
+    key_at = key_col if "key_bytes" in names else None
     key_bytes_at = names.index("key_bytes") if key_at is not None else -1
     out_schema = schema.append(pa.field(typed[0], typed[1])) if typed is not None else schema
     it = iter(rows)

@@ -741,10 +741,11 @@ class _Overlay:
 
     Value, reducing and aggregating states (whose changes are SET and CLEAR only) are replayed
     column-wise: a log's records are split with numpy, and the last change of every entry wins
-    (one group-by); a snapshot run drops the entries they name (a hash lookup of its key
-    bytes, then an anti-join of only the entries found) and the surviving SETs come last. List and map changes depend on the entry before them: they are
-    kept per entry in log order and applied by :meth:`StateImage.apply` to the stored bytes of
-    the entries they touch. A log that redefines a state id is replayed change by change."""
+    (one group-by); a snapshot run drops the entries they name (:meth:`_without_changed`)
+    and the surviving SETs come last. List and map changes depend on the entry before them:
+    they are kept per entry in log order and applied by :meth:`StateImage.apply` to the stored
+    bytes of the entries they touch. A log that redefines a state id is replayed change by
+    change."""
 
     def __init__(self, allow_pickle: bool) -> None:
         self.image = StateImage(allow_pickle)  # states, and the semantics of a change
