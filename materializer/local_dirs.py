@@ -16,7 +16,9 @@ name carries the owner's pid (``dstl-lmdb-<pid>-<random>``) and the owner holds 
 ``flock`` on ``owner.lock`` inside it for its lifetime. Creating a new one first removes those
 whose owner is gone: pid not alive and lock free (the lock covers a pid reused by another
 process, and pid namespaces that share the directory). Unstamped directories of older versions
-are left alone.
+are left alone. The Spark state reader's per-process caches (``dstl-reader-cache-<pid>-<random>``
+under the executor's local directory, locked by their cache) are swept the same way: a Python
+worker ends with ``os._exit``, so its ``atexit`` clean-up never runs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Final
 from dstl.errors import StateError
 from dstl.stores.local import pid_alive
 
-__all__ = ["OwnDirectory", "prepare_environment", "remove_stale_own_directories"]
+__all__ = ["OwnDirectory", "executor_local_dir", "prepare_environment",
+           "remove_stale_own_directories"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +100,17 @@ class OwnDirectory:
         self._lock_fd = -1
 
 
-def remove_stale_own_directories(root: str) -> int:
-    """Remove the own directories under ``root`` whose owner is gone; return how many."""
+def executor_local_dir() -> str:
+    """A Spark executor's local directory: the first ``SPARK_LOCAL_DIRS`` entry (Spark sets it
+    for its Python workers and removes it when the executor stops), else the temp dir."""
+    return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
+
+
+def remove_stale_own_directories(root: str, prefix: str = PREFIX, lock: str = _LOCK) -> int:
+    """Remove the directories ``<prefix><pid>-<random>`` under ``root`` whose owner is gone
+    (pid not alive, ``lock`` inside not held); return how many."""
+    own = _OWN_RE if prefix == PREFIX else re.compile(
+        rf"^{re.escape(prefix)}(?P<pid>[0-9]+)-[A-Za-z0-9_]+$")
     removed = 0
     try:
         entries = list(os.scandir(root))
@@ -106,21 +118,21 @@ def remove_stale_own_directories(root: str) -> int:
         logger.debug("cannot list %s for stale LMDB directories: %s", root, exc)
         return 0
     for entry in entries:
-        m = _OWN_RE.match(entry.name)
+        m = own.match(entry.name)
         if m is None or not entry.is_dir(follow_symlinks=False) or pid_alive(int(m["pid"])):
             continue
-        if _remove_if_unlocked(entry.path):
+        if _remove_if_unlocked(entry.path, lock):
             removed += 1
     if removed:
-        logger.info("removed %d LMDB directories of processes that are gone from %s", removed,
-                    root)
+        logger.info("removed %d directories %s* of processes that are gone from %s", removed,
+                    prefix, root)
     return removed
 
 
-def _remove_if_unlocked(path: str) -> bool:
-    """Remove ``path`` unless a live process holds its lock."""
+def _remove_if_unlocked(path: str, lock: str) -> bool:
+    """Remove ``path`` unless a live process holds its ``lock``."""
     try:
-        fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, lock), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = -1  # killed between creating the directory and its lock
     except OSError as exc:

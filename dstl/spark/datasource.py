@@ -332,16 +332,24 @@ class _Pushed:
 
 _CACHE: dict[int, LocalFileCache] = {}
 
+#: The reader cache's directory name: ``<prefix><pid>-<random>`` under the executor's local dir.
+READER_CACHE_PREFIX = "dstl-reader-cache-"
+
 
 def _process_cache() -> LocalFileCache:
-    """One restore cache per (executor worker) process, in a temporary directory removed at
-    exit; objects that do not fit its budget are read with ranged reads."""
-    from restore.cache import LocalFileCache
+    """One restore cache per (executor worker) process; objects that do not fit its budget are
+    read with ranged reads. Its directory, under the executor's local directory, is removed at
+    exit; a Python worker usually ends with ``os._exit`` (no ``atexit``), so a new cache first
+    removes those of processes that are gone (pid not alive, the cache's lock free)."""
+    from materializer.local_dirs import executor_local_dir, remove_stale_own_directories
+    from restore.cache import LOCK_NAME, LocalFileCache
 
     pid = os.getpid()
     cache = _CACHE.get(pid)
     if cache is None or cache.closed:
-        directory = tempfile.mkdtemp(prefix="dstl-reader-cache-")
+        root = executor_local_dir()
+        remove_stale_own_directories(root, READER_CACHE_PREFIX, LOCK_NAME)
+        directory = tempfile.mkdtemp(prefix=f"{READER_CACHE_PREFIX}{pid}-", dir=root)
         cache = LocalFileCache(directory, idle_ttl_s=120.0, max_bytes=2 << 30, on_full="direct")
         _CACHE[pid] = cache
 

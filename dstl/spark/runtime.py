@@ -30,7 +30,6 @@ import dataclasses
 import fcntl
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from dstl.spark.config import OperatorConfig
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
+from materializer.local_dirs import executor_local_dir
 from restore.cache import LocalFileCache
 
 __all__ = ["Slot", "WorkerRuntime", "close_runtime", "runtime_for", "runtime_of", "runtimes"]
@@ -83,11 +83,6 @@ class Slot:
             self.backend.close()
 
 
-def _executor_dir() -> str:
-    """The executor's local directory: the first ``SPARK_LOCAL_DIRS`` entry, else the temp dir."""
-    return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
-
-
 class WorkerRuntime:
     """Per worker process and operator: storage, cache, agent client, and the partitions served
     here (see the module docstring)."""
@@ -95,7 +90,7 @@ class WorkerRuntime:
     def __init__(self, cfg: OperatorConfig) -> None:
         self.cfg = cfg
         self.pid = os.getpid()
-        executor_dir = _executor_dir()
+        executor_dir = executor_local_dir()
         self.agent: AgentClient | None = None
         uploader = None
         if cfg.agent:

@@ -706,3 +706,59 @@ def test_internal_raw_states_are_not_shown(store: BlobStore, table: str,
         assert state_of(_read(catalog, None, reader_table)) == want
     assert replay(read_changes(catalog, None)) == want
     assert verify_checkpoint(catalog).ok
+
+
+_CACHE_CHILD = """
+import os, sys
+from dstl.spark.datasource import _process_cache
+cache = _process_cache()
+print(cache.directory, flush=True)
+if sys.argv[1] == "hold":
+    sys.stdin.readline()  # alive, holding its cache, until the test lets go
+os._exit(0)  # as a Spark Python worker ends: no atexit clean-up
+"""
+
+
+def _cache_dirs(root: Path) -> list[str]:
+    return sorted(str(root / n) for n in os.listdir(root) if n.startswith("dstl-reader-cache-"))
+
+
+def test_the_spark_reader_cache_of_a_worker_that_is_gone_is_removed_by_the_next(
+        tmp_path: Path) -> None:
+    """A Python worker exits with os._exit, so its reader cache's atexit clean-up never runs:
+    the next worker's cache removes the directories of processes that are gone, never one whose
+    process still holds it; the caches live under the executor's local directory."""
+    import subprocess
+    import sys
+
+    local = tmp_path / "executor"
+    local.mkdir()
+    env = {**os.environ, "SPARK_LOCAL_DIRS": f"{local},{tmp_path / 'second'}"}
+
+    def child(mode: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _CACHE_CHILD, mode], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def directory(p: subprocess.Popen[str]) -> str:
+        assert p.stdout is not None
+        return p.stdout.readline().strip()
+
+    gone = child("exit")
+    first = directory(gone)
+    assert gone.wait(30) == 0
+    assert _cache_dirs(local) == [first]  # left behind, under the executor's local directory
+    (Path(first) / "payload.obj").write_bytes(b"x" * 1000)
+    holder = child("hold")
+    held = directory(holder)
+    try:
+        assert _cache_dirs(local) == [held]  # the dead worker's directory is gone
+        late = child("exit")
+        second = directory(late)
+        assert late.wait(30) == 0
+        assert _cache_dirs(local) == sorted([held, second])  # the live one is kept
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+    assert not (tmp_path / "second").exists()
