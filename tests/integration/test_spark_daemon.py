@@ -38,10 +38,13 @@ class RecordingCount(StatefulProcessor):
 
     def init(self, handle: Any) -> None:
         self.count = handle.get_value_state("count")
+        import pyspark
+
         from dstl.spark import daemon
 
         with open(os.path.join(self.out, f"{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "preloaded": daemon.PRELOADED,
+                       "pyspark": pyspark.__file__,
                        "daemon_pid": os.getppid(), "parent": _cmdline(os.getppid())}, f)
 
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
@@ -129,6 +132,8 @@ def test_workers_start_with_dstl_imported_and_counts_stay_exact(
         assert "dstl.spark.daemon" in r["parent"], r
         for name in ("dstl.spark.task", "pandas", "pyarrow", "lmdb", "pyspark.worker"):
             assert name in r["preloaded"], (name, r)
+        # the pip-installed pyspark, whose bytecode is cached, not Spark's pyspark.zip
+        assert ".zip" not in r["pyspark"], r
     if agent:
         # the agent the tasks used was started ahead by a daemon (a child of the executor JVM;
         # an agent started by a worker is a grandchild, and a forked worker shows the daemon's

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,3 +266,70 @@ def test_an_agent_said_to_start_elsewhere_that_never_answers_is_started_after_th
         assert len(_agents_of(directory)) == 1
     finally:
         _stop(_agents_of(directory))
+
+
+
+# prefer_installed in a fresh interpreter (this one imported pyspark long ago): a fake package
+# ``fakespark`` stands for pyspark, its zip named as Spark names pyspark's
+_PREFER = """
+import json, sys
+from dstl.spark import daemon
+daemon._ZIPPED = (("fakespark", daemon._ZIPPED[0][1]),)
+sys.path[:] = json.loads(sys.argv[1])
+moved = daemon.prefer_installed(sys.path, {"DSTL_DAEMON_PYSPARK": sys.argv[2]})
+try:
+    import fakespark
+    where = fakespark.__file__
+except ImportError:
+    where = None
+print(json.dumps({"moved": moved, "path": sys.path, "file": where}))
+"""
+
+
+def _prefer(case: Path, zip_version: str | None, installed: str | None, env: str = "",
+            zip_body: bytes | None = None) -> dict[str, Any]:
+    import json
+    import zipfile
+
+    (case / "lib").mkdir(parents=True)
+    zip_path, site = case / "lib" / "pyspark.zip", case / "site"
+    if zip_body is not None:
+        zip_path.write_bytes(zip_body)
+    else:
+        with zipfile.ZipFile(zip_path, "w") as z:
+            z.writestr("fakespark/__init__.py", "")
+            if zip_version is not None:
+                z.writestr("fakespark/version.py", f"__version__: str = '{zip_version}'\n")
+    if installed is not None:
+        (site / "fakespark").mkdir(parents=True)
+        (site / "fakespark" / "__init__.py").write_text("")
+        (site / "fakespark" / "version.py").write_text(f'__version__ = "{installed}"\n')
+    path = [str(zip_path), str(ROOT), str(site), *[p for p in sys.path if "site-packages" in p]]
+    out = subprocess.run([sys.executable, "-c", _PREFER, json.dumps(path), env],
+                         capture_output=True, text=True, cwd=str(case), timeout=120,
+                         env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return {**result, "zip": str(zip_path), "site": str(site), "given": path}
+
+
+@pytest.mark.parametrize(("zip_version", "installed", "env", "moved"), [
+    ("4.3.0", "4.3.0", "", True),        # the same version: the installed copy, bytecode cached
+    ("4.3.0", "4.3.0", " ZIP ", False),  # DSTL_DAEMON_PYSPARK=zip keeps Spark's order
+    ("4.3.0", "4.2.1", "", False),       # another version: Spark's own zip
+    ("4.3.0", None, "", False),          # nothing installed
+    (None, "4.3.0", "", False),          # a zip without a version
+])
+def test_sparks_zip_goes_after_an_installed_copy_of_the_same_version_only(
+        tmp_path: Path, zip_version: str | None, installed: str | None, env: str,
+        moved: bool) -> None:
+    r = _prefer(tmp_path, zip_version, installed, env)
+    assert r["moved"] == ([f"fakespark {zip_version}"] if moved else []), r
+    assert r["file"].startswith(r["site"] if moved else r["zip"]), r
+    assert r["path"][-1 if moved else 0] == r["zip"], r
+    assert sorted(r["path"]) == sorted(r["given"])  # reordered, nothing lost or added
+
+
+def test_a_damaged_zip_moves_nothing_and_raises_nothing(tmp_path: Path) -> None:
+    r = _prefer(tmp_path, None, "4.3.0", zip_body=b"PK\x03\x04 not a zip at all")
+    assert r["moved"] == [] and r["path"][0] == r["zip"], r
