@@ -25,6 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
+# The processes a bench starts (Spark's JVM and through it the Python daemon, workers and the
+# executor agent) run DSTL as an installed package runs: with its bytecode cached (pip compiles
+# it at install). A shell that sets PYTHONDONTWRITEBYTECODE, as some sandboxes do, would make
+# each of them compile DSTL from source at start, 0.1 s of CPU per process on this machine
+# class (`import dstl.spark.task, dstl.spark.agent.server`: 0.26 s against 0.15 s); the results
+# record whether it was set (``machine.bytecode_env_dropped``).
+BYTECODE_ENV_DROPPED = os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None
+
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
@@ -62,6 +70,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "git_sha": sha,
+        "bytecode_env_dropped": BYTECODE_ENV_DROPPED,
         "loadavg_at_start": load,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -37,9 +37,12 @@ after the fork, because an import *may* start threads):
 
 *The executor agent, started ahead.* Unless ``DSTL_DAEMON_AGENT=0``, the daemon also starts the
 executor agent (:func:`dstl.spark.agent.spawn.spawn_agent`: detached, watching the executor
-JVM, the daemon's parent) before it forks workers, and does not wait for it: the agent's own
-start-up (about 1 s of imports and socket set-up) then runs while the daemon and its workers
-start, instead of after the first task's worker asked for it. Workers forked here wait for that
+JVM, the daemon's parent) first, before its own imports, and does not wait for it: the agent's
+own start-up (its imports and socket set-up, 0.3-0.5 s) then runs on another core while the
+daemon imports and its workers start, instead of after them (measured: workers forked after the
+daemon's imports waited 0.3 s for an agent started after those imports) or after the first
+task's worker asked for it. A daemon whose preload then fails leaves that agent to exit with
+the executor. Workers forked here wait for that
 agent (:func:`agent_starting`) rather than start a second one, as long as it runs. It costs one idle process per
 executor when no operator uses the agent (``agent=False``); it exits with the executor.
 ``Popen`` starts no thread, and nothing of it stays open in the daemon but the child's pid.
@@ -49,9 +52,11 @@ first on a Python worker's path. Python cannot cache the bytecode of modules imp
 zip, so every daemon compiles pyspark's worker module and what it imports from source: 0.55 s
 against 0.13 s from the installed package on this machine class, on the critical path of every
 executor's first Python task. When the same version of the package is installed on the path
-(a pip-installed pyspark holds the very zips), :func:`prefer_installed` moves those zips after
-it, before anything imports pyspark, so the daemon and the workers it forks run the installed
-copy, whose bytecode is cached. Another version, no installed copy, or :data:`PYSPARK_ENV`
+(a pip-installed pyspark holds the very zips), :func:`prefer_installed` takes those zips off
+the path before anything imports pyspark, so the daemon and the workers it forks run the
+installed copy, whose bytecode is cached (off, not only after it: a worker's first task
+invalidates the import caches, and a zipimporter on the path then re-reads its zip's directory,
+20-40 ms for pyspark's). Another version, no installed copy, or :data:`PYSPARK_ENV`
 ``=zip`` keeps Spark's order.
 
 *Not the driver's planner workers.* PySpark 4.3 plans a Python data source's read (``load()``,
@@ -170,9 +175,9 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
 
 def prefer_installed(path: list[str], environ: dict[str, str] | os._Environ[str]
                      ) -> list[str]:
-    """Move Spark's zips of pyspark and py4j in ``path`` (``sys.path``) after an installed
-    copy of the same version found on the rest of ``path`` (see the module docstring); what
-    was moved, as ``"<package> <version>"``. Nothing moves when :data:`PYSPARK_ENV` is ``zip``,
+    """Take Spark's zips of pyspark and py4j off ``path`` (``sys.path``) when an installed
+    copy of the same version is on the rest of ``path`` (see the module docstring); what was
+    taken off, as ``"<package> <version>"``. Nothing moves when :data:`PYSPARK_ENV` is ``zip``,
     when the package is imported already, or when the versions differ or cannot be read."""
     if environ.get(PYSPARK_ENV, "").strip().lower() == "zip":
         return []
@@ -187,7 +192,7 @@ def prefer_installed(path: list[str], environ: dict[str, str] | os._Environ[str]
         if (version is None or spec is None or not spec.submodule_search_locations
                 or _installed_version(spec.submodule_search_locations[0]) != version):
             continue
-        path[:] = others + zips
+        path[:] = others
         moved.append(f"{package} {version}")
     if moved:
         importlib.invalidate_caches()
@@ -242,9 +247,10 @@ def agent_starting(directory: str) -> bool:
 
 
 def main() -> None:
-    """``python -m dstl.spark.daemon [worker module]``: preload, start the agent, then run
+    """``python -m dstl.spark.daemon [worker module]``: start the agent, preload, then run
     pyspark's daemon."""
     installed = prefer_installed(sys.path, os.environ)
+    _start_agent_ahead()  # first: its start-up overlaps the imports below
     try:
         took = preload(modules_to_preload(sys.argv, os.environ))
     except ConfigError as exc:
@@ -252,7 +258,6 @@ def main() -> None:
         print(f"dstl.spark.daemon: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     PRELOADED.update(took)
-    _start_agent_ahead()
     # one line into the executor's log (Spark copies the daemon's stderr there)
     print(f"dstl.spark.daemon: imported {len(took)} modules in {sum(took.values()):.2f}s before "
           "forking workers: " + ", ".join(f"{m} {s:.2f}s" for m, s in took.items())
