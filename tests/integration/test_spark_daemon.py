@@ -38,13 +38,15 @@ class RecordingCount(StatefulProcessor):
 
     def init(self, handle: Any) -> None:
         self.count = handle.get_value_state("count")
+        import gc
+
         import pyspark
 
         from dstl.spark import daemon
 
         with open(os.path.join(self.out, f"{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "preloaded": daemon.PRELOADED,
-                       "pyspark": pyspark.__file__,
+                       "pyspark": pyspark.__file__, "frozen": gc.get_freeze_count(),
                        "daemon_pid": os.getppid(), "parent": _cmdline(os.getppid())}, f)
 
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
@@ -134,6 +136,8 @@ def test_workers_start_with_dstl_imported_and_counts_stay_exact(
             assert name in r["preloaded"], (name, r)
         # the pip-installed pyspark, whose bytecode is cached, not Spark's pyspark.zip
         assert ".zip" not in r["pyspark"], r
+        # the daemon's imports frozen for the collector: a worker's collections skip them
+        assert r["frozen"] > 10_000, r
     if agent:
         # the agent the tasks used was started ahead by a daemon (a child of the executor JVM;
         # an agent started by a worker is a grandchild, and a forked worker shows the daemon's
