@@ -455,6 +455,9 @@ class _Split(InputPartition):
 def _read(opts: SourceOptions, pushed: _Pushed, output: _Output,
           partition: InputPartition) -> Iterator[Any]:
     """The Arrow batches of one split, of ``output``'s columns (runs on an executor)."""
+    from dstl.spark.worker_gc import freeze_imports
+
+    freeze_imports()  # once per worker, before the read builds anything (dstl.spark.worker_gc)
     return output.project(_read_split(opts, pushed, output, partition))
 
 

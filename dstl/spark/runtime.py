@@ -45,6 +45,7 @@ from dstl.spark.agent import (
 from dstl.spark.agent.spawn import agent_dir
 from dstl.spark.config import OperatorConfig
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
+from dstl.spark.worker_gc import freeze_imports
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.local_dirs import executor_local_dir
@@ -192,6 +193,7 @@ def runtime_for(cfg: OperatorConfig) -> WorkerRuntime:
     executor agent was lost — also when the agent died after the previous task and the client's
     reader thread has not noticed yet (:attr:`AgentClient.broken` asks the kernel), so a task
     never starts on a dead connection."""
+    freeze_imports()  # before this process builds anything of its own (dstl.spark.worker_gc)
     key = _key(cfg)
     with _RUNTIMES_LOCK:
         rt = _RUNTIMES.get(key)

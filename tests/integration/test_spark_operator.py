@@ -335,3 +335,31 @@ def test_sink_gets_every_row_when_partitions_before_the_last_emit_nothing(
             assert op.batch_stats[-1]["rows_out"] == len(keys)
     finally:
         op.close()
+
+
+class FreezeCount(StatefulProcessor):
+    """Outputs, per key, how many objects the worker's collector has frozen."""
+
+    def init(self, handle: Any) -> None:
+        pass
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        import gc
+
+        yield {"key": key, "count": gc.get_freeze_count()}
+
+
+def test_a_worker_freezes_its_imports_for_the_collector_before_its_first_task(
+        spark: Any, tmp_path: Path) -> None:  # noqa: F811
+    """pyspark's daemon runs gc.collect() after every task of a reused worker: DSTL freezes what
+    the worker imported (dstl.spark.worker_gc), so those collections skip it."""
+    out: dict[str, int] = {}
+    op = _op(FreezeCount, str(tmp_path / "store"), {}, lambda df, b: out.update(
+        {r["key"]: r["count"] for r in df.collect()}), tmp_path)
+    try:
+        op.foreach_batch(_batch(spark, [f"k{i}" for i in range(12)]), 0)
+    finally:
+        op.close()
+    assert len(out) == 12
+    assert min(out.values()) > 10_000, out  # pyarrow, pyspark and DSTL at least
