@@ -42,10 +42,10 @@ own start-up (its imports and socket set-up, 0.3-0.5 s) then runs on another cor
 daemon imports and its workers start, instead of after them (measured: workers forked after the
 daemon's imports waited 0.3 s for an agent started after those imports) or after the first
 task's worker asked for it. A daemon whose preload then fails leaves that agent to exit with
-the executor. Workers forked here wait for that
-agent (:func:`agent_starting`) rather than start a second one, as long as it runs. It costs one idle process per
-executor when no operator uses the agent (``agent=False``); it exits with the executor.
-``Popen`` starts no thread, and nothing of it stays open in the daemon but the child's pid.
+the executor. Workers forked here wait for that agent (:func:`agent_starting`) rather than
+start a second one, as long as it runs. It costs one idle process per executor when no operator
+uses the agent (``agent=False``); it exits with the executor. ``Popen`` starts no thread, and
+nothing of it stays open in the daemon but the child's pid.
 
 *Frozen for the collector.* After its imports the daemon collects once and freezes what is
 left (``gc.freeze``: the objects of the imported modules, about 90 k, move to a permanent
@@ -187,11 +187,11 @@ def prefer_installed(path: list[str], environ: dict[str, str] | os._Environ[str]
                      ) -> list[str]:
     """Take Spark's zips of pyspark and py4j off ``path`` (``sys.path``) when an installed
     copy of the same version is on the rest of ``path`` (see the module docstring); what was
-    taken off, as ``"<package> <version>"``. Nothing moves when :data:`PYSPARK_ENV` is ``zip``,
+    taken off, as ``"<package> <version>"``. Nothing is taken off when :data:`PYSPARK_ENV` is ``zip``,
     when the package is imported already, or when the versions differ or cannot be read."""
     if environ.get(PYSPARK_ENV, "").strip().lower() == "zip":
         return []
-    moved: list[str] = []
+    taken: list[str] = []
     for package, zip_name in _ZIPPED:
         zips = [p for p in path if zip_name.match(os.path.basename(p))]
         if not zips or package in sys.modules:
@@ -203,10 +203,10 @@ def prefer_installed(path: list[str], environ: dict[str, str] | os._Environ[str]
                 or _installed_version(spec.submodule_search_locations[0]) != version):
             continue
         path[:] = others
-        moved.append(f"{package} {version}")
-    if moved:
+        taken.append(f"{package} {version}")
+    if taken:
         importlib.invalidate_caches()
-    return moved
+    return taken
 
 
 def _zip_version(zip_path: str, package: str) -> str | None:
