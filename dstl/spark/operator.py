@@ -283,6 +283,13 @@ class DstlStatefulOperator:
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
                     store.location, self.table, latest.checkpoint_id if latest else "none")
+        if static.get("spark.python.daemon.module") != "dstl.spark.daemon":
+            logger.info("operator %s: the executors fork Python workers from %s; with "
+                        "spark.python.daemon.module=dstl.spark.daemon (a static conf, set "
+                        "before the session starts; docs/configuration.md) a worker starts "
+                        "with DSTL imported and pyspark's bytecode cached, and the executor "
+                        "agent starts ahead", self.name,
+                        static.get("spark.python.daemon.module", "pyspark.daemon"))
         return self._ready
 
     def _start_exporter(self, conf: Mapping[str, str]) -> None:
