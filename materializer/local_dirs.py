@@ -41,7 +41,6 @@ __all__ = ["OwnDirectory", "executor_local_dir", "prepare_environment",
 logger = logging.getLogger(__name__)
 
 PREFIX: Final = "dstl-lmdb-"
-_OWN_RE: Final = re.compile(rf"^{PREFIX}(?P<pid>[0-9]+)-[A-Za-z0-9_]+$")
 _LOCK: Final = "owner.lock"
 
 
@@ -109,13 +108,12 @@ def executor_local_dir() -> str:
 def remove_stale_own_directories(root: str, prefix: str = PREFIX, lock: str = _LOCK) -> int:
     """Remove the directories ``<prefix><pid>-<random>`` under ``root`` whose owner is gone
     (pid not alive, ``lock`` inside not held); return how many."""
-    own = _OWN_RE if prefix == PREFIX else re.compile(
-        rf"^{re.escape(prefix)}(?P<pid>[0-9]+)-[A-Za-z0-9_]+$")
+    own = re.compile(rf"^{re.escape(prefix)}(?P<pid>[0-9]+)-[A-Za-z0-9_]+$")
     removed = 0
     try:
         entries = list(os.scandir(root))
     except OSError as exc:
-        logger.debug("cannot list %s for stale LMDB directories: %s", root, exc)
+        logger.debug("cannot list %s for stale directories %s*: %s", root, prefix, exc)
         return 0
     for entry in entries:
         m = own.match(entry.name)
