@@ -729,10 +729,12 @@ class _LastIndex:
     kg: np.ndarray | None
 
     @classmethod
-    def of(cls, last: pa.Table) -> _LastIndex:
+    def of(cls, last: pa.Table, unique: bool | None = None) -> _LastIndex:
+        """``unique``: whether each key bytes occurs once in ``last`` (``None``: count)."""
         keys = last["kb"].combine_chunks()
         offsets, _ = _buffers(last["nb"].combine_chunks())
-        simple = offsets[-1] == offsets[0] and pc.count_distinct(keys).as_py() == len(keys)
+        simple = offsets[-1] == offsets[0] and (
+            unique if unique is not None else pc.count_distinct(keys).as_py() == len(keys))
         return cls(keys, last["kg"].combine_chunks().to_numpy() if simple else None)
 
 
@@ -755,6 +757,8 @@ class _Overlay:
         self._index: dict[str, _LastIndex] = {}  # per value-like state: its last changes' keys
         self._scalar: dict[str, list[pa.RecordBatch]] = {}  # per state: its changes in order
         self._last: dict[str, pa.Table] | None = None
+        #: the states whose log changed each key bytes once (their last changes: all of them)
+        self._once: set[str] = set()
 
     def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
         kgs, payloads = log_columns(reader, handle, key_groups)
@@ -828,11 +832,17 @@ class _Overlay:
             touched.add(key)
 
     def _last_changes(self) -> dict[str, pa.Table]:
-        """Per value-like state, the last change of every entry it changed."""
+        """Per value-like state, the last change of every entry it changed: every change, in
+        log order, when each key bytes was changed once (a log of new keys; a counter's log
+        that touched each key once), else one group-by."""
         if self._last is None:
             self._last = {}
             for name, batches in self._scalar.items():
                 t = pa.Table.from_batches(batches).combine_chunks()
+                if pc.count_distinct(t["kb"]).as_py() == len(t):
+                    self._last[name] = t
+                    self._once.add(name)
+                    continue
                 t = t.append_column("row", pa.array(np.arange(len(t), dtype=np.int64)))
                 last = t.group_by(["kg", "kb", "nb"], use_threads=False).aggregate(
                     [("row", "max")])
@@ -869,7 +879,7 @@ class _Overlay:
         log), else with an anti-join. The run keeps its order."""
         index = self._index.get(name)
         if index is None:
-            index = self._index[name] = _LastIndex.of(last)
+            index = self._index[name] = _LastIndex.of(last, True if name in self._once else None)
         pos = pc.index_in(run.kb, value_set=index.keys)
         hit = pos.is_valid().to_numpy(zero_copy_only=False)
         at = np.flatnonzero(hit)

@@ -620,6 +620,11 @@ def test_a_snapshot_run_through_a_log_of_updates_drops_exactly_the_entries_it_ch
         "same key bytes twice": [_meta(0, "a"), _change(1, SET, 0, b"k1", 11),
                                  _change(6, SET, 0, b"k1", 12), _change(7, CLEAR, 0, b"k7", None)],
         "new keys only": [_meta(0, "a"), _change(8, SET, 0, b"k8", 1)],
+        # each key bytes changed once (every change is its entry's last: no group-by), one of
+        # them under another key group than the snapshot's entry
+        "each key bytes once": [_meta(0, "a"), _change(1, SET, 0, b"k1", 10),
+                                _change(2, CLEAR, 0, b"k2", None), _change(4, SET, 0, b"k5", 7),
+                                _change(9, SET, 0, b"k9", 1)],
     }
     for name, records in logs.items():
         got, want = _snapshot_through(snapshot, records)
