@@ -16,9 +16,11 @@ name carries the owner's pid (``dstl-lmdb-<pid>-<random>``) and the owner holds 
 ``flock`` on ``owner.lock`` inside it for its lifetime. Creating a new one first removes those
 whose owner is gone: pid not alive and lock free (the lock covers a pid reused by another
 process, and pid namespaces that share the directory). Unstamped directories of older versions
-are left alone. The Spark state reader's per-process caches (``dstl-reader-cache-<pid>-<random>``
-under the executor's local directory, locked by their cache) are swept the same way: a Python
-worker ends with ``os._exit``, so its ``atexit`` clean-up never runs.
+are left alone. The state reader's directories are swept the same way, under the executor's
+local directory: its per-process caches (``dstl-reader-cache-<pid>-<random>``, locked by their
+cache) and the v2 snapshots it decompresses (``dstl-reader-snapshot-<pid>-<random>``, an own
+directory). A Python worker ends with ``os._exit`` (no ``atexit``), and one killed while it
+reads (SIGKILL: a task killed, the OOM killer, a lost executor) runs no ``finally``.
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class OwnDirectory:
     _lock_fd: int
 
     @classmethod
-    def create(cls) -> OwnDirectory:
-        """Remove stale ones, then make a new one and lock it."""
-        root = tempfile.gettempdir()
-        remove_stale_own_directories(root)
-        path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+    def create(cls, prefix: str = PREFIX, root: str | None = None) -> OwnDirectory:
+        """Remove stale ones (of ``prefix`` under ``root``, default the temp dir), then make a
+        new one and lock it."""
+        root = root or tempfile.gettempdir()
+        remove_stale_own_directories(root, prefix)
+        path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
         try:
             fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +65,7 @@ from materializer.file_snapshot import (
 )
 from materializer.handles import SnapshotRef
 from materializer.lmdb_files import iter_key_groups
+from materializer.local_dirs import OwnDirectory, executor_local_dir
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
 from restore.file_restore import is_file_snapshot, read_at
@@ -76,6 +75,10 @@ from restore.reader import ChangelogReader, verify_snapshot
 __all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "decompressed_file_snapshot",
            "file_snapshot", "file_snapshot_states", "snapshot_states", "state_info",
            "stream_snapshots"]
+
+#: The directory a v2 snapshot is decompressed into: ``<prefix><pid>-<random>`` (an own
+#: directory, :mod:`materializer.local_dirs`) under the executor's local directory.
+READER_SNAPSHOT_PREFIX = "dstl-reader-snapshot-"
 
 #: (state name, key group, key bytes, namespace bytes)
 Ident = tuple[str, int, bytes, bytes]
@@ -220,13 +223,15 @@ def decompressed_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGr
             yield None
             return
         states = file_snapshot_states(ref, layout, allow_pickle)
-        directory = tempfile.mkdtemp(prefix="dstl-reader-snapshot-")
+        # pid-stamped and locked: what a process killed while it reads leaves (its decompressed
+        # LMDB file) the next read removes
+        own = OwnDirectory.create(READER_SNAPSHOT_PREFIX, executor_local_dir())
         try:
-            decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"),
+            decompress_file_snapshot(read, layout, os.path.join(own.path, "data.mdb"),
                                      key=ref.key)
-            yield directory, owned, states
+            yield own.path, owned, states
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            own.remove()
 
 
 def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,

@@ -762,3 +762,51 @@ def test_the_spark_reader_cache_of_a_worker_that_is_gone_is_removed_by_the_next(
         holder.stdin.close()
         assert holder.wait(30) == 0
     assert not (tmp_path / "second").exists()
+
+
+def test_a_decompressed_snapshot_lives_in_an_own_directory_that_the_next_read_sweeps(
+        store: BlobStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A v2 snapshot is decompressed into ``dstl-reader-snapshot-<pid>-<random>`` under the
+    executor's local directory, locked while read and removed after; the directory a killed
+    reader left (its pid gone, its lock free) is removed by the next read, one whose process
+    lives is not."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from dstl.reader.image import READER_SNAPSHOT_PREFIX, decompressed_file_snapshot
+
+    job = MiniJob(store, partitions=1, seed=9, table="lmdb", retained=3)
+    try:
+        job.run(200)
+        job.checkpoint()
+        job.materialize()
+        job.checkpoint()
+    finally:
+        job.close()
+    ref = task_states(_catalog(store).manifest(1))[0].handle.materialized[0]
+    local = tmp_path / "executor"
+    local.mkdir()
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(local))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = local / f"{READER_SNAPSHOT_PREFIX}{dead}-killed"
+    stale.mkdir()
+    (stale / "owner.lock").touch()
+    (stale / "data.mdb").write_bytes(b"x" * 4096)  # what a killed reader left
+    held = local / f"{READER_SNAPSHOT_PREFIX}{dead}-held"  # a pid seen dead, lock held
+    held.mkdir()
+    fd = os.open(held / "owner.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with decompressed_file_snapshot(store, ref, ref.key_groups, False, None) as opened:
+            assert opened is not None
+            directory = Path(opened[0])
+            assert directory.parent == local
+            assert directory.name.startswith(f"{READER_SNAPSHOT_PREFIX}{os.getpid()}-")
+            assert (directory / "data.mdb").stat().st_size > 0
+            assert not stale.exists() and held.exists()
+        assert not directory.exists()
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in local.iterdir()) == [held.name]
