@@ -549,14 +549,9 @@ def test_damaged_snapshots_and_segments_are_typed_errors_naming_them(
             list(read_changes(catalog, 0, 1))
 
 
-@pytest.mark.parametrize("payload", ["garbage", "zeros", "short", "empty"])
-def test_a_v2_snapshot_whose_checksums_hold_around_no_lmdb_file_is_a_typed_error(
-        store: BlobStore, tmp_path: Path, payload: str) -> None:
-    """A forged (or buggy) v2 object: its framing, zstd frame and checksums are right, but the
-    file inside is no LMDB environment; every reader names the object."""
-    from materializer.file_snapshot import verify_file_snapshot, write_file_snapshot
-
-    job = MiniJob(store, partitions=1, seed=8, table="lmdb", retained=3)
+def _lmdb_snapshot_job(store: BlobStore, seed: int) -> None:
+    """One LMDB partition: 200 changes, a checkpoint, a v2 snapshot, checkpoint 1 on it."""
+    job = MiniJob(store, partitions=1, seed=seed, table="lmdb", retained=3)
     try:
         job.run(200)
         job.checkpoint()
@@ -564,6 +559,16 @@ def test_a_v2_snapshot_whose_checksums_hold_around_no_lmdb_file_is_a_typed_error
         job.checkpoint()
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("payload", ["garbage", "zeros", "short", "empty"])
+def test_a_v2_snapshot_whose_checksums_hold_around_no_lmdb_file_is_a_typed_error(
+        store: BlobStore, tmp_path: Path, payload: str) -> None:
+    """A forged (or buggy) v2 object: its framing, zstd frame and checksums are right, but the
+    file inside is no LMDB environment; every reader names the object."""
+    from materializer.file_snapshot import verify_file_snapshot, write_file_snapshot
+
+    _lmdb_snapshot_job(store, seed=8)
     catalog = _catalog(store)
     key = task_states(catalog.manifest(1))[0].handle.materialized[0].key
     data = store.get(key)
@@ -776,14 +781,7 @@ def test_a_decompressed_snapshot_lives_in_an_own_directory_that_the_next_read_sw
 
     from dstl.reader.image import READER_SNAPSHOT_PREFIX, decompressed_file_snapshot
 
-    job = MiniJob(store, partitions=1, seed=9, table="lmdb", retained=3)
-    try:
-        job.run(200)
-        job.checkpoint()
-        job.materialize()
-        job.checkpoint()
-    finally:
-        job.close()
+    _lmdb_snapshot_job(store, seed=9)
     ref = task_states(_catalog(store).manifest(1))[0].handle.materialized[0]
     local = tmp_path / "executor"
     local.mkdir()
