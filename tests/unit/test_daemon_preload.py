@@ -5,6 +5,7 @@ through its real entry point (``python -m dstl.spark.daemon``) speaking Spark's 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import struct
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -268,7 +270,6 @@ def test_an_agent_said_to_start_elsewhere_that_never_answers_is_started_after_th
         _stop(_agents_of(directory))
 
 
-
 # prefer_installed in a fresh interpreter (this one imported pyspark long ago): a fake package
 # ``fakespark`` stands for pyspark, its zip named as Spark names pyspark's
 _PREFER = """
@@ -276,21 +277,18 @@ import json, sys
 from dstl.spark import daemon
 daemon._ZIPPED = (("fakespark", daemon._ZIPPED[0][1]),)
 sys.path[:] = json.loads(sys.argv[1])
-moved = daemon.prefer_installed(sys.path, {"DSTL_DAEMON_PYSPARK": sys.argv[2]})
+taken = daemon.prefer_installed(sys.path, {"DSTL_DAEMON_PYSPARK": sys.argv[2]})
 try:
     import fakespark
     where = fakespark.__file__
 except ImportError:
     where = None
-print(json.dumps({"moved": moved, "path": sys.path, "file": where}))
+print(json.dumps({"taken": taken, "path": sys.path, "file": where}))
 """
 
 
 def _prefer(case: Path, zip_version: str | None, installed: str | None, env: str = "",
             zip_body: bytes | None = None) -> dict[str, Any]:
-    import json
-    import zipfile
-
     (case / "lib").mkdir(parents=True)
     zip_path, site = case / "lib" / "pyspark.zip", case / "site"
     if zip_body is not None:
@@ -313,7 +311,7 @@ def _prefer(case: Path, zip_version: str | None, installed: str | None, env: str
     return {**result, "zip": str(zip_path), "site": str(site), "given": path}
 
 
-@pytest.mark.parametrize(("zip_version", "installed", "env", "moved"), [
+@pytest.mark.parametrize(("zip_version", "installed", "env", "taken"), [
     ("4.3.0", "4.3.0", "", True),        # the same version: the installed copy, bytecode cached
     ("4.3.0", "4.3.0", " ZIP ", False),  # DSTL_DAEMON_PYSPARK=zip keeps Spark's order
     ("4.3.0", "4.2.1", "", False),       # another version: Spark's own zip
@@ -322,14 +320,14 @@ def _prefer(case: Path, zip_version: str | None, installed: str | None, env: str
 ])
 def test_sparks_zip_gives_way_to_an_installed_copy_of_the_same_version_only(
         tmp_path: Path, zip_version: str | None, installed: str | None, env: str,
-        moved: bool) -> None:
+        taken: bool) -> None:
     r = _prefer(tmp_path, zip_version, installed, env)
-    assert r["moved"] == ([f"fakespark {zip_version}"] if moved else []), r
-    assert r["file"].startswith(r["site"] if moved else r["zip"]), r
+    assert r["taken"] == ([f"fakespark {zip_version}"] if taken else []), r
+    assert r["file"].startswith(r["site"] if taken else r["zip"]), r
     # taken off the path, nothing else changed; or the path as it was
-    assert r["path"] == ([p for p in r["given"] if p != r["zip"]] if moved else r["given"]), r
+    assert r["path"] == ([p for p in r["given"] if p != r["zip"]] if taken else r["given"]), r
 
 
-def test_a_damaged_zip_moves_nothing_and_raises_nothing(tmp_path: Path) -> None:
+def test_a_damaged_zip_is_left_on_the_path_and_raises_nothing(tmp_path: Path) -> None:
     r = _prefer(tmp_path, None, "4.3.0", zip_body=b"PK\x03\x04 not a zip at all")
-    assert r["moved"] == [] and r["path"] == r["given"], r
+    assert r["taken"] == [] and r["path"] == r["given"], r
