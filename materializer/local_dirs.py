@@ -17,9 +17,8 @@ name carries the owner's pid (``dstl-lmdb-<pid>-<random>``) and the owner holds 
 whose owner is gone: pid not alive and lock free (the lock covers a pid reused by another
 process, and pid namespaces that share the directory). Unstamped directories of older versions
 are left alone. The state reader's directories are swept the same way, under the executor's
-local directory: its per-process caches (``dstl-reader-cache-<pid>-<random>``, locked by their
-cache) and the v2 snapshots it decompresses (``dstl-reader-snapshot-<pid>-<random>``, an own
-directory). A Python worker ends with ``os._exit`` (no ``atexit``), and one killed while it
+local directory, as own directories: its per-process caches (``dstl-reader-cache-<pid>-
+<random>``) and the v2 snapshots it decompresses (``dstl-reader-snapshot-<pid>-<random>``). A Python worker ends with ``os._exit`` (no ``atexit``), and one killed while it
 reads (SIGKILL: a task killed, the OOM killer, a lost executor) runs no ``finally``.
 """
 
@@ -108,9 +107,9 @@ def executor_local_dir() -> str:
     return (os.environ.get("SPARK_LOCAL_DIRS") or tempfile.gettempdir()).split(",")[0]
 
 
-def remove_stale_own_directories(root: str, prefix: str = PREFIX, lock: str = _LOCK) -> int:
-    """Remove the directories ``<prefix><pid>-<random>`` under ``root`` whose owner is gone
-    (pid not alive, ``lock`` inside not held); return how many."""
+def remove_stale_own_directories(root: str, prefix: str = PREFIX) -> int:
+    """Remove the own directories ``<prefix><pid>-<random>`` under ``root`` whose owner is gone
+    (pid not alive, lock not held); return how many."""
     own = re.compile(rf"^{re.escape(prefix)}(?P<pid>[0-9]+)-[A-Za-z0-9_]+$")
     removed = 0
     try:
@@ -122,7 +121,7 @@ def remove_stale_own_directories(root: str, prefix: str = PREFIX, lock: str = _L
         m = own.match(entry.name)
         if m is None or not entry.is_dir(follow_symlinks=False) or pid_alive(int(m["pid"])):
             continue
-        if _remove_if_unlocked(entry.path, lock):
+        if _remove_if_unlocked(entry.path):
             removed += 1
     if removed:
         logger.info("removed %d directories %s* of processes that are gone from %s", removed,
@@ -130,10 +129,10 @@ def remove_stale_own_directories(root: str, prefix: str = PREFIX, lock: str = _L
     return removed
 
 
-def _remove_if_unlocked(path: str, lock: str) -> bool:
-    """Remove ``path`` unless a live process holds its ``lock``."""
+def _remove_if_unlocked(path: str) -> bool:
+    """Remove ``path`` unless a live process holds its lock."""
     try:
-        fd = os.open(os.path.join(path, lock), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = -1  # killed between creating the directory and its lock
     except OSError as exc:

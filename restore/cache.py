@@ -137,8 +137,7 @@ PREFETCH_BUDGET_SHARE = 0.5
 
 OnFull = Literal["raise", "direct"]
 
-#: The lock file a cache holds (``flock``) in its directory for its lifetime.
-LOCK_NAME = ".dstl-cache.lock"
+_LOCK_NAME = ".dstl-cache.lock"
 #: Published files: ``<sanitised basename>.<16 hex digest of location+key>.<8 hex token>.obj``.
 _OBJ_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}\.[0-9a-f]{16}\.[0-9a-f]{8}\.obj$")
 #: Temp files: ``.<published name>.<pid>.<16 hex>.tmp`` (the pid tells whose it was).
@@ -754,7 +753,7 @@ class LocalFileCache:
         if not os.path.isdir(self.directory):
             os.makedirs(self.directory, exist_ok=True)
             self._created_dir = True
-        lock_path = os.path.join(self.directory, LOCK_NAME)
+        lock_path = os.path.join(self.directory, _LOCK_NAME)
         while True:
             fd = self._open_lock_file(lock_path)
             try:
@@ -811,7 +810,7 @@ class LocalFileCache:
         if fd < 0:
             return
         if remove:
-            _unlink(os.path.join(self.directory, LOCK_NAME))
+            _unlink(os.path.join(self.directory, _LOCK_NAME))
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 

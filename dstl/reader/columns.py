@@ -757,8 +757,6 @@ class _Overlay:
         self._index: dict[str, _LastIndex] = {}  # per value-like state: its last changes' keys
         self._scalar: dict[str, list[pa.RecordBatch]] = {}  # per state: its changes in order
         self._last: dict[str, pa.Table] | None = None
-        #: the states whose log changed each key bytes once (their last changes: all of them)
-        self._once: set[str] = set()
 
     def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
         kgs, payloads = log_columns(reader, handle, key_groups)
@@ -841,7 +839,7 @@ class _Overlay:
                 t = pa.Table.from_batches(batches).combine_chunks()
                 if pc.count_distinct(t["kb"]).as_py() == len(t):
                     self._last[name] = t
-                    self._once.add(name)
+                    self._index[name] = _LastIndex.of(t, unique=True)
                     continue
                 t = t.append_column("row", pa.array(np.arange(len(t), dtype=np.int64)))
                 last = t.group_by(["kg", "kb", "nb"], use_threads=False).aggregate(
@@ -879,7 +877,7 @@ class _Overlay:
         log), else with an anti-join. The run keeps its order."""
         index = self._index.get(name)
         if index is None:
-            index = self._index[name] = _LastIndex.of(last, True if name in self._once else None)
+            index = self._index[name] = _LastIndex.of(last)
         pos = pc.index_in(run.kb, value_set=index.keys)
         hit = pos.is_valid().to_numpy(zero_copy_only=False)
         at = np.flatnonzero(hit)

@@ -40,8 +40,6 @@ import atexit
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -338,24 +336,22 @@ READER_CACHE_PREFIX = "dstl-reader-cache-"
 
 def _process_cache() -> LocalFileCache:
     """One restore cache per (executor worker) process; objects that do not fit its budget are
-    read with ranged reads. Its directory, under the executor's local directory, is removed at
-    exit; a Python worker usually ends with ``os._exit`` (no ``atexit``), so a new cache first
-    removes those of processes that are gone (pid not alive, the cache's lock free)."""
-    from materializer.local_dirs import executor_local_dir, remove_stale_own_directories
-    from restore.cache import LOCK_NAME, LocalFileCache
+    read with ranged reads. Its directory is an own directory (:mod:`materializer.local_dirs`)
+    under the executor's local directory, removed at exit; a Python worker usually ends with
+    ``os._exit`` (no ``atexit``), so a new one first removes those of processes that are gone."""
+    from materializer.local_dirs import OwnDirectory, executor_local_dir
+    from restore.cache import LocalFileCache
 
     pid = os.getpid()
     cache = _CACHE.get(pid)
     if cache is None or cache.closed:
-        root = executor_local_dir()
-        remove_stale_own_directories(root, READER_CACHE_PREFIX, LOCK_NAME)
-        directory = tempfile.mkdtemp(prefix=f"{READER_CACHE_PREFIX}{pid}-", dir=root)
-        cache = LocalFileCache(directory, idle_ttl_s=120.0, max_bytes=2 << 30, on_full="direct")
+        own = OwnDirectory.create(READER_CACHE_PREFIX, executor_local_dir())
+        cache = LocalFileCache(own.path, idle_ttl_s=120.0, max_bytes=2 << 30, on_full="direct")
         _CACHE[pid] = cache
 
         def _close() -> None:
             cache.close()
-            shutil.rmtree(directory, ignore_errors=True)
+            own.remove()
 
         atexit.register(_close)
     return cache
