@@ -85,6 +85,7 @@ __all__ = [
     "FileSnapshotMeta",
     "ReadAt",
     "decompress_file_snapshot",
+    "decompress_file_snapshot_into",
     "read_file_snapshot_layout",
     "snapshot_version",
     "verify_file_snapshot",
@@ -349,6 +350,49 @@ def decompress_file_snapshot(read: ReadAt, layout: FileSnapshotLayout, path: str
         except zstandard.ZstdError as exc:
             raise CorruptObjectError(key, at, f"zstd data of the file snapshot does not decode: "
                                               f"{exc}") from exc
+    if src.remaining:
+        raise CorruptObjectError(key, at + layout.data_length - src.remaining,
+                                 f"{src.remaining} bytes after the zstd data")
+    if written != layout.raw_size:
+        raise TruncatedObjectError(key, at, layout.raw_size, written,
+                                   "decompressed LMDB data file")
+
+
+def decompress_file_snapshot_into(read: ReadAt, layout: FileSnapshotLayout, out: Any, *,
+                                  key: str) -> None:
+    """Decompress the data of a verified v2 object into ``out``, a writable buffer of exactly
+    the footer's raw size (a reader that parses the file in memory): zstd writes straight into
+    it, with the checks of :func:`decompress_file_snapshot` (one frame of that size with a
+    content checksum, verified at the frame's end). On error ``out`` may hold garbage.
+
+    Raises:
+        CorruptObjectError, TruncatedObjectError: naming the object and the data's offset.
+        UsageError: ``out`` is not of the raw size.
+    """
+    at = layout.data_offset
+    view = memoryview(out).cast("B")
+    if view.readonly or len(view) != layout.raw_size:
+        raise UsageError(f"decompress_file_snapshot_into: a writable buffer of {layout.raw_size} "
+                         f"bytes is needed for {key}, got {len(view)} bytes"
+                         f"{' (read-only)' if view.readonly else ''}")
+    _check_frame(read, layout, key)
+    src = _RangeReader(read, layout.data_offset, layout.data_length)
+    written = 0
+    try:
+        with _decompressor().stream_reader(cast(BinaryIO, src), read_size=_CHUNK,
+                                           closefd=False) as reader:
+            while written < layout.raw_size:
+                n = reader.readinto(view[written:])
+                if not n:
+                    break
+                written += n
+            # the frame's end (its content checksum, checked by zstd) is read only now
+            if written == layout.raw_size and reader.readinto(bytearray(1)):
+                raise CorruptObjectError(key, at, f"data decompresses to more than the "
+                                                  f"{layout.raw_size} bytes the footer says")
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(key, at, f"zstd data of the file snapshot does not decode: "
+                                          f"{exc}") from exc
     if src.remaining:
         raise CorruptObjectError(key, at + layout.data_length - src.remaining,
                                  f"{src.remaining} bytes after the zstd data")

@@ -42,7 +42,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["EntrySpans", "entry_spans"]
+__all__ = ["EntrySpans", "entry_spans", "entry_spans_in"]
 
 _MAGIC: Final = 0xBEEFC0DE
 _VERSION: Final = 1
@@ -189,7 +189,12 @@ def entry_spans(path: str) -> EntrySpans | None:
     reads (see the module docstring)."""
     if os.path.getsize(path) < 2 * 512:
         return None  # not even two meta pages (an empty file cannot be mapped)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return entry_spans_in(np.memmap(path, dtype=np.uint8, mode="r"))
+
+
+def entry_spans_in(data: np.ndarray) -> EntrySpans | None:
+    """:func:`entry_spans` of an LMDB data file's bytes (``uint8``, e.g. decompressed into
+    memory); the spans index ``data``, which they keep."""
     try:
         psize, flags, root, entries = _meta(data)
         if flags:

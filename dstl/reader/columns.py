@@ -9,7 +9,8 @@ and value, a row object, then one conversion per column value. This module gives
 log follows a snapshot) — with per-row Python only where a value needs it:
 
 - **Runs.** Entries arrive as :class:`Run`\\ s: entries of one state as Arrow arrays (key group,
-  key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file is located by parsing its
+  key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file (decompressed into
+  memory up to :data:`_IN_MEMORY_BYTES`, else into a staged file) is located by parsing its
   pages with numpy (:func:`materializer.lmdb_pages.entry_spans`: no Python object per entry;
   LMDB's cursors, :func:`materializer.lmdb_files.iter_raw_chunks`, list a file the parse does
   not read) and its raw keys (``>HHI`` prefix: key group, state id, key length, read as one
@@ -33,8 +34,9 @@ log follows a snapshot) — with per-row Python only where a value needs it:
   ``value`` of a value, reducing or aggregating state with the safe codec: the pickles
   ``pickle.dumps(int, protocol=5)`` writes — ``BININT1`` (5 bytes), framed ``BININT2``,
   ``BININT`` and ``LONG1`` up to 8 bytes — are matched byte for byte over the whole column with
-  numpy (protocol, frame length, opcode, stop; a ``BININT1`` value is one little-endian word,
-  and values of one length are matched against that length's shape only), decoded as
+  numpy (protocol, frame length, opcode, stop; values of one length — small counters, all
+  ``BININT1`` — are one matrix of bytes matched column by column against that length's shapes
+  only, others are read as little-endian words), decoded as
   little-endian integers and turned into JSON text by one cast (the decimal text ``to_json``
   gives an int). Every other value — other codecs, floats, strings, containers, lists, maps
   (one row per map entry) — goes through the codec and :func:`~dstl.reader.rows.to_json` per row, exactly as in the row path; the tests
@@ -83,7 +85,8 @@ from dstl.reader.image import (
     StateImage,
     StateInfo,
     block_snapshot,
-    decompressed_file_snapshot,
+    opened_file_snapshot,
+    staged_file,
     state_info,
 )
 from dstl.reader.plan import StateSplit
@@ -93,9 +96,10 @@ from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
+from materializer.file_snapshot import decompress_file_snapshot, decompress_file_snapshot_into
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_files import iter_raw_chunks
-from materializer.lmdb_pages import EntrySpans, entry_spans
+from materializer.lmdb_pages import EntrySpans, entry_spans, entry_spans_in
 from materializer.replay import uniform_block
 from restore.file_restore import is_file_snapshot
 from restore.leasing import LeasingCache
@@ -117,6 +121,10 @@ _CHUNK = 65536
 #: of its keys or values at most (a binary array's offsets are 32-bit).
 _RUN = 1 << 20
 _RUN_BYTES = 1 << 30
+#: A v2 snapshot's LMDB file of at most this many bytes is decompressed into memory and parsed
+#: there (no file written and mapped: a third less CPU at 1 M entries); a larger one into a
+#: staged file under the executor's local directory, parsed mapped (paged by the kernel).
+_IN_MEMORY_BYTES = 256 * 1024 * 1024
 #: Runs of one length at most in a change set's payloads gathered run by run (more: at once).
 _MAX_RUNS = 16
 
@@ -224,36 +232,53 @@ _INT_SHAPES: tuple[tuple[int, bytes, int, bool], ...] = (
 def int_values(vb: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """``(ok, values)``: which stored values are an int as ``pickle.dumps(v, protocol=5)``
     writes it (byte for byte: see the module docstring), and those ints (int64; 0 elsewhere).
-    Heads and integers are read as little-endian ``u64`` words at any byte (a copy of the values
-    padded with 16 zero bytes, so no word runs past it) and masked to their width. Values of
-    one length (small counters: all ``BININT1``) are matched against that length's shape only,
-    without selecting rows."""
+    Values of one length (small counters: all ``BININT1``) lie back to back, so they are one
+    ``(n, length)`` matrix of bytes, matched column by column against that length's shapes
+    only (:func:`_matrix_shape`). Otherwise heads and integers are read as little-endian ``u64``
+    words at any byte (a copy of the values padded with 16 zero bytes, so no word runs past it)
+    and masked to their width, one shape's lengths at a time."""
     offsets, data = _buffers(vb)
     starts, lengths = offsets[:-1], np.diff(offsets)
     n = len(vb)
     ok = np.zeros(n, dtype=bool)
     values = np.zeros(n, dtype=np.int64)
+    if n and int(lengths.min()) == int(lengths.max()):
+        matrix = data[int(offsets[0]):int(offsets[-1])].reshape(n, int(lengths[0]))
+        for shape in _INT_SHAPES:
+            if shape[0] == matrix.shape[1]:
+                match, raw = _matrix_shape(matrix, shape)
+                if match.all():
+                    return match, raw
+                values[match] = raw[match]
+                ok |= match
+        return ok, values
     padded = np.zeros(len(data) + 16, dtype=np.uint8)
     padded[:len(data)] = data
     words = _words(padded, "<u8")
-    uniform = n > 0 and int(lengths.min()) == int(lengths.max())
     for shape in _INT_SHAPES:
-        if uniform:
-            if shape[0] != lengths[0]:
-                continue
-            match, raw = _int_shape(padded, words, starts, shape)
-            if match.all():
-                return np.ones(n, dtype=bool), raw
-            rows = np.flatnonzero(match)
-        else:
-            rows = np.flatnonzero(lengths == shape[0])
-            if not len(rows):
-                continue
-            match, raw = _int_shape(padded, words, starts[rows], shape)
-            rows = rows[match]
+        rows = np.flatnonzero(lengths == shape[0])
+        if not len(rows):
+            continue
+        match, raw = _int_shape(padded, words, starts[rows], shape)
+        rows = rows[match]
         values[rows] = raw[match]
         ok[rows] = True
     return ok, values
+
+
+def _matrix_shape(matrix: np.ndarray, shape: tuple[int, bytes, int, bool]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of ``matrix`` (values of ``shape``'s total length, one per row) match its
+    bytes, and their integers (meaningless where they do not match)."""
+    total, head, width, signed = shape
+    match = matrix[:, total - 1] == 0x2E  # STOP
+    for at, byte in enumerate(head):
+        match &= matrix[:, at] == byte
+    if width == 1:
+        return match, matrix[:, len(head)].astype(np.int64)
+    word = np.zeros((len(matrix), 8), dtype=np.uint8)
+    word[:, :width] = matrix[:, len(head):len(head) + width]
+    return match, _sign_extended(word.view("<i8").reshape(-1), width, signed)
 
 
 def _int_shape(padded: np.ndarray, words: np.ndarray, s: np.ndarray,
@@ -274,10 +299,16 @@ def _int_shape(padded: np.ndarray, words: np.ndarray, s: np.ndarray,
             part = head[at:at + 8]
             match &= (words[s + at] & _mask(len(part))) == int.from_bytes(part, "little")
         raw = (words[s + len(head)] & _mask(width)).view(np.int64)
-    if signed and width < 8:  # sign-extend the width's top bit
+    return match, _sign_extended(raw, width, signed)
+
+
+def _sign_extended(raw: np.ndarray, width: int, signed: bool) -> np.ndarray:
+    """``raw`` (int64 of ``width`` little-endian bytes, zero above) as signed integers of that
+    width when ``signed`` (the width's top bit extended)."""
+    if signed and width < 8:
         sign = np.int64(1 << (8 * width - 1))
-        raw = (raw ^ sign) - sign
-    return match, raw
+        return (raw ^ sign) - sign
+    return raw
 
 
 def _mask(width: int) -> np.uint64:
@@ -513,22 +544,28 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
                key: str) -> Iterator[Run]:
     """Runs of the entries in ``owned`` of a v2 file located by its pages
     (:func:`materializer.lmdb_pages.entry_spans`): up to a million entries a piece
-    (:func:`_pieces`; a whole file that fits one piece is cut as views of its spans), so the
-    log overlay probes a file in few calls (:meth:`_Overlay.through` builds the log keys' hash
-    set per call), not once per 64 k chunk. Every key of the file
-    is at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
-    from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``."""
+    (:func:`_pieces`), so the log overlay probes a file in few calls (:meth:`_Overlay.through`
+    builds the log keys' hash set per call), not once per 64 k chunk. Every key of the file is
+    at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
+    from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``. In
+    LMDB's key order (checked: the key groups never descend) they are one range, which is cut
+    as views of the spans when it fits one piece."""
     data, starts = spans.data, spans.key_start
-    kgs = _words(data, ">u2")[starts]  # a key's first two bytes: its key group
-    inside = (kgs >= owned.start) & (kgs <= owned.end)
-    pieces: Iterable[Any]
-    if not len(inside):
+    if not len(starts):
         return
-    if inside.all() and len(inside) <= _RUN and int(spans.key_size.sum()) <= _RUN_BYTES \
-            and int(spans.value_size.sum()) <= _RUN_BYTES:
-        pieces = [slice(None)]  # the whole file in one piece: views, not copies
+    kgs = _words(data, ">u2")[starts]  # a key's first two bytes: its key group
+    pieces: Iterable[Any]
+    if (kgs[1:] >= kgs[:-1]).all():  # key order (LMDB's): the owned entries are one range
+        lo = int(np.searchsorted(kgs, owned.start, side="left"))
+        hi = int(np.searchsorted(kgs, owned.end, side="right"))
+        if hi - lo <= _RUN and int(spans.key_size[lo:hi].sum()) <= _RUN_BYTES \
+                and int(spans.value_size[lo:hi].sum()) <= _RUN_BYTES:
+            pieces = [slice(lo, hi)] if hi > lo else []  # one piece: views, not copies
+        else:
+            pieces = _pieces(np.arange(lo, hi), spans.key_size, spans.value_size)
     else:
-        pieces = _pieces(np.flatnonzero(inside), spans.key_size, spans.value_size)
+        pieces = _pieces(np.flatnonzero((kgs >= owned.start) & (kgs <= owned.end)),
+                         spans.key_size, spans.value_size)
     for sel in pieces:
         yield from _prefixed_runs(states, data, starts[sel], spans.key_size[sel],
                                   _slices(data, spans.value_start[sel], spans.value_size[sel]),
@@ -554,17 +591,41 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
                cache: LeasingCache | None) -> Iterator[Run]:
     """A v2 snapshot's entries in ``wanted`` (opened as for :func:`dstl.reader.image.
     stream_snapshots`, through ``cache`` when given), located by parsing the file's pages, or
-    listed chunk by chunk by LMDB's cursors when the parse does not read the file."""
-    with decompressed_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
+    listed chunk by chunk by LMDB's cursors when the parse does not read the file. A file of up
+    to :data:`_IN_MEMORY_BYTES` is decompressed into memory and parsed there (it is written to
+    a staged file only for the cursors); a larger one into a staged file, parsed mapped."""
+    with opened_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
         if opened is None:
             return
-        directory, owned, states = opened
-        spans = entry_spans(os.path.join(directory, "data.mdb"))
-        if spans is not None and not (spans.key_size < 4).any():
-            yield from _span_runs(states, spans, owned, ref.key)
+        read, layout, owned, states = opened
+        if layout.raw_size <= _IN_MEMORY_BYTES:
+            data = np.empty(layout.raw_size, dtype=np.uint8)
+            decompress_file_snapshot_into(read, layout, data, key=ref.key)
+            spans = entry_spans_in(data)
+            if spans is not None and not (spans.key_size < 4).any():
+                yield from _span_runs(states, spans, owned, ref.key)
+                return
+            with staged_file() as path:
+                data.tofile(path)
+                del data, spans
+                yield from _cursor_runs(states, path, owned, ref.key)
             return
-        for raw_keys, values in iter_raw_chunks(directory, owned, key=ref.key, rows=_CHUNK):
-            yield from _raw_runs(states, raw_keys, values, ref.key)
+        with staged_file() as path:
+            decompress_file_snapshot(read, layout, path, key=ref.key)
+            spans = entry_spans(path)
+            if spans is not None and not (spans.key_size < 4).any():
+                yield from _span_runs(states, spans, owned, ref.key)
+                return
+            del spans
+            yield from _cursor_runs(states, path, owned, ref.key)
+
+
+def _cursor_runs(states: dict[int, StateInfo], path: str, owned: KeyGroupRange, key: str
+                 ) -> Iterator[Run]:
+    """Runs of the entries in ``owned`` of the LMDB data file ``path``, listed chunk by chunk by
+    LMDB's cursors."""
+    for raw_keys, values in iter_raw_chunks(os.path.dirname(path), owned, key=key, rows=_CHUNK):
+        yield from _raw_runs(states, raw_keys, values, key)
 
 
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,

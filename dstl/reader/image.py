@@ -208,30 +208,52 @@ def file_snapshot_states(ref: SnapshotRef, layout: FileSnapshotLayout, allow_pic
 
 
 @contextlib.contextmanager
-def decompressed_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
-                               allow_pickle: bool, cache: LeasingCache | None
-                               ) -> Iterator[tuple[str, KeyGroupRange, dict[int, StateInfo]]
-                                             | None]:
+def opened_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                         allow_pickle: bool, cache: LeasingCache | None
+                         ) -> Iterator[tuple[Callable[[int, int], bytes], FileSnapshotLayout,
+                                             KeyGroupRange, dict[int, StateInfo]] | None]:
     """A v2 (file-level) snapshot opened for reading the key groups in ``wanted``: the object
-    read whole (:func:`file_snapshot`; the data's zstd checksum and size are checked while
-    decompressing), its LMDB file decompressed into a temporary directory, removed on exit.
-    Yields ``(directory, owned key groups, states by id)``, or None when the snapshot holds none
-    of ``wanted`` (nothing is decompressed then)."""
+    read whole and verified (:func:`file_snapshot`). Yields ``(read, layout, owned key groups,
+    states by id)`` — the data is decompressed by the caller, which checks zstd's content
+    checksum and the raw size — or None when the snapshot holds none of ``wanted``."""
     with file_snapshot(store, ref, cache) as (read, _, layout):
         owned = wanted.intersection(layout.meta.key_groups)
         if not len(owned):
             yield None
             return
-        states = file_snapshot_states(ref, layout, allow_pickle)
-        # pid-stamped and locked: what a process killed while it reads leaves (its decompressed
-        # LMDB file) the next read removes
-        own = OwnDirectory.create(READER_SNAPSHOT_PREFIX, executor_local_dir())
-        try:
-            decompress_file_snapshot(read, layout, os.path.join(own.path, "data.mdb"),
-                                     key=ref.key)
-            yield own.path, owned, states
-        finally:
-            own.remove()
+        yield read, layout, owned, file_snapshot_states(ref, layout, allow_pickle)
+
+
+@contextlib.contextmanager
+def staged_file(prefix: str = READER_SNAPSHOT_PREFIX) -> Iterator[str]:
+    """The path of a new ``data.mdb`` in an own directory under the executor's local directory,
+    removed on exit: pid-stamped and locked, so what a process killed while it reads leaves
+    (a decompressed LMDB file) the next read removes."""
+    own = OwnDirectory.create(prefix, executor_local_dir())
+    try:
+        yield os.path.join(own.path, "data.mdb")
+    finally:
+        own.remove()
+
+
+@contextlib.contextmanager
+def decompressed_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
+                               allow_pickle: bool, cache: LeasingCache | None
+                               ) -> Iterator[tuple[str, KeyGroupRange, dict[int, StateInfo]]
+                                             | None]:
+    """A v2 (file-level) snapshot opened for reading the key groups in ``wanted``
+    (:func:`opened_file_snapshot`), its LMDB file decompressed into a temporary directory
+    (:func:`staged_file`; the data's zstd checksum and size are checked while decompressing),
+    removed on exit. Yields ``(directory, owned key groups, states by id)``, or None when the
+    snapshot holds none of ``wanted`` (nothing is decompressed then)."""
+    with opened_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
+        if opened is None:
+            yield None
+            return
+        read, layout, owned, states = opened
+        with staged_file() as path:
+            decompress_file_snapshot(read, layout, path, key=ref.key)
+            yield os.path.dirname(path), owned, states
 
 
 def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,

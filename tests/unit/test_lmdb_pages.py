@@ -11,7 +11,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from materializer.lmdb_pages import entry_spans
+from materializer.lmdb_pages import EntrySpans, entry_spans, entry_spans_in
 
 
 def _env(path: Path, items: list[tuple[bytes, bytes]], *, deletes: int = 0, compact: bool = True
@@ -45,8 +45,20 @@ def _cursor(path: str) -> list[tuple[bytes, bytes]]:
     return got
 
 
+def _spans(path: str) -> EntrySpans | None:
+    """:func:`entry_spans` of the file, checked equal to :func:`entry_spans_in` of its bytes in
+    memory (what the column-wise reader parses)."""
+    mapped = entry_spans(path)
+    in_memory = entry_spans_in(np.fromfile(path, dtype=np.uint8))
+    assert (mapped is None) == (in_memory is None)
+    if mapped is not None and in_memory is not None:
+        for field in ("key_start", "key_size", "value_start", "value_size"):
+            assert np.array_equal(getattr(mapped, field), getattr(in_memory, field)), field
+    return mapped
+
+
 def _parsed(path: str) -> list[tuple[bytes, bytes]] | None:
-    spans = entry_spans(path)
+    spans = _spans(path)
     if spans is None:
         return None
     raw = spans.data.tobytes()
@@ -99,7 +111,7 @@ def test_files_it_does_not_read_are_none(tmp_path: Path) -> None:
         txn.put(b"k", b"1")
         txn.put(b"k", b"2")
     env.close()
-    assert entry_spans(str(sub / "data.mdb")) is None
+    assert _spans(str(sub / "data.mdb")) is None
     good = _env(tmp_path / "good", items)
     data = bytearray(Path(good).read_bytes())
     for offset in (16, 20, 10):  # magic, version, meta page flags
@@ -107,13 +119,13 @@ def test_files_it_does_not_read_are_none(tmp_path: Path) -> None:
         bad[offset] ^= 0xFF
         p = tmp_path / f"bad{offset}.mdb"
         p.write_bytes(bytes(bad))
-        assert entry_spans(str(p)) is None
+        assert _spans(str(p)) is None
     (tmp_path / "empty.mdb").write_bytes(b"")
-    assert entry_spans(str(tmp_path / "empty.mdb")) is None
+    assert _spans(str(tmp_path / "empty.mdb")) is None
     (tmp_path / "short.mdb").write_bytes(data[:100])
-    assert entry_spans(str(tmp_path / "short.mdb")) is None
+    assert _spans(str(tmp_path / "short.mdb")) is None
     (tmp_path / "cut.mdb").write_bytes(data[:len(data) // 2])
-    assert entry_spans(str(tmp_path / "cut.mdb")) is None
+    assert _spans(str(tmp_path / "cut.mdb")) is None
 
 
 def test_damaged_pages_are_none_or_what_was_there(tmp_path: Path) -> None:
@@ -126,7 +138,7 @@ def test_damaged_pages_are_none_or_what_was_there(tmp_path: Path) -> None:
     data = Path(path).read_bytes()
     want = _parsed(path)
     assert want is not None
-    spans = entry_spans(path)
+    spans = _spans(path)
     assert spans is not None
     payload = np.zeros(len(data), dtype=bool)
     for s, n in ((spans.key_start, spans.key_size), (spans.value_start, spans.value_size)):
@@ -173,7 +185,7 @@ def test_a_deep_tree_is_walked_level_by_level_and_a_bent_one_is_none(tmp_path: P
         bad[second_at:second_at + 6] = target.to_bytes(6, "little")
         p = tmp_path / f"bent{target}.mdb"
         p.write_bytes(bytes(bad))
-        assert entry_spans(str(p)) is None, target
+        assert _spans(str(p)) is None, target
 
 
 def test_a_leaf_listed_twice_in_place_of_one_as_full_is_none(tmp_path: Path) -> None:
@@ -207,4 +219,4 @@ def test_a_leaf_listed_twice_in_place_of_one_as_full_is_none(tmp_path: Path) -> 
     bad[at:at + 6] = kid(branch, pair).to_bytes(6, "little")
     p = tmp_path / "twice.mdb"
     p.write_bytes(bytes(bad))
-    assert entry_spans(str(p)) is None
+    assert _spans(str(p)) is None

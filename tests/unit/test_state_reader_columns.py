@@ -69,34 +69,45 @@ def _same(catalog: CheckpointCatalog, cid: int | None, **kw: Any) -> list[Any]:
     return cols
 
 
-@pytest.fixture(params=["pages", "cursors", "pages in small pieces"])
+@pytest.fixture(params=["pages", "cursors", "pages in small pieces", "pages of a staged file",
+                        "cursors of a staged file"])
 def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             ) -> tuple[str, list[int]]:
     """How v2 files are listed: by their pages (the default; also cut into runs of a few
     entries and bytes, and batches of a few rows) or, when the page parse does not read a file,
-    by LMDB's cursors; the counts of files read each way (pages, cursors)."""
+    by LMDB's cursors; each decompressed into memory (the default) or, when larger than
+    ``_IN_MEMORY_BYTES``, into a staged file; the counts of files read each way (pages,
+    cursors)."""
     from dstl.reader import columns
-    from materializer.lmdb_pages import entry_spans
+    from materializer.lmdb_pages import entry_spans, entry_spans_in
 
     counts = [0, 0]
+    mode = request.param
 
-    def spans(path: str) -> Any:
-        got = None if request.param == "cursors" else entry_spans(path)
-        counts[got is None] += 1
-        return got
+    def parsed(parse: Any, staged: bool) -> Any:
+        def spans(source: Any) -> Any:
+            assert staged == mode.endswith("staged file"), "decompressed the other way"
+            got = None if mode.startswith("cursors") else parse(source)
+            counts[got is None] += 1
+            return got
+        return spans
 
-    monkeypatch.setattr(columns, "entry_spans", spans)
-    if request.param == "pages in small pieces":
+    monkeypatch.setattr(columns, "entry_spans", parsed(entry_spans, True))
+    monkeypatch.setattr(columns, "entry_spans_in", parsed(entry_spans_in, False))
+    if mode.endswith("staged file"):
+        monkeypatch.setattr(columns, "_IN_MEMORY_BYTES", 0)
+    if mode == "pages in small pieces":
         monkeypatch.setattr(columns, "_RUN", 7)
         monkeypatch.setattr(columns, "_RUN_BYTES", 40)
         monkeypatch.setattr(columns, "_CHUNK", 5)
-    return request.param, counts
+    return mode, counts
 
 
 def _listed(listing: tuple[str, list[int]]) -> None:
     """Every v2 file was listed the way the fixture says (the page parse reads DSTL's files)."""
     mode, (pages, cursors) = listing
-    assert (pages == 0 and cursors > 0) if mode == "cursors" else (pages > 0 and cursors == 0)
+    assert (pages == 0 and cursors > 0) if mode.startswith("cursors") \
+        else (pages > 0 and cursors == 0)
 
 
 # --------------------------------------------------------------------------- the model job
@@ -453,6 +464,31 @@ def test_int_decoder_on_values_of_one_length_some_of_which_are_not_ints() -> Non
     assert [len(a) for a in int_values(pa.array([], type=pa.binary()))] == [0, 0]
     ok, values = int_values(pa.array([b"\x80\x05K\x01x"] * 3, type=pa.binary()))
     assert not ok.any() and not values.any()
+
+
+def test_int_decoder_on_values_of_one_length_of_several_shapes_and_ints() -> None:
+    # values of one length are read as one matrix of bytes: every int of each shape of that
+    # length, and two shapes of one length in one array (17 bytes: BININT and a LONG1 of 3
+    # bytes, which pickle writes for no int but decodes), each row decoded as pickle does
+    rng = random.Random(13)
+
+    def long1(v: int, width: int) -> bytes:  # a framed LONG1 of ``width`` bytes
+        body = b"\x8a" + bytes([width]) + v.to_bytes(width, "little", signed=True) + b"."
+        return b"\x80\x05\x95" + (len(body)).to_bytes(8, "little") + body
+
+    groups = [[pickle.dumps(rng.randrange(0, 256), protocol=5) for _ in range(300)],
+              [pickle.dumps(rng.randrange(256, 65536), protocol=5) for _ in range(300)],
+              [pickle.dumps(rng.randrange(-2**31, 2**31), protocol=5) for _ in range(300)]
+              + [long1(rng.randrange(-2**23, 2**23), 3) for _ in range(300)],
+              [pickle.dumps(rng.randrange(2**55, 2**63), protocol=5) for _ in range(300)]]
+    for blobs in groups:
+        rng.shuffle(blobs)
+        assert len({len(b) for b in blobs}) == 1
+        for arr in (pa.array(blobs, type=pa.binary()),
+                    pa.array([b"x", *blobs], type=pa.binary()).slice(1)):
+            ok, values = int_values(arr)
+            assert ok.all(), [b.hex() for b, a in zip(blobs, ok.tolist(), strict=True) if not a]
+            assert values.tolist() == [pickle.loads(b) for b in blobs]
 
 
 def test_int_text_is_the_decimal_text_of_every_int() -> None:

@@ -18,12 +18,15 @@ from dstl.errors import (
     CorruptObjectError,
     TruncatedObjectError,
     UnsupportedFormatError,
+    UsageError,
 )
 from dstl.keygroups import KeyGroupRange
 from materializer.file_snapshot import (
     FILE_FOOTER_SIZE,
+    FileSnapshotLayout,
     FileSnapshotMeta,
     decompress_file_snapshot,
+    decompress_file_snapshot_into,
     read_file_snapshot_layout,
     snapshot_version,
     verify_file_snapshot,
@@ -77,6 +80,37 @@ def test_round_trip_gives_back_the_file_and_metadata(tmp_path: Path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".dstl-copy-")]
 
 
+def _decompress(how: str, data: bytes, layout: FileSnapshotLayout, tmp_path: Path) -> bytes:
+    """The raw file, decompressed into a new file (``how="file"``, a restore's way) or into a
+    buffer (``"memory"``, the column-wise reader's)."""
+    if how == "file":
+        out = tmp_path / "out.mdb"
+        try:
+            decompress_file_snapshot(_reader(data), layout, str(out), key=KEY)
+            return out.read_bytes()
+        finally:
+            out.unlink(missing_ok=True)
+    buf = bytearray(layout.raw_size)
+    decompress_file_snapshot_into(_reader(data), layout, buf, key=KEY)
+    return bytes(buf)
+
+
+def test_both_ways_to_decompress_give_the_same_file(tmp_path: Path) -> None:
+    data = _object(tmp_path)
+    layout = verify_file_snapshot(_reader(data), len(data), key=KEY)
+    assert _decompress("memory", data, layout, tmp_path) == _decompress("file", data, layout,
+                                                                        tmp_path)
+
+
+def test_a_buffer_of_another_size_is_a_usage_error(tmp_path: Path) -> None:
+    data = _object(tmp_path)
+    layout = verify_file_snapshot(_reader(data), len(data), key=KEY)
+    for buf in (bytearray(layout.raw_size - 1), bytearray(layout.raw_size + 1),
+                bytes(layout.raw_size)):
+        with pytest.raises(UsageError, match=KEY):
+            decompress_file_snapshot_into(_reader(data), layout, buf, key=KEY)
+
+
 def test_v1_reader_refuses_v2_with_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFormatError, match="version 2"):
         decode_snapshot(_object(tmp_path), key=KEY)
@@ -121,18 +155,18 @@ def _forge(data: bytes, **footer: int) -> bytes:
     return body + struct.pack(">I", zlib.crc32(body)) + b"LTSD"
 
 
+@pytest.mark.parametrize("way", ["file", "memory"])
 @pytest.mark.parametrize("field,delta,error", [("raw_size", 4096, CorruptObjectError),
                                                ("raw_size", -4096, CorruptObjectError),
                                                ("raw_size", -1, CorruptObjectError)])
 def test_forged_footer_is_caught_while_decompressing(tmp_path: Path, field: str, delta: int,
-                                                     error: type[Exception]) -> None:
+                                                     error: type[Exception], way: str) -> None:
     good = _object(tmp_path)
     layout = read_file_snapshot_layout(_reader(good), len(good), key=KEY)
     bad = _forge(good, **{field: getattr(layout, field) + delta})
     forged = verify_file_snapshot(_reader(bad), len(bad), key=KEY)   # crc matches: a forgery
-    out = tmp_path / "out.mdb"
     with pytest.raises(error) as info:
-        decompress_file_snapshot(_reader(bad), forged, str(out), key=KEY)
+        _decompress(way, bad, forged, tmp_path)
     assert isinstance(info.value, CorruptObjectError) and info.value.key == KEY
 
 
@@ -176,9 +210,10 @@ def _with_data(good: bytes, data: bytes, raw_size: int) -> bytes:
     return body + struct.pack(">I", zlib.crc32(body)) + b"LTSD"
 
 
+@pytest.mark.parametrize("way", ["file", "memory"])
 @pytest.mark.parametrize("how", ["no-checksum", "no-size", "trailing-bytes", "two-frames",
-                                 "not-zstd"])
-def test_forged_data_frames_are_refused(tmp_path: Path, how: str) -> None:
+                                 "not-zstd", "wrong-checksum", "damaged-block"])
+def test_forged_data_frames_are_refused(tmp_path: Path, how: str, way: str) -> None:
     import zstandard
     good = _object(tmp_path)
     raw = os.urandom(5000)
@@ -188,9 +223,39 @@ def test_forged_data_frames_are_refused(tmp_path: Path, how: str) -> None:
             .compress(raw),
             "trailing-bytes": frame + b"junk",
             "two-frames": frame + frame,
-            "not-zstd": b"\x00" * 64}[how]
+            "not-zstd": b"\x00" * 64,
+            # a frame whose content checksum (its last 4 bytes) or whose data does not hold
+            "wrong-checksum": frame[:-4] + bytes(b ^ 0xFF for b in frame[-4:]),
+            "damaged-block": frame[:-9] + bytes([frame[-9] ^ 0x10]) + frame[-8:]}[how]
     bad = _with_data(good, data, len(raw))
     layout = verify_file_snapshot(_reader(bad), len(bad), key=KEY)
     with pytest.raises(CorruptObjectError) as info:
-        decompress_file_snapshot(_reader(bad), layout, str(tmp_path / "out.mdb"), key=KEY)
+        _decompress(way, bad, layout, tmp_path)
+    assert info.value.key == KEY
+
+
+@pytest.mark.parametrize("way", ["file", "memory"])
+def test_a_content_checksum_read_apart_from_its_frame_is_still_checked(tmp_path: Path,
+                                                                       way: str) -> None:
+    """The data is read in chunks: a frame whose content checksum begins exactly where a
+    chunk ends is checked too (the decompressor has written every byte before it sees it)."""
+    import zstandard
+
+    from materializer.file_snapshot import _CHUNK
+
+    good = _object(tmp_path)
+    compressor = zstandard.ZstdCompressor(write_checksum=True)
+    size = _CHUNK - 200
+    for _ in range(3):  # random data: the frame is the data plus fixed overheads
+        raw = os.urandom(size)
+        frame = compressor.compress(raw)
+        size += _CHUNK - (len(frame) - 4)
+    assert len(frame) - 4 == _CHUNK
+    ok = _with_data(good, frame, len(raw))
+    assert _decompress(way, ok, verify_file_snapshot(_reader(ok), len(ok), key=KEY),
+                       tmp_path) == raw
+    bad = _with_data(good, frame[:-4] + bytes(b ^ 0xFF for b in frame[-4:]), len(raw))
+    layout = verify_file_snapshot(_reader(bad), len(bad), key=KEY)
+    with pytest.raises(CorruptObjectError) as info:
+        _decompress(way, bad, layout, tmp_path)
     assert info.value.key == KEY
