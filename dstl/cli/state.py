@@ -95,7 +95,7 @@ def run(argv: list[str]) -> int:
             n = _write(rows, args)
         else:
             rows = read_changes(catalog, args.start, args.end, on_lost=args.on_lost,
-                                allow_pickle=args.allow_pickle)
+                                allow_pickle=args.allow_pickle, lost_option="--on-lost oldest")
             n = _write(rows, args)
     print(f"{n} rows", file=sys.stderr)
     return 0

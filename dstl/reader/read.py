@@ -98,16 +98,18 @@ def _read_state(catalog: CheckpointCatalog, checkpoint_id: int | None,
 
 def read_changes(catalog: CheckpointCatalog, start: int | None, end: int | None = None, *,
                  on_lost: OnLost = "fail", cache: LeasingCache | None = None,
-                 allow_pickle: bool = False) -> Iterator[ChangeRow]:
+                 allow_pickle: bool = False, lost_option: str = "on_lost='oldest'"
+                 ) -> Iterator[ChangeRow]:
     """Every change after checkpoint ``start`` (``None``: from the empty state) up to ``end``
     (``None``: the newest), checkpoint by checkpoint, in log order per key.
 
     The feed is planned by the call (so a start that fell out of retention raises
-    :class:`~dstl.reader.ChangesLostError` here, and a malformed argument a
+    :class:`~dstl.reader.ChangesLostError` here, naming ``lost_option`` as the way to resume
+    from the oldest retained checkpoint, and a malformed argument a
     :class:`~dstl.errors.ConfigError`); the changes are read as the result is iterated."""
     check_bool(allow_pickle, "allow_pickle", "read_changes")
     check_cache(cache, "read_changes")
-    plan = plan_change_range(catalog, start, end, on_lost=on_lost)
+    plan = plan_change_range(catalog, start, end, on_lost=on_lost, lost_option=lost_option)
     return _read_changes(catalog, plan.splits, cache, allow_pickle)
 
 

@@ -142,6 +142,27 @@ def test_state_dump_and_changes_equal_the_model(job_dir: tuple[Path, MiniJob], t
     assert "op" in pq.read_table(tmp_path / "c.parquet").column_names
 
 
+def test_state_changes_from_a_checkpoint_no_longer_retained(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # retained 2 of 4 checkpoints: a feed from checkpoint 0 lost checkpoint 1's changes; it
+    # fails naming the command's own flag, and with it starts after the oldest retained one
+    root = tmp_path / "state"
+    store = open_store(str(root))
+    job = MiniJob(store, partitions=2, seed=23, retained=2)
+    for rows in (60, 40, 30, 20):
+        job.run(rows)
+        job.checkpoint()
+    job.close()
+    store.close()
+    assert main(["state", "changes", str(root), "--start", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "ChangesLostError" in err and "--on-lost oldest" in err and "on_lost=" not in err
+    assert main(["state", "changes", str(root), "--start", "0", "--on-lost", "oldest"]) == 0
+    changes = _lines(capsys.readouterr().out)
+    assert {c.checkpoint for c in changes} == {3}
+    assert len(changes) == sum(1 for c in job.changes if c.checkpoint == 3)
+
+
 def test_verify_names_damaged_and_missing_objects(job_dir: tuple[Path, MiniJob], tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
