@@ -334,71 +334,61 @@ def decompress_file_snapshot(read: ReadAt, layout: FileSnapshotLayout, path: str
         CorruptObjectError, TruncatedObjectError: naming the object and the data's offset.
         OSError: the local disk is full, or the file exists (raised as is).
     """
-    at = layout.data_offset
-    _check_frame(read, layout, key)
-    src = _RangeReader(read, layout.data_offset, layout.data_length)
-    written = 0
     with open(path, "xb") as f:
-        try:
-            for chunk in _decompressor().read_to_iter(cast(BinaryIO, src), read_size=_CHUNK,
-                                                      write_size=_CHUNK):
-                written += len(chunk)
-                if written > layout.raw_size:
-                    raise CorruptObjectError(key, at, f"data decompresses to more than the "
-                                                      f"{layout.raw_size} bytes the footer says")
-                f.write(chunk)
-        except zstandard.ZstdError as exc:
-            raise CorruptObjectError(key, at, f"zstd data of the file snapshot does not decode: "
-                                              f"{exc}") from exc
-    if src.remaining:
-        raise CorruptObjectError(key, at + layout.data_length - src.remaining,
-                                 f"{src.remaining} bytes after the zstd data")
-    if written != layout.raw_size:
-        raise TruncatedObjectError(key, at, layout.raw_size, written,
-                                   "decompressed LMDB data file")
+        _decompress(read, layout, key, f)
 
 
 def decompress_file_snapshot_into(read: ReadAt, layout: FileSnapshotLayout, out: Any, *,
                                   key: str) -> None:
     """Decompress the data of a verified v2 object into ``out``, a writable buffer of exactly
     the footer's raw size (a reader that parses the file in memory): zstd writes straight into
-    it, with the checks of :func:`decompress_file_snapshot` (one frame of that size with a
-    content checksum, verified at the frame's end). On error ``out`` may hold garbage.
+    it, with the checks of :func:`decompress_file_snapshot`. On error ``out`` may hold garbage.
 
     Raises:
         CorruptObjectError, TruncatedObjectError: naming the object and the data's offset.
         UsageError: ``out`` is not of the raw size.
     """
-    at = layout.data_offset
     view = memoryview(out).cast("B")
     if view.readonly or len(view) != layout.raw_size:
         raise UsageError(f"decompress_file_snapshot_into: a writable buffer of {layout.raw_size} "
                          f"bytes is needed for {key}, got {len(view)} bytes"
                          f"{' (read-only)' if view.readonly else ''}")
+    _decompress(read, layout, key, view)
+
+
+def _decompress(read: ReadAt, layout: FileSnapshotLayout, key: str,
+                target: memoryview | BinaryIO) -> None:
+    """The data's one zstd frame (:func:`_check_frame`) decompressed straight into ``target``,
+    a buffer of the raw size, or through a chunk-sized buffer into ``target``, a file: never
+    more than the raw size, then the frame's end read (zstd checks the content checksum there)."""
+    at, raw = layout.data_offset, layout.raw_size
     _check_frame(read, layout, key)
     src = _RangeReader(read, layout.data_offset, layout.data_length)
+    direct = isinstance(target, memoryview)
+    buf = target if isinstance(target, memoryview) else memoryview(bytearray(min(_CHUNK, raw)))
     written = 0
     try:
         with _decompressor().stream_reader(cast(BinaryIO, src), read_size=_CHUNK,
                                            closefd=False) as reader:
-            while written < layout.raw_size:
-                n = reader.readinto(view[written:])
+            while written < raw:
+                n = reader.readinto(buf[written:] if direct else buf[:raw - written])
                 if not n:
                     break
+                if not isinstance(target, memoryview):
+                    target.write(buf[:n])
                 written += n
-            # the frame's end (its content checksum, checked by zstd) is read only now
-            if written == layout.raw_size and reader.readinto(bytearray(1)):
-                raise CorruptObjectError(key, at, f"data decompresses to more than the "
-                                                  f"{layout.raw_size} bytes the footer says")
+            # the frame's end (its content checksum, checked by zstd) may be read only now
+            if written == raw and reader.readinto(bytearray(1)):
+                raise CorruptObjectError(key, at, f"data decompresses to more than the {raw} "
+                                                  "bytes the footer says")
     except zstandard.ZstdError as exc:
         raise CorruptObjectError(key, at, f"zstd data of the file snapshot does not decode: "
                                           f"{exc}") from exc
     if src.remaining:
         raise CorruptObjectError(key, at + layout.data_length - src.remaining,
                                  f"{src.remaining} bytes after the zstd data")
-    if written != layout.raw_size:
-        raise TruncatedObjectError(key, at, layout.raw_size, written,
-                                   "decompressed LMDB data file")
+    if written != raw:
+        raise TruncatedObjectError(key, at, raw, written, "decompressed LMDB data file")
 
 
 def _check_frame(read: ReadAt, layout: FileSnapshotLayout, key: str) -> None:
