@@ -530,6 +530,91 @@ def test_a_snapshot_entry_of_an_unknown_state_id_is_corrupt() -> None:
         list(_raw_runs({}, [b"\x00\x01"], [b"v"], "snap"))
 
 
+def _counts(job: MiniJob, keys: list[str]) -> None:
+    """The job's count operation (set, sometimes clear) on each of ``keys``."""
+    for key in keys:
+        p = job.partition_of(key)
+        b, st = job.backends[p], job.states[p]
+        b.set_current_key(key)
+        b.set_current_namespace(None)
+        job._op_count(key, b, st)
+
+
+def test_a_file_of_one_key_and_value_size_is_read_in_one_gather(
+        store: BlobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a counter's v2 snapshot: raw keys of one size (fixed-width keys, no namespace), values
+    # of one size (small ints); its entries are gathered as one item each, and read as the
+    # row path reads them, with a log after the snapshot that updates and clears some
+    from dstl.reader import columns
+
+    used: list[bool] = []
+    fixed = columns._fixed_runs
+
+    def spy(*args: Any) -> Any:
+        got = fixed(*args)
+        used.append(got is not None)
+        return got
+
+    monkeypatch.setattr(columns, "_fixed_runs", spy)
+    job = MiniJob(store, partitions=2, table="lmdb", seed=31, retained=4)
+    try:
+        keys = [f"u{i:04d}" for i in range(600)]
+        _counts(job, keys + keys[::3])
+        job.checkpoint()
+        job.materialize()
+        _counts(job, keys[::7] + [f"u{i:04d}" for i in range(600, 700)])
+        cid = job.checkpoint()
+    finally:
+        job.close()
+    _same(_catalog(store), cid)
+    assert state_of(read_state_columns(_catalog(store), cid)) == job.checkpoint_models[cid]
+    assert used and all(used)
+
+
+def test_one_gather_of_entries_gives_what_cutting_each_entry_gives() -> None:
+    # entries laid out as LMDB nodes hold them (raw key, then the value): the one-gather cut
+    # equals the entry-by-entry cut, and declines (None) raw keys of one size whose key and
+    # namespace lengths differ
+    import struct
+
+    from dstl.reader.columns import _fixed_runs, _prefixed_runs, _slices
+    from dstl.reader.image import state_info
+
+    states = {1: state_info({"name": "v", "kind": "value"}, False, "snap"),
+              2: state_info({"name": "w", "kind": "value"}, False, "snap")}
+    rng = random.Random(5)
+
+    def layout(entries: list[tuple[int, int, bytes, bytes, bytes]]) -> tuple[np.ndarray, Any]:
+        data, starts = bytearray(b"\xee" * 3), []
+        for kg, sid, k, ns, v in entries:
+            data += b"\xee" * rng.randrange(3)  # nodes are apart in a file
+            starts.append(len(data))
+            data += struct.pack(">HHI", kg, sid, len(k)) + k + ns + v
+        return np.frombuffer(bytes(data + b"\xee" * 2), dtype=np.uint8), np.array(starts)
+
+    def cut(runs: Any) -> list[tuple[Any, ...]]:
+        return [(r.info.name, r.kg.to_pylist(), r.kb.to_pylist(), r.nb.to_pylist(),
+                 r.vb.to_pylist()) for r in runs]
+
+    for trial in range(40):
+        n = rng.randrange(1, 50)
+        kl, vl = rng.randrange(0, 12), rng.randrange(0, 9)
+        entries = [(rng.randrange(128), rng.choice([1, 2]), bytes(rng.getrandbits(8)
+                    for _ in range(kl)), b"", bytes(rng.getrandbits(8) for _ in range(vl)))
+                   for _ in range(n)]
+        data, starts = layout(entries)
+        size = np.full(n, 8 + kl, dtype=np.int64)
+        want = cut(_prefixed_runs(states, data, starts, size,
+                                  _slices(data, starts + 8 + kl, np.full(n, vl)), "snap"))
+        got = _fixed_runs(states, data, starts, 8 + kl, vl, "snap")
+        assert got is not None and cut(got) == want, trial
+    # one raw-key size, two splits of it into key and namespace: declined
+    data, starts = layout([(1, 1, b"ab", b"cde", b"v"), (1, 1, b"abc", b"de", b"v")])
+    assert _fixed_runs(states, data, starts, 13, 1, "snap") is None
+    with pytest.raises(CorruptObjectError, match="shorter than its prefix"):
+        _fixed_runs(states, data, starts, 7, 1, "snap")
+
+
 # --------------------------------------------------------------------------- the log overlay
 
 
