@@ -559,19 +559,23 @@ def _prefix(head: np.ndarray, lengths: np.ndarray, key: str
 
 
 def _prefixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarray,
-                   lengths: np.ndarray, vb: pa.Array, key: str) -> Iterator[Run]:
+                   lengths: np.ndarray, vb: pa.Array, key: str,
+                   heads: np.ndarray | None = None) -> Iterator[Run]:
     """Runs of entries whose raw keys (``>HHI`` prefix, key, namespace) are
-    ``data[starts[i]:starts[i] + lengths[i]]`` and whose values are ``vb``."""
+    ``data[starts[i]:starts[i] + lengths[i]]`` and whose values are ``vb``; ``heads``: their
+    first 8 bytes as big-endian words, when known (else read here)."""
     _check_prefix(lengths, key)
-    head = _words(data, ">u8")[starts].astype(np.uint64)  # the prefix as one big-endian word
-    kgs, sids, klen, nlen = _prefix(head, lengths, key)
+    if heads is None:
+        heads = _words(data, ">u8")[starts]  # the prefix as one big-endian word
+    kgs, sids, klen, nlen = _prefix(heads.astype(np.uint64), lengths, key)
     kb = _slices(data, starts + _PREFIX, klen)
     nb = _slices(data, starts + _PREFIX + klen, nlen)
     yield from _split_states(states, sids, pa.array(kgs), kb, nb, vb, key)
 
 
 def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarray,
-                key_size: int, value_size: int, key: str) -> Iterator[Run] | None:
+                key_size: int, value_size: int, key: str,
+                heads: np.ndarray | None = None) -> Iterator[Run] | None:
     """:func:`_prefixed_runs` of entries whose raw keys all have ``key_size`` bytes, each
     followed by its value of ``value_size`` bytes (an LMDB node's value when it is not on
     overflow pages): every entry gathered from the file as one item of both — one pass over the
@@ -581,9 +585,9 @@ def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarr
     lengths = np.full(len(starts), key_size, dtype=np.int64)
     _check_prefix(lengths, key)
     rows = _gather(data, starts, key_size + value_size)
-    head = np.ndarray((len(rows),), dtype=">u8", buffer=rows,  # each row's big-endian prefix
-                      strides=(rows.shape[1],)).astype(np.uint64)
-    kgs, sids, klen, _ = _prefix(head, lengths, key)
+    if heads is None:  # each row's big-endian prefix
+        heads = np.ndarray((len(rows),), dtype=">u8", buffer=rows, strides=(rows.shape[1],))
+    kgs, sids, klen, _ = _prefix(heads.astype(np.uint64), lengths, key)
     if not len(klen) or (klen != klen[0]).any():
         return None
     kl = int(klen[0])
@@ -605,7 +609,7 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
     data, starts = spans.data, spans.key_start
     if not len(starts):
         return
-    kgs = _words(data, ">u2")[starts]  # a key's first two bytes: its key group
+    kgs = (spans.key_head >> np.uint64(48)).astype(np.int64)  # a key's first two bytes
     pieces: Iterable[Any]
     if (kgs[1:] >= kgs[:-1]).all():  # key order (LMDB's): the owned entries are one range
         lo = int(np.searchsorted(kgs, owned.start, side="left"))
@@ -622,12 +626,14 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
         at, ksize, vsize = starts[sel], spans.key_size[sel], spans.value_size[sel]
         if len(at) and (ksize == ksize[0]).all() and (vsize == vsize[0]).all() \
                 and (spans.value_start[sel] == at + ksize).all():
-            runs = _fixed_runs(states, data, at, int(ksize[0]), int(vsize[0]), key)
+            runs = _fixed_runs(states, data, at, int(ksize[0]), int(vsize[0]), key,
+                               spans.key_head[sel])
             if runs is not None:
                 yield from runs
                 continue
         yield from _prefixed_runs(states, data, at, ksize,
-                                  _slices(data, spans.value_start[sel], vsize), key)
+                                  _slices(data, spans.value_start[sel], vsize), key,
+                                  spans.key_head[sel])
 
 
 def _pieces(at: np.ndarray, key_size: np.ndarray, value_size: np.ndarray) -> Iterator[np.ndarray]:

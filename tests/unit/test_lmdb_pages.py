@@ -52,8 +52,13 @@ def _spans(path: str) -> EntrySpans | None:
     in_memory = entry_spans_in(np.fromfile(path, dtype=np.uint8))
     assert (mapped is None) == (in_memory is None)
     if mapped is not None and in_memory is not None:
-        for field in ("key_start", "key_size", "value_start", "value_size"):
+        for field in ("key_start", "key_size", "value_start", "value_size", "key_head"):
             assert np.array_equal(getattr(mapped, field), getattr(in_memory, field)), field
+    if mapped is not None:  # a key's first (up to) 8 bytes, big-endian, zeros after a short one
+        raw = mapped.data.tobytes()
+        assert mapped.key_head.tolist() == [
+            int.from_bytes(raw[k:k + min(n, 8)].ljust(8, b"\0"), "big")
+            for k, n in zip(mapped.key_start.tolist(), mapped.key_size.tolist(), strict=True)]
     return mapped
 
 
@@ -220,3 +225,13 @@ def test_a_leaf_listed_twice_in_place_of_one_as_full_is_none(tmp_path: Path) -> 
     p = tmp_path / "twice.mdb"
     p.write_bytes(bytes(bad))
     assert _spans(str(p)) is None
+
+
+def test_a_node_at_the_very_end_of_the_file_reads_its_key_head_padded(tmp_path: Path) -> None:
+    # one leaf page, the file's last: its first node, of a 1-byte key and an empty value, ends
+    # where the file ends, 7 bytes after its header (the 16-byte gather would run past it)
+    path = _env(tmp_path, [(b"a", b""), (b"b", b"x")])
+    spans = _spans(path)
+    assert spans is not None and len(spans) == 2
+    assert int((spans.key_start - 8).max()) + 16 > os.path.getsize(path)
+    assert spans.key_head.tolist() == [ord("a") << 56, ord("b") << 56]
