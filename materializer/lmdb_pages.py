@@ -16,12 +16,14 @@ bytes instead:
   level is the leaf pages in key order. LMDB's B+tree is balanced: a level that mixes branch and
   leaf pages is a layout this module does not read. A page is visited at most once and must be
   in the file.
-- **Leaves.** Every leaf page's node pointers (``u16`` after the 16-byte page header) and node
-  headers (``u16 lo, hi, flags, key size``: 8 bytes, read as one little-endian ``u64``) are
-  gathered for all leaves at once with numpy. A node's key follows its header; its value
-  follows the key, or, with ``F_BIGDATA``, lies on the overflow pages its 8-byte page number
-  names. The result is four arrays: key start, key size, value start, value size (offsets in the
-  file's bytes).
+- **Leaves.** Every leaf page's node pointers (``u16`` after the 16-byte page header, read
+  from the bytes seen as aligned ``u16``) and node headers (``u16 lo, hi, flags, key size``: 8
+  bytes, read as one little-endian ``u64``) are gathered for all leaves at once with numpy, each
+  header with the 8 bytes after it (one 16-byte item: the key's first bytes come with the same
+  cache miss). A node's key follows its header; its value follows the key, or, with
+  ``F_BIGDATA``, lies on the overflow pages its 8-byte page number names. The result is four
+  arrays — key start, key size, value start, value size (offsets in the file's bytes) — and each
+  key's first 8 bytes as a big-endian word.
 
 Checks: magic, version, page size, the main database's flags (a plain key/value database: no
 duplicates, no integer keys), page kinds, every pointer, node and value inside its page or the
