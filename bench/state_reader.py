@@ -485,11 +485,12 @@ _ANALYSIS = (
     'any Python source pays to hand the rows to the JVM (Python workers, Arrow hand-over, '
     "the JVM's row conversion): for the ten columns about as much CPU as Spark's whole "
     '`statestore` read, for the three about 60% of it. The split reads are column-wise '
-    "(`dstl/reader/columns.py`): a v2 snapshot's LMDB file parsed page-wise with numpy "
-    '(`materializer/lmdb_pages.py`), the log cut into columns per change set and replayed '
-    'column-wise, ints decoded as words (to JSON text or to the typed column in one cast), '
-    'fixed-width slices copied as one item each — about 0.3 µs of CPU per entry in one '
-    'process; they are the rest. Batches of 16 k rows (the floor of the three columns at 4 '
+    "(`dstl/reader/columns.py`): a v2 snapshot's LMDB file decompressed into memory and "
+    'parsed page-wise with numpy (`materializer/lmdb_pages.py`), entries of one key and value '
+    'size gathered from it as one item each, the log cut into columns per change set and '
+    'replayed column-wise, ints decoded as a matrix of bytes (to JSON text or to the typed '
+    'column in one cast) — about 0.14 µs of CPU per entry in one process (a 1 M-entry split '
+    'of this state, stop 28); they are the rest. Batches of 16 k rows (the floor of the three columns at 4 '
     'M rows, interleaved in one session: 16 k 0.71 s, 64 k 0.79 s; 256 k and more cost '
     'more). The fixed per-read cost is not the gap: a warm read of a 100-key state costs '
     "DSTL about 0.3 s of CPU and Spark's reader about 0.2 s "
