@@ -149,9 +149,9 @@ def _nodes(data: np.ndarray, base: np.ndarray, lower: np.ndarray, psize: int
     off = data[:len(data) // 2 * 2].view("<u2")[ptr >> 1].astype(np.int64)
     if (off > psize - 8).any():
         raise _Unread
-    nonempty = counts > 0
-    if (np.minimum.reduceat(off, first[:-1][nonempty]) < lower[nonempty]).any() \
-            if nonempty.any() else False:
+    nonempty = counts > 0  # each page's lowest node lies above its pointers
+    if nonempty.any() and (np.minimum.reduceat(off, first[:-1][nonempty])
+                           < lower[nonempty]).any():
         raise _Unread
     return np.repeat(base, counts) + off, off
 
