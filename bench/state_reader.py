@@ -35,7 +35,8 @@ checkpoint, at least five); throughput = change rows / seconds the consumer spen
 batches.
 
 Run: ``nice -n 10 .venv/bin/python bench/state_reader.py [--quick] [--keys 1000000,4000000]
-[--snapshots both|on|off] [--repeats 5] [--daemon]`` (``--repeats`` >= 5, also in ``--quick``;
+[--snapshots both|on|off] [--repeats 5] [--daemon] [--split-cpu N]`` (``--repeats`` >= 5, also
+in ``--quick``; ``--split-cpu``: N reads of one split in the bench process, no Spark;
 ``--daemon``: the session runs DSTL's Python daemon, :data:`DAEMON_CONF`). The machine is shared:
 load averages are recorded with every figure.
 """
@@ -427,6 +428,30 @@ def _dump(uri: str, path: str, repeats: int) -> dict[str, Any]:
     return {name: summary(v) for name, v in out.items()}
 
 
+def _split_cpu(uri: str, repeats: int) -> dict[str, Any]:
+    """CPU seconds, and nanoseconds per entry, of reading one split's three columns
+    (:data:`SPARK_COLUMNS`) column-wise in this process (no Spark): what a split read costs an
+    executor's Python worker, over the splits in turn."""
+    import pyarrow as pa
+
+    from dstl.reader import CheckpointCatalog, open_read_only
+    from dstl.reader.columns import read_state_batches
+    from dstl.reader.read import plan_state_read
+
+    cpu: list[float] = []
+    ns: list[float] = []
+    with open_read_only(uri) as store:
+        splits, _ = plan_state_read(CheckpointCatalog(store), None, None, None)
+        for i in range(repeats):
+            t0 = time.process_time()
+            n = sum(b.num_rows for b in read_state_batches(
+                store, splits[i % len(splits)], columns=["key", "typed_value", "partition"],
+                typed=("typed_value", pa.int64()), batch_rows=16384))
+            cpu.append(time.process_time() - t0)
+            ns.append(cpu[-1] / max(n, 1) * 1e9)
+    return {"cpu_s": summary(cpu), "ns_per_entry": summary(ns), "splits": len(splits)}
+
+
 #: ``--daemon``: the executors' Python daemon is DSTL's, preloading what a read task imports
 #: (docs/configuration.md, "The Python daemon")
 DAEMON_CONF = {
@@ -437,7 +462,7 @@ DAEMON_CONF = {
 
 
 def run_size(keys: int, snapshots: bool, repeats: int, quick: bool,
-             dump: int = 0, daemon: bool = False) -> dict[str, Any]:
+             dump: int = 0, daemon: bool = False, split_cpu: int = 0) -> dict[str, Any]:
     per_batch = 100_000 if quick else (200_000 if keys <= 1_000_000 else 500_000)
     work = Path(tempfile.mkdtemp(prefix="dstl-bench-reader-"))
     spark = _session(str(work / "spark-local"), snapshots, DAEMON_CONF if daemon else None)
@@ -449,6 +474,11 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool,
         _check(spark, uri, ck, keys)
         out = {"keys": keys, "snapshots": snapshots, "daemon": daemon, "build": build,
                **_reads(spark, uri, ck, repeats, keys)}
+        if split_cpu:
+            out["split_cpu"] = _split_cpu(uri, split_cpu)
+            print(f"  one split in process: {fmt(out['split_cpu']['cpu_s'], 's')} CPU, "
+                  f"{fmt(out['split_cpu']['ns_per_entry'], 'ns', digits=0)} per entry",
+                  flush=True)
         if dump:
             out["dump_cpu_s"] = _dump(uri, str(work / "dump.out"), dump)
             print(f"  dstl state dump: {out['dump_cpu_s']}", flush=True)
@@ -512,6 +542,9 @@ def main() -> None:
     p.add_argument("--dump", type=int, default=0,
                    help="also time `dstl state dump` (row vs column path, JSON lines and "
                         "Parquet) this many times each, in this process")
+    p.add_argument("--split-cpu", type=int, default=0, metavar="N",
+                   help="also time N column-wise reads of one split (Spark's three columns) "
+                        "in this process, no Spark: CPU per split and per entry")
     p.add_argument("--daemon", action="store_true",
                    help="run the session with DSTL's Python daemon (spark.python.daemon.module="
                         "dstl.spark.daemon), preloading the reader's modules")
@@ -527,7 +560,8 @@ def main() -> None:
         for snap in modes:
             print(f"state reader: {keys:,} keys, snapshots {'on' if snap else 'off'}",
                   flush=True)
-            r = run_size(keys, snap, repeats, args.quick, args.dump, args.daemon)
+            r = run_size(keys, snap, repeats, args.quick, args.dump, args.daemon,
+                         args.split_cpu)
             print(f"  DSTL {fmt(r['dstl_read_s'], 's')}  Spark {fmt(r['spark_read_s'], 's')}  "
                   f"ratio {r['ratio_spark_over_dstl']:.2f}; same columns: DSTL "
                   f"{fmt(r['dstl_cols_read_s'], 's')} ratio "
@@ -563,6 +597,15 @@ def main() -> None:
             rows.append(f"| {r['keys']:,} | " + " | ".join(
                 fmt(d[k], "s") for k in ("jsonl rows", "jsonl columns", "parquet rows",
                                          "parquet columns")) + " |")
+    splits = [r for r in results if "split_cpu" in r]
+    if splits:
+        rows += ["", "One split read column-wise in the bench process (no Spark; Spark's three "
+                 f"columns; CPU, median (min..max) of {args.split_cpu}, the splits in turn):", "",
+                 "| keys | splits | CPU per split | CPU per entry |", "|---|---|---|---|"]
+        for r in splits:
+            c = r["split_cpu"]
+            rows.append(f"| {r['keys']:,} | {c['splits']} | {fmt(c['cpu_s'], 's', digits=3)} "
+                        f"| {fmt(c['ns_per_entry'], 'ns', digits=0)} |")
     md = ("### State reader vs Spark's state reader (issue #16)\n\n"
           "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
           "state written by both engines from the same input in the same run (count per key, "
@@ -571,7 +614,9 @@ def main() -> None:
     cmd = "nice -n 10 python bench/state_reader.py" + (" --quick" if args.quick else "") + (
         f" --keys {args.keys}" if args.keys else "") + (
         f" --snapshots {args.snapshots}" if args.snapshots != "both" else "") + (
-        f" --dump {args.dump}" if args.dump else "") + (" --daemon" if args.daemon else "")
+        f" --dump {args.dump}" if args.dump else "") + (
+        f" --split-cpu {args.split_cpu}" if args.split_cpu else "") + (
+        " --daemon" if args.daemon else "")
     write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
                   command=cmd, no_doc=args.no_doc, tag=args.tag)
 
