@@ -364,18 +364,20 @@ def _decompress(read: ReadAt, layout: FileSnapshotLayout, key: str,
     at, raw = layout.data_offset, layout.raw_size
     _check_frame(read, layout, key)
     src = _RangeReader(read, layout.data_offset, layout.data_length)
-    direct = isinstance(target, memoryview)
-    buf = target if isinstance(target, memoryview) else memoryview(bytearray(min(_CHUNK, raw)))
+    if isinstance(target, memoryview):
+        buf, sink = target, None
+    else:
+        buf, sink = memoryview(bytearray(min(_CHUNK, raw))), target.write
     written = 0
     try:
         with _decompressor().stream_reader(cast(BinaryIO, src), read_size=_CHUNK,
                                            closefd=False) as reader:
             while written < raw:
-                n = reader.readinto(buf[written:] if direct else buf[:raw - written])
+                n = reader.readinto(buf[written:] if sink is None else buf[:raw - written])
                 if not n:
                     break
-                if not isinstance(target, memoryview):
-                    target.write(buf[:n])
+                if sink is not None:
+                    sink(buf[:n])
                 written += n
             # the frame's end (its content checksum, checked by zstd) may be read only now
             if written == raw and reader.readinto(bytearray(1)):

@@ -576,19 +576,18 @@ def _prefixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.nd
 
 
 def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarray,
-                key_size: int, value_size: int, key: str,
-                heads: np.ndarray | None = None) -> Iterator[Run] | None:
+                key_size: int, value_size: int, key: str, heads: np.ndarray
+                ) -> Iterator[Run] | None:
     """:func:`_prefixed_runs` of entries whose raw keys all have ``key_size`` bytes, each
     followed by its value of ``value_size`` bytes (an LMDB node's value when it is not on
     overflow pages): every entry gathered from the file as one item of both — one pass over the
     file, where gathering keys and values apart takes two, each a cache miss per entry — then
     cut into columns. ``None`` when the key lengths differ (entries of one raw-key
-    size with namespaces of several sizes): the caller cuts them entry by entry."""
+    size with namespaces of several sizes): the caller cuts them entry by entry. ``heads``: the
+    raw keys' first 8 bytes as big-endian words (:attr:`EntrySpans.key_head`)."""
     lengths = np.full(len(starts), key_size, dtype=np.int64)
     _check_prefix(lengths, key)
     rows = _gather(data, starts, key_size + value_size)
-    if heads is None:  # each row's big-endian prefix
-        heads = np.ndarray((len(rows),), dtype=">u8", buffer=rows, strides=(rows.shape[1],))
     kgs, sids, klen, _ = _prefix(heads.astype(np.uint64), lengths, key)
     if not len(klen) or (klen != klen[0]).any():
         return None

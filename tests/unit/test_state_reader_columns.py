@@ -577,7 +577,7 @@ def test_one_gather_of_entries_gives_what_cutting_each_entry_gives() -> None:
     # namespace lengths differ
     import struct
 
-    from dstl.reader.columns import _fixed_runs, _prefixed_runs, _slices
+    from dstl.reader.columns import _fixed_runs, _prefixed_runs, _slices, _words
     from dstl.reader.image import state_info
 
     states = {1: state_info({"name": "v", "kind": "value"}, False, "snap"),
@@ -591,6 +591,9 @@ def test_one_gather_of_entries_gives_what_cutting_each_entry_gives() -> None:
             starts.append(len(data))
             data += struct.pack(">HHI", kg, sid, len(k)) + k + ns + v
         return np.frombuffer(bytes(data + b"\xee" * 2), dtype=np.uint8), np.array(starts)
+
+    def heads(data: np.ndarray, starts: np.ndarray) -> np.ndarray:  # EntrySpans.key_head
+        return _words(data, ">u8")[starts]
 
     def cut(runs: Any) -> list[tuple[Any, ...]]:
         return [(r.info.name, r.kg.to_pylist(), r.kb.to_pylist(), r.nb.to_pylist(),
@@ -606,13 +609,13 @@ def test_one_gather_of_entries_gives_what_cutting_each_entry_gives() -> None:
         size = np.full(n, 8 + kl, dtype=np.int64)
         want = cut(_prefixed_runs(states, data, starts, size,
                                   _slices(data, starts + 8 + kl, np.full(n, vl)), "snap"))
-        got = _fixed_runs(states, data, starts, 8 + kl, vl, "snap")
+        got = _fixed_runs(states, data, starts, 8 + kl, vl, "snap", heads(data, starts))
         assert got is not None and cut(got) == want, trial
     # one raw-key size, two splits of it into key and namespace: declined
     data, starts = layout([(1, 1, b"ab", b"cde", b"v"), (1, 1, b"abc", b"de", b"v")])
-    assert _fixed_runs(states, data, starts, 13, 1, "snap") is None
+    assert _fixed_runs(states, data, starts, 13, 1, "snap", heads(data, starts)) is None
     with pytest.raises(CorruptObjectError, match="shorter than its prefix"):
-        _fixed_runs(states, data, starts, 7, 1, "snap")
+        _fixed_runs(states, data, starts, 7, 1, "snap", heads(data, starts))
 
 
 # --------------------------------------------------------------------------- the log overlay
