@@ -130,9 +130,18 @@ def _stop_session(spark: Any, timeout_s: float = 60.0) -> None:
     ``query.stop()`` reports back to the scheduler asynchronously, and a ``SparkContext.stop()``
     that shuts the scheduler's result threads down before that report arrives makes Spark log
     ``ERROR TaskSchedulerImpl: Exception in statusUpdate`` (its own shutdown race, seen once in
-    a clean-clone run), which this scenario's log check cannot tell from a real error."""
+    a clean-clone run), which this scenario's log check cannot tell from a real error. A
+    cancelled stage leaves the active stages before its killed tasks report (seen in a second
+    clean-clone run), so the wait is for the executors' running tasks, which the scheduler
+    counts down as each report arrives."""
     tracker = spark.sparkContext.statusTracker()
-    _wait(lambda: not tracker.getActiveStageIds(), "the killed tasks to report", timeout_s)
+    executors = spark.sparkContext._jsc.sc().statusTracker()
+
+    def idle() -> bool:
+        return not tracker.getActiveStageIds() and all(
+            e.numRunningTasks() == 0 for e in executors.getExecutorInfos())
+
+    _wait(idle, "the killed tasks to report", timeout_s)
     spark.stop()
 
 
