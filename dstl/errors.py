@@ -43,6 +43,7 @@ Hierarchy::
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 __all__ = [
@@ -77,7 +78,9 @@ __all__ = [
     "UploadTimeoutError",
     "UsageError",
     "WriterFailedError",
+    "DECODER_BUGS",
     "located",
+    "placed",
 ]
 
 
@@ -421,3 +424,24 @@ def located(exc: DstlError, key: str, offset: int, context: str) -> DstlError:
     out.key = key  # type: ignore[attr-defined]
     out.offset = offset  # type: ignore[attr-defined]
     return out
+
+
+#: Builtin exceptions a decoder bug could let escape on crafted input; readers of stored objects
+#: turn them into CorruptObjectError naming the object (their cause chained), never let them out.
+DECODER_BUGS = (
+    TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError, RecursionError,
+    MemoryError, OverflowError, UnicodeError, struct.error)
+
+
+def placed(exc: BaseException, key: str, offset: int, context: str) -> DstlError:
+    """``exc`` (raised while decoding or applying part of object ``key``) as a DSTL error that
+    names the object and the offset: :func:`located` for a DSTL error (a
+    :class:`StorageError` is the environment's, not the object's, and stays as it is), a
+    :class:`CorruptObjectError` for one of :data:`DECODER_BUGS`."""
+    if isinstance(exc, DstlError):
+        if isinstance(exc, StorageError):
+            return exc
+        return located(exc, key, offset, context)
+    return CorruptObjectError(key, offset, f"{context}: {type(exc).__name__}: {exc!s:.300}",
+                              hint="the object is damaged or crafted, or a decoder has a bug "
+                                   "(see the chained cause); restore from an earlier checkpoint")

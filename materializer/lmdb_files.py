@@ -1,17 +1,27 @@
-"""LMDB environment files that are not (yet) a live table: checking, trimming and range-copying
-the data files of file-level snapshots (:mod:`materializer.file_snapshot`).
+"""LMDB environment files that are not (yet) a live table: validating, trimming and
+range-copying the data files of file-level snapshots (:mod:`materializer.file_snapshot`).
 
 Theory of operation
 -------------------
 A restore decompresses a v2 snapshot's data file into a *staging directory* beside the table's
-directory (:mod:`restore.file_restore`). Before a staged environment may become a table:
+directory (:mod:`restore.file_restore`); a reader decompresses it into memory or a temporary
+file. The file came from a store: nothing hands it to LMDB, or reads it, before
+:func:`check_data_file` validated it whole — every page as LMDB's compacting copy writes it
+(:func:`materializer.lmdb_pages.parse_data_file`: bounds, page kinds, no cycle, keys in order,
+branch keys that separate their subtrees, overflow runs, counts), then DSTL's key layout: every
+key a data key of a key group of the snapshot's range and of a state its metadata describes,
+with a key length that fits, or one of the two reserved records, the layout record present and
+of this layout version. What it accepts, LMDB reads and writes safely, and every path (restore
+into LMDB or the heap, range copy, the readers, ``dstl verify`` and ``dstl inspect``) sees the
+same entries; what it refuses is a :class:`~dstl.errors.CorruptObjectError` naming the object,
+the page and the entry.
 
-* :func:`check_environment` opens it, checks the key layout record and that its first and last
-  data keys lie in the key-group range the metadata claims (keys are key-group prefixed, so the
-  two ends bound every key), and deletes the table marker: a marker says which checkpoint a
-  table holds, and only the restored backend, once its restore is complete, may claim one (a
-  table installed by a restore that is then killed must never look like a checkpoint's table to
-  the adopt path of ``dstl.spark.slots``).
+Then:
+
+* :func:`remove_marker` deletes the table marker of a validated environment that is to become a
+  table: a marker says which checkpoint a table holds, and only the restored backend, once its
+  restore is complete, may claim one (a table installed by a restore that is then killed must
+  never look like a checkpoint's table to the adopt path of ``dstl.spark.slots``).
 * :func:`build_environment` serves the other cases — the restoring backend owns only part of
   a snapshot's key groups, or several snapshots meet its range (rescaling): it opens each staged
   file read-only and copies only the owned key-group ranges into a new environment, in key
@@ -29,23 +39,23 @@ Nothing here opens a table: the callers rename a checked environment into place 
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import lmdb
+import numpy as np
 
 from dstl.errors import CorruptObjectError, StateError
 from dstl.keygroups import KeyGroupRange
+from materializer.lmdb_pages import EntrySpans, LmdbFileError, entry_spans, parse_data_file
 from materializer.lmdb_table import KEY_PREFIX, KG_SID, LAYOUT_KEY, LAYOUT_VERSION, MARKER_KEY
 from materializer.snapshot_format import SnapshotEntry
 
-__all__ = ["RangeSource", "build_environment", "check_environment", "iter_key_groups",
-           "iter_raw_chunks"]
+__all__ = ["RangeSource", "ValidFile", "build_environment", "check_data_file", "iter_key_groups",
+           "remove_marker"]
 
-_RESERVED: Final = b"\xff\xff"   # key group of the layout and marker records
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,40 +81,85 @@ def _open(directory: str, *, readonly: bool, map_size: int = 0) -> Any:
                      readahead=False, sync=False, metasync=False, max_dbs=0)
 
 
-def check_environment(directory: str, key_groups: KeyGroupRange, *, key: str) -> int:
-    """Check a staged environment against its snapshot's metadata and delete its marker;
-    returns its entry count (the layout record not counted).
+@dataclass(frozen=True)
+class ValidFile:
+    """A validated data file: its entries (the reserved records included) and how many are
+    state entries."""
+
+    spans: EntrySpans
+    entries: int
+
+
+def check_data_file(data: np.ndarray | str, key_groups: KeyGroupRange, state_ids: Iterable[int],
+                    *, key: str, offset: int) -> ValidFile:
+    """Validate a v2 snapshot's LMDB data file whole — its bytes in memory, or the file at a
+    path (mapped read-only) — by the module docstring's rules, against the snapshot's metadata
+    (``key_groups``, ``state_ids``).
+
+    Args:
+        key, offset: the snapshot object and the offset of its data, for errors.
 
     Raises:
-        CorruptObjectError: the file is no LMDB environment of DSTL's key layout, or holds key
-            groups outside ``key_groups`` (names the snapshot object ``key``).
+        CorruptObjectError: the first rule the file breaks, naming the object, the page or
+            entry, and the data file's byte.
     """
     try:
-        env = _open(directory, readonly=False)
-    except lmdb.Error as exc:
-        raise CorruptObjectError(key, 0, f"the data file is not an LMDB environment: {exc}"
-                                 ) from exc
+        spans = entry_spans(data) if isinstance(data, str) else parse_data_file(data)
+    except LmdbFileError as exc:
+        raise CorruptObjectError(key, offset, f"the LMDB data file is not one LMDB's compacting "
+                                              f"copy writes: {exc}") from exc
+    head = spans.key_head.astype(np.uint64)
+    kg = (head >> np.uint64(48)).astype(np.int64)
+    reserved = np.flatnonzero(kg == 0xFFFF)
+    data_keys = kg != 0xFFFF
+    sid = ((head >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
+    length = (head & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    short = spans.key_size < KEY_PREFIX.size
+    outside = (kg < key_groups.start) | (kg > key_groups.end)
+    unknown = ~np.isin(sid, np.fromiter(state_ids, np.int64))
+    overlong = KEY_PREFIX.size + length > spans.key_size
+    bad = data_keys & (short | outside | unknown | overlong)
+    if bad.any():
+        i = int(np.argmax(bad))
+        why = ("is shorter than DSTL's 8-byte key prefix" if short[i]
+               else f"is in key group {kg[i]}, outside key groups {key_groups} of the snapshot"
+               if outside[i]
+               else f"is of state id {sid[i]}, which the snapshot's metadata does not describe"
+               if unknown[i]
+               else f"says its key is {length[i]} bytes, longer than the entry's key")
+        raise CorruptObjectError(key, offset, f"entry {i} of the LMDB data file (byte "
+                                              f"{int(spans.key_start[i])}), key "
+                                              f"{_bytes(spans, i)[:40]!r}, {why}")
+    found = {_bytes(spans, int(i)): int(i) for i in reserved}
+    if set(found) - {LAYOUT_KEY, MARKER_KEY} or LAYOUT_KEY not in found:
+        raise CorruptObjectError(key, offset, f"the LMDB data file's reserved records are "
+                                              f"{sorted(found)}, expected the layout record "
+                                              "and at most the table marker")
+    i = found[LAYOUT_KEY]
+    layout = spans.data[spans.value_start[i]:spans.value_start[i] + spans.value_size[i]]
+    if layout.tobytes() != LAYOUT_VERSION:
+        raise CorruptObjectError(key, offset, f"LMDB key layout {layout.tobytes()[:16]!r} in the "
+                                              f"data file, expected {LAYOUT_VERSION!r}")
+    return ValidFile(spans, len(spans) - len(reserved))
+
+
+def _bytes(spans: EntrySpans, i: int) -> bytes:
+    """Entry ``i``'s key."""
+    start = int(spans.key_start[i])
+    return spans.data[start:start + int(spans.key_size[i])].tobytes()
+
+
+def remove_marker(directory: str, *, key: str) -> None:
+    """Delete the table marker of the validated environment in ``directory``."""
     try:
-        with env.begin(write=True) as txn:
-            layout = txn.get(LAYOUT_KEY)
-            if layout != LAYOUT_VERSION:
-                raise CorruptObjectError(key, 0, f"LMDB key layout {layout!r} in the data file, "
-                                                 f"expected {LAYOUT_VERSION!r}")
-            with txn.cursor() as cur:
-                first = cur.key() if cur.first() else None
-                last = cur.key() if cur.set_range(_RESERVED) and cur.prev() else None
-            for k in (first, last):
-                if k is not None and not k.startswith(_RESERVED) and (
-                        len(k) < KEY_PREFIX.size
-                        or KG_SID.unpack_from(k, 0)[0] not in key_groups):
-                    raise CorruptObjectError(key, 0, f"the data file holds key {k[:8]!r}..., "
-                                                     f"outside key groups {key_groups}")
-            txn.delete(MARKER_KEY)
-        return int(env.stat()["entries"]) - 1
+        env = _open(directory, readonly=False)
+        try:
+            with env.begin(write=True) as txn:
+                txn.delete(MARKER_KEY)
+        finally:
+            env.close()
     except lmdb.Error as exc:
-        raise CorruptObjectError(key, 0, f"the LMDB data file does not read: {exc}") from exc
-    finally:
-        env.close()
+        raise CorruptObjectError(key, 0, f"the LMDB data file does not open: {exc}") from exc
 
 
 def _records(cur: Any, end: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -201,37 +256,6 @@ def build_environment(target: str, sources: Sequence[RangeSource]) -> int:
     finally:
         dst_env.close()
     return copied
-
-
-def iter_raw_chunks(directory: str, key_groups: KeyGroupRange, *, key: str, rows: int = 65536
-                    ) -> Iterator[tuple[list[bytes], list[bytes]]]:
-    """The staged environment's entries in ``key_groups`` as ``(raw keys, values)`` lists of at
-    most ``rows`` entries, in key order — raw keys are ``KEY_PREFIX`` + key + namespace. For
-    column-wise readers: the lists are built by the cursors' iterators at C speed (one cursor
-    for keys, ended by comparing with the first key past the range; one for values, in step),
-    with no Python per entry."""
-    try:
-        env = _open(directory, readonly=True)
-    except lmdb.Error as exc:
-        raise CorruptObjectError(key, 0, f"the data file is not an LMDB environment: {exc}"
-                                 ) from exc
-    start, end = KG_SID.pack(key_groups.start, 0), KG_SID.pack(key_groups.end + 1, 0)
-    try:
-        with env.begin() as txn, txn.cursor() as kcur, txn.cursor() as vcur:
-            if not kcur.set_range(start) or not vcur.set_range(start):
-                return
-            keys = itertools.takewhile(end.__gt__, kcur.iternext(keys=True, values=False))
-            values = vcur.iternext(keys=False, values=True)
-            while True:
-                ks = list(itertools.islice(keys, rows))
-                if not ks:
-                    return
-                vs = list(itertools.islice(values, len(ks)))
-                if len(vs) != len(ks):  # one transaction: the cursors see the same entries
-                    raise CorruptObjectError(key, 0, "the data file's cursors disagree")
-                yield ks, vs
-    finally:
-        env.close()
 
 
 def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str

@@ -1,38 +1,44 @@
-"""An LMDB data file's entries located by parsing its pages with numpy (no cursor, no Python
-object per entry): for column-wise readers of a staged v2 snapshot.
+"""An LMDB data file validated completely and its entries located by parsing its pages with numpy
+(no cursor, no Python object per entry).
 
 Theory of operation
 -------------------
-A v2 snapshot is an LMDB data file (LMDB 0.9's on-disk format, ``MDB_DATA_VERSION`` 1, the
-little-endian 64-bit layout py-lmdb writes on this platform). Listing it with cursors costs a
-Python ``bytes`` per key and per value, about 0.3 µs per entry. This module reads the file's
-bytes instead:
+A v2 snapshot holds an LMDB data file (LMDB 0.9's on-disk format, ``MDB_DATA_VERSION`` 1, the
+little-endian 64-bit layout py-lmdb writes on this platform), made by LMDB's compacting copy.
+The file comes from a store, so it is untrusted input; LMDB itself does not validate what it maps
+(a page number past the end of the file is a SIGBUS, a cycle an assertion's SIGABRT, a key out
+of order a lookup that misses). :func:`parse_data_file` therefore accepts exactly the files a
+compacting copy writes and refuses everything else with :class:`LmdbFileError`, naming the page
+and byte — so a file it accepts is one that LMDB reads and writes safely, and whose entries are
+the ones it returns:
 
-- **Meta.** Pages 0 and 1 are meta pages; the one with the larger transaction id is current
-  (LMDB's own rule). It gives the page size, the main database's flags, root page and entry
-  count.
-- **Tree.** From the root, the tree is walked a level at a time with numpy, children in key
-  order (a branch node's child page number is its 48-bit ``lo | hi | flags`` field); the last
-  level is the leaf pages in key order. LMDB's B+tree is balanced: a level that mixes branch and
-  leaf pages is a layout this module does not read. A page is visited at most once and must be
-  in the file.
-- **Leaves.** Every leaf page's node pointers (``u16`` after the 16-byte page header, read
-  from the bytes seen as aligned ``u16``) and node headers (``u16 lo, hi, flags, key size``: 8
-  bytes, read as one little-endian ``u64``) are gathered for all leaves at once with numpy, each
-  header with the 8 bytes after it (one 16-byte item: the key's first bytes come with the same
-  cache miss). A node's key follows its header; its value follows the key, or, with
-  ``F_BIGDATA``, lies on the overflow pages its 8-byte page number names. The result is four
-  arrays — key start, key size, value start, value size (offsets in the file's bytes) — and each
-  key's first 8 bytes as a big-endian word.
+- **Meta.** Pages 0 and 1 are meta pages (page number, kind, magic, version, page size); the one
+  with the larger transaction id is current (LMDB's rule, ties to page 0). It must describe a
+  plain key/value database (no flags: no duplicates, integer or reversed keys), an empty free
+  list, a last page that is the file's last page (the file is whole pages, at least three), a
+  root inside the file, and counts (depth, branch, leaf and overflow pages, entries) that the
+  walk below must find exactly.
+- **Tree.** From the root, a level at a time, children in key order: each page is visited once
+  (no cycles, no sharing), carries its own page number, and is a branch page on every level but
+  the last, a leaf page on the last (LMDB's tree is balanced). A page's node pointers lie
+  between its header and ``upper``; its nodes, at even offsets, tile ``[upper, page size)``
+  exactly (LMDB keeps them packed, and its page edits move bytes by that rule); a branch page
+  has at least two nodes, the first with an empty key; a leaf page at least one.
+- **Leaves.** A node is a key (1 to 511 bytes) and its value inline (a node of at most
+  ``nodemax`` bytes, LMDB's rule), or the value's first page number: that overflow run is inside
+  the file, starts with an overflow page of its own number, has room for the value (at least
+  ``OVPAGES(size)`` pages: LMDB rewrites a smaller value into the pages it has) and shares no
+  page with anything else.
+- **Order.** Keys are strictly increasing across all leaves, and every branch key ``k`` lies
+  between the subtrees it separates (``last key on the left < k <= first key on the right``),
+  so a lookup through the tree finds exactly what a scan lists. Keys are compared 8 bytes at a
+  time as big-endian words, only the pairs still tied going on to the next word.
+- **Coverage.** Every page of the file is a meta page, a tree page or part of one overflow run.
 
-Checks: magic, version, page size, the main database's flags (a plain key/value database: no
-duplicates, no integer keys), page kinds, every pointer, node and value inside its page or the
-file, and the number of entries found equal to the count the meta page records. Anything this
-module does not read — another version or byte order, sub-databases, duplicate data, an entry
-count that disagrees — makes :func:`entry_spans` return ``None``: the caller then lists the file
-with LMDB's cursors (:func:`materializer.lmdb_files.iter_raw_chunks`), which is the authority on
-what an LMDB file holds. The file itself was verified before (the zstd content checksum of the
-snapshot object), so ``None`` means "another layout", not damage that would go unnoticed.
+Everything is gathered with numpy for all pages of a level at once (node pointers from the bytes
+seen as aligned ``u16``, each node header read with the key's first 8 bytes as one 16-byte
+item). The result, :class:`EntrySpans`, is four arrays — key start, key size, value start, value
+size (offsets in the file's bytes) — and each key's first 8 bytes as a big-endian word.
 """
 
 from __future__ import annotations
@@ -40,11 +46,11 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 
-__all__ = ["EntrySpans", "entry_spans", "entry_spans_in"]
+__all__ = ["MAX_KEY_SIZE", "EntrySpans", "LmdbFileError", "entry_spans", "parse_data_file"]
 
 _MAGIC: Final = 0xBEEFC0DE
 _VERSION: Final = 1
@@ -52,10 +58,15 @@ _HEADER: Final = 16            # page header: pgno u64, pad u16, flags u16, lowe
 #: MDB_meta after a meta page's header: magic, version, address, map size, two MDB_db (pad,
 #: flags, depth, branch/leaf/overflow page counts, entries, root), last page, txn id.
 _META: Final = struct.Struct("<IIQQ" + "IHHQQQQQ" * 2 + "QQ")
-_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
-_KINDS: Final = _P_BRANCH | _P_LEAF | _P_OVERFLOW | _P_META | _P_LEAF2
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META = 0x01, 0x02, 0x04, 0x08
 _F_BIGDATA: Final = 0x01
+_INTEGERKEY: Final = 0x08      # the free database's flags (LMDB sets it; env flags may join)
+_NOSUBDIR: Final = 0x4000
 _NO_ROOT: Final = (1 << 64) - 1
+#: LMDB's compiled-in key size limit (``MDB_MAXKEYSIZE``).
+MAX_KEY_SIZE: Final = 511
+_MAX_DEPTH: Final = 32
+_MAX_TXNID: Final = 1 << 48
 #: the k high bytes of a u64 set (k = 0..8)
 _HIGH_BYTES: Final = np.array([((1 << (8 * k)) - 1) << (64 - 8 * k) for k in range(9)],
                               dtype=np.uint64)
@@ -78,167 +89,373 @@ class EntrySpans:
         return len(self.key_start)
 
 
-class _Unread(Exception):
-    """A file this module does not read (the caller uses cursors)."""
+class LmdbFileError(ValueError):
+    """The bytes are not an LMDB data file as LMDB's compacting copy writes it.
+
+    Attributes:
+        reason: what is wrong, naming the page.
+        offset: the byte of the data file where it was found.
+    """
+
+    def __init__(self, reason: str, offset: int) -> None:
+        self.reason = reason
+        self.offset = int(offset)
+        super().__init__(f"{reason} (data file byte {self.offset})")
+
+
+class _Meta(NamedTuple):
+    psize: int
+    pages: int
+    depth: int
+    branch: int
+    leaf: int
+    overflow: int
+    entries: int
+    root: int
 
 
 def _view(data: np.ndarray, dtype: str, width: int) -> np.ndarray:
-    """``view[i]`` = the little-endian integer of ``width`` bytes starting at byte ``i``."""
+    """``view[i]`` = the integer of ``width`` bytes starting at byte ``i``."""
     return np.ndarray((max(len(data) - width + 1, 0),), dtype=dtype, buffer=data, strides=(1,))
 
 
-def _meta(data: np.ndarray) -> tuple[int, int, int, int]:
-    """(page size, main database flags, root page, entry count) of the current meta page."""
+def _bad(what: str, page: int, psize: int, at: int = 0) -> LmdbFileError:
+    return LmdbFileError(f"page {page}: {what}", page * psize + at)
+
+
+def _first_bad(mask: np.ndarray, pages: np.ndarray, psize: int, what: str) -> None:
+    """Raise naming the first page of ``pages`` where ``mask`` holds."""
+    if mask.any():
+        raise _bad(what, int(pages[int(np.argmax(mask))]), psize)
+
+
+def _meta(data: np.ndarray) -> _Meta:
+    """The current meta page, checked (module docstring)."""
     if len(data) < _HEADER + _META.size:
-        raise _Unread
-    head = _META.unpack_from(data.data, _HEADER)
-    psize = head[4]  # the free database's pad field holds the page size
-    if psize < 512 or psize > 1 << 16 or psize & (psize - 1) or len(data) < 2 * psize:
-        raise _Unread
-    best = None
+        raise LmdbFileError(f"{len(data)} bytes: shorter than a meta page", 0)
+    psize = _META.unpack_from(data.data, _HEADER)[4]  # the free database's pad is the page size
+    if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+        raise LmdbFileError(f"page size {psize} is not a power of two in [512, 65536]", _HEADER)
+    if len(data) % psize or len(data) < 3 * psize:
+        raise LmdbFileError(f"{len(data)} bytes: not a whole number (>= 3) of {psize}-byte "
+                            "pages (a truncated file?)", len(data) - len(data) % psize)
+    metas = []
     for page in (0, 1):
-        f = _META.unpack_from(data.data, page * psize + _HEADER)
-        flags = int(data[page * psize + 10]) | int(data[page * psize + 11]) << 8
-        if f[0] != _MAGIC or f[1] != _VERSION or f[4] != psize or not flags & _P_META:
-            raise _Unread
-        if best is None or f[21] > best[21]:
-            best = f
-    assert best is not None
-    return psize, best[13], best[19], best[18]
-
-
-def _leaf_pages(data: np.ndarray, u16: np.ndarray, u64: np.ndarray, psize: int, root: int
-                ) -> np.ndarray:
-    """The leaf pages under ``root``, in key order: the tree walked a level at a time (every
-    level's pages checked and their children gathered with numpy; LMDB's tree is balanced, so
-    a level holds branch pages only or leaf pages only)."""
+        base = page * psize
+        pgno, flags = struct.unpack_from("<Q2xH", data.data, base)
+        m = _META.unpack_from(data.data, base + _HEADER)
+        if pgno != page or flags != _P_META or m[0] != _MAGIC or m[1] != _VERSION \
+                or m[4] != psize or m[2] != 0 or m[21] >= _MAX_TXNID:
+            raise _bad("not an LMDB meta page of this version, page size and address",
+                       page, psize)
+        metas.append(m)
+    m = metas[1] if metas[1][21] > metas[0][21] else metas[0]
+    current = 1 if m is metas[1] else 0
     pages = len(data) // psize
-    seen = np.zeros(pages, dtype=bool)
-    level = np.array([root], dtype=np.int64)
-    while True:
-        if ((level < 2) | (level >= pages)).any() or seen[level].any():
-            raise _Unread
-        if len(np.unique(level)) != len(level):  # a page twice on one level
-            raise _Unread
-        seen[level] = True
-        base = level * psize
-        kind = u16[base + 10] & _KINDS
-        if (kind == _P_LEAF).all():
-            return level
-        lower = u16[base + 12].astype(np.int64)
-        if ((kind != _P_BRANCH) | (lower <= _HEADER) | (lower > psize) | (lower % 2)).any():
-            raise _Unread
-        node, _ = _nodes(data, base, lower, psize)
-        level = (u64[node] & 0xFFFFFFFFFFFF).astype(np.int64)
+    if m[5] & ~_NOSUBDIR != _INTEGERKEY or m[6:12] != (0, 0, 0, 0, 0, _NO_ROOT):
+        raise _bad("the free list is not empty (not a compacting copy)", current, psize)
+    if m[13] or m[12]:
+        raise _bad(f"main database flags {m[13]:#x} (a plain key/value database has none)",
+                   current, psize)
+    if m[20] != pages - 1:
+        raise _bad(f"last page {m[20]}, but the file has {pages} pages", current, psize)
+    depth, branch, leaf, overflow, entries, root = m[14:20]
+    if not 2 <= root < pages or not 1 <= depth <= _MAX_DEPTH or entries < 1:
+        raise _bad(f"root page {root}, depth {depth}, {entries} entries: no tree in the file",
+                   current, psize)
+    return _Meta(psize, pages, depth, branch, leaf, overflow, entries, root)
 
 
-def _nodes(data: np.ndarray, base: np.ndarray, lower: np.ndarray, psize: int
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """(node offset, node offset within its page) of every node of the pages at ``base``
-    (whose pointer arrays end at ``lower``), in page order then pointer order; every node's
-    8-byte header inside its page, after the pointers."""
+class _Level(NamedTuple):
+    """One level of the tree: its pages and their nodes (page order, then pointer order)."""
+
+    pages: np.ndarray
+    upper: np.ndarray       # each page's upper
+    first: np.ndarray       # each page's first node index; one more entry than pages
+    node: np.ndarray        # node offsets in the file
+    head: np.ndarray        # node header words (u64 little-endian)
+    key_head: np.ndarray    # the 8 bytes after each header, big-endian
+
+
+def _level(data: np.ndarray, pages: np.ndarray, psize: int, *, leaf: bool) -> _Level:
+    """The nodes of ``pages``, their pointer arrays checked: each page's pointers end at
+    ``lower`` before its nodes begin at ``upper``, and every pointer is even and in
+    ``[upper, page size - 8]``; a branch page has at least two nodes, a leaf page one."""
+    base = pages * psize
+    u16 = data[:len(data) // 2 * 2].view("<u2")
+    lower = u16[(base + 12) >> 1].astype(np.int64)
+    upper = u16[(base + 14) >> 1].astype(np.int64)
+    kind = "leaf" if leaf else "branch"
+    _first_bad((lower < _HEADER + (2 if leaf else 4)) | (lower % 2 != 0) | (upper < lower)
+               | (upper > psize) | (upper % 2 != 0), pages, psize,
+               f"its pointer array (lower) and nodes (upper) are out of order, odd or too few "
+               f"for a {kind} page")
     counts = (lower - _HEADER) // 2
     first = np.zeros(len(base) + 1, dtype=np.int64)
     np.cumsum(counts, out=first[1:])
-    # a page's pointers are u16s from its header on: pointer i of the run is at
-    # base + header + 2 * (i - first), one repeat and one arange for all pages
+    # pointer i of the run is at base + header + 2 * (i - first): one repeat, one arange
     ptr = np.repeat(base + _HEADER - 2 * first[:-1], counts)
     ptr += np.arange(0, 2 * int(first[-1]), 2, dtype=np.int64)
-    # pointers sit at even offsets (pages and their header do): gathered from the bytes seen as
-    # aligned u16s, half the cost of the byte-strided view's gather
-    off = data[:len(data) // 2 * 2].view("<u2")[ptr >> 1].astype(np.int64)
-    if (off > psize - 8).any():
-        raise _Unread
-    nonempty = counts > 0  # each page's lowest node lies above its pointers
-    if nonempty.any() and (np.minimum.reduceat(off, first[:-1][nonempty])
-                           < lower[nonempty]).any():
-        raise _Unread
-    return np.repeat(base, counts) + off, off
-
-
-def _leaf_nodes(data: np.ndarray, u16: np.ndarray, psize: int, leaves: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(node offset, node header word, the 8 bytes after the header as a big-endian word, node
-    offset within its page) of every node of ``leaves``: header and key head gathered as one
-    16-byte item per node (one cache miss each, where two gathers take two; a node at the very
-    end of the file gets zero bytes past it, which the caller masks off with a short key's)."""
-    base = leaves * psize
-    lower = u16[base + 12].astype(np.int64)
-    if (lower < _HEADER).any() or (lower > psize).any() or (lower % 2).any():
-        raise _Unread
-    node, off = _nodes(data, base, lower, psize)
-    items = np.ndarray((max(len(data) - 15, 0),), dtype=np.dtype((np.void, 16)), buffer=data,
+    off = u16[ptr >> 1].astype(np.int64)
+    bad = (off < np.repeat(upper, counts)) | (off > psize - 8) | (off % 2 != 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise LmdbFileError(f"page {int(ptr[i]) // psize}: node pointer {int(off[i])} is odd or "
+                            "outside [upper, page size - 8]", int(ptr[i]))
+    node = np.repeat(base, counts) + off
+    # each header with the 8 bytes after it as one 16-byte item (one cache miss, not two); a
+    # node at the very end of the file gets zeros past it
+    items = np.ndarray((len(data) - 15,), dtype=np.dtype((np.void, 16)), buffer=data,
                        strides=(1,))
     end = node + 16 > len(data)
     raw = items[np.where(end, 0, node)].view(np.uint8).reshape(-1, 16)
-    for i in np.flatnonzero(end).tolist():  # the file's last bytes, padded
+    for i in np.flatnonzero(end).tolist():
         at = int(node[i])
         raw[i] = np.frombuffer(bytes(data[at:at + 16]).ljust(16, b"\0"), dtype=np.uint8)
     flat = raw.reshape(-1)
     head = np.ndarray((len(node),), dtype="<u8", buffer=flat, strides=(16,))
     key_head = np.ndarray((len(node),), dtype=">u8", buffer=flat, offset=8, strides=(16,))
-    return node, head, key_head, off
+    return _Level(pages, upper, first, node, head, key_head)
 
 
-def _spans(data: np.ndarray, psize: int, leaves: np.ndarray) -> EntrySpans:
-    u16, u64 = _view(data, "<u2", 2), _view(data, "<u8", 8)
-    if not len(leaves):
-        empty = np.zeros(0, dtype=np.int64)
-        return EntrySpans(data, empty, empty, empty, empty, empty.astype(">u8"))
-    node, head, key_head, off = _leaf_nodes(data, u16, psize, leaves)
-    size = (head & 0xFFFFFFFF).astype(np.int64)
+def _check_tiled(lvl: _Level, size: np.ndarray, psize: int) -> None:
+    """The nodes of each page (``size`` bytes each, even) tile ``[upper, page size)`` exactly:
+    their sizes add up to the space, and none overlaps the next one up."""
+    total = np.add.reduceat(size, lvl.first[:-1])
+    _first_bad(total != psize - lvl.upper, lvl.pages, psize,
+               "its nodes do not fill the space from upper to the page's end exactly")
+    # sorted by offset with each node's size in the low 16 bits (np.sort, not argsort: sizes
+    # are < 2**16 and offsets < 2**47, and a plain sort is several times cheaper)
+    packed = np.sort((lvl.node << 16) | size)
+    start = packed >> 16
+    end = start + (packed & 0xFFFF)
+    page = start // psize
+    over = end > (page + 1) * psize
+    over[:-1] |= (page[1:] == page[:-1]) & (end[:-1] > start[1:])
+    if over.any():
+        i = int(np.argmax(over))
+        raise LmdbFileError(f"page {int(page[i])}: the node at {int(start[i] % psize)} "
+                            f"({int(end[i] - start[i])} bytes) overlaps the next one or the "
+                            "page's end", int(start[i]))
+
+
+def _mark(level: np.ndarray, seen: np.ndarray, psize: int, u64: np.ndarray, what: str) -> None:
+    """Mark pages seen: each inside the file, reached once, carrying its own page number."""
+    outside = (level < 2) | (level >= len(seen))
+    if outside.any():
+        raise LmdbFileError(f"{what} names page {int(level[int(np.argmax(outside))])}, a meta "
+                            f"page or past the file's {len(seen)} pages", 0)
+    again = seen[level]
+    if not again.any() and len(np.unique(level)) != len(level):
+        values, counts = np.unique(level, return_counts=True)
+        again = level == values[int(np.argmax(counts > 1))]
+    if again.any():
+        p = int(level[int(np.argmax(again))])
+        raise LmdbFileError(f"{what}: page {p} is reached twice (a cycle or a shared page)",
+                            p * psize)
+    seen[level] = True
+    _first_bad(u64[level * psize].astype(np.int64) != level, level, psize,
+               "its header names another page number")
+
+
+def _words(data: np.ndarray, at: np.ndarray, left: np.ndarray) -> np.ndarray:
+    """The big-endian word of the (up to) 8 bytes at each ``at`` that belong to a key with
+    ``left`` (>= 1) bytes from there on: bytes past the key are zero."""
+    last = len(data) - 8
+    if len(at) and int(at.max()) > last:  # a key at the very end of the file
+        clipped = np.minimum(at, last)
+        words = _view(data, ">u8", 8)[clipped].astype(np.uint64)
+        words <<= ((at - clipped) * 8).astype(np.uint64)
+    else:
+        words = _view(data, ">u8", 8)[at].astype(np.uint64)
+    short = left < 8
+    if short.any():
+        words[short] &= _HIGH_BYTES[left[short]]
+    return np.asarray(words)
+
+
+def _compare(data: np.ndarray, a: np.ndarray, a_len: np.ndarray, b: np.ndarray,
+             b_len: np.ndarray, heads: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> np.ndarray:
+    """-1, 0 or 1 as the bytes ``data[a:a + a_len]`` sort before, equal or after
+    ``data[b:b + b_len]`` (bytewise, a prefix first), pair by pair: 8 bytes at a time as
+    big-endian words, only the pairs still tied reading on (``heads``: both sides' first words,
+    when the caller has them)."""
+    out = np.zeros(len(a), dtype=np.int8)
+    todo = np.arange(len(a))
+    j = 0
+    while len(todo):
+        ra, rb = a_len[todo] - j, b_len[todo] - j
+        if heads is not None and j == 0:
+            wa, wb = heads[0].astype(np.uint64), heads[1].astype(np.uint64)
+        else:
+            wa, wb = _words(data, a[todo] + j, ra), _words(data, b[todo] + j, rb)
+        differ = wa != wb
+        if differ.any():
+            out[todo[differ]] = np.where(wa[differ] < wb[differ], -1, 1)
+        tied = ~differ
+        ended = tied & ((ra <= 8) | (rb <= 8))
+        if ended.any():
+            out[todo[ended]] = np.sign(ra[ended] - rb[ended])
+            tied &= ~ended
+        todo = todo[tied]
+        j += 8
+    return out
+
+
+def _overflow(data: np.ndarray, u64: np.ndarray, seen: np.ndarray, psize: int,
+              vstart: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, int]:
+    """The values stored on overflow pages (``vstart`` = where their page numbers are): each
+    run inside the file, of at least ``OVPAGES(size)`` pages, starting with an overflow page of
+    its own number, sharing no page; returns where the values start and the pages they take."""
+    pages = u64[vstart].astype(np.int64)
+    outside = (pages < 2) | (pages >= len(seen))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise LmdbFileError(f"a value of {int(size[i])} bytes on overflow page {int(pages[i])}, "
+                            f"a meta page or past the file's {len(seen)} pages", int(vstart[i]))
+    base = pages * psize
+    u16 = data[:len(data) // 2 * 2].view("<u2")
+    flags = u16[(base + 10) >> 1]
+    count = u16[(base + 12) >> 1].astype(np.int64) | u16[(base + 14) >> 1].astype(np.int64) << 16
+    # LMDB rewrites a smaller value into the pages it has, so a run may be longer than needed
+    _first_bad((u64[base].astype(np.int64) != pages) | (flags != _P_OVERFLOW)
+               | (count < (_HEADER - 1 + size) // psize + 1) | (pages + count > len(seen)),
+               pages, psize, "not an overflow page of its own number whose run holds the value "
+                             "inside the file")
+    if int(count.sum()) > len(seen):  # runs that overlap: refused before listing their pages
+        raise LmdbFileError(f"overflow runs of {int(count.sum())} pages in a file of "
+                            f"{len(seen)}", 0)
+    starts = np.zeros(len(count), dtype=np.int64)
+    np.cumsum(count[:-1], out=starts[1:])
+    every = np.repeat(pages - starts, count) + np.arange(int(count.sum()), dtype=np.int64)
+    again = seen[every]
+    if not again.any() and len(np.unique(every)) != len(every):
+        values, n = np.unique(every, return_counts=True)
+        again = every == values[int(np.argmax(n > 1))]
+    if again.any():
+        p = int(every[int(np.argmax(again))])
+        raise LmdbFileError(f"overflow page {p} is reached twice (a shared page)", p * psize)
+    seen[every] = True
+    return base + _HEADER, len(every)
+
+
+def _leaves(data: np.ndarray, lvl: _Level, seen: np.ndarray, psize: int, u64: np.ndarray
+            ) -> tuple[EntrySpans, int]:
+    """The leaf level's entries (nodes checked as the module docstring says) and the overflow
+    pages their values take."""
+    head = lvl.head
+    size = (head & np.uint64(0xFFFFFFFF)).astype(np.int64)
     flags = ((head >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
     ksize = (head >> np.uint64(48)).astype(np.int64)
-    if (flags & ~_F_BIGDATA).any():
-        raise _Unread
-    big = (flags & _F_BIGDATA) != 0
-    # the value (or, on overflow pages, its 8-byte page number) ends inside the node's page
-    if (off + 8 + ksize + np.where(big, 8, size) > psize).any():
-        raise _Unread
-    kstart = node + 8
+    big = flags == _F_BIGDATA
+    nodemax = ((psize - _HEADER) // 2 & ~1) - 2
+    bad = ((flags & ~_F_BIGDATA) != 0) | (ksize < 1) | (ksize > MAX_KEY_SIZE) \
+        | (~big & (8 + ksize + size > nodemax))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise LmdbFileError(f"page {int(lvl.node[i]) // psize}: a leaf node of flags "
+                            f"{int(flags[i]):#x}, a {int(ksize[i])}-byte key and a "
+                            f"{int(size[i])}-byte value {'on' if big[i] else 'not on'} overflow "
+                            "pages is not one LMDB writes", int(lvl.node[i]))
+    _check_tiled(lvl, (8 + ksize + np.where(big, 8, size) + 1) & ~1, psize)
+    kstart = lvl.node + 8
     vstart = kstart + ksize
+    overflow = 0
     if big.any():
-        pages = u64[vstart[big]].astype(np.int64)
-        first = pages * psize
-        if ((pages < 2) | (first + psize > len(data))).any():
-            raise _Unread
-        if ((u16[first + 10] & _KINDS) != _P_OVERFLOW).any():
-            raise _Unread
-        count = u16[first + 12].astype(np.int64) | u16[first + 14].astype(np.int64) << 16
-        if ((first + _HEADER + size[big] > first + count * psize)
-                | (first + count * psize > len(data))).any():
-            raise _Unread
-        vstart[big] = first + _HEADER
+        vstart[big], overflow = _overflow(data, u64, seen, psize, vstart[big], size[big])
+    key_head = lvl.key_head
     short = ksize < 8
     if short.any():  # keep only a short key's own bytes (its first, the word's high ones)
         key_head = key_head.astype(np.uint64)
         key_head[short] &= _HIGH_BYTES[ksize[short]]
         key_head = key_head.astype(">u8")
-    return EntrySpans(data, kstart, ksize, vstart, size, key_head)
+    return EntrySpans(data, kstart, ksize, vstart, size, key_head), overflow
 
 
-def entry_spans(path: str) -> EntrySpans | None:
-    """The entries of the LMDB data file ``path`` (mapped read-only, so a file larger than
-    memory is paged, as LMDB's own map would be), or ``None`` if it is not a file this module
-    reads (see the module docstring)."""
-    if os.path.getsize(path) < 2 * 512:
-        return None  # not even two meta pages (an empty file cannot be mapped)
-    return entry_spans_in(np.memmap(path, dtype=np.uint8, mode="r"))
+def _check_order(data: np.ndarray, spans: EntrySpans, branches: list[tuple[_Level, np.ndarray]],
+                 leaf_first: np.ndarray, psize: int) -> None:
+    """Keys strictly increasing across the leaves, and every branch key between the subtrees
+    it separates (``last key on its left < key <= first key on its right``).
+
+    ``branches`` are the branch levels from the root down with their nodes' key sizes;
+    ``leaf_first`` is each leaf page's first entry index."""
+    ks, kn = spans.key_start, spans.key_size
+    if len(ks) > 1:
+        heads = spans.key_head
+        c = _compare(data, ks[:-1], kn[:-1], ks[1:], kn[1:], (heads[:-1], heads[1:]))
+        if (c >= 0).any():
+            i = int(np.argmax(c >= 0))
+            raise LmdbFileError(f"page {int(ks[i + 1]) // psize}: a leaf key is not greater than "
+                                "the key before it (keys out of order or twice)", int(ks[i + 1]))
+    below = leaf_first[:-1]   # the first entry under each page of the level below
+    for lvl, ksize in reversed(branches):
+        inner = np.ones(len(lvl.node), dtype=bool)
+        inner[lvl.first[:-1]] = False   # a page's first node has no key
+        sep, sep_n, at = lvl.node[inner] + 8, ksize[inner], below[inner]
+        left = _compare(data, ks[at - 1], kn[at - 1], sep, sep_n)
+        right = _compare(data, sep, sep_n, ks[at], kn[at])
+        bad = (left >= 0) | (right > 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise LmdbFileError(f"page {int(sep[i]) // psize}: a branch key does not separate "
+                                "its subtrees (lookups would miss keys)", int(sep[i]))
+        below = below[lvl.first[:-1]]
 
 
-def entry_spans_in(data: np.ndarray) -> EntrySpans | None:
-    """:func:`entry_spans` of an LMDB data file's bytes (``uint8``, e.g. decompressed into
-    memory); the spans index ``data``, which they keep."""
-    try:
-        psize, flags, root, entries = _meta(data)
-        if flags:
-            raise _Unread
-        if root == _NO_ROOT:
-            leaves = np.zeros(0, dtype=np.int64)
-        else:
-            leaves = _leaf_pages(data, _view(data, "<u2", 2), _view(data, "<u8", 8), psize,
-                                 root)
-        spans = _spans(data, psize, leaves)
-    except _Unread:
-        return None
-    return spans if len(spans) == entries else None
+def parse_data_file(data: np.ndarray) -> EntrySpans:
+    """The entries of an LMDB data file's bytes (``uint8``: mapped or in memory; the spans
+    index ``data``, which they keep), every page validated (module docstring).
+
+    Raises:
+        LmdbFileError: the bytes are not a file LMDB's compacting copy writes; names the page
+            and the byte.
+    """
+    meta = _meta(data)
+    psize = meta.psize
+    u64 = _view(data, "<u8", 8)
+    u16 = data[:len(data) // 2 * 2].view("<u2")
+    seen = np.zeros(meta.pages, dtype=bool)
+    seen[:2] = True
+    level = np.array([meta.root], dtype=np.int64)
+    branches: list[tuple[_Level, np.ndarray]] = []
+    for depth in range(1, meta.depth + 1):
+        leaf = depth == meta.depth
+        _mark(level, seen, psize, u64, f"level {depth} of the tree")
+        _first_bad(u16[(level * psize + 10) >> 1] != (_P_LEAF if leaf else _P_BRANCH), level,
+                   psize, f"not a {'leaf' if leaf else 'branch'} page, at depth {depth} of "
+                          f"{meta.depth}")
+        lvl = _level(data, level, psize, leaf=leaf)
+        if leaf:
+            break
+        ksize = (lvl.head >> np.uint64(48)).astype(np.int64)
+        inner = np.ones(len(lvl.node), dtype=bool)
+        inner[lvl.first[:-1]] = False
+        bad = np.where(inner, (ksize < 1) | (ksize > MAX_KEY_SIZE), ksize != 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise LmdbFileError(f"page {int(lvl.node[i]) // psize}: a branch node of a "
+                                f"{int(ksize[i])}-byte key (a page's first node has none, the "
+                                f"others 1 to {MAX_KEY_SIZE} bytes)", int(lvl.node[i]))
+        _check_tiled(lvl, (8 + ksize + 1) & ~1, psize)
+        branches.append((lvl, ksize))
+        level = (lvl.head & np.uint64(0xFFFFFFFFFFFF)).astype(np.int64)
+    spans, overflow = _leaves(data, lvl, seen, psize, u64)
+    found = (sum(len(b.pages) for b, _ in branches), len(lvl.pages), overflow, len(spans))
+    if found != (meta.branch, meta.leaf, meta.overflow, meta.entries):
+        raise LmdbFileError(f"the tree holds {found[0]} branch, {found[1]} leaf and {found[2]} "
+                            f"overflow pages and {found[3]} entries; the meta page says "
+                            f"{meta.branch}, {meta.leaf}, {meta.overflow} and {meta.entries}", 0)
+    if not seen.all():
+        p = int(np.argmin(seen))
+        raise LmdbFileError(f"page {p} belongs to no tree page or overflow value", p * psize)
+    _check_order(data, spans, branches, lvl.first, psize)
+    return spans
+
+
+def entry_spans(path: str) -> EntrySpans:
+    """:func:`parse_data_file` of the LMDB data file ``path`` (mapped read-only, so a file
+    larger than memory is paged, as LMDB's own map would be)."""
+    if os.path.getsize(path) < 3 * 512:
+        raise LmdbFileError(f"{os.path.getsize(path)} bytes: shorter than three pages", 0)
+    return parse_data_file(np.memmap(path, dtype=np.uint8, mode="r"))

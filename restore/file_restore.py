@@ -7,16 +7,24 @@ lease, which verified the object crc when it downloaded it, or with one ``get`` 
 here), and its data decompressed in chunks into ``data.mdb`` of a new staging directory beside
 the restored table (same filesystem: the install is a rename). zstd's content checksum and the
 footer's raw size and crc32 are checked while the file is written; a staging directory is named
-``.dstl-stage-<pid>-<random>`` and removed when the restore ends, whatever happens; leftovers of
+``.dstl-stage-<pid>-<random>`` and removed when the restore ends, whatever happens (a disk too
+small for the file is a :class:`~dstl.errors.LocalDiskFullError` before anything is written);
+leftovers of
 dead processes (a restore killed midway) are removed by the next restore in that directory
 (:func:`remove_stale_staging`).
 
 Then one of three ways, chosen by :func:`install_file_snapshots`:
 
+Staging validates the file whole before anything else reads it
+(:func:`materializer.lmdb_files.check_data_file`: every page, the key order, DSTL's key layout
+against the snapshot's metadata), and checks that the reference names only key groups the
+snapshot holds: a forged or damaged file is a :class:`~dstl.errors.CorruptObjectError` naming the
+object and nothing of it reaches LMDB or the table.
+
 1. **install** — LMDB target, one snapshot, its key groups inside the restored range and its
    reference standing for all of them (the restore plan did not restrict it), the same state
-   ids: check the staged environment (layout, key-group bounds) and delete its table marker
-   (:func:`materializer.lmdb_files.check_environment`), then rename it into the table's place
+   ids: delete the staged environment's table marker
+   (:func:`materializer.lmdb_files.remove_marker`), then rename it into the table's place
    (:meth:`~materializer.backend.ChangelogKeyedStateBackend.replace_table`). No per-entry work.
 2. **range copy** — LMDB target, several snapshots or only part of one (rescaling), or state ids
    that differ: build a new environment from the key groups each staged file is loaded for
@@ -45,7 +53,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dstl.errors import CorruptObjectError, DstlError, LocalDiskFullError, StateError
+from dstl.errors import (
+    DECODER_BUGS,
+    CorruptObjectError,
+    DstlError,
+    LocalDiskFullError,
+    StateError,
+    placed,
+)
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
 from dstl.stores.local import pid_alive
@@ -62,24 +77,28 @@ from materializer.file_snapshot import (
 from materializer.handles import SnapshotRef
 from materializer.lmdb_files import (
     RangeSource,
+    ValidFile,
     build_environment,
-    check_environment,
+    check_data_file,
     iter_key_groups,
+    remove_marker,
 )
 
-__all__ = ["STAGE_PREFIX", "StagedSnapshot", "install_file_snapshots", "is_file_snapshot",
-           "remove_stale_staging", "stage_file_snapshot"]
+__all__ = ["STAGE_PREFIX", "StagedSnapshot", "check_reference", "install_file_snapshots", "is_file_snapshot",
+           "remove_stale_staging", "stage_file_snapshot", "validate_file_snapshot"]
 
 STAGE_PREFIX = ".dstl-stage-"
 
 
 @dataclass(frozen=True, slots=True)
 class StagedSnapshot:
-    """A v2 snapshot decompressed into a staging directory (``directory/data.mdb``)."""
+    """A v2 snapshot decompressed into a staging directory (``directory/data.mdb``) and
+    validated (``valid``: its entries, the file mapped)."""
 
     ref: SnapshotRef
     layout: FileSnapshotLayout
     directory: str
+    valid: ValidFile
 
 
 def is_file_snapshot(head: bytes) -> bool:
@@ -110,7 +129,8 @@ def new_staging_directory(parent: str) -> str:
 
 def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, *,
                         verified: bool) -> StagedSnapshot:
-    """Decompress the v2 object ``ref`` into a new staging directory in ``parent``.
+    """Decompress the v2 object ``ref`` into a new staging directory in ``parent`` and validate
+    it whole (the module docstring).
 
     Args:
         ref: the snapshot.
@@ -120,22 +140,60 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
 
     Raises:
         CorruptObjectError (and subclasses): naming ``ref.key``; nothing is left behind.
+        LocalDiskFullError: ``parent``'s disk cannot hold the file.
     """
     layout = (read_file_snapshot_layout(read, size, key=ref.key) if verified
               else verify_file_snapshot(read, size, key=ref.key))
+    check_reference(ref, layout)
+    held = layout.meta.key_groups
     try:
         directory = new_staging_directory(parent)
+        free = shutil.disk_usage(directory).free
+        if free < layout.raw_size:
+            raise OSError(errno.ENOSPC, f"{layout.raw_size} bytes needed, {free} free")
     except OSError as exc:
         raise _local_error(exc, parent, ref.key) from exc
     try:
-        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=ref.key)
+        path = os.path.join(directory, "data.mdb")
+        decompress_file_snapshot(read, layout, path, key=ref.key)
+        valid = check_data_file(path, held, map(int, layout.meta.states), key=ref.key,
+                                offset=layout.data_offset)
     except OSError as exc:
         shutil.rmtree(directory, ignore_errors=True)
         raise _local_error(exc, directory, ref.key) from exc
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
-    return StagedSnapshot(ref, layout, directory)
+    return StagedSnapshot(ref, layout, directory, valid)
+
+
+def check_reference(ref: SnapshotRef, layout: FileSnapshotLayout) -> None:
+    """The reference stands only for key groups the snapshot holds (a reference wider than
+    the file would read the rest as empty state).
+
+    Raises:
+        CorruptObjectError: naming the object.
+    """
+    held = layout.meta.key_groups
+    if ref.key_groups.intersection(held) != ref.key_groups:
+        raise CorruptObjectError(ref.key, 0, f"the checkpoint's reference stands for key groups "
+                                             f"{ref.key_groups}, the snapshot holds {held}")
+
+
+def validate_file_snapshot(read: ReadAt, size: int, *, key: str) -> StagedSnapshot:
+    """Check a v2 object as a restore would — every stored byte, the zstd data, the LMDB file
+    whole — in a temporary directory removed before returning (``dstl verify``,
+    ``dstl inspect``); the result's ``directory`` no longer exists.
+
+    Raises:
+        CorruptObjectError (and subclasses): naming ``key``.
+        LocalDiskFullError: the temporary directory's disk cannot hold the file.
+    """
+    layout = read_file_snapshot_layout(read, size, key=key)
+    ref = SnapshotRef(key, size, layout.meta.key_groups, layout.meta.materialization_id)
+    staged = stage_file_snapshot(ref, read, size, tempfile.gettempdir(), verified=False)
+    shutil.rmtree(staged.directory, ignore_errors=True)
+    return staged
 
 
 def _local_error(exc: OSError, path: str, key: str) -> DstlError:
@@ -184,13 +242,11 @@ def install_file_snapshots(backend: ChangelogKeyedStateBackend, staged: Sequence
     parent = os.path.dirname(backend.tables.path)
     if len(staged) == 1 and _installable(staged[0], remaps[0], key_groups):
         s = staged[0]
-        entries = check_environment(s.directory, s.layout.meta.key_groups, key=s.ref.key)
+        remove_marker(s.directory, key=s.ref.key)
         backend.replace_table(s.directory)
-        return entries
+        return s.valid.entries
     sources = [RangeSource(s.directory, s.ref.key, _share(s, key_groups), r)
                for s, r in zip(staged, remaps)]
-    for s in staged:   # bounds and layout of every source before copying
-        check_environment(s.directory, s.layout.meta.key_groups, key=s.ref.key)
     target = os.path.join(new_staging_directory(parent), "env")
     try:
         entries = build_environment(target, [s for s in sources if len(s.key_groups)])
@@ -229,7 +285,11 @@ def _load_entries(backend: ChangelogKeyedStateBackend, s: StagedSnapshot, remap:
             raise CorruptObjectError(s.ref.key, 0, f"the data file holds state ids "
                                                    f"{sorted(unknown)} in key group {kg}, which "
                                                    "its metadata does not describe")
-        n += backend.load_snapshot_entries(kg, entries, remap)
+        try:
+            n += backend.load_snapshot_entries(kg, entries, remap)
+        except (DstlError, *DECODER_BUGS) as exc:
+            raise placed(exc, s.ref.key, s.layout.data_offset, f"key group {kg} of the LMDB data "
+                                                                "file") from exc
     return n
 
 

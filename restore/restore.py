@@ -49,7 +49,6 @@ import contextlib
 import logging
 import os
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -63,12 +62,12 @@ from dstl.checks import (
     check_str,
 )
 from dstl.errors import (
+    DECODER_BUGS,
     ConfigTypeError,
     CorruptObjectError,
     DstlError,
     ObjectNotFoundError,
-    StorageError,
-    located,
+    placed,
 )
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
@@ -321,24 +320,6 @@ class _CacheRangeSource:
         self._lease.release()
 
 
-#: Builtin exceptions a decoder bug could let escape on crafted input; the restore turns them
-#: into CorruptObjectError naming the object (their cause chained), never lets them through.
-_DECODER_BUGS = (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError,
-                 RecursionError, MemoryError, OverflowError, UnicodeError, struct.error)
-
-
-def _placed(exc: BaseException, key: str, offset: int, context: str) -> DstlError:
-    """``exc`` (raised while decoding or applying part of object ``key``) as a DSTL error that
-    names the object and the offset."""
-    if isinstance(exc, DstlError):
-        if isinstance(exc, StorageError):
-            return exc  # the environment, not the object: it names its own key
-        return located(exc, key, offset, context)
-    return CorruptObjectError(key, offset, f"{context}: {type(exc).__name__}: {exc!s:.300}",
-                              hint="the object is damaged or crafted, or a decoder has a bug "
-                                   "(see the chained cause); restore from an earlier checkpoint")
-
-
 class _StoreSource(BlobRangeSource):
     """A snapshot's bytes by ranged reads of the store (v1 reads only the blocks it needs)."""
 
@@ -408,8 +389,8 @@ def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, source
     for kg, offset, block in reader.read_located(key_groups.intersection(reader.key_groups)):
         try:
             entries += backend.load_snapshot_entries(kg, block, remap)
-        except (DstlError, *_DECODER_BUGS) as exc:
-            raise _placed(exc, ref.key, offset, f"block of key group {kg}") from exc
+        except (DstlError, *DECODER_BUGS) as exc:
+            raise placed(exc, ref.key, offset, f"block of key group {kg}") from exc
     return entries
 
 
@@ -422,8 +403,8 @@ def _register_snapshot_states(backend: ChangelogKeyedStateBackend, reader: Snaps
     for sid, meta in states.items():
         try:
             remap[sid] = backend.register_restored_state(meta, sid, allow_pickle=allow_pickle)
-        except (DstlError, *_DECODER_BUGS) as exc:
-            raise _placed(exc, key, offset, f"snapshot metadata of state {sid}") from exc
+        except (DstlError, *DECODER_BUGS) as exc:
+            raise placed(exc, key, offset, f"snapshot metadata of state {sid}") from exc
     return remap
 
 
@@ -463,8 +444,8 @@ def _replay(backend: ChangelogKeyedStateBackend, logs: Sequence[ChangelogHandle]
                     if loader is not None:
                         loader.step(len(body))
                     changes += replayer.apply(body, blocks, ref.key, ref.offset)
-                except (DstlError, *_DECODER_BUGS) as exc:
-                    raise _placed(exc, ref.key, ref.offset,
+                except (DstlError, *DECODER_BUGS) as exc:
+                    raise placed(exc, ref.key, ref.offset,
                                   f"key group {replayer.key_group} of change set "
                                   f"({h.log_id!r}, sqn {ref.sqn})") from exc
             sets += len(h)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 
 from dstl.checkpoint.manifest import decode_manifest
 from dstl.cli.checkpoints import detail
@@ -23,10 +21,8 @@ from dstl.envelope import HEADER_SIZE
 from dstl.errors import ConfigError
 from dstl.reader import identify_object, open_read_only
 from dstl.segment import decode_segment
-from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
-from materializer.lmdb_files import check_environment
 from materializer.snapshot_format import decode_snapshot
-from restore.file_restore import is_file_snapshot
+from restore.file_restore import is_file_snapshot, validate_file_snapshot
 
 __all__ = ["run"]
 
@@ -77,17 +73,11 @@ def _segment(data: bytes, name: str) -> None:
 
 
 def _file_snapshot(data: bytes, name: str) -> None:
-    """A v2 (file-level) snapshot: verified whole (object crc, then the data's zstd checksum and
-    size by decompressing it, then the LMDB layout); its metadata."""
+    """A v2 (file-level) snapshot: verified whole as a restore stages it (object crc, the data's
+    zstd checksum and size, the LMDB file validated page by page); its metadata."""
     view = memoryview(data)
-    read = lambda off, n: bytes(view[off:off + n])  # noqa: E731
-    layout = verify_file_snapshot(read, len(data), key=name)
-    directory = tempfile.mkdtemp(prefix="dstl-inspect-")
-    try:
-        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=name)
-        entries = check_environment(directory, layout.meta.key_groups, key=name)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    staged = validate_file_snapshot(lambda off, n: bytes(view[off:off + n]), len(data), key=name)
+    layout, entries = staged.layout, staged.valid.entries
     m = layout.meta
     print(f"{name}: snapshot v2 (LMDB file), {len(data)} bytes ({layout.raw_size} raw), key "
           f"groups {m.key_groups.start}..{m.key_groups.end}, {entries} entries, checksums OK")

@@ -10,10 +10,9 @@ log follows a snapshot) — with per-row Python only where a value needs it:
 
 - **Runs.** Entries arrive as :class:`Run`\\ s: entries of one state as Arrow arrays (key group,
   key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file (decompressed into
-  memory up to :data:`_IN_MEMORY_BYTES`, else into a staged file) is located by parsing its
-  pages with numpy (:func:`materializer.lmdb_pages.entry_spans`: no Python object per entry;
-  LMDB's cursors, :func:`materializer.lmdb_files.iter_raw_chunks`, list a file the parse does
-  not read) and its raw keys (``>HHI`` prefix: key group, state id, key length, read as one
+  memory up to :data:`_IN_MEMORY_BYTES`, else into a staged file) is validated whole and
+  located by parsing its pages with numpy (:func:`materializer.lmdb_files.check_data_file`: no
+  Python object per entry) and its raw keys (``>HHI`` prefix: key group, state id, key length, read as one
   big-endian word per entry; then key and namespace) are split with numpy, up to a million
   entries a run. Slices of one width (the usual keys and values) are gathered as one item each
   from a view of the file as overlapping ``width``-byte void items: one copy of the key and
@@ -97,12 +96,12 @@ from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
-from materializer.file_snapshot import decompress_file_snapshot, decompress_file_snapshot_into
+from materializer.file_snapshot import decompress_file_snapshot_into
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
-from materializer.lmdb_files import iter_raw_chunks
-from materializer.lmdb_pages import EntrySpans, entry_spans, entry_spans_in
+from materializer.lmdb_files import check_data_file
+from materializer.lmdb_pages import EntrySpans
 from materializer.replay import uniform_block
-from restore.file_restore import is_file_snapshot
+from restore.file_restore import check_reference, is_file_snapshot, stage_file_snapshot
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader
 from restore.restore import plan_restore
@@ -532,14 +531,6 @@ def _split_states(states: dict[int, StateInfo], sids: np.ndarray, kg: pa.Array, 
             yield Run(info, kg.filter(m), kb.filter(m), nb.filter(m), vb.filter(m))
 
 
-def _raw_runs(states: dict[int, StateInfo], raw_keys: list[bytes], values: list[bytes],
-              key: str) -> Iterator[Run]:
-    """Runs of a chunk of a v2 file's entries listed by cursors: raw keys split column-wise."""
-    offsets, data = _buffers(pa.array(raw_keys, type=pa.binary()))
-    yield from _prefixed_runs(states, data, offsets[:-1], np.diff(offsets),
-                              pa.array(values, type=pa.binary()), key)
-
-
 def _check_prefix(lengths: np.ndarray, key: str) -> None:
     if (lengths < _PREFIX).any():
         raise CorruptObjectError(key, 0, "a key of the data file is shorter than its prefix")
@@ -599,30 +590,25 @@ def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarr
 
 def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupRange,
                key: str) -> Iterator[Run]:
-    """Runs of the entries in ``owned`` of a v2 file located by its pages
-    (:func:`materializer.lmdb_pages.entry_spans`): up to a million entries a piece
+    """Runs of the entries in ``owned`` of a validated v2 file located by its pages
+    (:func:`materializer.lmdb_files.check_data_file`): up to a million entries a piece
     (:func:`_pieces`), so the log overlay probes a file in few calls (:meth:`_Overlay.through`
-    builds the log keys' hash set per call), not once per 64 k chunk. Every key of the file is
-    at least 4 bytes (checked by the caller), so the entries the cursors would list — raw keys
-    from ``>HH`` (start, 0) up to (end + 1, 0) — are those whose key group is in ``owned``. In
-    LMDB's key order (checked: the key groups never descend) they are one range, which is cut
-    as views of the spans when it fits one piece."""
+    builds the log keys' hash set per call), not once per 64 k chunk. The file's keys are in
+    key order and each data key has DSTL's prefix (validated), so the entries of ``owned`` are
+    one range of the key groups in their first two bytes, cut as views of the spans when it fits
+    one piece."""
     data, starts = spans.data, spans.key_start
     if not len(starts):
         return
     kgs = (spans.key_head >> np.uint64(48)).astype(np.int64)  # a key's first two bytes
+    lo = int(np.searchsorted(kgs, owned.start, side="left"))
+    hi = int(np.searchsorted(kgs, owned.end, side="right"))
     pieces: Iterable[Any]
-    if (kgs[1:] >= kgs[:-1]).all():  # key order (LMDB's): the owned entries are one range
-        lo = int(np.searchsorted(kgs, owned.start, side="left"))
-        hi = int(np.searchsorted(kgs, owned.end, side="right"))
-        if hi - lo <= _RUN and int(spans.key_size[lo:hi].sum()) <= _RUN_BYTES \
-                and int(spans.value_size[lo:hi].sum()) <= _RUN_BYTES:
-            pieces = [slice(lo, hi)] if hi > lo else []  # one piece: views, not copies
-        else:
-            pieces = _pieces(np.arange(lo, hi), spans.key_size, spans.value_size)
+    if hi - lo <= _RUN and int(spans.key_size[lo:hi].sum()) <= _RUN_BYTES \
+            and int(spans.value_size[lo:hi].sum()) <= _RUN_BYTES:
+        pieces = [slice(lo, hi)] if hi > lo else []  # one piece: views, not copies
     else:
-        pieces = _pieces(np.flatnonzero((kgs >= owned.start) & (kgs <= owned.end)),
-                         spans.key_size, spans.value_size)
+        pieces = _pieces(np.arange(lo, hi), spans.key_size, spans.value_size)
     for sel in pieces:
         at, ksize, vsize = starts[sel], spans.key_size[sel], spans.value_size[sel]
         if len(at) and (ksize == ksize[0]).all() and (vsize == vsize[0]).all() \
@@ -655,41 +641,26 @@ def _pieces(at: np.ndarray, key_size: np.ndarray, value_size: np.ndarray) -> Ite
 def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,
                cache: LeasingCache | None) -> Iterator[Run]:
     """A v2 snapshot's entries in ``wanted`` (opened as for :func:`dstl.reader.image.
-    stream_snapshots`, through ``cache`` when given), located by parsing the file's pages, or
-    listed chunk by chunk by LMDB's cursors when the parse does not read the file. A file of up
-    to :data:`_IN_MEMORY_BYTES` is decompressed into memory and parsed there (it is written to
-    a staged file only for the cursors); a larger one into a staged file, parsed mapped."""
+    stream_snapshots`, through ``cache`` when given), located by parsing the file's pages,
+    which validates it whole as a restore does (:func:`materializer.lmdb_files.
+    check_data_file`). A file of up to :data:`_IN_MEMORY_BYTES` is decompressed into memory and
+    parsed there; a larger one is staged as a restore stages it
+    (:func:`restore.file_restore.stage_file_snapshot`) and parsed mapped."""
     with opened_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened, \
-            contextlib.ExitStack() as staged:
+            contextlib.ExitStack() as stack:
         if opened is None:
             return
         read, layout, owned, states = opened
-        path = data = None
         if layout.raw_size <= _IN_MEMORY_BYTES:
+            check_reference(ref, layout)
             data = np.empty(layout.raw_size, dtype=np.uint8)
             decompress_file_snapshot_into(read, layout, data, key=ref.key)
-            spans = entry_spans_in(data)
+            valid = check_data_file(data, layout.meta.key_groups, map(int, layout.meta.states),
+                                    key=ref.key, offset=layout.data_offset)
         else:
-            path = staged.enter_context(staged_file())
-            decompress_file_snapshot(read, layout, path, key=ref.key)
-            spans = entry_spans(path)
-        if spans is not None and not (spans.key_size < 4).any():
-            yield from _span_runs(states, spans, owned, ref.key)
-            return
-        if path is None:  # the cursors read a file
-            path = staged.enter_context(staged_file())
-            assert data is not None
-            data.tofile(path)
-        del data, spans
-        yield from _cursor_runs(states, path, owned, ref.key)
-
-
-def _cursor_runs(states: dict[int, StateInfo], path: str, owned: KeyGroupRange, key: str
-                 ) -> Iterator[Run]:
-    """Runs of the entries in ``owned`` of the LMDB data file ``path``, listed chunk by chunk by
-    LMDB's cursors."""
-    for raw_keys, values in iter_raw_chunks(os.path.dirname(path), owned, key=key, rows=_CHUNK):
-        yield from _raw_runs(states, raw_keys, values, key)
+            parent = os.path.dirname(stack.enter_context(staged_file()))
+            valid = stage_file_snapshot(ref, read, layout.size, parent, verified=True).valid
+        yield from _span_runs(states, valid.spans, owned, ref.key)
 
 
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,

@@ -59,7 +59,6 @@ from materializer.changes import (
 from materializer.codecs import codec_by_name
 from materializer.file_snapshot import (
     FileSnapshotLayout,
-    decompress_file_snapshot,
     read_file_snapshot_layout,
     verify_file_snapshot,
 )
@@ -68,7 +67,7 @@ from materializer.lmdb_files import iter_key_groups
 from materializer.local_dirs import OwnDirectory, executor_local_dir
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
-from restore.file_restore import is_file_snapshot, read_at
+from restore.file_restore import StagedSnapshot, is_file_snapshot, read_at, stage_file_snapshot
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
 
@@ -239,21 +238,21 @@ def staged_file(prefix: str = READER_SNAPSHOT_PREFIX) -> Iterator[str]:
 @contextlib.contextmanager
 def decompressed_file_snapshot(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
                                allow_pickle: bool, cache: LeasingCache | None
-                               ) -> Iterator[tuple[str, KeyGroupRange, dict[int, StateInfo]]
-                                             | None]:
+                               ) -> Iterator[tuple[StagedSnapshot, KeyGroupRange,
+                                                   dict[int, StateInfo]] | None]:
     """A v2 (file-level) snapshot opened for reading the key groups in ``wanted``
-    (:func:`opened_file_snapshot`), its LMDB file decompressed into a temporary directory
-    (:func:`staged_file`; the data's zstd checksum and size are checked while decompressing),
-    removed on exit. Yields ``(directory, owned key groups, states by id)``, or None when the
-    snapshot holds none of ``wanted`` (nothing is decompressed then)."""
+    (:func:`opened_file_snapshot`), its LMDB file decompressed into a temporary directory and
+    validated whole as a restore stages it (:func:`restore.file_restore.stage_file_snapshot`),
+    removed on exit. Yields ``(staged snapshot, owned key groups, states by id)``, or None when
+    the snapshot holds none of ``wanted`` (nothing is decompressed then)."""
     with opened_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
         if opened is None:
             yield None
             return
         read, layout, owned, states = opened
         with staged_file() as path:
-            decompress_file_snapshot(read, layout, path, key=ref.key)
-            yield os.path.dirname(path), owned, states
+            yield (stage_file_snapshot(ref, read, layout.size, os.path.dirname(path),
+                                       verified=True), owned, states)
 
 
 def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange,
@@ -265,8 +264,8 @@ def _file_snapshot_entries(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupR
     with decompressed_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened:
         if opened is None:
             return
-        directory, owned, states = opened
-        for kg, entries in iter_key_groups(directory, owned, key=ref.key):
+        staged, owned, states = opened
+        for kg, entries in iter_key_groups(staged.directory, owned, key=ref.key):
             for sid, kb, nb, vb in entries:
                 info = states.get(sid)
                 if info is None:

@@ -7,8 +7,10 @@ and canonical form), each task's state is parsed as a backend handle, and then e
 handles name is fetched whole and verified by its own decoder — a segment with
 :func:`~dstl.segment.decode_segment` (object CRC, every record's CRC and zstd checksum), a
 snapshot with :func:`~materializer.snapshot_format.decode_snapshot` (object CRC, index, every
-block), a v2 (file-level) snapshot with ``verify_file_snapshot`` and a decompression into a
-temporary directory (zstd checksum and size) and ``check_environment`` (LMDB layout, bounds). On top of the checksums, the references must agree with the objects: every change set a
+block), a v2 (file-level) snapshot as a restore stages it
+(:func:`~restore.file_restore.validate_file_snapshot`: object crc, zstd checksum and size, the
+LMDB file validated whole), so ``verify`` fails exactly where a restore would on the stored bytes.
+On top of the checksums, the references must agree with the objects: every change set a
 handle names is a record of its segment with the same offset, length, writer and sqn; every
 snapshot has the size the handle recorded and covers the key groups it claims; and every object
 a handle needs is in the task's ``referenced_keys`` (what retention keeps — an object missing
@@ -21,9 +23,6 @@ verified in key order, and ``progress(done, total, bytes)`` is called after each
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,11 +35,9 @@ from dstl.keygroups import KeyGroupRange
 from dstl.reader.catalog import CheckpointCatalog, task_states
 from dstl.reader.checks import check_checkpoint_id
 from dstl.segment import decode_segment
-from materializer.file_snapshot import decompress_file_snapshot, verify_file_snapshot
 from materializer.handles import SnapshotRef
-from materializer.lmdb_files import check_environment
 from materializer.snapshot_format import decode_snapshot
-from restore.file_restore import is_file_snapshot
+from restore.file_restore import is_file_snapshot, validate_file_snapshot
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "verify_checkpoint"]
 
@@ -173,16 +170,10 @@ def _check_snapshot(data: bytes, key: str, refs: list[SnapshotRef]) -> None:
 
 
 def _file_snapshot_covers(data: bytes, key: str) -> KeyGroupRange:
-    """Verify a v2 (file-level) snapshot whole — object crc and structure, then the data's zstd
-    checksum and size by decompressing it into a temporary directory, then the LMDB file's
-    layout and key-group bounds — and return the key groups it covers."""
+    """Verify a v2 (file-level) snapshot whole, as a restore checks it
+    (:func:`restore.file_restore.validate_file_snapshot`: object crc and structure, the data's
+    zstd checksum and size, the LMDB file's every page and key), and return the key groups it
+    covers."""
     view = memoryview(data)
-    read = lambda off, n: bytes(view[off:off + n])  # noqa: E731
-    layout = verify_file_snapshot(read, len(data), key=key)
-    directory = tempfile.mkdtemp(prefix="dstl-verify-")
-    try:
-        decompress_file_snapshot(read, layout, os.path.join(directory, "data.mdb"), key=key)
-        check_environment(directory, layout.meta.key_groups, key=key)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    return layout.meta.key_groups
+    staged = validate_file_snapshot(lambda off, n: bytes(view[off:off + n]), len(data), key=key)
+    return staged.layout.meta.key_groups

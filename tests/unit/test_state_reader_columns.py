@@ -69,31 +69,28 @@ def _same(catalog: CheckpointCatalog, cid: int | None, **kw: Any) -> list[Any]:
     return cols
 
 
-@pytest.fixture(params=["pages", "cursors", "pages in small pieces", "pages of a staged file",
-                        "cursors of a staged file"])
+@pytest.fixture(params=["pages", "pages in small pieces", "pages of a staged file"])
 def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             ) -> tuple[str, list[int]]:
-    """How v2 files are listed: by their pages (the default; also cut into runs of a few
-    entries and bytes, and batches of a few rows) or, when the page parse does not read a file,
-    by LMDB's cursors; each decompressed into memory (the default) or, when larger than
-    ``_IN_MEMORY_BYTES``, into a staged file; the counts of files read each way (pages,
-    cursors)."""
+    """How v2 files are listed: by their pages (also cut into runs of a few entries and bytes,
+    and batches of a few rows), each decompressed into memory (the default) or, when larger
+    than ``_IN_MEMORY_BYTES``, into a staged file; the counts of files read each way (in
+    memory, staged)."""
     from dstl.reader import columns
-    from materializer.lmdb_pages import entry_spans, entry_spans_in
 
     counts = [0, 0]
     mode = request.param
 
-    def parsed(parse: Any, staged: bool) -> Any:
-        def spans(source: Any) -> Any:
+    def counted(fn: Any, staged: bool) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             assert staged == mode.endswith("staged file"), "decompressed the other way"
-            got = None if mode.startswith("cursors") else parse(source)
-            counts[got is None] += 1
-            return got
-        return spans
+            counts[staged] += 1
+            return fn(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(columns, "entry_spans", parsed(entry_spans, True))
-    monkeypatch.setattr(columns, "entry_spans_in", parsed(entry_spans_in, False))
+    monkeypatch.setattr(columns, "check_data_file", counted(columns.check_data_file, False))
+    monkeypatch.setattr(columns, "stage_file_snapshot",
+                        counted(columns.stage_file_snapshot, True))
     if mode.endswith("staged file"):
         monkeypatch.setattr(columns, "_IN_MEMORY_BYTES", 0)
     if mode == "pages in small pieces":
@@ -104,10 +101,10 @@ def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def _listed(listing: tuple[str, list[int]]) -> None:
-    """Every v2 file was listed the way the fixture says (the page parse reads DSTL's files)."""
-    mode, (pages, cursors) = listing
-    assert (pages == 0 and cursors > 0) if mode.startswith("cursors") \
-        else (pages > 0 and cursors == 0)
+    """Every v2 file was read the way the fixture says."""
+    mode, (in_memory, staged) = listing
+    assert (in_memory == 0 and staged > 0) if mode.endswith("staged file") \
+        else (in_memory > 0 and staged == 0)
 
 
 # --------------------------------------------------------------------------- the model job
@@ -517,17 +514,6 @@ def test_a_damaged_value_fails_as_in_the_row_path() -> None:
         with pytest.raises(CorruptObjectError) as row_exc:
             info.shape.from_bytes(bad)
         assert str(exc.value) == str(row_exc.value)
-
-
-def test_a_snapshot_entry_of_an_unknown_state_id_is_corrupt() -> None:
-    from dstl.reader.columns import _raw_runs
-
-    with pytest.raises(CorruptObjectError, match="state id 9"):
-        list(_raw_runs({}, [b"\x00\x01\x00\x09\x00\x00\x00\x01k"], [b"v"], "snap"))
-    with pytest.raises(CorruptObjectError, match="shorter than its key length"):
-        list(_raw_runs({}, [b"\x00\x01\x00\x09\x00\x00\x00\x05k"], [b"v"], "snap"))
-    with pytest.raises(CorruptObjectError, match="shorter than its prefix"):
-        list(_raw_runs({}, [b"\x00\x01"], [b"v"], "snap"))
 
 
 def _counts(job: MiniJob, keys: list[str]) -> None:

@@ -799,10 +799,11 @@ def test_a_decompressed_snapshot_lives_in_an_own_directory_that_the_next_read_sw
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with decompressed_file_snapshot(store, ref, ref.key_groups, False, None) as opened:
             assert opened is not None
-            directory = Path(opened[0])
+            staged = Path(opened[0].directory)
+            directory = staged.parent
             assert directory.parent == local
             assert directory.name.startswith(f"{READER_SNAPSHOT_PREFIX}{os.getpid()}-")
-            assert (directory / "data.mdb").stat().st_size > 0
+            assert (staged / "data.mdb").stat().st_size > 0
             assert not stale.exists() and held.exists()
         assert not directory.exists()
     finally:
