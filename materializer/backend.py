@@ -67,6 +67,7 @@ from dstl.errors import (
     ClosedError,
     ConfigError,
     CorruptObjectError,
+    DstlError,
     KeyGroupError,
     StateError,
     TransientStorageError,
@@ -691,10 +692,19 @@ class ChangelogKeyedStateBackend:
         try:
             return shape.from_bytes(v)
         except CorruptObjectError as exc:
-            # An LMDB table holds restored values as stored (undecoded): name the table.
-            raise located(exc, f"{self._tables.path} (LMDB table)", 0,
-                          f"value of state {self._by_id[sid].meta['name']!r}, key "
-                          f"{self._key!r:.80}, key group {self._kg}") from exc
+            raise self._stored_value_error(exc, sid, f"key {self._key!r:.80}, key group "
+                                                    f"{self._kg}") from exc
+
+    def _stored_value_error(self, exc: CorruptObjectError, sid: int, where: str) -> DstlError:
+        """A value of the LMDB table that does not decode (the table holds restored values as
+        stored, undecoded), named by the table and the objects its state came from."""
+        base = self._mat.base
+        origin = [s.key for s in base.snapshots]
+        origin += list(dict.fromkeys(r.key for h in base.restored_log for r in h.change_sets))
+        came = (f"; its state came from {', '.join(origin[:4])}"
+                f"{f' and {len(origin) - 4} more' if len(origin) > 4 else ''}" if origin else "")
+        return located(exc, f"{self._tables.path} (LMDB table{came})", 0,
+                       f"value of state {self._by_id[sid].meta['name']!r}, {where}")
 
     def read_state_raw(self, sid: int) -> Any:
         """The table's stored form (LMDB: bytes) without decoding."""
@@ -1223,11 +1233,17 @@ class ChangelogKeyedStateBackend:
 
     def decode_entry(self, sid: int, key: bytes, ns: bytes, value: bytes
                      ) -> tuple[Any, Any, Any]:
-        """Inverse of the snapshot encoder for the heap table (used by restore)."""
+        """Inverse of the snapshot encoder (a heap restore's, and a reader's of an LMDB
+        table's stored entries)."""
         if sid in self._raw:
             return key, ns, value
-        return (self._key_codec.decode(key), self._ns_codec.decode(ns),
-                self._by_id[sid].shape.from_bytes(value))
+        try:
+            return (self._key_codec.decode(key), self._ns_codec.decode(ns),
+                    self._by_id[sid].shape.from_bytes(value))
+        except CorruptObjectError as exc:
+            if self._heap:
+                raise   # a restore's input: it names the object
+            raise self._stored_value_error(exc, sid, f"stored key {key[:40]!r}") from exc
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -9,12 +9,13 @@ file. The file came from a store: nothing hands it to LMDB, or reads it, before
 :func:`check_data_file` validated it whole — every page as LMDB's compacting copy writes it
 (:func:`materializer.lmdb_pages.parse_data_file`: bounds, page kinds, no cycle, keys in order,
 branch keys that separate their subtrees, overflow runs, counts), then DSTL's key layout: every
-key a data key of a key group of the snapshot's range and of a state its metadata describes,
-with a key length that fits, or one of the two reserved records, the layout record present and
-of this layout version. What it accepts, LMDB reads and writes safely, and every path (restore
-into LMDB or the heap, range copy, the readers, ``dstl verify`` and ``dstl inspect``) sees the
-same entries; what it refuses is a :class:`~dstl.errors.CorruptObjectError` naming the object,
-the page and the entry.
+key a data key of a key group of the snapshot's range — the key group its key's bytes hash to,
+as every lookup computes it (internal raw states excepted) — and of a state its metadata
+describes, with a key length that fits, or one of the two reserved records, the layout record
+present and of this layout version. What it accepts, LMDB reads and writes safely, and every
+path (restore into LMDB or the heap, range copy, the readers, ``dstl verify`` and
+``dstl inspect``) sees the same entries; what it refuses is a
+:class:`~dstl.errors.CorruptObjectError` naming the object, the page and the entry.
 
 Then:
 
@@ -40,15 +41,16 @@ Nothing here opens a table: the callers rename a checked environment into place 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from dstl.errors import CorruptObjectError, StateError
-from dstl.keygroups import KeyGroupRange
+from dstl.errors import CorruptObjectError, LocalDiskFullError, StateError
+from dstl.keygroups import KeyGroupRange, key_groups_for
+from materializer.file_snapshot import FileSnapshotMeta
 from materializer.lmdb_pages import EntrySpans, LmdbFileError, entry_spans, parse_data_file
 from materializer.lmdb_table import KEY_PREFIX, KG_SID, LAYOUT_KEY, LAYOUT_VERSION, MARKER_KEY
 from materializer.snapshot_format import SnapshotEntry
@@ -90,11 +92,10 @@ class ValidFile:
     entries: int
 
 
-def check_data_file(data: np.ndarray | str, key_groups: KeyGroupRange, state_ids: Iterable[int],
-                    *, key: str, offset: int) -> ValidFile:
+def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str, offset: int
+                    ) -> ValidFile:
     """Validate a v2 snapshot's LMDB data file whole — its bytes in memory, or the file at a
-    path (mapped read-only) — by the module docstring's rules, against the snapshot's metadata
-    (``key_groups``, ``state_ids``).
+    path (mapped read-only) — by the module docstring's rules, against the snapshot's metadata.
 
     Args:
         key, offset: the snapshot object and the offset of its data, for errors.
@@ -114,19 +115,32 @@ def check_data_file(data: np.ndarray | str, key_groups: KeyGroupRange, state_ids
     data_keys = kg != 0xFFFF
     sid = ((head >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64)
     length = (head & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    kgs = meta.key_groups
     short = spans.key_size < KEY_PREFIX.size
-    outside = (kg < key_groups.start) | (kg > key_groups.end)
-    unknown = ~np.isin(sid, np.fromiter(state_ids, np.int64))
+    outside = (kg < kgs.start) | (kg > kgs.end)
+    unknown = ~np.isin(sid, np.fromiter(map(int, meta.states), np.int64))
     overlong = KEY_PREFIX.size + length > spans.key_size
     bad = data_keys & (short | outside | unknown | overlong)
+    if not bad.any():   # the key group is the hash of the key's bytes (lookups compute it),
+        #                   except in internal raw states (indexes keyed by other bytes)
+        raw = [int(i) for i, m in meta.states.items() if m.get("raw") is True]
+        at = np.flatnonzero(data_keys & ~np.isin(sid, np.array(raw, dtype=np.int64)))
+        hashed = np.zeros(len(kg), dtype=np.int64)
+        hashed[at] = key_groups_for(spans.data, spans.key_start[at] + KEY_PREFIX.size,
+                                    length[at], meta.max_parallelism)
+        bad = np.zeros(len(kg), dtype=bool)
+        bad[at] = hashed[at] != kg[at]
     if bad.any():
         i = int(np.argmax(bad))
         why = ("is shorter than DSTL's 8-byte key prefix" if short[i]
-               else f"is in key group {kg[i]}, outside key groups {key_groups} of the snapshot"
+               else f"is in key group {kg[i]}, outside key groups {kgs} of the snapshot"
                if outside[i]
                else f"is of state id {sid[i]}, which the snapshot's metadata does not describe"
                if unknown[i]
-               else f"says its key is {length[i]} bytes, longer than the entry's key")
+               else f"says its key is {length[i]} bytes, longer than the entry's key"
+               if overlong[i]
+               else f"is stored in key group {kg[i]}, but its key hashes to key group "
+                    f"{int(hashed[i])} of {meta.max_parallelism} (a lookup would not find it)")
         raise CorruptObjectError(key, offset, f"entry {i} of the LMDB data file (byte "
                                               f"{int(spans.key_start[i])}), key "
                                               f"{_bytes(spans, i)[:40]!r}, {why}")
@@ -232,8 +246,19 @@ def build_environment(target: str, sources: Sequence[RangeSource]) -> int:
 
     Raises:
         CorruptObjectError: a source is not a readable LMDB file or holds undescribed states.
-        StateError: the sources' ranges overlap.
+        StateError: the sources' ranges overlap, or LMDB failed writing the new environment.
+        LocalDiskFullError: the local disk filled up.
     """
+    try:
+        return _build(target, sources)
+    except lmdb.Error as exc:
+        if isinstance(exc, lmdb.DiskError) or "No space left" in str(exc):
+            raise LocalDiskFullError(f"copying snapshot key groups into {target}: {exc} (free "
+                                     "local disk space)", path=target) from exc
+        raise StateError(f"copying snapshot key groups into {target} failed: {exc}") from exc
+
+
+def _build(target: str, sources: Sequence[RangeSource]) -> int:
     os.makedirs(target)
     size = sum(os.path.getsize(os.path.join(s.directory, "data.mdb")) for s in sources)
     dst_env = lmdb.open(target, map_size=max(size * 2, 64 << 20), subdir=True, sync=False,

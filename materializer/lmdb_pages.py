@@ -67,6 +67,8 @@ _NO_ROOT: Final = (1 << 64) - 1
 MAX_KEY_SIZE: Final = 511
 _MAX_DEPTH: Final = 32
 _MAX_TXNID: Final = 1 << 48
+_WORDS: Final = 3              # a key's first words gathered with its node's header
+_ITEM: Final = 8 + 8 * _WORDS
 #: the k high bytes of a u64 set (k = 0..8)
 _HIGH_BYTES: Final = np.array([((1 << (8 * k)) - 1) << (64 - 8 * k) for k in range(9)],
                               dtype=np.uint64)
@@ -175,6 +177,7 @@ class _Level(NamedTuple):
     node: np.ndarray        # node offsets in the file
     head: np.ndarray        # node header words (u64 little-endian)
     key_head: np.ndarray    # the 8 bytes after each header, big-endian
+    key_words: np.ndarray   # the (n, _WORDS) big-endian words from there on
 
 
 def _level(data: np.ndarray, pages: np.ndarray, psize: int, *, leaf: bool) -> _Level:
@@ -203,19 +206,21 @@ def _level(data: np.ndarray, pages: np.ndarray, psize: int, *, leaf: bool) -> _L
         raise LmdbFileError(f"page {int(ptr[i]) // psize}: node pointer {int(off[i])} is odd or "
                             "outside [upper, page size - 8]", int(ptr[i]))
     node = np.repeat(base, counts) + off
-    # each header with the 8 bytes after it as one 16-byte item (one cache miss, not two); a
-    # node at the very end of the file gets zeros past it
-    items = np.ndarray((len(data) - 15,), dtype=np.dtype((np.void, 16)), buffer=data,
+    # each header with the key's first words as one item (one cache miss, not one per word); a
+    # node near the very end of the file gets zeros past it
+    items = np.ndarray((len(data) - _ITEM + 1,), dtype=np.dtype((np.void, _ITEM)), buffer=data,
                        strides=(1,))
-    end = node + 16 > len(data)
-    raw = items[np.where(end, 0, node)].view(np.uint8).reshape(-1, 16)
+    end = node + _ITEM > len(data)
+    raw = items[np.where(end, 0, node)].view(np.uint8).reshape(-1, _ITEM)
     for i in np.flatnonzero(end).tolist():
         at = int(node[i])
-        raw[i] = np.frombuffer(bytes(data[at:at + 16]).ljust(16, b"\0"), dtype=np.uint8)
+        raw[i] = np.frombuffer(bytes(data[at:at + _ITEM]).ljust(_ITEM, b"\0"), dtype=np.uint8)
     flat = raw.reshape(-1)
-    head = np.ndarray((len(node),), dtype="<u8", buffer=flat, strides=(16,))
-    key_head = np.ndarray((len(node),), dtype=">u8", buffer=flat, offset=8, strides=(16,))
-    return _Level(pages, upper, first, node, head, key_head)
+    head = np.ndarray((len(node),), dtype="<u8", buffer=flat, strides=(_ITEM,))
+    key_words = np.ndarray((len(node), _WORDS), dtype=">u8", buffer=flat, offset=8,
+                           strides=(_ITEM, 8))
+    key_head = key_words[:, 0]
+    return _Level(pages, upper, first, node, head, key_head, key_words)
 
 
 def _check_tiled(lvl: _Level, size: np.ndarray, psize: int) -> None:
@@ -260,17 +265,18 @@ def _mark(level: np.ndarray, seen: np.ndarray, psize: int, u64: np.ndarray, what
 
 def _words(data: np.ndarray, at: np.ndarray, left: np.ndarray) -> np.ndarray:
     """The big-endian word of the (up to) 8 bytes at each ``at`` that belong to a key with
-    ``left`` (>= 1) bytes from there on: bytes past the key are zero."""
+    ``left`` bytes from there on: bytes past the key (all, where ``left <= 0``) are zero."""
     last = len(data) - 8
+    view = _view(data, "<u8", 8)
     if len(at) and int(at.max()) > last:  # a key at the very end of the file
         clipped = np.minimum(at, last)
-        words = _view(data, ">u8", 8)[clipped].astype(np.uint64)
+        words = view[clipped].byteswap()
         words <<= ((at - clipped) * 8).astype(np.uint64)
     else:
-        words = _view(data, ">u8", 8)[at].astype(np.uint64)
+        words = view[at].byteswap()   # gathered native, swapped in place
     short = left < 8
     if short.any():
-        words[short] &= _HIGH_BYTES[left[short]]
+        words[short] &= _HIGH_BYTES[np.maximum(left[short], 0)]
     return np.asarray(words)
 
 
@@ -364,7 +370,7 @@ def _leaves(data: np.ndarray, lvl: _Level, seen: np.ndarray, psize: int, u64: np
     overflow = 0
     if big.any():
         vstart[big], overflow = _overflow(data, u64, seen, psize, vstart[big], size[big])
-    key_head = lvl.key_head
+    key_head = np.ascontiguousarray(lvl.key_head)  # the spans keep it, not the gathered items
     short = ksize < 8
     if short.any():  # keep only a short key's own bytes (its first, the word's high ones)
         key_head = key_head.astype(np.uint64)
@@ -373,8 +379,44 @@ def _leaves(data: np.ndarray, lvl: _Level, seen: np.ndarray, psize: int, u64: np
     return EntrySpans(data, kstart, ksize, vstart, size, key_head), overflow
 
 
-def _check_order(data: np.ndarray, spans: EntrySpans, branches: list[tuple[_Level, np.ndarray]],
-                 leaf_first: np.ndarray, psize: int) -> None:
+def _first_unordered(data: np.ndarray, ks: np.ndarray, kn: np.ndarray, words: np.ndarray
+                     ) -> int:
+    """The first ``i`` whose key ``i + 1`` is not greater than key ``i`` (-1: none), keys
+    ``data[ks:ks + kn]``: :func:`_compare` of neighbours, word by word (big-endian), the first
+    :data:`_WORDS` from ``words`` (gathered with the node headers), each later one read once
+    per key while most pairs are still tied (one gather, not two per pair)."""
+    tied = np.arange(len(ks) - 1)
+    first = len(ks)
+    j = 0
+    while len(tied):
+        left = kn - j
+        if j // 8 < _WORDS:
+            w = _masked(words[:, j // 8], left)
+            wa, wb = w[tied], w[tied + 1]
+        elif 2 * len(tied) > len(ks):
+            w = _words(data, ks + j, left)
+            wa, wb = w[tied], w[tied + 1]
+        else:
+            wa = _words(data, ks[tied] + j, left[tied])
+            wb = _words(data, ks[tied + 1] + j, left[tied + 1])
+        ra, rb = left[tied], left[tied + 1]
+        # decided against: a greater word, or equal words where the first key ends no sooner
+        bad = (wa > wb) | ((wa == wb) & ((ra <= 8) | (rb <= 8)) & (ra >= rb))
+        if bad.any():
+            first = min(first, int(tied[int(np.argmax(bad))]))
+        tied = tied[(wa == wb) & (ra > 8) & (rb > 8)]
+        j += 8
+    return first if first < len(ks) else -1
+
+
+def _masked(words: np.ndarray, left: np.ndarray) -> np.ndarray:
+    """Big-endian ``words`` as ``u64`` with only the first ``left`` (clipped to 0..8) bytes."""
+    return np.asarray(words.astype(np.uint64) & _HIGH_BYTES[np.clip(left, 0, 8)])
+
+
+def _check_order(data: np.ndarray, spans: EntrySpans, leaf_words: np.ndarray,
+                 branches: list[tuple[_Level, np.ndarray]], leaf_first: np.ndarray,
+                 psize: int) -> None:
     """Keys strictly increasing across the leaves, and every branch key between the subtrees
     it separates (``last key on its left < key <= first key on its right``).
 
@@ -382,10 +424,8 @@ def _check_order(data: np.ndarray, spans: EntrySpans, branches: list[tuple[_Leve
     ``leaf_first`` is each leaf page's first entry index."""
     ks, kn = spans.key_start, spans.key_size
     if len(ks) > 1:
-        heads = spans.key_head
-        c = _compare(data, ks[:-1], kn[:-1], ks[1:], kn[1:], (heads[:-1], heads[1:]))
-        if (c >= 0).any():
-            i = int(np.argmax(c >= 0))
+        i = _first_unordered(data, ks, kn, leaf_words)
+        if i >= 0:
             raise LmdbFileError(f"page {int(ks[i + 1]) // psize}: a leaf key is not greater than "
                                 "the key before it (keys out of order or twice)", int(ks[i + 1]))
     below = leaf_first[:-1]   # the first entry under each page of the level below
@@ -449,7 +489,7 @@ def parse_data_file(data: np.ndarray) -> EntrySpans:
     if not seen.all():
         p = int(np.argmin(seen))
         raise LmdbFileError(f"page {p} belongs to no tree page or overflow value", p * psize)
-    _check_order(data, spans, branches, lvl.first, psize)
+    _check_order(data, spans, lvl.key_words, branches, lvl.first, psize)
     return spans
 
 

@@ -145,7 +145,6 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     layout = (read_file_snapshot_layout(read, size, key=ref.key) if verified
               else verify_file_snapshot(read, size, key=ref.key))
     check_reference(ref, layout)
-    held = layout.meta.key_groups
     try:
         directory = new_staging_directory(parent)
         free = shutil.disk_usage(directory).free
@@ -156,8 +155,7 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     try:
         path = os.path.join(directory, "data.mdb")
         decompress_file_snapshot(read, layout, path, key=ref.key)
-        valid = check_data_file(path, held, map(int, layout.meta.states), key=ref.key,
-                                offset=layout.data_offset)
+        valid = check_data_file(path, layout.meta, key=ref.key, offset=layout.data_offset)
     except OSError as exc:
         shutil.rmtree(directory, ignore_errors=True)
         raise _local_error(exc, directory, ref.key) from exc

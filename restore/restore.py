@@ -163,16 +163,26 @@ def restore_backend(handles: Iterable[ChangelogStateBackendHandle | str | bytes]
             with collector_paused(freeze=table == "heap"):
                 _execute(plan, backend, storage, cache, allow_pickle, st, local_directory)
         except DstlError as exc:
-            backend.close()
+            _discard(backend)
             raise _with_checkpoint(exc, plan.checkpoint) from exc
         except BaseException:
-            backend.close()
+            _discard(backend)
             raise
     logger.info("restored backend %s (%s, key groups %s) from checkpoint %s: %d snapshot(s), "
                 "%d entries, %d change sets, %d changes in %.3fs", plan.operator_id, table,
                 key_groups, plan.checkpoint, len(plan.snapshots), st.get("entries", 0),
                 st.get("change_sets", 0), st.get("changes", 0), st["total_seconds"])
     return backend
+
+
+def _discard(backend: ChangelogKeyedStateBackend) -> None:
+    """Close a backend whose restore failed and remove its LMDB table: nothing half-restored
+    stays on the local disk for a later task to open (the restore created the table with
+    ``clear_local``, so it is this restore's)."""
+    path = backend.tables.path if backend.table_kind == "lmdb" else None
+    backend.close()
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_arguments(handles: object, storage: object, key_groups: object, table: object,

@@ -655,8 +655,7 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
             check_reference(ref, layout)
             data = np.empty(layout.raw_size, dtype=np.uint8)
             decompress_file_snapshot_into(read, layout, data, key=ref.key)
-            valid = check_data_file(data, layout.meta.key_groups, map(int, layout.meta.states),
-                                    key=ref.key, offset=layout.data_offset)
+            valid = check_data_file(data, layout.meta, key=ref.key, offset=layout.data_offset)
         else:
             parent = os.path.dirname(stack.enter_context(staged_file()))
             valid = stage_file_snapshot(ref, read, layout.size, parent, verified=True).valid

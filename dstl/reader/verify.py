@@ -26,20 +26,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dstl.checkpoint.manifest import Manifest
 from dstl.checks import check_callable, check_instance
 from dstl.envelope import HEADER_SIZE
-from dstl.errors import CorruptObjectError, DstlError, ObjectNotFoundError
+from dstl.errors import DECODER_BUGS, CorruptObjectError, DstlError, ObjectNotFoundError, placed
 from dstl.handle import ChangeSetRef
 from dstl.keygroups import KeyGroupRange
 from dstl.reader.catalog import CheckpointCatalog, task_states
 from dstl.reader.checks import check_checkpoint_id
+from dstl.reader.image import state_info
 from dstl.segment import decode_segment
+from materializer.codecs import SafeCodec
 from materializer.handles import SnapshotRef
+from materializer.lmdb_table import KEY_PREFIX
 from materializer.snapshot_format import decode_snapshot
-from restore.file_restore import is_file_snapshot, validate_file_snapshot
+from restore.file_restore import StagedSnapshot, is_file_snapshot, validate_file_snapshot
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "verify_checkpoint"]
+
+#: A backend's namespace codec (the safe one), for decoding namespaces as a restore does.
+_NAMESPACES = SafeCodec()
 
 #: ``progress(objects done, objects total, bytes read so far)``.
 Progress = Callable[[int, int, int], None]
@@ -176,4 +184,35 @@ def _file_snapshot_covers(data: bytes, key: str) -> KeyGroupRange:
     covers."""
     view = memoryview(data)
     staged = validate_file_snapshot(lambda off, n: bytes(view[off:off + n]), len(data), key=key)
+    _decode_values(staged, key)
     return staged.layout.meta.key_groups
+
+
+def _decode_values(staged: StagedSnapshot, key: str) -> None:
+    """Every namespace and value of a validated v2 file decodes with its state's codecs, as a
+    heap restore and the readers decode them (an LMDB restore keeps them as stored and decodes
+    them when read). States of the pickle codec are not decoded: that would run code from the
+    store."""
+    meta = staged.layout.meta
+    shapes = {int(sid): state_info(m, False, key).shape for sid, m in meta.states.items()
+              if m.get("raw") is not True and "pickle" not in (m.get("value_codec"),
+                                                               m.get("key_codec"))}
+    spans = staged.valid.spans
+    head = spans.key_head.astype(np.uint64)
+    sids = ((head >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64).tolist()
+    ns_at = (spans.key_start + KEY_PREFIX.size + (head & np.uint64(0xFFFFFFFF)).astype(np.int64))
+    key_end = spans.key_start + spans.key_size
+    raw = spans.data
+    for i, (sid, ns, end, v, n) in enumerate(zip(
+            sids, ns_at.tolist(), key_end.tolist(), spans.value_start.tolist(),
+            spans.value_size.tolist(), strict=True)):
+        shape = shapes.get(sid)
+        if shape is None:
+            continue   # a reserved record, an internal raw state, a pickle state
+        try:
+            if end > ns:
+                _NAMESPACES.decode(raw[ns:end].tobytes())
+            shape.from_bytes(raw[v:v + n].tobytes())
+        except (DstlError, *DECODER_BUGS) as exc:
+            raise placed(exc, key, staged.layout.data_offset,
+                         f"entry {i} of the LMDB data file (state {sid})") from exc

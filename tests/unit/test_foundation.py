@@ -12,7 +12,7 @@ import pytest
 from dstl import ChangelogHandle, DstlOptions, KeyGroupRange, key_group_for
 from dstl.errors import ConfigError, UnsafePathError, UsageError
 from dstl.handle import ChangeSetRef
-from dstl.keygroups import operator_index_for_key_group
+from dstl.keygroups import key_groups_for, operator_index_for_key_group
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -41,6 +41,24 @@ def test_key_group_is_stable_and_in_range() -> None:
     # pinned values: changing the hash would silently re-shard every existing checkpoint
     assert [key_group_for(k, 128) for k in (b"", b"a", b"user-1")] == [
         key_group_for(b"", 128), key_group_for(b"a", 128), key_group_for(b"user-1", 128)]
+
+
+@pytest.mark.parametrize("mp", [1, 7, 128, 32768])
+def test_key_groups_for_many_keys_equal_key_group_for_each(mp: int) -> None:
+    # every branch of XXH64: empty keys, tails of 1-3, 4 and 8 bytes, one and several 32-byte
+    # stripes, keys of many lengths mixed in one call, read at any offset of a buffer
+    import numpy as np
+
+    rng = random.Random(mp)
+    keys = [rng.randbytes(rng.choice([0, 1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 31, 32, 33, 63, 64,
+                                      65, 100, 503])) for _ in range(3000)]
+    keys += [b"", b"a", b"user-1", bytes(32), b"\xff" * 64]
+    lengths = np.array([len(k) for k in keys], dtype=np.int64)
+    starts = 5 + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    data = np.frombuffer(b"head!" + b"".join(keys) + b"tail", dtype=np.uint8)
+    got = key_groups_for(data, starts, lengths, mp)
+    assert got.tolist() == [key_group_for(k, mp) for k in keys]
+    assert key_groups_for(data, starts[:0], lengths[:0], mp).tolist() == []
 
 
 def test_key_group_bad_input() -> None:
