@@ -281,21 +281,16 @@ def _words(data: np.ndarray, at: np.ndarray, left: np.ndarray) -> np.ndarray:
 
 
 def _compare(data: np.ndarray, a: np.ndarray, a_len: np.ndarray, b: np.ndarray,
-             b_len: np.ndarray, heads: tuple[np.ndarray, np.ndarray] | None = None
-             ) -> np.ndarray:
+             b_len: np.ndarray) -> np.ndarray:
     """-1, 0 or 1 as the bytes ``data[a:a + a_len]`` sort before, equal or after
     ``data[b:b + b_len]`` (bytewise, a prefix first), pair by pair: 8 bytes at a time as
-    big-endian words, only the pairs still tied reading on (``heads``: both sides' first words,
-    when the caller has them)."""
+    big-endian words, only the pairs still tied reading on."""
     out = np.zeros(len(a), dtype=np.int8)
     todo = np.arange(len(a))
     j = 0
     while len(todo):
         ra, rb = a_len[todo] - j, b_len[todo] - j
-        if heads is not None and j == 0:
-            wa, wb = heads[0].astype(np.uint64), heads[1].astype(np.uint64)
-        else:
-            wa, wb = _words(data, a[todo] + j, ra), _words(data, b[todo] + j, rb)
+        wa, wb = _words(data, a[todo] + j, ra), _words(data, b[todo] + j, rb)
         differ = wa != wb
         if differ.any():
             out[todo[differ]] = np.where(wa[differ] < wb[differ], -1, 1)

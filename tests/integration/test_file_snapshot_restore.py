@@ -354,7 +354,7 @@ def test_file_data_outside_its_key_groups_is_refused(storage: ChangelogStorage,
     for kgs in (KeyGroupRange(0, 3), ALL):
         # a sub-range: the entry outside the metadata's key groups; all: the reference too wide
         with pytest.raises(CorruptObjectError,
-                           match="outside key groups|the snapshot holds") as info:
+                           match=r"outside key groups|the snapshot holds") as info:
             restore_backend([h], storage, kgs, table="lmdb", local_directory=str(tmp_path / "l"))
         assert info.value.key == key
 
