@@ -642,27 +642,42 @@ def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
     return out
 
 
-def markdown_file_snapshots(fd: dict[str, Any]) -> list[str]:
+def markdown_file_snapshots(fd: dict[str, Any], before: dict[str, Any] | None = None
+                            ) -> list[str]:
     md = ["#### (d) LMDB file-level snapshots (format v2, issue #13)", "",
           "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
           "materialized as a v2 snapshot (the environment file copied from a read transaction, "
           "zstd level 1) with no log after it. Materialize = `materialize_now` (copy, compress, "
           "upload) of the same table, once per repeat. Restored into LMDB with the cache "
-          "(download + verify the object crc, staged decompress + check + rename: **install**) "
+          "(download + verify the object crc, staged decompress + validation of the whole LMDB "
+          "file + rename: **install**) "
           "and without it (one GET), into LMDB owning half the key groups (**range copy**: "
           "append-mode `putmulti` of 64 of the 128 key groups) and into the heap (entry by "
           "entry). Load = the snapshot phase of `RestoreStats`; total = the whole "
           "`restore_backend` call (backend construction, replay of an empty log included). "
           "Floor (same run) = one whole-object GET + zstd-decompress of the data into memory. "
-          "Goal: load within 2x of the floor.", "",
+          "Goal: load within 2x of the floor."
+          + (" *Before*: the same bench on earlier code "
+             f"({(before or {}).get('git') or 'see the command'}), run right before this one; "
+             "goal: the validated restore within 2x of it." if before else ""), "",
           "Same run, same data materialized as v1 (`lmdb_snapshot_format=\"entries\"`) and "
           "restored into LMDB with the cache: the v1 columns.", "",
           "| store | keys | object MB (file MB) | materialize s | GET ms | floor ms | "
           "install load s | load / floor | total s | no cache load s | range copy (half) s | "
-          "heap load s | v1 MB | v1 materialize s | v1 load s into LMDB |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(fd.values(), key=lambda r: (r["store"], r["keys"])):
+          "heap load s | v1 MB | v1 materialize s | v1 load s into LMDB |"
+          + (" install load before s | **install / before** | range copy before s | "
+             "range copy / before |" if before else ""),
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+          + ("---|---|---|---|" if before else "")]
+    old = (before or {}).get("file_snapshots", {})
+    for name, r in sorted(fd.items(), key=lambda kv: (kv[1]["store"], kv[1]["keys"])):
         fl, lm = r["floor"], r["lmdb"]
+        was = old.get(name)
+        then = "" if not before else " n/a | n/a | n/a | n/a |" if was is None else (
+            f" {_s(was['lmdb']['snapshot_s'])} | **"
+            f"{lm['snapshot_s']['median'] / was['lmdb']['snapshot_s']['median']:.2f}x** | "
+            f"{_s(was['lmdb_half']['snapshot_s'])} | "
+            f"{r['lmdb_half']['snapshot_s']['median'] / was['lmdb_half']['snapshot_s']['median']:.2f}x |")
         md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
                   f"({fl['raw_mb']:.1f}) | {_s(r['materialize_s'])} | {_ms(fl['get_s'])} | "
                   f"{_ms(fl['floor_s'])} | {_s(lm['snapshot_s'])} | "
@@ -671,7 +686,7 @@ def markdown_file_snapshots(fd: dict[str, Any]) -> list[str]:
                   f"{_s(r['lmdb_half']['snapshot_s'])} | "
                   f"{_s(r['heap']['snapshot_s']) if r['heap'] else 'not run'} | "
                   f"{r['entries_data']['snapshot_mb']:.2f} | {_s(r['entries_materialize_s'])} | "
-                  f"{_s(r['entries_lmdb']['snapshot_s'])} |")
+                  f"{_s(r['entries_lmdb']['snapshot_s'])} |{then}")
     md.append("")
     return md
 
@@ -1197,13 +1212,15 @@ def main_file_snapshots(args: Any) -> None:
         stores.close()
     figures = {"repeats": reps, "file_snapshots": fd, "moto_error": stores.error,
                "wall_seconds": time.perf_counter() - t0, "load": load.stop(),
-               "load_note": load.note()}
+               "load_note": load.note(), "git": machine_info()["git_sha"]}
+    before = json.loads(Path(args.before).read_text())["figures"] if args.before else None
     md = "\n".join([f"Median (min..max) of {reps} repeats. {figures['load_note']}. Total "
                      f"{figures['wall_seconds'] / 60:.0f} min."
                      + (f" _moto figures missing: {stores.error}_" if stores.error else ""),
-                     "", *markdown_file_snapshots(fd)])
+                     "", *markdown_file_snapshots(fd, before)])
     cmd = (f"python bench/recovery.py --only-file{' --quick' if q else ''}"
-           + (f" --file-keys {args.file_keys}" if not q else ""))
+           + (f" --file-keys {args.file_keys}" if not q else "")
+           + (f" --before {args.before}" if args.before else ""))
     write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
                   tag=args.tag or "filesnap")
     print(md)
@@ -1615,7 +1632,8 @@ def main() -> None:
     p.add_argument("--replay-lengths", default="200000,1000000",
                    help="log lengths of (e) without --quick (comma-separated)")
     p.add_argument("--before", default=None,
-                   help="(e): the JSON of a run on earlier code, shown beside this run's rates")
+                   help="(d) and (e): the JSON of a run on earlier code, shown beside this "
+                        "run's figures")
     p.add_argument("--only-file", action="store_true",
                    help="run only (d), the LMDB file-level snapshots (own docs section)")
     p.add_argument("--file-keys", default="1000000",

@@ -132,8 +132,9 @@ def key_groups_for(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     length are one matrix); equal to ``key_group_for`` of each (tested)."""
     _check_max_parallelism(max_parallelism)
     out = np.empty(len(starts), dtype=np.int64)
-    for size in np.unique(lengths).tolist():
-        at = np.flatnonzero(lengths == size)
+    one = len(lengths) and int(lengths.min()) == int(lengths.max())   # keys of one length
+    for size in [int(lengths[0])] if one else np.unique(lengths).tolist():
+        at = np.arange(len(lengths)) if one else np.flatnonzero(lengths == size)
         if size:   # the keys of this length gathered as one item each: an (n, size) matrix
             items = np.ndarray((len(data) - size + 1,), dtype=np.dtype((np.void, size)),
                                buffer=data, strides=(1,))

@@ -109,6 +109,14 @@ def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str,
     except LmdbFileError as exc:
         raise CorruptObjectError(key, offset, f"the LMDB data file is not one LMDB's compacting "
                                               f"copy writes: {exc}") from exc
+    reserved = _check_keys(spans, meta, key, offset)
+    _check_reserved(spans, reserved, key, offset)
+    return ValidFile(spans, len(spans) - len(reserved))
+
+
+def _check_keys(spans: EntrySpans, meta: FileSnapshotMeta, key: str, offset: int) -> np.ndarray:
+    """Every data key of DSTL's layout for ``meta`` (the module docstring); returns the indexes
+    of the reserved records (key group ``0xFFFF``)."""
     head = spans.key_head.astype(np.uint64)
     kg = (head >> np.uint64(48)).astype(np.int64)
     reserved = np.flatnonzero(kg == 0xFFFF)
@@ -144,6 +152,11 @@ def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str,
         raise CorruptObjectError(key, offset, f"entry {i} of the LMDB data file (byte "
                                               f"{int(spans.key_start[i])}), key "
                                               f"{_bytes(spans, i)[:40]!r}, {why}")
+    return reserved
+
+
+def _check_reserved(spans: EntrySpans, reserved: np.ndarray, key: str, offset: int) -> None:
+    """The reserved records are the layout record, of this layout, and at most the marker."""
     found = {_bytes(spans, int(i)): int(i) for i in reserved}
     if set(found) - {LAYOUT_KEY, MARKER_KEY} or LAYOUT_KEY not in found:
         raise CorruptObjectError(key, offset, f"the LMDB data file's reserved records are "
@@ -154,7 +167,6 @@ def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str,
     if layout.tobytes() != LAYOUT_VERSION:
         raise CorruptObjectError(key, offset, f"LMDB key layout {layout.tobytes()[:16]!r} in the "
                                               f"data file, expected {LAYOUT_VERSION!r}")
-    return ValidFile(spans, len(spans) - len(reserved))
 
 
 def _bytes(spans: EntrySpans, i: int) -> bytes:

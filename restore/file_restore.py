@@ -9,17 +9,17 @@ the restored table (same filesystem: the install is a rename). zstd's content ch
 footer's raw size and crc32 are checked while the file is written; a staging directory is named
 ``.dstl-stage-<pid>-<random>`` and removed when the restore ends, whatever happens (a disk too
 small for the file is a :class:`~dstl.errors.LocalDiskFullError` before anything is written);
-leftovers of
-dead processes (a restore killed midway) are removed by the next restore in that directory
-(:func:`remove_stale_staging`).
-
-Then one of three ways, chosen by :func:`install_file_snapshots`:
+leftovers of dead processes (a restore killed midway) are removed by the next restore in that
+directory (:func:`remove_stale_staging`).
 
 Staging validates the file whole before anything else reads it
 (:func:`materializer.lmdb_files.check_data_file`: every page, the key order, DSTL's key layout
 against the snapshot's metadata), and checks that the reference names only key groups the
 snapshot holds: a forged or damaged file is a :class:`~dstl.errors.CorruptObjectError` naming the
-object and nothing of it reaches LMDB or the table.
+object and nothing of it reaches LMDB or the table. The readers, ``dstl verify`` and
+``dstl inspect`` stage files the same way.
+
+Then one of three ways, chosen by :func:`install_file_snapshots`:
 
 1. **install** — LMDB target, one snapshot, its key groups inside the restored range and its
    reference standing for all of them (the restore plan did not restrict it), the same state
@@ -84,8 +84,9 @@ from materializer.lmdb_files import (
     remove_marker,
 )
 
-__all__ = ["STAGE_PREFIX", "StagedSnapshot", "check_reference", "install_file_snapshots", "is_file_snapshot",
-           "remove_stale_staging", "stage_file_snapshot", "validate_file_snapshot"]
+__all__ = ["STAGE_PREFIX", "StagedSnapshot", "check_reference", "install_file_snapshots",
+           "is_file_snapshot", "remove_stale_staging", "stage_file_snapshot",
+           "validate_file_snapshot"]
 
 STAGE_PREFIX = ".dstl-stage-"
 

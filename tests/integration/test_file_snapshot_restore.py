@@ -308,6 +308,21 @@ def test_damaged_file_snapshot_is_a_typed_error_and_nothing_is_installed(
     _assert_nothing_valid(local, "op")
 
 
+def test_a_restore_failing_after_the_install_removes_its_table(
+        storage: ChangelogStorage, tmp_path: Path) -> None:
+    # the snapshot is valid and installed by rename; the log after it is damaged, so the
+    # restore fails in its replay: the installed table goes with it, nothing stays to open
+    model: Model = {}
+    h = _build(storage, "op", ALL, "lmdb", 7, model)
+    segment = h.non_materialized[0].change_sets[0].key
+    _damaged(storage, segment, "flip")
+    local = tmp_path / "local"
+    with pytest.raises(CorruptObjectError) as info:
+        restore_backend([h], storage, ALL, table="lmdb", local_directory=str(local))
+    assert info.value.key == segment
+    assert not (local / operator_dir("op")).exists()
+
+
 def _assert_nothing_valid(local: Path, op: str) -> None:
     """No staging debris of this process, and the table (if any) is empty and has no marker."""
     if not local.exists():

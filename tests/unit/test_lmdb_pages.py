@@ -282,3 +282,40 @@ def test_a_node_at_the_very_end_of_the_file_reads_its_key_head_padded(tmp_path: 
     assert spans is not None and len(spans) == 2
     assert int((spans.key_start - 8).max()) + 16 > os.path.getsize(path)
     assert spans.key_head.tolist() == [ord("a") << 56, ord("b") << 56]
+
+
+def _dstl_file(tmp_path: Path, entries: list[tuple[int, int, bytes]]) -> str:
+    """A compacting copy of an environment of DSTL's key layout holding ``(key group, state
+    id, key)`` entries (value b"v") and the layout record."""
+    from materializer.lmdb_table import KEY_PREFIX, LAYOUT_KEY, LAYOUT_VERSION
+
+    items = [(KEY_PREFIX.pack(kg, sid, len(k)) + k, b"v") for kg, sid, k in entries]
+    return _env(tmp_path, sorted([*items, (LAYOUT_KEY, LAYOUT_VERSION)]))
+
+
+def test_dstl_keys_are_checked_against_the_metadata_and_their_hash(tmp_path: Path) -> None:
+    from dstl import KeyGroupRange, key_group_for
+    from dstl.errors import CorruptObjectError
+    from materializer.file_snapshot import FileSnapshotMeta
+    from materializer.lmdb_files import check_data_file
+
+    mp = 16
+    keys = [f"user-{i}".encode() for i in range(200)]
+    good = [(key_group_for(k, mp), 0, k) for k in keys]
+    states = {"0": {"name": "v"}, "1": {"name": "$index", "raw": True}}
+    meta = FileSnapshotMeta(KeyGroupRange(0, mp - 1), mp, states, "op", 1)
+    ok = _dstl_file(tmp_path / "ok", [*good, (3, 1, b"any bytes")])   # a raw state's own kg
+    assert check_data_file(ok, meta, key="snap", offset=9).entries == len(good) + 1
+    moved = (good[0][0] + 1) % mp
+    cases = {
+        "hashes to key group": [*good[1:], (moved, 0, keys[0])],
+        "outside key groups": [(kg, sid, k) for kg, sid, k in good],   # with a narrower range
+        "state id 7": [*good, (good[0][0], 7, keys[0] + b"x")],
+    }
+    for why, entries in cases.items():
+        m = meta if why != "outside key groups" else FileSnapshotMeta(
+            KeyGroupRange(0, mp // 2), mp, states, "op", 1)
+        path = _dstl_file(tmp_path / why.replace(" ", "-"), entries)
+        with pytest.raises(CorruptObjectError, match=why) as info:
+            check_data_file(path, m, key="snap", offset=9)
+        assert info.value.key == "snap" and info.value.offset == 9
