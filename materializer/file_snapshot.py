@@ -84,6 +84,7 @@ __all__ = [
     "FileSnapshotLayout",
     "FileSnapshotMeta",
     "ReadAt",
+    "check_data_frame",
     "decompress_file_snapshot",
     "decompress_file_snapshot_into",
     "read_file_snapshot_layout",
@@ -104,6 +105,7 @@ FILE_FOOTER_SIZE: Final = _FOOTER_HEAD.size + TRAILER_SIZE   # 36
 _CHUNK: Final = 4 * 1024 * 1024
 _VERSION_OFFSET: Final = 5   # u8 version in the envelope header
 _MAX_FRAME_HEADER: Final = 18   # zstd's largest frame header
+_MAX_BLOCK: Final = 128 * 1024  # zstd's largest block content (Block_Maximum_Size)
 
 #: ``read(offset, length)`` -> exactly those bytes of the object (a lease's ``read``).
 ReadAt = Callable[[int, int], bytes]
@@ -358,11 +360,11 @@ def decompress_file_snapshot_into(read: ReadAt, layout: FileSnapshotLayout, out:
 
 def _decompress(read: ReadAt, layout: FileSnapshotLayout, key: str,
                 target: memoryview | BinaryIO) -> None:
-    """The data's one zstd frame (:func:`_check_frame`) decompressed straight into ``target``,
+    """The data's one zstd frame (:func:`check_data_frame`) decompressed straight into ``target``,
     a buffer of the raw size, or through a chunk-sized buffer into ``target``, a file: never
     more than the raw size, then the frame's end read (zstd checks the content checksum there)."""
     at, raw = layout.data_offset, layout.raw_size
-    _check_frame(read, layout, key)
+    check_data_frame(read, layout, key=key)
     src = _RangeReader(read, layout.data_offset, layout.data_length)
     if isinstance(target, memoryview):
         buf, sink = target, None
@@ -393,10 +395,15 @@ def _decompress(read: ReadAt, layout: FileSnapshotLayout, key: str,
         raise TruncatedObjectError(key, at, raw, written, "decompressed LMDB data file")
 
 
-def _check_frame(read: ReadAt, layout: FileSnapshotLayout, key: str) -> None:
+def check_data_frame(read: ReadAt, layout: FileSnapshotLayout, *, key: str) -> None:
     """The data is exactly one zstd frame (its blocks walked by their 3-byte headers, so bytes or
     a second frame after it are refused) that promises the footer's raw size and a content
-    checksum."""
+    checksum, and whose blocks can produce that many bytes (a frame that declares more is
+    refused before anything is decompressed or staged).
+
+    Raises:
+        CorruptObjectError, TruncatedObjectError: naming the object and the offset.
+    """
     at, length = layout.data_offset, layout.data_length
     head = read(at, min(length, _MAX_FRAME_HEADER))
     try:
@@ -410,6 +417,7 @@ def _check_frame(read: ReadAt, layout: FileSnapshotLayout, key: str) -> None:
                                           f"{'a' if params.has_checksum else 'no'} content "
                                           "checksum")
     last = 0
+    most = 0   # the most the blocks can produce: raw and RLE blocks say, others <= 128 KiB
     while not last:
         if pos + 3 > length:
             raise TruncatedObjectError(key, at + pos, 3, max(length - pos, 0), "zstd block header")
@@ -418,10 +426,14 @@ def _check_frame(read: ReadAt, layout: FileSnapshotLayout, key: str) -> None:
         if kind == 3:
             raise CorruptObjectError(key, at + pos, "reserved zstd block type")
         pos += 3 + (1 if kind == 1 else size)   # an RLE block stores one byte
+        most += size if kind < 2 else _MAX_BLOCK
     if pos + 4 != length:   # the frame ends with its 4-byte content checksum
         raise CorruptObjectError(key, at + min(pos, length),
                                  f"the zstd frame is {pos + 4} bytes, the data {length}: bytes "
                                  "after the frame")
+    if most < layout.raw_size:   # refused before a byte is written, whatever the disk holds
+        raise CorruptObjectError(key, at, f"the zstd frame's blocks can produce at most {most} "
+                                          f"bytes, not the {layout.raw_size} it declares")
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

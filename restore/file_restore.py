@@ -69,6 +69,7 @@ from materializer.file_snapshot import (
     FILE_SNAPSHOT_VERSION,
     FileSnapshotLayout,
     ReadAt,
+    check_data_frame,
     decompress_file_snapshot,
     read_file_snapshot_layout,
     snapshot_version,
@@ -146,6 +147,7 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     layout = (read_file_snapshot_layout(read, size, key=ref.key) if verified
               else verify_file_snapshot(read, size, key=ref.key))
     check_reference(ref, layout)
+    check_data_frame(read, layout, key=ref.key)
     try:
         directory = new_staging_directory(parent)
         free = shutil.disk_usage(directory).free

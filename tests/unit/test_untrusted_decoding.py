@@ -267,7 +267,8 @@ def test_a_value_state_read_after_restore_sees_typed_data(storage: ChangelogStor
 def test_an_lmdb_restore_names_the_table_when_a_stored_value_does_not_decode(
         storage: ChangelogStorage, tmp_path: Path) -> None:
     """An LMDB restore stores values as they are (undecoded); the first read decodes one and
-    names the table, the state and the key — not ``<state value>``."""
+    names the table, the objects its state came from, the state and the key — not
+    ``<state value>``."""
     body = (body_head(OPERATOR, 0, 2) + block(-1, [metadata_payload(0, meta())])
             + block(KG, [change_payload(SET, 0, b"k", b"", one({1, 2}))]))  # a set: refused
     seg = segment([(0, frame_of(body))])
@@ -279,6 +280,7 @@ def test_an_lmdb_restore_names_the_table_when_a_stored_value_does_not_decode(
         b.set_current_key("k")
         with pytest.raises(CorruptObjectError, match="value of state 's'") as info:
             v.value()
-        assert info.value.key.endswith("(LMDB table)") and "<state value>" not in str(info.value)
+        assert "(LMDB table; its state came from " in info.value.key and SEG in info.value.key
+        assert "<state value>" not in str(info.value)
     finally:
         b.close()

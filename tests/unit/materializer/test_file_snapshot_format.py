@@ -234,6 +234,29 @@ def test_forged_data_frames_are_refused(tmp_path: Path, how: str, way: str) -> N
     assert info.value.key == KEY
 
 
+def test_a_frame_declaring_more_than_its_blocks_can_hold_is_refused_before_staging(
+        tmp_path: Path) -> None:
+    # a frame that declares 8 GiB but holds one raw block of 4 bytes: refused by the block
+    # walk, before a staging directory is made or the disk is asked (no LocalDiskFullError)
+    from dstl.keygroups import KeyGroupRange
+    from materializer.file_snapshot import check_data_frame
+    from materializer.handles import SnapshotRef
+    from restore.file_restore import stage_file_snapshot
+
+    declared = 8 << 30
+    frame = (b"\x28\xb5\x2f\xfd" + bytes([0b1100_0100, 0]) + struct.pack("<Q", declared)
+             + struct.pack("<I", (4 << 3) | 1)[:3] + b"tiny" + struct.pack("<I", 0))
+    bad = _with_data(_object(tmp_path), frame, declared)
+    layout = verify_file_snapshot(_reader(bad), len(bad), key=KEY)
+    with pytest.raises(CorruptObjectError, match="can produce at most 4 bytes"):
+        check_data_frame(_reader(bad), layout, key=KEY)
+    ref = SnapshotRef(KEY, len(bad), layout.meta.key_groups, layout.meta.materialization_id)
+    parent = tmp_path / "stage"
+    with pytest.raises(CorruptObjectError, match="can produce at most") as info:
+        stage_file_snapshot(ref, _reader(bad), len(bad), str(parent), verified=False)
+    assert info.value.key == KEY and not parent.exists()
+
+
 @pytest.mark.parametrize("way", ["file", "memory"])
 def test_a_content_checksum_read_apart_from_its_frame_is_still_checked(tmp_path: Path,
                                                                        way: str) -> None:
