@@ -17,7 +17,8 @@ Staging validates the file whole before anything else reads it
 against the snapshot's metadata), and checks that the reference names only key groups the
 snapshot holds: a forged or damaged file is a :class:`~dstl.errors.CorruptObjectError` naming the
 object and nothing of it reaches LMDB or the table. The readers, ``dstl verify`` and
-``dstl inspect`` stage files the same way.
+``dstl inspect`` stage files the same way (a reader may decompress a smaller file into memory
+instead: :func:`file_snapshot_in_memory`, the same checks).
 
 Then one of three ways, chosen by :func:`install_file_snapshots`:
 
@@ -53,6 +54,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dstl.errors import (
     DECODER_BUGS,
     CorruptObjectError,
@@ -71,6 +74,7 @@ from materializer.file_snapshot import (
     ReadAt,
     check_data_frame,
     decompress_file_snapshot,
+    decompress_file_snapshot_into,
     read_file_snapshot_layout,
     snapshot_version,
     verify_file_snapshot,
@@ -85,9 +89,9 @@ from materializer.lmdb_files import (
     remove_marker,
 )
 
-__all__ = ["STAGE_PREFIX", "StagedSnapshot", "check_reference", "install_file_snapshots",
-           "is_file_snapshot", "remove_stale_staging", "stage_file_snapshot",
-           "validate_file_snapshot"]
+__all__ = ["STAGE_PREFIX", "StagedSnapshot", "file_snapshot_in_memory",
+           "install_file_snapshots", "is_file_snapshot", "remove_stale_staging",
+           "stage_file_snapshot", "validate_file_snapshot"]
 
 STAGE_PREFIX = ".dstl-stage-"
 
@@ -146,7 +150,7 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     """
     layout = (read_file_snapshot_layout(read, size, key=ref.key) if verified
               else verify_file_snapshot(read, size, key=ref.key))
-    check_reference(ref, layout)
+    _check_reference(ref, layout)
     check_data_frame(read, layout, key=ref.key)
     try:
         directory = new_staging_directory(parent)
@@ -168,7 +172,22 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
     return StagedSnapshot(ref, layout, directory, valid)
 
 
-def check_reference(ref: SnapshotRef, layout: FileSnapshotLayout) -> None:
+def file_snapshot_in_memory(ref: SnapshotRef, read: ReadAt, layout: FileSnapshotLayout
+                            ) -> ValidFile:
+    """The checks of :func:`stage_file_snapshot` for a v2 object whose data a reader
+    decompresses into memory (``layout``: its verified layout): the reference, the zstd data,
+    the LMDB file validated whole; the result's spans index the decompressed bytes.
+
+    Raises:
+        CorruptObjectError (and subclasses): naming ``ref.key``.
+    """
+    _check_reference(ref, layout)
+    data = np.empty(layout.raw_size, dtype=np.uint8)
+    decompress_file_snapshot_into(read, layout, data, key=ref.key)
+    return check_data_file(data, layout.meta, key=ref.key, offset=layout.data_offset)
+
+
+def _check_reference(ref: SnapshotRef, layout: FileSnapshotLayout) -> None:
     """The reference stands only for key groups the snapshot holds (a reference wider than
     the file would read the rest as empty state).
 

@@ -96,12 +96,10 @@ from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
 from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
-from materializer.file_snapshot import decompress_file_snapshot_into
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
-from materializer.lmdb_files import check_data_file
 from materializer.lmdb_pages import EntrySpans
 from materializer.replay import uniform_block
-from restore.file_restore import check_reference, is_file_snapshot, stage_file_snapshot
+from restore.file_restore import file_snapshot_in_memory, is_file_snapshot, stage_file_snapshot
 from restore.leasing import LeasingCache
 from restore.reader import ChangelogReader
 from restore.restore import plan_restore
@@ -642,9 +640,9 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
                cache: LeasingCache | None) -> Iterator[Run]:
     """A v2 snapshot's entries in ``wanted`` (opened as for :func:`dstl.reader.image.
     stream_snapshots`, through ``cache`` when given), located by parsing the file's pages,
-    which validates it whole as a restore does (:func:`materializer.lmdb_files.
-    check_data_file`). A file of up to :data:`_IN_MEMORY_BYTES` is decompressed into memory and
-    parsed there; a larger one is staged as a restore stages it
+    which validates it whole as a restore does. A file of up to :data:`_IN_MEMORY_BYTES` is
+    decompressed into memory and parsed there (:func:`restore.file_restore.
+    file_snapshot_in_memory`); a larger one is staged as a restore stages it
     (:func:`restore.file_restore.stage_file_snapshot`) and parsed mapped."""
     with opened_file_snapshot(store, ref, wanted, allow_pickle, cache) as opened, \
             contextlib.ExitStack() as stack:
@@ -652,10 +650,7 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
             return
         read, layout, owned, states = opened
         if layout.raw_size <= _IN_MEMORY_BYTES:
-            check_reference(ref, layout)
-            data = np.empty(layout.raw_size, dtype=np.uint8)
-            decompress_file_snapshot_into(read, layout, data, key=ref.key)
-            valid = check_data_file(data, layout.meta, key=ref.key, offset=layout.data_offset)
+            valid = file_snapshot_in_memory(ref, read, layout)
         else:
             parent = os.path.dirname(stack.enter_context(staged_file()))
             valid = stage_file_snapshot(ref, read, layout.size, parent, verified=True).valid

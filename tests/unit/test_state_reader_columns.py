@@ -88,7 +88,8 @@ def listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(columns, "check_data_file", counted(columns.check_data_file, False))
+    monkeypatch.setattr(columns, "file_snapshot_in_memory",
+                        counted(columns.file_snapshot_in_memory, False))
     monkeypatch.setattr(columns, "stage_file_snapshot",
                         counted(columns.stage_file_snapshot, True))
     if mode.endswith("staged file"):
