@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 
-def write_files(src: Path, batches: list[list[dict[str, Any]]]) -> None:
-    """One JSON-lines file per batch under ``src``; modification times one second apart,
-    because the file source takes files in modification-time order (with
+def write_files(src: Path, batches: list[list[dict[str, Any]]], first: int = 0) -> None:
+    """One JSON-lines file per batch under ``src``, numbered from ``first``; modification times
+    one second apart, because the file source takes files in modification-time order (with
     ``maxFilesPerTrigger=1``: one file per micro-batch)."""
     src.mkdir(parents=True, exist_ok=True)
     base = 1_700_000_000
-    for i, rows in enumerate(batches):
+    for i, rows in enumerate(batches, start=first):
         f = src / f"part-{i:04d}.json"
         f.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.utime(f, (base + i, base + i))

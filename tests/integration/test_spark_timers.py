@@ -2,9 +2,10 @@
 fire exactly once in the committed history across a killed task (Spark retries it), a batch
 re-run, a rescale (partitions changed) and batches without input; every partition fires its due
 timers with no rows. Heap and LMDB, executor agent on and off. The event-time side (watermark,
-late rows, a restart in a fresh SparkSession) is test_spark_watermark.py. The runnable examples
-(examples/*.py) run here in quick mode, on this module's session: each checks its output against
-a plain-Python computation with the operator's rules."""
+late rows, a restart in a fresh SparkSession) is test_spark_watermark.py. The runnable
+sessionization and window examples (examples/*.py) run here at full size, on this module's
+session, against their plain-Python definitions, which share no code with their processors;
+each asserts that its input has every case the definition is about."""
 
 from __future__ import annotations
 
@@ -270,19 +271,35 @@ def test_heartbeat_runs_batches_that_fire_timers_without_input(spark: Any,  # no
         with_heartbeat(stream)
 
 
-def test_sessionization_emits_every_closed_session_once(spark: Any, tmp_path: Path  # noqa: F811
-                                                        ) -> None:
+@pytest.mark.parametrize("table,restart_after", [("lmdb", 7), ("heap", None)])
+def test_sessionization_at_full_size_equals_the_definition(
+        spark: Any, tmp_path: Path, table: str, restart_after: int | None) -> None:  # noqa: F811
     ex = load_example("sessionization")
-    r = ex.run(spark, tmp_path, quick=True, table="lmdb", agent=False)
-    want, _ = r["expected"]
-    assert want, "the quick run closes sessions"
-    assert r["sessions"] == want
-    assert r["late"], "the quick run has late clicks"
+    r = ex.run(spark, tmp_path, table=table, agent=table == "lmdb", restart_after=restart_after)
+    cases = r["cases"]
+    print(f"sessionization input cases: {cases}")
+    assert all(cases.values()), f"a case the input must have is missing: {cases}"
+    want, closed_by = r["expected"]
+    assert len(want) > 300, "the full-size run closes sessions"
+    assert sorted(r["sessions"]) == sorted(want)  # each exactly once
+    assert len(r["late"]) == cases["late"]
+    on_time = [0] * len(r["batches"])
+    for _, _, b in ex.on_time_clicks(r["batches"]):
+        on_time[b] += 1
+    assert [s["rows_in"] for s in r["stats"]] == on_time
+    assert r["stats"][-1]["watermark_ms"] == closed_by
 
 
-def test_window_count_fires_windows_by_the_watermark_with_heartbeats(spark: Any,  # noqa: F811
-                                                                     tmp_path: Path) -> None:
+def test_window_count_at_full_size_equals_the_definition(spark: Any,  # noqa: F811
+                                                         tmp_path: Path) -> None:
     ex = load_example("window_count")
-    r = ex.run(spark, tmp_path, quick=True, table="heap", agent=True, idle_s=4.0)
-    assert r["expected"] and r["windows"] == r["expected"]
+    r = ex.run(spark, tmp_path, table="lmdb", agent=True, idle_s=2.0)
+    cases = r["cases"]
+    print(f"window_count input cases: {cases}")
+    assert all(cases.values()), f"a case the input must have is missing: {cases}"
+    assert r["expected"] and sorted(r["windows"]) == sorted(r["expected"])  # each once
+    wm = ex.watermarks(r["batches"])
+    files = [s for s in r["stats"] if s["rows_in"] > 0]
+    assert [s["rows_in"] for s in files] == [
+        sum(v["ts_ms"] > wm[b] for v in rows) for b, rows in enumerate(r["batches"])]
     assert ex.heartbeat_cost(r["stats"])["batches"] > 0

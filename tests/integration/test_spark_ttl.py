@@ -8,7 +8,8 @@ partitions), a restart in a fresh SparkSession, and the state reader (each value
 expiry; nothing expired left after a batch's purge). Reducing and aggregating states with a
 TTL against their own model (expire, purge, restart from nothing, rescale, reader). Heap and
 LMDB, executor agent on and off.
-The deduplication example (examples/dedup_ttl.py) runs here in quick mode."""
+The deduplication example (examples/dedup_ttl.py) runs here at full size against its
+plain-Python definition, which shares no code with its processor."""
 
 from __future__ import annotations
 
@@ -206,18 +207,21 @@ def test_ttl_across_a_restart_in_a_fresh_session(tmp_path: Path) -> None:
     assert _reader_rows(str(tmp_path / "store"), "ttl") == model.stored()
 
 
-def test_dedup_example_drops_copies_and_forgets_ids_after_the_ttl(
-        spark: Any, tmp_path: Path) -> None:  # noqa: F811
+def test_dedup_example_at_full_size_equals_the_definition(spark: Any,  # noqa: F811
+                                                          tmp_path: Path) -> None:
     ex = load_example("dedup_ttl")
-    clock = iter(range(1_000_000, 10_000_000, 1_500))  # a batch every 1.5 s of processing time
-    r = ex.run(spark, tmp_path, quick=True, table="heap", agent=False,
-               clock_ms=lambda: next(clock))
+    # a batch every second of processing time: an id emitted in batch k expires exactly at the
+    # time of batch k + 4 (TTL_S = 4)
+    clock = iter(range(1_000_000, 10_000_000, 1_000))
+    r = ex.run(spark, tmp_path, table="heap", agent=False, clock_ms=lambda: next(clock))
+    cases = r["cases"]
+    print(f"dedup input cases: {cases}")
+    assert all(cases.values()), f"a case the input must have is missing: {cases}"
+    assert len(r["emitted"]) == len(r["batches"]) == 20
     assert r["emitted"] == r["expected"]
     emitted = [row[0] for rows in r["emitted"].values() for row in rows]
     ids = {row["event_id"] for b in r["batches"] for row in b}
-    rows = sum(len(b) for b in r["batches"])
-    assert len(emitted) < rows, "copies were dropped"
-    assert len(emitted) > len(ids), "some ids expired and were emitted again"
+    assert len(emitted) == len(ids) + cases["emitted_after_ttl"]
     assert sum(s["ttl_purged"] for s in r["stats"]) > 0
 
 

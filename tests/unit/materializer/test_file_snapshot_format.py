@@ -238,7 +238,6 @@ def test_a_frame_declaring_more_than_its_blocks_can_hold_is_refused_before_stagi
         tmp_path: Path) -> None:
     # a frame that declares 8 GiB but holds one raw block of 4 bytes: refused by the block
     # walk, before a staging directory is made or the disk is asked (no LocalDiskFullError)
-    from dstl.keygroups import KeyGroupRange
     from materializer.file_snapshot import check_data_frame
     from materializer.handles import SnapshotRef
     from restore.file_restore import stage_file_snapshot
