@@ -36,8 +36,8 @@ the ones it returns:
 - **Coverage.** Every page of the file is a meta page, a tree page or part of one overflow run.
 
 Everything is gathered with numpy for all pages of a level at once (node pointers from the bytes
-seen as aligned ``u16``, each node header read with the key's first 8 bytes as one 16-byte
-item). The result, :class:`EntrySpans`, is four arrays — key start, key size, value start, value
+seen as aligned ``u16``, each node header read with the key's first 24 bytes as one 32-byte
+item: the words the key order compares first come with the same cache miss). The result, :class:`EntrySpans`, is four arrays — key start, key size, value start, value
 size (offsets in the file's bytes) — and each key's first 8 bytes as a big-endian word.
 """
 
