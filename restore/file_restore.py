@@ -13,7 +13,7 @@ leftovers of dead processes (a restore killed midway) are removed by the next re
 directory (:func:`remove_stale_staging`).
 
 Staging validates the file whole before anything else reads it
-(:func:`materializer.lmdb_files.check_data_file`: every page, the key order, DSTL's key layout
+(:func:`materializer.lmdb_check.check_data_file`: every page, the key order, DSTL's key layout
 against the snapshot's metadata), and checks that the reference names only key groups the
 snapshot holds: a forged or damaged file is a :class:`~dstl.errors.CorruptObjectError` naming the
 object and nothing of it reaches LMDB or the table. The readers, ``dstl verify`` and
@@ -53,8 +53,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dstl.errors import (
     DECODER_BUGS,
@@ -80,14 +79,10 @@ from materializer.file_snapshot import (
     verify_file_snapshot,
 )
 from materializer.handles import SnapshotRef
-from materializer.lmdb_files import (
-    RangeSource,
-    ValidFile,
-    build_environment,
-    check_data_file,
-    iter_key_groups,
-    remove_marker,
-)
+from materializer.lmdb_files import RangeSource, build_environment, iter_key_groups, remove_marker
+
+if TYPE_CHECKING:
+    from materializer.lmdb_check import ValidFile
 
 __all__ = ["STAGE_PREFIX", "StagedSnapshot", "file_snapshot_in_memory",
            "install_file_snapshots", "is_file_snapshot", "remove_stale_staging",
@@ -159,6 +154,7 @@ def stage_file_snapshot(ref: SnapshotRef, read: ReadAt, size: int, parent: str, 
             raise OSError(errno.ENOSPC, f"{layout.raw_size} bytes needed, {free} free")
     except OSError as exc:
         raise _local_error(exc, parent, ref.key) from exc
+    from materializer.lmdb_check import check_data_file  # numpy: imported when first needed
     try:
         path = os.path.join(directory, "data.mdb")
         decompress_file_snapshot(read, layout, path, key=ref.key)
@@ -181,6 +177,9 @@ def file_snapshot_in_memory(ref: SnapshotRef, read: ReadAt, layout: FileSnapshot
     Raises:
         CorruptObjectError (and subclasses): naming ``ref.key``.
     """
+    import numpy as np
+
+    from materializer.lmdb_check import check_data_file
     _check_reference(ref, layout)
     data = np.empty(layout.raw_size, dtype=np.uint8)
     decompress_file_snapshot_into(read, layout, data, key=ref.key)

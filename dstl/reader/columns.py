@@ -11,7 +11,7 @@ log follows a snapshot) — with per-row Python only where a value needs it:
 - **Runs.** Entries arrive as :class:`Run`\\ s: entries of one state as Arrow arrays (key group,
   key bytes, namespace bytes, stored value). A v2 snapshot's LMDB file (decompressed into
   memory up to :data:`_IN_MEMORY_BYTES`, else into a staged file) is validated whole and
-  located by parsing its pages with numpy (:func:`materializer.lmdb_files.check_data_file`: no
+  located by parsing its pages with numpy (:func:`materializer.lmdb_check.check_data_file`: no
   Python object per entry) and its raw keys (``>HHI`` prefix: key group, state id, key length, read as one
   big-endian word per entry; then key and namespace) are split with numpy, up to a million
   entries a run. Slices of one width (the usual keys and values) are gathered as one item each
@@ -589,7 +589,7 @@ def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarr
 def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupRange,
                key: str) -> Iterator[Run]:
     """Runs of the entries in ``owned`` of a validated v2 file located by its pages
-    (:func:`materializer.lmdb_files.check_data_file`): up to a million entries a piece
+    (:func:`materializer.lmdb_check.check_data_file`): up to a million entries a piece
     (:func:`_pieces`), so the log overlay probes a file in few calls (:meth:`_Overlay.through`
     builds the log keys' hash set per call), not once per 64 k chunk. The file's keys are in
     key order and each data key has DSTL's prefix (validated), so the entries of ``owned`` are

@@ -12,7 +12,8 @@ import pytest
 from dstl import ChangelogHandle, DstlOptions, KeyGroupRange, key_group_for
 from dstl.errors import ConfigError, UnsafePathError, UsageError
 from dstl.handle import ChangeSetRef
-from dstl.keygroups import key_groups_for, operator_index_for_key_group
+from dstl.key_hashes import key_groups_for
+from dstl.keygroups import operator_index_for_key_group
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

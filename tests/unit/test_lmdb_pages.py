@@ -297,7 +297,7 @@ def test_dstl_keys_are_checked_against_the_metadata_and_their_hash(tmp_path: Pat
     from dstl import KeyGroupRange, key_group_for
     from dstl.errors import CorruptObjectError
     from materializer.file_snapshot import FileSnapshotMeta
-    from materializer.lmdb_files import check_data_file
+    from materializer.lmdb_check import check_data_file
 
     mp = 16
     keys = [f"user-{i}".encode() for i in range(200)]
