@@ -185,7 +185,7 @@ def _level(data: np.ndarray, pages: np.ndarray, psize: int, *, leaf: bool) -> _L
     ``lower`` before its nodes begin at ``upper``, and every pointer is even and in
     ``[upper, page size - 8]``; a branch page has at least two nodes, a leaf page one."""
     base = pages * psize
-    u16 = data[:len(data) // 2 * 2].view("<u2")
+    u16 = _u16(data)
     lower = u16[(base + 12) >> 1].astype(np.int64)
     upper = u16[(base + 14) >> 1].astype(np.int64)
     kind = "leaf" if leaf else "branch"
@@ -244,21 +244,31 @@ def _check_tiled(lvl: _Level, size: np.ndarray, psize: int) -> None:
                             "page's end", int(start[i]))
 
 
+def _claim(pages: np.ndarray, seen: np.ndarray, psize: int, what: str) -> None:
+    """Mark ``pages`` seen, refusing one seen before or listed twice (``what`` names it by
+    ``{}``)."""
+    again = seen[pages]
+    if not again.any() and len(np.unique(pages)) != len(pages):
+        values, counts = np.unique(pages, return_counts=True)
+        again = pages == values[int(np.argmax(counts > 1))]
+    if again.any():
+        p = int(pages[int(np.argmax(again))])
+        raise LmdbFileError(what.format(p), p * psize)
+    seen[pages] = True
+
+
+def _u16(data: np.ndarray) -> np.ndarray:
+    """The file's bytes as aligned little-endian ``u16`` (pages and their headers are even)."""
+    return data[:len(data) // 2 * 2].view("<u2")
+
+
 def _mark(level: np.ndarray, seen: np.ndarray, psize: int, u64: np.ndarray, what: str) -> None:
     """Mark pages seen: each inside the file, reached once, carrying its own page number."""
     outside = (level < 2) | (level >= len(seen))
     if outside.any():
         raise LmdbFileError(f"{what} names page {int(level[int(np.argmax(outside))])}, a meta "
                             f"page or past the file's {len(seen)} pages", 0)
-    again = seen[level]
-    if not again.any() and len(np.unique(level)) != len(level):
-        values, counts = np.unique(level, return_counts=True)
-        again = level == values[int(np.argmax(counts > 1))]
-    if again.any():
-        p = int(level[int(np.argmax(again))])
-        raise LmdbFileError(f"{what}: page {p} is reached twice (a cycle or a shared page)",
-                            p * psize)
-    seen[level] = True
+    _claim(level, seen, psize, f"{what}: page {{}} is reached twice (a cycle or a shared page)")
     _first_bad(u64[level * psize].astype(np.int64) != level, level, psize,
                "its header names another page number")
 
@@ -316,7 +326,7 @@ def _overflow(data: np.ndarray, u64: np.ndarray, seen: np.ndarray, psize: int,
         raise LmdbFileError(f"a value of {int(size[i])} bytes on overflow page {int(pages[i])}, "
                             f"a meta page or past the file's {len(seen)} pages", int(vstart[i]))
     base = pages * psize
-    u16 = data[:len(data) // 2 * 2].view("<u2")
+    u16 = _u16(data)
     flags = u16[(base + 10) >> 1]
     count = u16[(base + 12) >> 1].astype(np.int64) | u16[(base + 14) >> 1].astype(np.int64) << 16
     # LMDB rewrites a smaller value into the pages it has, so a run may be longer than needed
@@ -330,14 +340,7 @@ def _overflow(data: np.ndarray, u64: np.ndarray, seen: np.ndarray, psize: int,
     starts = np.zeros(len(count), dtype=np.int64)
     np.cumsum(count[:-1], out=starts[1:])
     every = np.repeat(pages - starts, count) + np.arange(int(count.sum()), dtype=np.int64)
-    again = seen[every]
-    if not again.any() and len(np.unique(every)) != len(every):
-        values, n = np.unique(every, return_counts=True)
-        again = every == values[int(np.argmax(n > 1))]
-    if again.any():
-        p = int(every[int(np.argmax(again))])
-        raise LmdbFileError(f"overflow page {p} is reached twice (a shared page)", p * psize)
-    seen[every] = True
+    _claim(every, seen, psize, "overflow page {} is reached twice (a shared page)")
     return base + _HEADER, len(every)
 
 
@@ -449,7 +452,7 @@ def parse_data_file(data: np.ndarray) -> EntrySpans:
     meta = _meta(data)
     psize = meta.psize
     u64 = _view(data, "<u8", 8)
-    u16 = data[:len(data) // 2 * 2].view("<u2")
+    u16 = _u16(data)
     seen = np.zeros(meta.pages, dtype=bool)
     seen[:2] = True
     level = np.array([meta.root], dtype=np.int64)
