@@ -40,7 +40,6 @@ Theory of operation
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -112,7 +111,7 @@ from materializer.codecs import (
     codec_by_name,
     decode_hashable,
 )
-from materializer.file_snapshot import FileSnapshotMeta, write_file_snapshot
+from materializer.file_snapshot import FileSnapshotMeta, spool_file_snapshot
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.local_dirs import OwnDirectory, prepare_environment
 from materializer.manager import MaterializationManager, MaterializedBase
@@ -413,8 +412,9 @@ class ChangelogKeyedStateBackend:
                               boundary: tuple[str, int] | None = None
                               ) -> Callable[[], SnapshotRef]:
         """The write-out of a file-level snapshot (format v2) of the LMDB table from ``snap``'s
-        read transaction: the copy goes to a temporary file beside the table. ``boundary``: the
-        last change set the copy reflects, when the cut is exactly at a checkpoint (as in v1)."""
+        read transaction: the copy streamed into the compressor, the object spooled beside the
+        table and read for the upload once the read transaction ended. ``boundary``: the last
+        change set the copy reflects, when the cut is exactly at a checkpoint (as in v1)."""
         meta = FileSnapshotMeta(self.key_groups, self.max_parallelism,
                                 {str(r.state_id): r.meta for r in self._by_id.values()},
                                 self.operator_id, materialization_id, boundary=boundary,
@@ -423,13 +423,13 @@ class ChangelogKeyedStateBackend:
         zstd_level, store, retry = self.options.zstd_level, self._store, self._upload_retry
 
         def write() -> SnapshotRef:
-            out = io.BytesIO()
             try:
-                write_file_snapshot(snap.copy_to, meta, out, zstd_level=zstd_level,
-                                    tmp_dir=tmp_dir)
+                spool = spool_file_snapshot(snap.copy_to, snap.copy_size(), meta, tmp_dir,
+                                            zstd_level=zstd_level)
             finally:
                 snap.release()
-            data = out.getvalue()
+            with spool:
+                data = spool.read()
             key = upload_snapshot(store, self.operator_id, materialization_id, data, retry)
             return SnapshotRef(key, len(data), self.key_groups, materialization_id)
 

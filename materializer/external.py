@@ -13,7 +13,11 @@ materialization, so restore does not care who wrote it) and is uploaded under a 
 default that is the file-level format v2 (:mod:`materializer.file_snapshot`): a compacting copy
 of the environment from that read transaction, zstd-compressed — the copy holds the marker too
 (a restore deletes it before installing the file: only the restored backend may claim a
-checkpoint).
+checkpoint). The copy is streamed into the compressor, and the object into an unnamed temporary
+file beside the table (:func:`~materializer.file_snapshot.spool_file_snapshot`); the read
+transaction ends before the upload, and the object is read into memory only for the store's
+``put`` (the store seam takes bytes), so a materialization holds at most one object's bytes,
+never an uncompressed copy, on disk or in memory.
 
 The result names the marker's *boundary*; a backend installs it with
 :meth:`~materializer.backend.ChangelogKeyedStateBackend.install_materialization` only if its own
@@ -29,7 +33,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from dstl.checks import check_choice
 from dstl.errors import UsageError
@@ -37,7 +41,7 @@ from dstl.keygroups import KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from materializer.backend import upload_snapshot
-from materializer.file_snapshot import FileSnapshotMeta, write_file_snapshot
+from materializer.file_snapshot import FileSnapshotMeta, spool_file_snapshot
 from materializer.handles import SnapshotRef
 from materializer.lmdb_table import LmdbStateTable, LmdbTableSnapshot
 from materializer.options import LMDB_SNAPSHOT_FORMATS
@@ -105,21 +109,24 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
-    key = upload_snapshot(store, marker.operator_id, mat_id, taken.data,
+    with taken.object as f:
+        data = f.read()
+    key = upload_snapshot(store, marker.operator_id, mat_id, data,
                           retry or RetryPolicy.for_uploads(DstlOptions()))
     duration = time.monotonic() - t0
     logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
                 "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,
-                taken.entries, len(taken.data), key, duration * 1e3)
-    return ExternalMaterialization(SnapshotRef(key, len(taken.data), key_groups, mat_id),
+                taken.entries, len(data), key, duration * 1e3)
+    return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id),
                                    taken.boundary, marker, taken.entries, duration)
 
 
 @dataclass(frozen=True, slots=True)
 class _TakenSnapshot:
-    """A snapshot object's bytes, read from one read transaction of the table."""
+    """A snapshot object written from one read transaction of the table, in a file open at its
+    start (v2: an unnamed temporary file; v1: its bytes in memory); the caller closes it."""
 
-    data: bytes
+    object: BinaryIO
     marker: TableMarker
     boundary: tuple[str, int]
     materialization_id: int
@@ -147,6 +154,7 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
             if boundary is None or boundary == skip_boundary:
                 return None
             mat_id = marker.materialization_id + 1
+            data: BinaryIO
             if snapshot_format == "file":
                 data, entries = _write_file(snap, directory, marker, mat_id, zstd_level)
             else:
@@ -158,7 +166,7 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
                 parts: list[bytes] = []
                 written = snap.write(parts.append, metadata=metadata, zstd_level=zstd_level,
                                      max_block_bytes=max_block_bytes)
-                data, entries = b"".join(parts), written.entries
+                data, entries = io.BytesIO(b"".join(parts)), written.entries
         finally:
             snap.release()
     finally:
@@ -167,14 +175,19 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
 
 
 def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, mat_id: int,
-                zstd_level: int) -> tuple[bytes, int]:
-    """A file-level snapshot (format v2) of the read transaction; the copy goes beside the
-    table. Returns the object and the table's entry count (layout and marker not counted)."""
+                zstd_level: int) -> tuple[BinaryIO, int]:
+    """A file-level snapshot (format v2) of the read transaction, spooled beside the table.
+    Returns the object's temporary file and the table's entry count (layout and marker not
+    counted)."""
     assert marker.boundary is not None
     meta = FileSnapshotMeta(marker.key_groups, marker.max_parallelism, marker.states,
                             marker.operator_id, mat_id, boundary=marker.boundary,
                             extra={"checkpoint_id": marker.checkpoint_id})
-    out = io.BytesIO()
-    write_file_snapshot(snap.copy_to, meta, out, zstd_level=zstd_level,
-                        tmp_dir=os.path.dirname(os.path.abspath(directory)))
-    return out.getvalue(), max(snap.entry_count() - 2, 0)
+    spool = spool_file_snapshot(snap.copy_to, snap.copy_size(), meta,
+                                os.path.dirname(os.path.abspath(directory)),
+                                zstd_level=zstd_level)
+    try:
+        return spool, max(snap.entry_count() - 2, 0)
+    except BaseException:
+        spool.close()
+        raise

@@ -30,9 +30,14 @@ per-entry work (:mod:`restore.file_restore`). The object is::
   write). A crc32 of the raw file would check the same bytes a third time at the cost of the
   decompression itself, so there is none.
 
-Writing (:func:`write_file_snapshot`) streams: the environment is copied into a temporary file
-beside the table (``copy`` = :meth:`~materializer.lmdb_table.LmdbTableSnapshot.copy_to`), then
-compressed chunk by chunk into the object; reading (:func:`verify_file_snapshot`,
+Writing (:func:`write_file_snapshot`) streams: the environment's copy
+(``copy`` = :meth:`~materializer.lmdb_table.LmdbTableSnapshot.copy_to`) goes through a pipe into
+the compressor when its size is known in advance
+(:meth:`~materializer.lmdb_table.LmdbTableSnapshot.copy_size`), so no uncompressed copy ever
+lands on disk or in memory; a copy of unknown size goes to a temporary file first. Only
+compression chunks are held in memory. :func:`spool_file_snapshot` writes the object itself
+into an unnamed temporary file on the table's disk, so a materialization holds no more than
+chunks of it until it is uploaded. Reading (:func:`verify_file_snapshot`,
 :func:`decompress_file_snapshot`) works from any ranged reader (a cache lease, the store's
 ``get_range``, bytes in memory), in chunks. Errors are :class:`~dstl.errors.CorruptObjectError`
 subclasses naming the object key and the byte offset.
@@ -40,11 +45,14 @@ subclasses naming the object key and the byte offset.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
 import struct
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +97,7 @@ __all__ = [
     "decompress_file_snapshot_into",
     "read_file_snapshot_layout",
     "snapshot_version",
+    "spool_file_snapshot",
     "verify_file_snapshot",
     "write_file_snapshot",
 ]
@@ -204,9 +213,9 @@ class FileSnapshotLayout:
 
 def write_file_snapshot(copy: Callable[[int], object], meta: FileSnapshotMeta, out: BinaryIO, *,
                         zstd_level: int = 1, tmp_dir: str | None = None,
-                        threads: int = 0) -> int:
-    """Write a v2 snapshot object to ``out``: the environment copied by ``copy(fd)`` into a
-    temporary file in ``tmp_dir`` (removed afterwards), compressed in chunks.
+                        threads: int = 0, raw_size: int | None = None) -> int:
+    """Write a v2 snapshot object to ``out``: the environment copied by ``copy(fd)``, compressed
+    in chunks.
 
     Args:
         copy: writes the environment's data file to the given file descriptor (from a read
@@ -214,13 +223,24 @@ def write_file_snapshot(copy: Callable[[int], object], meta: FileSnapshotMeta, o
         meta: the metadata.
         out: receives the object (a file or ``io.BytesIO``), from its current position.
         zstd_level: compression level.
-        tmp_dir: where the temporary copy goes (default: the system's temp directory; pass the
-            table's parent directory to stay on its disk).
+        tmp_dir: where a copy of unknown size goes first (default: the system's temp directory;
+            pass the table's parent directory to stay on its disk).
         threads: zstd worker threads (0: compress on the calling thread).
+        raw_size: the size of what ``copy`` writes, when known before it runs
+            (:meth:`~materializer.lmdb_table.LmdbTableSnapshot.copy_size`): the copy runs on a
+            helper thread into a pipe that the calling thread compresses from, and nothing
+            touches the disk; ``None``: the copy goes to a temporary file in ``tmp_dir``
+            (removed afterwards), then is compressed.
 
     Returns:
         the object's size in bytes.
+
+    Raises:
+        UsageError: the copy wrote another number of bytes than ``raw_size``.
+        Exception: what ``copy`` raised (the object in ``out`` is then incomplete).
     """
+    if raw_size is not None:
+        return _write_piped(copy, raw_size, meta, out, zstd_level, threads)
     fd, tmp = tempfile.mkstemp(prefix=".dstl-copy-", suffix=".mdb", dir=tmp_dir)
     try:
         copy(fd)
@@ -230,6 +250,79 @@ def write_file_snapshot(copy: Callable[[int], object], meta: FileSnapshotMeta, o
     finally:
         os.close(fd)
         os.unlink(tmp)
+
+
+def spool_file_snapshot(copy: Callable[[int], object], raw_size: int, meta: FileSnapshotMeta,
+                        directory: str, *, zstd_level: int = 1) -> BinaryIO:
+    """Write a v2 snapshot object into an unnamed temporary file in ``directory`` (it has no
+    name, so it disappears when closed, or with the process): the copy streamed as
+    :func:`write_file_snapshot` with ``raw_size`` does. Returns the file, open for reading at
+    its start; its size is the object's. The caller closes it once the object is uploaded.
+
+    Raises:
+        what :func:`write_file_snapshot` raises, and ``OSError`` of the temporary file.
+    """
+    # the caller closes it
+    spool = tempfile.TemporaryFile(prefix=".dstl-spool-", dir=directory)  # noqa: SIM115
+    try:
+        write_file_snapshot(copy, meta, spool, zstd_level=zstd_level, raw_size=raw_size)
+        spool.seek(0)
+    except BaseException:
+        spool.close()
+        raise
+    return cast(BinaryIO, spool)
+
+
+def _write_piped(copy: Callable[[int], object], raw_size: int, meta: FileSnapshotMeta,
+                 out: BinaryIO, zstd_level: int, threads: int) -> int:
+    """:func:`write_file_snapshot` through a pipe: ``copy`` writes it on a helper thread (LMDB's
+    copy runs without the GIL), the calling thread compresses what it reads."""
+    r, w = os.pipe()
+    _widen_pipe(w)
+    copy_error: list[BaseException] = []
+
+    def run_copy() -> None:
+        try:
+            copy(w)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            copy_error.append(exc)
+        finally:
+            os.close(w)
+
+    thread = threading.Thread(target=run_copy, name="dstl-snapshot-copy", daemon=True)
+    thread.start()
+    try:
+        with os.fdopen(r, "rb", closefd=False) as raw:
+            size = _write_object(raw, raw_size, meta, out, zstd_level, threads)
+    except BaseException as exc:
+        _drain(r, thread)
+        if copy_error:   # the copy's own failure explains a short stream
+            raise copy_error[0] from exc
+        raise
+    _drain(r, thread)
+    if copy_error:
+        raise copy_error[0]
+    return size
+
+
+def _widen_pipe(fd: int) -> None:
+    """A 1 MiB pipe buffer where the platform allows it (Linux): fewer switches between the copy
+    and the compressor. The default works too."""
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if set_size is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, set_size, 1 << 20)
+
+
+def _drain(r: int, thread: threading.Thread) -> None:
+    """Read the pipe to its end, so the copy never blocks on it (nor meets a closed reader:
+    no ``SIGPIPE`` in a process that does not ignore it), then wait for the copy and close."""
+    try:
+        while os.read(r, _CHUNK):
+            pass
+    finally:
+        thread.join()
+        os.close(r)
 
 
 class _CrcWriter:
@@ -256,17 +349,19 @@ def _write_object(raw: BinaryIO, raw_size: int, meta: FileSnapshotMeta, out: Bin
     data_offset = w.size
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True,
                                     write_content_size=True, threads=threads)
+    z = cctx.stream_writer(w, size=raw_size, closefd=False)  # type: ignore[arg-type]
     done = 0
-    with cctx.stream_writer(w, size=raw_size, closefd=False) as z:  # type: ignore[arg-type]
-        while True:
-            chunk = raw.read(_CHUNK)
-            if not chunk:
-                break
-            done += len(chunk)
+    while done <= raw_size:
+        chunk = raw.read(_CHUNK)
+        if not chunk:
+            break
+        done += len(chunk)
+        if done <= raw_size:
             z.write(chunk)
-    if done != raw_size:
-        raise UsageError(f"the LMDB copy changed size while being compressed ({raw_size} -> "
-                         f"{done} bytes)")
+    if done != raw_size:   # checked before zstd ends the frame (it would refuse it less clearly)
+        raise UsageError(f"the LMDB copy changed size while being compressed: {raw_size} bytes "
+                         f"expected, {'more' if done > raw_size else done} written")
+    z.close()  # type: ignore[no-untyped-call]  # ends the frame; closefd=False keeps ``w`` open
     data_length = w.size - data_offset
     w.write(_FOOTER_HEAD.pack(data_offset, data_length, raw_size,
                               FILE_SNAPSHOT_FORMAT.kind, FILE_SNAPSHOT_FORMAT.version, 0))

@@ -998,9 +998,9 @@ class LmdbTableSnapshot(TablesSnapshot):
 
     def copy_to(self, fd: int) -> None:
         """Write a compacted copy of the whole environment, as of this snapshot's read
-        transaction, to the file descriptor ``fd`` (a file snapshot,
-        :mod:`materializer.file_snapshot`). Writers go on meanwhile; the marker and the layout
-        record are in the copy (same transaction as the entries)."""
+        transaction, to the file descriptor ``fd`` (a file or a pipe: a file snapshot,
+        :mod:`materializer.file_snapshot`), :meth:`copy_size` bytes. Writers go on meanwhile;
+        the marker and the layout record are in the copy (same transaction as the entries)."""
         if self._released:
             raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
         table = self._table
@@ -1011,6 +1011,24 @@ class LmdbTableSnapshot(TablesSnapshot):
             raise table._translate(exc, "snapshot copy") from exc
         finally:
             table._exit_read()
+
+    def copy_size(self) -> int:
+        """The size of what :meth:`copy_to` writes, known before it runs: a compacting copy
+        holds the two meta pages and the pages of the tree, nothing else (no free pages, no
+        free list), so :mod:`materializer.file_snapshot` can stream it without a temporary
+        file."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            st = self._txn.stat(table._env.open_db())
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot stat") from exc
+        finally:
+            table._exit_read()
+        tree = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
+        return (2 + tree) * int(st["psize"])
 
     def entry_count(self) -> int:
         """Records in the table as of this snapshot (the layout and marker records included)."""

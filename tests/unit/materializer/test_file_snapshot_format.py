@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from materializer.file_snapshot import (
     decompress_file_snapshot_into,
     read_file_snapshot_layout,
     snapshot_version,
+    spool_file_snapshot,
     verify_file_snapshot,
     write_file_snapshot,
 )
@@ -93,6 +96,58 @@ def _decompress(how: str, data: bytes, layout: FileSnapshotLayout, tmp_path: Pat
     buf = bytearray(layout.raw_size)
     decompress_file_snapshot_into(_reader(data), layout, buf, key=KEY)
     return bytes(buf)
+
+
+def test_a_copy_of_known_size_streams_through_a_pipe_into_the_same_object(tmp_path: Path
+                                                                         ) -> None:
+    """With the copy's size known, the copy goes into a pipe (never a file) and the object is
+    byte for byte the one the temporary-file path writes."""
+    copy = _env_copy(tmp_path)
+    kinds: list[bool] = []
+
+    def spying(fd: int) -> None:
+        kinds.append(stat.S_ISFIFO(os.fstat(fd).st_mode))
+        copy(fd)
+
+    through_file = io.BytesIO()
+    write_file_snapshot(spying, META, through_file, tmp_dir=str(tmp_path))
+    layout = verify_file_snapshot(_reader(through_file.getvalue()), through_file.tell(), key=KEY)
+    before = sorted(os.listdir(tmp_path))
+    streamed = io.BytesIO()
+    size = write_file_snapshot(spying, META, streamed, tmp_dir=str(tmp_path),
+                               raw_size=layout.raw_size)
+    assert kinds == [False, True]
+    assert size == len(streamed.getvalue())
+    assert streamed.getvalue() == through_file.getvalue()
+    assert sorted(os.listdir(tmp_path)) == before
+    with spool_file_snapshot(copy, layout.raw_size, META, str(tmp_path)) as spool:
+        assert spool.read() == through_file.getvalue()
+        assert sorted(os.listdir(tmp_path)) == before   # the spool has no name
+
+
+@pytest.mark.parametrize("delta", [-4096, 4096])
+def test_a_copy_of_another_size_than_announced_is_a_usage_error(tmp_path: Path,
+                                                                delta: int) -> None:
+    copy = _env_copy(tmp_path)
+    out = io.BytesIO()
+    write_file_snapshot(copy, META, out, tmp_dir=str(tmp_path))
+    raw = verify_file_snapshot(_reader(out.getvalue()), len(out.getvalue()), key=KEY).raw_size
+    with pytest.raises(UsageError, match="changed size"):
+        write_file_snapshot(copy, META, io.BytesIO(), raw_size=raw + delta)
+
+
+def test_a_failing_copy_raises_its_own_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """The copy fails after writing part of the file: its error comes out (not the short
+    stream's), no thread is left blocked on the pipe, and the spool is gone."""
+    def failing(fd: int) -> None:
+        os.write(fd, b"\0" * (3 << 20))
+        raise OSError(5, "disk gone")
+
+    threads = threading.active_count()
+    with pytest.raises(OSError, match="disk gone"):
+        spool_file_snapshot(failing, 8 << 20, META, str(tmp_path))
+    assert threading.active_count() == threads
+    assert os.listdir(tmp_path) == []
 
 
 def test_both_ways_to_decompress_give_the_same_file(tmp_path: Path) -> None:
