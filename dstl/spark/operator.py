@@ -17,7 +17,8 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
    writes the manifest for ``checkpoint_id = batch_id`` (the commit point; a re-run of a batch id
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and
    deletes what no retained checkpoint needs.
-4. The outputs go to the user's sink.
+4. The outputs go to the user's sink as a DataFrame of the rows the tasks made, kept on the
+   executors (persisted): only the report rows reach the driver (:meth:`_run_tasks`).
 
 The base of batch N is the newest retained checkpoint below N, so a re-run of a batch starts from
 the same state as the first run.
@@ -444,6 +445,8 @@ class DstlStatefulOperator:
             raise stopped from None
 
     def _batch(self, df: Any, batch_id: int) -> None:
+        from pyspark.sql import functions as F
+
         started = time.monotonic()
         wall_start = time.time()
         ready = self._ensure_ready(df.sparkSession)
@@ -460,17 +463,25 @@ class DstlStatefulOperator:
             jobs.label(tasks_label(self.partitions, task_input.base_checkpoint, initial, tasks))
             checkpoint_id = ready.coordinator.trigger(
                 [f"p{i}" for i in range(self.partitions)], checkpoint_id=batch_id)
-            result = self._run_tasks(ready, df, key_type, task_input, checkpoint_id, tasks)
-            tasks_done = time.monotonic()
-            reports = self._reports(ready.coordinator, checkpoint_id, result)
-            next_wm = self._commit_properties(ready.coordinator, checkpoint_id, task_input,
-                                              reports)
-            completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
-            acknowledged = time.monotonic()
-            jobs.label(outcome_label(checkpoint_id, reports, completion is not None))
-            rows_out = self._deliver(ready, df.sparkSession, result, batch_id)
-            if late_df is not None and self.time.late_sink is not None:
-                self.time.late_sink(late_df, batch_id)
+            kept, report_rows = self._run_tasks(ready, df, key_type, task_input,
+                                                checkpoint_id, tasks)
+            try:
+                tasks_done = time.monotonic()
+                reports = self._reports(ready.coordinator, checkpoint_id, report_rows)
+                next_wm = self._commit_properties(ready.coordinator, checkpoint_id,
+                                                  task_input, reports)
+                completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
+                acknowledged = time.monotonic()
+                jobs.label(outcome_label(checkpoint_id, reports, completion is not None))
+                if kept is not None and self.sink is not None:
+                    self.sink(kept.where(F.col(REPORT_COLUMN).isNull()).drop(REPORT_COLUMN),
+                              batch_id)
+                if late_df is not None and self.time.late_sink is not None:
+                    self.time.late_sink(late_df, batch_id)
+            finally:
+                if kept is not None:
+                    kept.unpersist(blocking=False)
+            rows_out = sum(r.rows_out for r in reports)
         times = _BatchTimes(started, tasks_done, acknowledged, time.monotonic())
         stats = _batch_stats(batch_id, reports, completion, rows_out, times)
         stats.update(processing_time_ms=task_input.processing_time_ms,
@@ -628,10 +639,21 @@ class DstlStatefulOperator:
         return wm
 
     def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
-                   checkpoint_id: int, tasks: int) -> Any:
+                   checkpoint_id: int, tasks: int) -> tuple[Any, list[str]]:
         """Route the rows to partitions by key group in the JVM and run the partitions in
-        ``tasks`` Spark tasks (:meth:`_task_count`); the tasks' output and report rows as one
-        Arrow table. A failed job aborts the checkpoint."""
+        ``tasks`` Spark tasks (:meth:`_task_count`). Returns the tasks' rows kept on the
+        executors (``None`` without a sink) and their report rows (JSON text, one per
+        partition: the only rows the driver receives). A failed job aborts the checkpoint.
+
+        The output rows stay where the tasks made them: the job's result is persisted
+        (memory, spilling to disk) and only the report column comes to the driver, so a batch's
+        output is bounded by the executors' storage, not by ``spark.driver.maxResultSize`` or
+        the driver's memory; the sink then reads the persisted rows (its own job, on the
+        executors). The caller unpersists them once the sink returned. If a persisted block is
+        lost before the sink reads it (its executor died), Spark computes that partition
+        again: a task of the same batch on the same base, which a re-run partition already is
+        (:mod:`dstl.spark.task`), whose report the driver never reads."""
+        from pyspark import StorageLevel
         from pyspark.sql import functions as F
         from pyspark.sql.types import StringType, StructField, StructType
 
@@ -650,14 +672,23 @@ class DstlStatefulOperator:
 
         schema = StructType([*ready.out_schema.fields,
                              StructField(REPORT_COLUMN, StringType(), True)])
+        kept = None
         try:
             with _without_adaptive_execution(df.sparkSession):
                 # repartitionById takes the partition modulo ``tasks``: p -> task p mod tasks
-                return (df.withColumn("_dstl_pid", pid)
-                        .repartitionById(tasks, "_dstl_pid")
-                        .mapInArrow(task if tasks == self.partitions else grouped_task, schema)
-                        .toArrow())
+                result = (df.withColumn("_dstl_pid", pid)
+                          .repartitionById(tasks, "_dstl_pid")
+                          .mapInArrow(task if tasks == self.partitions else grouped_task,
+                                      schema))
+                if self.sink is not None:
+                    # planned here, with AQE off: the cache keeps this plan
+                    kept = result = result.persist(StorageLevel.MEMORY_AND_DISK)
+                reports = [r[0] for r in result.where(F.col(REPORT_COLUMN).isNotNull())
+                           .select(REPORT_COLUMN).collect()]
+            return kept, reports
         except BaseException as exc:
+            if kept is not None:
+                kept.unpersist(blocking=False)
             ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
             deployment = _deployment_problem(str(exc))
             if deployment is not None:
@@ -675,8 +706,8 @@ class DstlStatefulOperator:
             return self.tasks
         return max(1, min(self.partitions, int(spark.sparkContext.defaultParallelism)))
 
-    def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int, result: Any
-                 ) -> list[TaskReport]:
+    def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
+                 rows: list[str]) -> list[TaskReport]:
         """One report per partition, validated.
 
         Raises:
@@ -684,8 +715,7 @@ class DstlStatefulOperator:
                 (either aborts the checkpoint).
         """
         try:
-            reports = [TaskReport.from_json(r)
-                       for r in result.column(REPORT_COLUMN).to_pylist() if r is not None]
+            reports = [TaskReport.from_json(r) for r in rows]
         except TaskReportError:
             coordinator.abort(checkpoint_id, "malformed task report")
             raise
@@ -694,19 +724,6 @@ class DstlStatefulOperator:
             coordinator.abort(checkpoint_id, "missing task results")
             raise UsageError(f"batch {checkpoint_id}: results of partitions {sorted(missing)} are missing")
         return reports
-
-    def _deliver(self, ready: _Ready, spark: Any, result: Any, batch_id: int) -> int:
-        """Hand the output rows to the sink; how many there were."""
-        import pyarrow.compute as pc
-
-        # one chunk: no empty record batch may come before rows, since pyspark's
-        # createDataFrame from Arrow stops at an empty batch that more batches follow (it reads
-        # 0 rows of chunks [0, 0, 5]); Table.filter happens to drop empty chunks today
-        outputs = result.filter(pc.is_null(result.column(REPORT_COLUMN))).drop_columns(
-            [REPORT_COLUMN]).combine_chunks()
-        if self.sink is not None:
-            self.sink(spark.createDataFrame(outputs, schema=ready.out_schema), batch_id)
-        return int(outputs.num_rows)
 
     def close(self) -> None:
         """Stop the coordinator (pending deletions finish), the metrics endpoint, and release
@@ -743,7 +760,7 @@ def _without_adaptive_execution(spark: Any) -> Iterator[None]:
     change here (``repartitionById`` fixes the partition count, and a task must see exactly its
     partition's rows, so neither coalescing nor skew splits may apply). With AQE off it is one
     job of two stages, as Spark's own stateful operators run (Structured Streaming plans them
-    without AQE). The switch is read when the plan is made, inside ``toArrow``; it is set on
+    without AQE). The switch is read when the plan is made (``persist``, the reports' ``collect``); it is set on
     the batch's session (under Structured Streaming the query's own clone of the user's), so
     another thread planning on that same session during the job would plan without AQE too.
     """
