@@ -111,7 +111,7 @@ from materializer.codecs import (
     codec_by_name,
     decode_hashable,
 )
-from materializer.file_snapshot import FileSnapshotMeta, spool_file_snapshot
+from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.local_dirs import OwnDirectory, prepare_environment
 from materializer.manager import MaterializationManager, MaterializedBase
@@ -412,9 +412,11 @@ class ChangelogKeyedStateBackend:
                               boundary: tuple[str, int] | None = None
                               ) -> Callable[[], SnapshotRef]:
         """The write-out of a file-level snapshot (format v2) of the LMDB table from ``snap``'s
-        read transaction: the copy streamed into the compressor, the object spooled beside the
-        table and read for the upload once the read transaction ended. ``boundary``: the last
-        change set the copy reflects, when the cut is exactly at a checkpoint (as in v1)."""
+        read transaction (:func:`~materializer.lmdb_files.spool_table_snapshot`: the copy
+        streamed into the compressor, packed first when the pages are far from full, the object
+        spooled beside the table and read for the upload once the read transaction ended).
+        ``boundary``: the last change set the copy reflects, when the cut is exactly at a
+        checkpoint (as in v1)."""
         meta = FileSnapshotMeta(self.key_groups, self.max_parallelism,
                                 {str(r.state_id): r.meta for r in self._by_id.values()},
                                 self.operator_id, materialization_id, boundary=boundary,
@@ -423,9 +425,9 @@ class ChangelogKeyedStateBackend:
         zstd_level, store, retry = self.options.zstd_level, self._store, self._upload_retry
 
         def write() -> SnapshotRef:
+            from materializer.lmdb_files import spool_table_snapshot
             try:
-                spool = spool_file_snapshot(snap.copy_to, snap.copy_size(), meta, tmp_dir,
-                                            zstd_level=zstd_level)
+                spool = spool_table_snapshot(snap, meta, tmp_dir, zstd_level=zstd_level)
             finally:
                 snap.release()
             with spool:

@@ -13,11 +13,12 @@ materialization, so restore does not care who wrote it) and is uploaded under a 
 default that is the file-level format v2 (:mod:`materializer.file_snapshot`): a compacting copy
 of the environment from that read transaction, zstd-compressed — the copy holds the marker too
 (a restore deletes it before installing the file: only the restored backend may claim a
-checkpoint). The copy is streamed into the compressor, and the object into an unnamed temporary
-file beside the table (:func:`~materializer.file_snapshot.spool_file_snapshot`); the read
-transaction ends before the upload, and the object is read into memory only for the store's
-``put`` (the store seam takes bytes), so a materialization holds at most one object's bytes,
-never an uncompressed copy, on disk or in memory.
+checkpoint). The copy is streamed into the compressor (packed first when the table's pages are
+far from full), and the object into an unnamed temporary file beside the table
+(:func:`~materializer.lmdb_files.spool_table_snapshot`); the read transaction ends before the
+upload, and the object is read into memory only for the store's ``put`` (the store seam takes
+bytes), so a materialization holds at most one object's bytes, never an uncompressed copy, in
+memory.
 
 The result names the marker's *boundary*; a backend installs it with
 :meth:`~materializer.backend.ChangelogKeyedStateBackend.install_materialization` only if its own
@@ -41,8 +42,9 @@ from dstl.keygroups import KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from materializer.backend import upload_snapshot
-from materializer.file_snapshot import FileSnapshotMeta, spool_file_snapshot
+from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import SnapshotRef
+from materializer.lmdb_files import spool_table_snapshot
 from materializer.lmdb_table import LmdbStateTable, LmdbTableSnapshot
 from materializer.options import LMDB_SNAPSHOT_FORMATS
 from materializer.table_marker import TableMarker
@@ -183,11 +185,6 @@ def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, ma
     meta = FileSnapshotMeta(marker.key_groups, marker.max_parallelism, marker.states,
                             marker.operator_id, mat_id, boundary=marker.boundary,
                             extra={"checkpoint_id": marker.checkpoint_id})
-    spool = spool_file_snapshot(snap.copy_to, snap.copy_size(), meta,
-                                os.path.dirname(os.path.abspath(directory)),
-                                zstd_level=zstd_level)
-    try:
-        return spool, max(snap.entry_count() - 2, 0)
-    except BaseException:
-        spool.close()
-        raise
+    entries = max(snap.entry_count() - 2, 0)
+    return spool_table_snapshot(snap, meta, os.path.dirname(os.path.abspath(directory)),
+                                zstd_level=zstd_level), entries

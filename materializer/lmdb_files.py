@@ -22,6 +22,23 @@ file. The file came from a store: nothing hands it to LMDB, or reads it, before
   is refused by LMDB without an error.
 * :func:`iter_key_groups` reads a staged file entry by entry, for the heap table (which keeps
   objects, not bytes).
+* :func:`spool_table_snapshot` writes a table snapshot's file-level object
+  (:func:`~materializer.file_snapshot.spool_file_snapshot`). LMDB's compacting copy drops free
+  pages but keeps every page as full as it is, and a B-tree filled by inserts in no global order
+  keeps its leaves about two thirds full (measured: 65 % for 256-byte values, keys ascending in
+  each of 32 key groups or in random order; LMDB splits a page in the middle unless the new key
+  goes last on it). So when the snapshot's leaves are estimated less than
+  :data:`PACK_BELOW_FILL` full, its records are first appended, in key order, into a temporary
+  environment beside the table (:class:`PackedEnvironment`: full pages, like
+  :func:`build_environment`'s), and that one is copied. Measured on 250 k entries of 256-byte
+  values: a third fewer pages in the file, and so in the table a restore installs from it by
+  rename, a quarter fewer bytes in the object, for 0.3 s more CPU in the materializer (+54 %
+  over the plain copy) and the packed environment's size on disk while it runs. The read
+  transaction ends once the records are appended.
+
+Writes into a new environment go in transactions of at most :data:`TXN_BYTES` of records: LMDB
+keeps a write transaction's dirty pages in memory (without ``writemap``), so one transaction for
+a whole environment would hold all of it.
 
 Nothing here opens a table: the callers rename a checked environment into place and open it as an
 :class:`~materializer.lmdb_table.LmdbStateTable` (the rename is the commit point).
@@ -29,19 +46,39 @@ Nothing here opens a table: the callers rename a checked environment into place 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, BinaryIO, Final
 
 import lmdb
 
 from dstl.errors import CorruptObjectError, LocalDiskFullError, StateError
 from dstl.keygroups import KeyGroupRange
-from materializer.lmdb_table import KEY_PREFIX, KG_SID, LAYOUT_KEY, LAYOUT_VERSION, MARKER_KEY
+from materializer.file_snapshot import FileSnapshotMeta, spool_file_snapshot
+from materializer.lmdb_table import (
+    KEY_PREFIX,
+    KG_SID,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    MARKER_KEY,
+    LmdbTableSnapshot,
+)
+from materializer.local_dirs import OwnDirectory
 from materializer.snapshot_format import SnapshotEntry
 
-__all__ = ["RangeSource", "build_environment", "iter_key_groups", "remove_marker"]
+__all__ = ["PACK_BELOW_FILL", "TXN_BYTES", "PackedEnvironment", "RangeSource",
+           "build_environment", "iter_key_groups", "remove_marker", "spool_table_snapshot"]
+
+#: A snapshot whose leaf pages are estimated less full than this is packed before it is copied
+#: (the module docstring): below it a packed file is at least a fifth smaller.
+PACK_BELOW_FILL: Final = 0.75
+#: Records per write transaction into a new environment, at most (its dirty pages are memory).
+TXN_BYTES: Final = 16 << 20
+_PUT_BYTES: Final = 1 << 20   # records per putmulti call
+_PACK_PREFIX: Final = ".dstl-pack-"
 
 
 
@@ -88,33 +125,72 @@ def _records(cur: Any, end: bytes) -> Iterator[tuple[bytes, bytes]]:
         yield k, v
 
 
-def _copy_range(src_txn: Any, dst: Any, source: RangeSource) -> int:
-    """Append the records of ``source.key_groups`` from ``src_txn`` to the write cursor ``dst``;
-    returns how many."""
+def _copy_range(src_txn: Any, dst: _Appender, source: RangeSource) -> int:
+    """Append the records of ``source.key_groups`` from ``src_txn`` to ``dst``; returns how
+    many."""
     kgs = source.key_groups
     end = KG_SID.pack(kgs.end + 1, 0)   # real key groups are < 2**15: never the reserved 0xFFFF
+    what = f"copying key groups {kgs} of {source.key}"
     with src_txn.cursor() as cur:
         if not cur.set_range(KG_SID.pack(kgs.start, 0)):
             return 0
         records = _records(cur, end)
         if all(a == b for a, b in source.remap.items()):
-            consumed, added = dst.putmulti(records, append=True)   # the loop runs in C
-            _check_added(consumed, added, source)
-            return int(added)
-        copied = 0
-        for group in _by_key_group(records):
-            batch = _remapped(group, source)
-            consumed, added = dst.putmulti(batch, append=True)
-            _check_added(consumed, added, source)
-            copied += added
-        return copied
+            return dst.append(records, what)
+        return sum(dst.append(_remapped(group, source), what)
+                   for group in _by_key_group(records))
 
 
-def _check_added(consumed: int, added: int, source: RangeSource) -> None:
-    if added != consumed:
-        raise StateError(f"copying key groups {source.key_groups} of {source.key}: LMDB refused "
-                         f"{consumed - added} records (out of order: the snapshots' key-group "
-                         "ranges overlap)")
+class _Appender:
+    """Appends records in key order to a new environment, in write transactions of at most
+    :data:`TXN_BYTES` (append-mode ``putmulti``: LMDB adds to the last page, which it fills
+    before starting the next)."""
+
+    def __init__(self, env: Any) -> None:
+        self._env = env
+        self._txn: Any = None
+        self._pending = 0
+
+    def append(self, records: Iterable[tuple[bytes, bytes]], what: str) -> int:
+        """Append ``records`` (strictly increasing keys, above every key appended so far);
+        returns how many.
+
+        Raises:
+            StateError: LMDB refused records (out of order; ``what`` says what was copied).
+        """
+        added = 0
+        batch: list[tuple[bytes, bytes]] = []
+        size = 0
+        for record in records:
+            batch.append(record)
+            size += len(record[0]) + len(record[1])
+            if size >= _PUT_BYTES:
+                added += self._put(batch, size, what)
+                batch, size = [], 0
+        return added + (self._put(batch, size, what) if batch else 0)
+
+    def _put(self, batch: list[tuple[bytes, bytes]], size: int, what: str) -> int:
+        if self._txn is None:
+            self._txn = self._env.begin(write=True)
+        with self._txn.cursor() as cur:
+            consumed, added = cur.putmulti(batch, append=True)   # the loop runs in C
+        if added != consumed:
+            raise StateError(f"{what}: LMDB refused {consumed - added} records (out of order: "
+                             "the snapshots' key-group ranges overlap)")
+        self._pending += size
+        if self._pending >= TXN_BYTES:
+            self.commit()
+        return int(added)
+
+    def commit(self) -> None:
+        if self._txn is not None:
+            txn, self._txn, self._pending = self._txn, None, 0
+            txn.commit()
+
+    def abort(self) -> None:
+        if self._txn is not None:
+            txn, self._txn = self._txn, None
+            txn.abort()
 
 
 def _by_key_group(records: Iterator[tuple[bytes, bytes]]) -> Iterator[list[tuple[bytes, bytes]]]:
@@ -166,26 +242,114 @@ def build_environment(target: str, sources: Sequence[RangeSource]) -> int:
 def _build(target: str, sources: Sequence[RangeSource]) -> int:
     os.makedirs(target)
     size = sum(os.path.getsize(os.path.join(s.directory, "data.mdb")) for s in sources)
-    dst_env = lmdb.open(target, map_size=max(size * 2, 64 << 20), subdir=True, sync=False,
-                        metasync=False, readahead=False, max_dbs=0)
+    dst_env = _new_environment(target, size)
     copied = 0
+    dst = _Appender(dst_env)
     try:
-        with dst_env.begin(write=True) as w, w.cursor() as dst:
-            for source in sorted(sources, key=lambda s: s.key_groups.start):
-                try:
-                    src_env = _open(source.directory, readonly=True)
-                except lmdb.Error as exc:
-                    raise CorruptObjectError(source.key, 0, f"the data file is not an LMDB "
-                                                            f"environment: {exc}") from exc
-                try:
-                    with src_env.begin() as r:
-                        copied += _copy_range(r, dst, source)
-                finally:
-                    src_env.close()
-            w.put(LAYOUT_KEY, LAYOUT_VERSION)
+        for source in sorted(sources, key=lambda s: s.key_groups.start):
+            try:
+                src_env = _open(source.directory, readonly=True)
+            except lmdb.Error as exc:
+                raise CorruptObjectError(source.key, 0, f"the data file is not an LMDB "
+                                                        f"environment: {exc}") from exc
+            try:
+                with src_env.begin() as r:
+                    copied += _copy_range(r, dst, source)
+            finally:
+                src_env.close()
+        dst.append([(LAYOUT_KEY, LAYOUT_VERSION)], "the layout record")
+        dst.commit()
     finally:
+        dst.abort()
         dst_env.close()
     return copied
+
+
+def _new_environment(directory: str, size: int) -> Any:
+    """A new environment for about ``size`` bytes of pages (its map: twice that; address space,
+    and the file grows only as pages are written)."""
+    return lmdb.open(directory, map_size=max(size * 2, 64 << 20), subdir=True, sync=False,
+                     metasync=False, readahead=False, max_dbs=0)
+
+
+class PackedEnvironment:
+    """A snapshot's records appended, in key order, into a new environment in an own temporary
+    directory (the module docstring); copy it with :meth:`copy_to`, then :meth:`close` it (the
+    directory goes with it; one left by a killed process is removed by the next one made
+    there).
+
+    Raises:
+        LocalDiskFullError: the disk filled up; StateError: LMDB failed otherwise.
+    """
+
+    def __init__(self, snap: LmdbTableSnapshot, directory: str) -> None:
+        self._own = OwnDirectory.create(_PACK_PREFIX, directory)
+        self._env: Any = None
+        try:
+            self._env = _new_environment(self._own.path, snap.copy_size())
+            dst = _Appender(self._env)
+            try:
+                with contextlib.closing(snap.records()) as records:
+                    self.records = dst.append(records, f"packing a snapshot in {directory}")
+                dst.commit()
+            finally:
+                dst.abort()
+        except lmdb.Error as exc:
+            self.close()
+            if isinstance(exc, lmdb.DiskError) or "No space left" in str(exc):
+                raise LocalDiskFullError(f"packing a snapshot in {self._own.path}: {exc} (free "
+                                         "local disk space)", path=self._own.path) from exc
+            raise StateError(f"packing a snapshot in {self._own.path} failed: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def copy_size(self) -> int:
+        """What :meth:`copy_to` writes: the meta pages and the tree's pages."""
+        st = self._env.stat()
+        tree = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
+        return (2 + tree) * int(st["psize"])
+
+    def copy_to(self, fd: int) -> None:
+        """LMDB's compacting copy of the packed environment to ``fd`` (a file or a pipe)."""
+        self._env.copyfd(fd, compact=True)
+
+    def close(self) -> None:
+        """Close the environment and remove its directory. Idempotent."""
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        self._own.remove()
+
+    def __enter__(self) -> PackedEnvironment:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def spool_table_snapshot(snap: LmdbTableSnapshot, meta: FileSnapshotMeta, directory: str, *,
+                         zstd_level: int = 1) -> BinaryIO:
+    """The file-level object (format v2) of ``snap`` in an unnamed temporary file in
+    ``directory`` (the table's parent: one disk), open at its start; the caller closes it.
+    Packed first when its leaves are estimated less than :data:`PACK_BELOW_FILL` full (the
+    module docstring); ``snap`` is released once nothing needs its read transaction any more.
+
+    Raises:
+        LocalDiskFullError, StateError: writing the temporary files; what
+            :func:`~materializer.file_snapshot.spool_file_snapshot` raises.
+    """
+    try:
+        if snap.leaf_fill() >= PACK_BELOW_FILL:
+            return spool_file_snapshot(snap.copy_to, snap.copy_size(), meta, directory,
+                                       zstd_level=zstd_level)
+        with PackedEnvironment(snap, directory) as packed:
+            snap.release()
+            return spool_file_snapshot(packed.copy_to, packed.copy_size(), meta, directory,
+                                       zstd_level=zstd_level)
+    finally:
+        snap.release()
 
 
 def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str

@@ -51,7 +51,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -127,6 +127,8 @@ LAYOUT_KEY: Final = _LAYOUT_KEY
 LAYOUT_VERSION: Final = _LAYOUT_VERSION
 MARKER_KEY: Final = _MARKER_KEY
 _SCAN_CHUNK: Final = 4096                # entries per guarded cursor pass of entries()
+_PAGE_HEADER: Final = 16                 # LMDB's page header (pgno, pad, flags, lower, upper)
+_FILL_SAMPLE: Final = 2048               # records leaf_fill() reads, at most
 
 # Environments of tables opened before a fork: the child keeps them referenced forever so that
 # deallocation never runs LMDB code on the parent's environment or reader slots.
@@ -1029,6 +1031,61 @@ class LmdbTableSnapshot(TablesSnapshot):
             table._exit_read()
         tree = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
         return (2 + tree) * int(st["psize"])
+
+    def records(self) -> Generator[tuple[bytes, bytes], None, None]:
+        """Every raw ``(key, value)`` record of the environment at the snapshot, in key order
+        (the layout and marker records last): what a compacting copy holds, for a copy that
+        repacks them (:class:`materializer.lmdb_files.PackedEnvironment`)."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            with self._txn.cursor() as cur:
+                if cur.first():
+                    yield from cur.iternext()
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot read") from exc
+        finally:
+            table._exit_read()
+
+    def leaf_fill(self) -> float:
+        """How full the leaf pages are, estimated: the leaf nodes' bytes (LMDB's node header,
+        key, value or its overflow page number, slot) of up to ``_FILL_SAMPLE`` records at
+        eight places of the key-group range, scaled to every entry, over the leaf pages' room.
+        1.0 for a table of fewer than 64 leaf pages (nothing worth packing)."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            st = self._txn.stat(table._env.open_db())
+            leaves, psize = int(st["leaf_pages"]), int(st["psize"])
+            if leaves < 64:
+                return 1.0
+            nodemax = ((psize - _PAGE_HEADER) // 2 & ~1) - 2   # LMDB's me_nodemax
+            sizes: list[int] = []
+            kgs = self._key_groups
+            per_place = _FILL_SAMPLE // 8
+            with self._txn.cursor() as cur:
+                for i in range(8):
+                    kg = kgs.start + (kgs.end - kgs.start) * i // 8
+                    if not cur.set_range(_KG_SID.pack(kg, 0)):
+                        break
+                    for n, (k, v) in enumerate(cur.iternext()):
+                        node = 8 + len(k) + len(v)
+                        node = 8 + len(k) + 8 if node > nodemax else node
+                        sizes.append(node + (node & 1) + 2)
+                        if n + 1 >= per_place:
+                            break
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot stat") from exc
+        finally:
+            table._exit_read()
+        if not sizes:
+            return 1.0
+        used = int(st["entries"]) * sum(sizes) / len(sizes)
+        return min(1.0, used / (leaves * (psize - _PAGE_HEADER)))
 
     def entry_count(self) -> int:
         """Records in the table as of this snapshot (the layout and marker records included)."""

@@ -1,7 +1,9 @@
-"""What a file-level materialization of an LMDB table costs besides the table: the copy streams
-through a pipe into the compressor (no uncompressed copy on disk or in memory), the object is
-spooled in an unnamed file, and nothing is left beside the table — from another process (the
-executor agent's materializer) and in the writer's own process."""
+"""What a file-level materialization of an LMDB table costs besides the table, and what its
+restore installs: the copy streams through a pipe into the compressor (no uncompressed copy on
+disk or in memory), the object is spooled in an unnamed file, nothing is left beside the table;
+a table whose pages are far from full is packed first, so its object and the table restored from
+it are smaller, with the same entries — from another process (the executor agent's materializer)
+and in the writer's own process."""
 
 from __future__ import annotations
 
@@ -9,18 +11,26 @@ import json
 import os
 import random
 import stat
+import struct
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from materializer import BackendOptions, ChangelogKeyedStateBackend, ValueStateDescriptor
-from materializer.lmdb_table import LmdbTableSnapshot
+from materializer import (
+    BackendOptions,
+    ChangelogKeyedStateBackend,
+    ValueStateDescriptor,
+    lmdb_files,
+)
+from materializer.file_snapshot import spool_file_snapshot
+from materializer.lmdb_files import PACK_BELOW_FILL
+from restore import restore_backend
 
 MP = 16
 KGS = KeyGroupRange(0, MP - 1)
@@ -37,18 +47,20 @@ _MATERIALIZE = r"""
 import json, os, stat, sys, tracemalloc
 from dstl.keygroups import KeyGroupRange
 from dstl.stores import open_store
+from materializer import lmdb_files
 from materializer.external import materialize_table_directory
-from materializer.lmdb_table import LmdbTableSnapshot
 directory, store_uri, end = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parent = os.path.dirname(directory)
 seen = {}
-copy_to = LmdbTableSnapshot.copy_to
-def watched(self, fd):
-    seen["fifo"] = stat.S_ISFIFO(os.fstat(fd).st_mode)
-    seen["copy_size"] = self.copy_size()
-    seen["beside"] = sorted(os.listdir(parent))
-    copy_to(self, fd)
-LmdbTableSnapshot.copy_to = watched
+spool = lmdb_files.spool_file_snapshot
+def watched(copy, raw_size, meta, where, **kw):
+    def watching(fd):
+        seen["fifo"] = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        seen["beside"] = sorted(os.listdir(parent))
+        copy(fd)
+    seen["raw_size"] = raw_size
+    return spool(watching, raw_size, meta, where, **kw)
+lmdb_files.spool_file_snapshot = watched
 before = sorted(os.listdir(parent))
 tracemalloc.start()
 m = materialize_table_directory(directory, KeyGroupRange(0, end), open_store(store_uri))
@@ -65,26 +77,72 @@ def storage(tmp_path: Path) -> Iterator[ChangelogStorage]:
     s.close()
 
 
-def _filled(storage: ChangelogStorage, local: Path) -> ChangelogKeyedStateBackend:
-    """A table of ``ENTRIES`` compressible 1 KiB values (its copy ~10x its object), checkpointed
-    with its marker as a Spark task leaves it."""
+def _value(rng: random.Random) -> str:
+    return f"{rng.getrandbits(64):016x}" + "text " * 60
+
+
+def _filled(storage: ChangelogStorage, local: Path) -> tuple[ChangelogKeyedStateBackend,
+                                                              dict[str, str]]:
+    """A table of ``ENTRIES`` compressible values written in key order (ascending in each of
+    the 16 key groups: leaves about two thirds full), checkpointed with its marker as a Spark
+    task leaves it; and its model."""
     b = ChangelogKeyedStateBackend(storage, OP, KGS, MP, table="lmdb", options=NO_TIMER,
                                    local_directory=str(local))
     state = b.get_state(ValueStateDescriptor("v"))
     rng = random.Random(5)
+    model = {}
     with b.write_batch():
         for i in range(ENTRIES):
-            b.set_current_key(f"key-{i:07d}")
-            state.update(f"{rng.getrandbits(64):016x}" + "text " * 200)
+            k = f"key-{i:07d}"
+            b.set_current_key(k)
+            model[k] = _value(rng)
+            state.update(model[k])
         h = b.snapshot(1).result(30)
         b.write_table_marker(h)
     b.notify_checkpoint_complete(1)
-    return b
+    return b, model
+
+
+def _checkpoint(b: ChangelogKeyedStateBackend, cp: int) -> Any:
+    with b.write_batch():
+        h = b.snapshot(cp).result(30)
+        b.write_table_marker(h)
+    b.notify_checkpoint_complete(cp)
+    return h
+
+
+_META = struct.Struct("<IIQQ" + "IHHQQQQQ" * 2 + "QQ")   # LMDB's MDB_meta after the page header
+
+
+def _pages(directory: str) -> dict[str, int]:
+    """The main tree's figures from the current meta page of an environment's data file (read
+    from the file: the environment may be open in this process)."""
+    with open(os.path.join(directory, "data.mdb"), "rb") as f:
+        first = f.read(16 + _META.size)
+        psize = _META.unpack_from(first, 16)[4]
+        f.seek(psize)
+        metas = [_META.unpack_from(first, 16), _META.unpack_from(f.read(16 + _META.size), 16)]
+    m = max(metas, key=lambda x: x[21])
+    return {"psize": psize, "branch_pages": m[15], "leaf_pages": m[16], "entries": m[18]}
+
+
+def _watch_copies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Record each streamed copy: whether its descriptor is a pipe, its size."""
+    seen: list[dict[str, Any]] = []
+
+    def watched(copy: Callable[[int], object], raw_size: int, *args: Any, **kw: Any) -> Any:
+        def watching(fd: int) -> None:
+            seen.append({"fifo": stat.S_ISFIFO(os.fstat(fd).st_mode), "raw_size": raw_size})
+            copy(fd)
+        return spool_file_snapshot(watching, raw_size, *args, **kw)
+
+    monkeypatch.setattr(lmdb_files, "spool_file_snapshot", watched)
+    return seen
 
 
 def test_agent_materialization_streams_the_copy_and_leaves_nothing(storage: ChangelogStorage,
                                                                    tmp_path: Path) -> None:
-    b = _filled(storage, tmp_path / "local")
+    b, _ = _filled(storage, tmp_path / "local")
     try:
         out = subprocess.run([sys.executable, "-c", _MATERIALIZE, b.tables.path,
                               str(tmp_path / "store"), str(MP - 1)], capture_output=True,
@@ -93,42 +151,108 @@ def test_agent_materialization_streams_the_copy_and_leaves_nothing(storage: Chan
     finally:
         b.close()
     assert r["fifo"], "the copy went to a file, not to the compressor's pipe"
-    # no named file appears beside the table while the copy runs, nor stays after it
-    assert r["beside"] == r["before"] == r["after"]
-    assert r["copy_size"] > 8 * r["size"]   # the point: the copy is much larger than the object
+    # beside the table while the copy runs: only the packed environment (a sparse table), and
+    # nothing at all after it
+    assert [n for n in r["beside"] if n not in r["before"]] == [
+        n for n in r["beside"] if n.startswith(".dstl-pack-")]
+    assert r["after"] == r["before"]
+    assert r["raw_size"] > 4 * r["size"]   # the point: the copy is much larger than the object
     assert r["peak"] <= r["size"] + CHUNK_ALLOWANCE, (
         f"held {r['peak']} bytes in memory for an object of {r['size']} bytes")
 
 
-def test_in_process_materialization_streams_the_copy(storage: ChangelogStorage,
-                                                     tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's own materialization (no agent): same pipeline, Python memory bounded by the
-    object, nothing left beside the table."""
-    fifo: list[bool] = []
-    copy_to = LmdbTableSnapshot.copy_to
-
-    def watched(self: LmdbTableSnapshot, fd: int) -> None:
-        fifo.append(stat.S_ISFIFO(os.fstat(fd).st_mode))
-        copy_to(self, fd)
-
-    monkeypatch.setattr(LmdbTableSnapshot, "copy_to", watched)
-    b = _filled(storage, tmp_path / "local")
+def test_a_sparse_table_is_packed_and_restores_smaller_with_the_same_entries(
+        storage: ChangelogStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process materialization of a table filled in key order: estimated below the packing
+    threshold, packed (a pipe, no file left), Python memory bounded by the object; the restored
+    table has a third fewer leaf pages and every entry; materialized again, the restored table
+    (full pages) is copied as it is."""
+    copies = _watch_copies(monkeypatch)
+    b, model = _filled(storage, tmp_path / "local")
     try:
+        snap = b.tables.snapshot()
+        try:
+            fill, table_copy = snap.leaf_fill(), snap.copy_size()
+        finally:
+            snap.release()
+        assert fill < PACK_BELOW_FILL
         parent = os.path.dirname(b.tables.path)
         before = sorted(os.listdir(parent))
         tracemalloc.start()
         try:
-            tracemalloc.reset_peak()
             start = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
             ref = b.materialize_now(timeout_s=60)
             peak = tracemalloc.get_traced_memory()[1] - start
         finally:
             tracemalloc.stop()
         assert ref is not None
-        assert fifo == [True]
         assert sorted(os.listdir(parent)) == before
         assert peak <= ref.size + CHUNK_ALLOWANCE, (
             f"held {peak} bytes in memory for an object of {ref.size} bytes")
+        assert [c["fifo"] for c in copies] == [True]
+        assert copies[0]["raw_size"] < 0.8 * table_copy   # packed
+        h = _checkpoint(b, 2)
+        old_leaves = _pages(b.tables.path)["leaf_pages"]
     finally:
         b.close()
+    r = restore_backend([h], storage, KGS, table="lmdb", local_directory=str(tmp_path / "r"),
+                        operator_id="restored", options=NO_TIMER)
+    try:
+        assert _pages(r.tables.path)["leaf_pages"] < 0.8 * old_leaves
+        state = r.get_state(ValueStateDescriptor("v"))
+        for k, v in model.items():
+            r.set_current_key(k)
+            assert state.value() == v
+        assert len(r.tables) == ENTRIES
+        snap = r.tables.snapshot()
+        try:
+            assert snap.leaf_fill() > 0.9
+        finally:
+            snap.release()
+        r.set_current_key("key-0000000")
+        state.update("changed")   # something new to materialize
+        _checkpoint(r, 3)
+        snap = r.tables.snapshot()
+        try:
+            own_copy = snap.copy_size()
+        finally:
+            snap.release()
+        copies.clear()
+        assert r.materialize_now(timeout_s=60) is not None
+        assert copies == [{"fifo": True, "raw_size": own_copy}]   # not packed again
+    finally:
+        r.close()
+
+
+def test_leaf_fill_estimate_is_close_to_the_exact_fill(storage: ChangelogStorage,
+                                                       tmp_path: Path) -> None:
+    """The sampled estimate against the exact fill (every leaf node's bytes over the leaf
+    pages' room), for a table filled in key order and for a random-order one."""
+    for order in ("keys", "random"):
+        b = ChangelogKeyedStateBackend(storage, f"fill-{order}", KGS, MP, table="lmdb",
+                                       options=NO_TIMER, local_directory=str(tmp_path / order))
+        try:
+            state = b.get_state(ValueStateDescriptor("v"))
+            idx = list(range(20_000))
+            rng = random.Random(3)
+            if order == "random":
+                rng.shuffle(idx)
+            with b.write_batch():
+                for i in idx:
+                    b.set_current_key(f"key-{i:07d}")
+                    state.update("x" * rng.randrange(100, 400))
+            snap = b.tables.snapshot()
+            try:
+                estimate = snap.leaf_fill()
+                st = _pages(b.tables.path)
+                used = 0
+                for k, v in snap.records():
+                    node = 8 + len(k) + len(v)
+                    used += node + (node & 1) + 2
+                exact = used / (st["leaf_pages"] * (st["psize"] - 16))
+            finally:
+                snap.release()
+            assert estimate == pytest.approx(exact, abs=0.05), order
+        finally:
+            b.close()
