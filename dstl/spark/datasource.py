@@ -29,9 +29,13 @@ unpickles the source. What only a split's read needs (pyarrow, numpy, the column
 the restore cache) is imported by the code that reads, on the executors: the driver's workers
 import the options' checks, the catalog and the planner (``bench/state_reader_fixed.py``).
 
-Registration: :func:`dstl.spark.register` (``spark.dataSource.register`` of both classes);
-:class:`~dstl.spark.DstlStatefulOperator` registers them when it starts. Options are listed in
-docs/spark.md ("Reading state").
+*Registration.* PySpark finds both sources in every session by itself, through the packages
+:mod:`pyspark_dstl` and :mod:`pyspark_dstl_changes`, which import this module on first use.
+:func:`dstl.spark.register` (``spark.dataSource.register`` of both classes) registers them in
+one session and turns Spark's filter pushdown on; without that conf Spark refuses a reader that
+implements ``pushFilters``, so the reader made where Spark pushes no filters has none
+(:func:`_batch_reader`). :class:`~dstl.spark.DstlStatefulOperator` registers them when it
+starts. Options are listed in docs/spark.md ("Reading state").
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ import atexit
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Final
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -509,15 +515,12 @@ def _use_cache(opts: SourceOptions) -> bool:
 
 
 class _StateReader(DataSourceReader):
+    """A checkpoint's state (no ``pushFilters``: :func:`_batch_reader`)."""
+
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
         self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
         self.output = _Output.of(opts, schema, STATE_DDL)
-
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        for f in filters:
-            if not self.pushed.take(f):
-                yield f
 
     def partitions(self) -> Sequence[InputPartition]:
         from dstl.reader.catalog import task_states
@@ -552,16 +555,59 @@ class _ChangeReader(DataSourceReader):
         self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
         self.output = _Output.of(opts, schema, CHANGE_DDL)
 
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        for f in filters:
-            if not self.pushed.take(f):
-                yield f
-
     def partitions(self) -> Sequence[InputPartition]:
         return _change_partitions(self.opts, self.pushed, self.opts.start, self.opts.end)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read(self.opts, self.pushed, self.output, partition)
+
+
+class _PushFilters:
+    """``pushFilters`` of the batch readers: every filter :meth:`_Pushed.take` records is
+    applied exactly by the read; the others Spark evaluates after it."""
+
+    pushed: _Pushed
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            if not self.pushed.take(f):
+                yield f
+
+
+class _PushingStateReader(_PushFilters, _StateReader):
+    pass
+
+
+class _PushingChangeReader(_PushFilters, _ChangeReader):
+    pass
+
+
+#: The file of Spark's Python worker that plans a batch read without pushing filters (in
+#: pyspark/sql/worker/; filters go to ``data_source_pushdown_filters.py``, which plans the read
+#: too): it never calls ``pushFilters``, and it refuses a reader that implements it unless
+#: spark.sql.python.filterPushdown.enabled is on.
+_PLANS_WITHOUT_FILTERS: Final = "plan_data_source_read.py"
+
+
+def _batch_reader(opts: SourceOptions, schema: Any) -> DataSourceReader:
+    """The batch reader of ``opts``: one that takes pushed-down filters, except when Spark's
+    step that pushes none makes it.
+
+    Spark pushes filters to a Python source only with ``spark.sql.python.filterPushdown.enabled``
+    (off by default) and, with it off, refuses a reader whose class implements ``pushFilters``
+    (pyspark/sql/worker/plan_data_source_read.py). A source Spark found by itself
+    (:mod:`pyspark_dstl`) runs in sessions where nobody turned it on; there the plan step gets
+    a reader without ``pushFilters`` and Spark applies every filter itself (the same rows, all
+    key groups read). :func:`dstl.spark.register` turns the conf on.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if os.path.basename(frame.f_code.co_filename) == _PLANS_WITHOUT_FILTERS:
+            return _ChangeReader(opts, schema) if opts.change_feed else _StateReader(opts, schema)
+        frame = frame.f_back
+    if opts.change_feed:
+        return _PushingChangeReader(opts, schema)
+    return _PushingStateReader(opts, schema)
 
 
 def _change_partitions(opts: SourceOptions, pushed: _Pushed, start: int | None,
@@ -671,8 +717,7 @@ class DstlStateDataSource(DataSource):
         return opts.schema(CHANGE_DDL if opts.change_feed else STATE_DDL)
 
     def reader(self, schema: Any) -> DataSourceReader:
-        opts = SourceOptions.parse(self.options, stream=False)
-        return _ChangeReader(opts, schema) if opts.change_feed else _StateReader(opts, schema)
+        return _batch_reader(SourceOptions.parse(self.options, stream=False), schema)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         raise ConfigError("format", "dstl", "dstl_changes for a stream", owner="readStream",
@@ -692,7 +737,7 @@ class DstlChangesDataSource(DataSource):
         return SourceOptions.parse(self.options, source="dstl_changes").schema(CHANGE_DDL)
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return _ChangeReader(SourceOptions.parse(self.options, source="dstl_changes",
+        return _batch_reader(SourceOptions.parse(self.options, source="dstl_changes",
                                                  stream=False), schema)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:

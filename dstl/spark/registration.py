@@ -1,5 +1,12 @@
-"""``dstl.spark.register(spark)``: make ``spark.read.format("dstl")`` and
-``spark.readStream.format("dstl_changes")`` known to a session (:mod:`dstl.spark.datasource`)."""
+"""``dstl.spark.register(spark)``: register ``spark.read.format("dstl")`` and
+``spark.readStream.format("dstl_changes")`` (:mod:`dstl.spark.datasource`) in one session and
+turn Spark's filter pushdown on there.
+
+Every session knows both sources without it: PySpark registers them itself from the installed
+packages :mod:`pyspark_dstl` and :mod:`pyspark_dstl_changes`. A session's own registration
+takes precedence over that one (Spark logs a warning that it replaced it), so calling this is
+harmless; what it adds is the pushdown conf.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,19 @@ from typing import Any
 __all__ = ["register"]
 
 
-#: Spark refuses a Python data source that implements ``pushFilters`` unless this is on (it is
-#: off by default in Spark 4.1-4.3); it only concerns Python data sources that push filters.
+#: Spark pushes filters to a Python data source only with this on (off by default in Spark
+#: 4.1-4.3), and refuses a reader implementing ``pushFilters`` while it is off; the sources
+#: leave ``pushFilters`` out then (:func:`dstl.spark.datasource._batch_reader`). It only
+#: concerns Python data sources that push filters.
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 
 def register(spark: Any) -> None:
     """Register the ``dstl`` (state, batch change feed) and ``dstl_changes`` (streaming change
     feed) data sources with ``spark`` (``spark.dataSource.register``; registering again replaces
-    them), and turn on Python data source filter pushdown for the session (the sources push
-    key, key-group, state and partition filters down to the key groups that can match)."""
+    them, as it replaces the ones PySpark registered from :mod:`pyspark_dstl`), and turn on
+    Python data source filter pushdown for the session (the sources push key, key-group, state
+    and partition filters down to the key groups that can match)."""
     from dstl.spark.datasource import DstlChangesDataSource, DstlStateDataSource
 
     spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
