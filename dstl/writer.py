@@ -31,7 +31,8 @@ Theory of operation (Flink's ``FsStateChangelogWriter`` semantics, reference §1
 
 Threads: the writer is used by one owner thread (append/persist/truncate/...); upload callbacks
 arrive on upload threads and touch only state guarded by ``_lock``. The active change set is owned
-by the owner thread alone, which keeps ``append`` lock-free.
+by the owner thread alone, which keeps ``append`` lock-free; its checks cost one fast test on the
+common path (see ``append``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ __all__ = ["ChangelogWriter"]
 logger = logging.getLogger(__name__)
 
 _pack_len = CHANGE_LEN.pack
+#: Payloads shorter than this take their length prefix from ``_LEN_PREFIXES`` (one tuple index)
+#: instead of packing a new 4-byte object per change; 1 KiB covers the usual state change record
+#: and the table costs about 40 KB.
+_PREFIXED_BELOW = 1024
+_LEN_PREFIXES = tuple(_pack_len(n) for n in range(_PREFIXED_BELOW))
 
 
 @dataclass(slots=True)
@@ -101,6 +107,8 @@ class ChangelogWriter:
         self._blocks: dict[int, bytearray] = {}
         self._active_bytes = 0
         self._active_count = 0
+        # append's fast path takes changes while _active_bytes stays at or below it (see append)
+        self._fast_limit = -1
         # shared with upload callbacks (under _lock)
         self._lock = threading.Lock()
         self._active_sqn = 0
@@ -128,9 +136,38 @@ class ChangelogWriter:
         Raises:
             ClosedError: the writer is closed.
             KeyGroupError: key group outside the writer's range.
-            UsageError: payload is not bytes-like.
+            UsageError: payload is not bytes-like, or too large for one change set.
             UploadTimeoutError: a pre-emptive persist waited too long for upload capacity.
         """
+        # The fast path answers every check of _append_checked with three cheap tests, so a
+        # change costs them, two counter updates and the copy (its length prefix comes from a
+        # table, not from a new packed object):
+        # 1. Exact types. True, 1.0 or an int subclass hash like a valid key group but must be
+        #    refused, and an unhashable one must not reach the dict; only bytes is framed as is.
+        # 2. A hit in _blocks. A block exists only for a key group _append_checked accepted, and
+        #    only while the writer is open (_close empties the blocks), so a hit means "open and
+        #    in range" without comparing against the range.
+        # 3. _fast_limit: the largest active byte count at which the change neither needs a
+        #    rollover (max_change_set_bytes with the current blocks) nor fires a pre-emptive
+        #    persist; one comparison stands for both.
+        # Everything else (a key group's first change in this change set, a bytearray or
+        # memoryview, a rollover, a persist, a closed writer, a bad argument) goes through
+        # _append_checked, which raises the typed errors.
+        if type(key_group) is int and type(payload) is bytes:
+            buf = self._blocks.get(key_group)
+            if buf is not None:
+                size = len(payload)
+                active = self._active_bytes + size + 4
+                if active <= self._fast_limit:
+                    buf += _LEN_PREFIXES[size] if size < _PREFIXED_BELOW else _pack_len(size)
+                    buf += payload
+                    self._active_bytes = active
+                    self._active_count += 1
+                    return
+        self._append_checked(key_group, payload)
+
+    def _append_checked(self, key_group: int, payload: bytes | bytearray | memoryview) -> None:
+        """``append`` with every check spelled out; also keeps ``_fast_limit`` current."""
         if self._closed:
             raise ClosedError(f"changelog writer {self.log_id!r}", "append after close; the "
                                                                    "backend must be restored")
@@ -150,6 +187,10 @@ class ChangelogWriter:
             buf = None
         if buf is None:
             buf = self._blocks[key_group] = bytearray()
+        # Blocks are only added here, so the limit is set here; a rollover or close empties the
+        # blocks, which sends the next change of every key group back here anyway.
+        self._fast_limit = min(self._max_framed - BLOCK_HEAD_BYTES * len(self._blocks),
+                               self._preemptive - 1)
         buf += _pack_len(len(payload))
         buf += payload
         self._active_bytes += len(payload) + 4
@@ -429,6 +470,7 @@ class ChangelogWriter:
             unpin = self._take_pins(lambda cp: True)
         self._blocks = {}
         self._active_bytes = self._active_count = 0
+        self._fast_limit = -1
         for key in released:
             self._registry.release(key)
         self._registry.unpin(unpin)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from dstl.errors import (
     WriterFailedError,
 )
 from dstl.handle import ChangelogHandle
+from dstl.segment import BLOCK_HEAD_BYTES, BODY_HEAD_BYTES
 from dstl.timer import ManualTimer
 from restore import ChangelogReader
 
@@ -223,6 +225,147 @@ def test_bad_input_gives_typed_errors(storage: ChangelogStorage) -> None:
         w.append(1, b"x")
     with pytest.raises(ClosedError):
         w.persist(0, 1)
+
+
+class _IntSubclass(int):
+    pass
+
+
+def test_bad_input_is_refused_also_for_a_key_group_with_changes(
+        storage: ChangelogStorage) -> None:
+    # The checks must hold once a key group has a block in the active change set, not only for
+    # its first change: a bool, float or int subclass equal to a valid key group still names no
+    # key group, and a payload still has to be bytes-like.
+    w = storage.create_writer("w", KGS)
+    w.append(1, b"a")
+    w.append(-1, b"m")
+    for bad in (True, 1.0, _IntSubclass(1), [1], "1", None):
+        with pytest.raises(KeyGroupError, match="is outside changelog writer 'w'"):
+            w.append(bad, b"x")  # type: ignore[arg-type]
+    with pytest.raises(KeyGroupError, match=r"key group 16 is outside .*\[0, 15\]"):
+        w.append(16, b"x")
+    for bad_payload in ("text", 7, None, [1, 2]):
+        with pytest.raises(UsageError, match="payload must be bytes, got"):
+            w.append(1, bad_payload)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="payload must be bytes, got"):
+            w.append(-1, bad_payload)  # type: ignore[arg-type]
+    h = w.persist(0, 1).result(WAIT)
+    assert sorted(_read(storage, h)) == [(-1, b"m"), (1, b"a")]
+    w.append(1, b"b")
+    w.close()
+    with pytest.raises(ClosedError, match="append after close"):
+        w.append(1, b"x")
+    with pytest.raises(ClosedError, match="append after close"):
+        w.append(-1, b"x")
+
+
+def test_bytes_like_payloads_are_framed_as_their_bytes(storage: ChangelogStorage) -> None:
+    # A memoryview's len() counts items, not bytes: framing it as is would write a wrong
+    # length prefix, so it is copied to bytes first, also for a key group with changes.
+    w = storage.create_writer("w", KGS)
+    ints = array.array("i", [1, 2, 3])
+    changes: list[tuple[int, bytes | bytearray | memoryview]] = [
+        (1, b"a"), (1, bytearray(b"bytearray")), (1, memoryview(ints)),
+        (1, memoryview(b"xxsliced")[2:]), (2, memoryview(ints)), (1, b"z")]
+    for kg, p in changes:
+        w.append(kg, p)
+    h = w.persist(0, 1).result(WAIT)
+    assert _read(storage, h) == [(1, b"a"), (1, b"bytearray"), (1, ints.tobytes()),
+                                 (1, b"sliced"), (1, b"z"), (2, ints.tobytes())]
+
+
+def _model_change_sets(log_id: str, changes: list[tuple[int, bytes]], limit: int) -> list[int]:
+    """The rollover rule written out: a change starts a new change set when the body (head,
+    one header per block, a 4-byte prefix per change) would pass ``limit`` with it. Returns
+    the change count of each change set."""
+    counts = [0]
+    key_groups: set[int] = set()
+    body = BODY_HEAD_BYTES + len(log_id)
+    for kg, p in changes:
+        grown = body + 4 + len(p) + BLOCK_HEAD_BYTES * (kg not in key_groups)
+        if grown > limit:
+            counts.append(0)
+            key_groups.clear()
+            grown = BODY_HEAD_BYTES + len(log_id) + BLOCK_HEAD_BYTES + 4 + len(p)
+        key_groups.add(kg)
+        counts[-1] += 1
+        body = grown
+    return counts
+
+
+def test_change_set_rolls_over_exactly_at_max_change_set_bytes(store: ScriptedStore) -> None:
+    limit = 1 << 20
+    opts = _options(max_change_set_bytes=limit, preemptive_persist_threshold_bytes=limit - 1)
+    head = BODY_HEAD_BYTES + len("w")
+    kb = b"k" * 1000
+    changes: list[tuple[int, bytes]] = []
+    # set 0: one block filled to the last byte; the change that makes the body exactly the
+    # limit stays in it
+    n = (limit - head - BLOCK_HEAD_BYTES) // (4 + len(kb))
+    changes += [(0, kb)] * n
+    changes.append((0, b"a" * (limit - head - BLOCK_HEAD_BYTES - n * (4 + len(kb)) - 4)))
+    # set 1: sixteen blocks, then filled to the last byte through key group 0 (every block
+    # header counts)
+    changes.append((0, b"b"))
+    changes += [(kg, b"c" * 100) for kg in range(1, 16)]
+    used = head + 16 * BLOCK_HEAD_BYTES + 4 + 1 + 15 * 104
+    n = (limit - used) // (4 + len(kb))
+    changes += [(0, kb)] * n
+    changes.append((0, b"d" * (limit - used - n * (4 + len(kb)) - 4)))
+    # set 2: 10 bytes left, so a 6-byte change fits in key group 0 but not in a new block
+    changes.append((0, b"e"))
+    used = head + BLOCK_HEAD_BYTES + 5
+    n = (limit - used) // (4 + len(kb))
+    changes += [(0, kb)] * n
+    changes.append((0, b"f" * (limit - used - n * (4 + len(kb)) - 4 - 10)))
+    changes.append((5, b"g" * 6))
+    # then mixed sizes (below and above the prefix table) over every key group
+    changes += [(i % 16, b"h" * (i * 37 % 3000)) for i in range(2000)]
+    model = _model_change_sets("w", changes, limit)
+    with ChangelogStorage(store=store, options=opts, timer=ManualTimer()) as s:
+        w = s.create_writer("w", KGS)
+        for kg, p in changes:
+            w.append(kg, p)
+        assert w.next_sqn() == len(model)
+        sets = [w._not_uploaded[sqn] for sqn in sorted(w._not_uploaded)]
+        assert [cs.change_count for cs in sets] == model
+        assert [len(cs.body) for cs in sets[:3]] == [limit, limit, limit - 10]
+        assert all(len(cs.body) <= limit for cs in sets)
+        h = w.persist(0, 1).result(WAIT)
+        assert sorted(_read(s, h)) == sorted(changes)
+
+
+def test_change_larger_than_a_change_set_is_refused(store: ScriptedStore) -> None:
+    limit = 1 << 20
+    opts = _options(max_change_set_bytes=limit, preemptive_persist_threshold_bytes=limit - 1)
+    with ChangelogStorage(store=store, options=opts, timer=ManualTimer()) as s:
+        w = s.create_writer("w", KGS)
+        w.append(1, b"a")
+        w.append(2, b"b")
+        for kg in (1, 2, 3, -1):  # a key group with a block, and ones without
+            with pytest.raises(UsageError, match=r"a 1048576-byte change does not fit in one "
+                                                 r"change set of at most 1048576 bytes"):
+                w.append(kg, b"x" * limit)
+        fits = limit - BODY_HEAD_BYTES - 1 - BLOCK_HEAD_BYTES - 4
+        w.append(1, b"y" * fits)  # fits alone: rolls the first set over
+        with pytest.raises(UsageError, match="does not fit"):
+            w.append(1, b"y" * (fits + 1))
+        assert w.next_sqn() == 2
+        h = w.persist(0, 1).result(WAIT)
+        assert _read(s, h) == [(1, b"a"), (2, b"b"), (1, b"y" * fits)]
+
+
+@pytest.mark.parametrize("threshold, fires_at", [(97, 7), (98, 7), (99, 8)])
+def test_preemptive_persist_fires_at_the_threshold(store: ScriptedStore, threshold: int,
+                                                   fires_at: int) -> None:
+    # 14 framed bytes per change: the active set reaches 98 bytes with the 7th change
+    with ChangelogStorage(store=store, options=_options(
+            preemptive_persist_threshold_bytes=threshold), timer=ManualTimer()) as s:
+        w = s.create_writer("w", KGS)
+        for i in range(1, fires_at + 3):
+            w.append(1, b"0123456789")
+            fired = s.metrics()["ChangelogStorage.numberOfPreemptivePersists"]
+            assert fired == (1 if i >= fires_at else 0), f"after change {i}"
 
 
 def test_close_fails_pending_futures(store: ScriptedStore) -> None:
