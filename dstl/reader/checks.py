@@ -49,7 +49,7 @@ TABLES: Final = ("heap", "lmdb")
 _SPELLED: Final = (
     "operator", "checkpoint", "readChangeFeed", "startCheckpoint", "endCheckpoint",
     "keyGroupsPerSplit", "table", "allowPickle", "cache", "valueType", "state", "onLostChanges",
-    "startingCheckpoint", "maxCheckpointsPerTrigger", "storageOptions")
+    "startingCheckpoint", "maxCheckpointsPerTrigger", "storageOptions", "internalStates")
 SOURCE_OPTIONS: Final = frozenset(n.lower() for n in _SPELLED)
 _SHOWN: Final = {n.lower(): n for n in _SPELLED}
 

@@ -61,7 +61,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dstl.checks import check_bool, check_instance, check_int
+from dstl.checks import check_bool, check_callable, check_instance, check_int
 from dstl.envelope import HEADER_SIZE
 from dstl.errors import (
     ConfigError,
@@ -479,15 +479,19 @@ def state_schema(columns: Sequence[str] | None, typed: tuple[str, pa.DataType] |
 
 def run_batches(runs: Iterable[Run], checkpoint: int, partition: str,
                 keys: Collection[bytes] | None, states: Collection[str] | None,
-                schema: pa.Schema = STATE_SCHEMA, batch_rows: int = _CHUNK
+                schema: pa.Schema = STATE_SCHEMA, batch_rows: int = _CHUNK,
+                exclude_states: Callable[[str], bool] | None = None
                 ) -> Iterator[pa.RecordBatch]:
-    """The state rows of ``runs`` (raw states and filtered-out rows left out), as batches of
-    ``schema`` (:func:`state_schema`) of at most ``batch_rows`` rows."""
+    """The state rows of ``runs`` (raw states, states ``exclude_states`` names and filtered-out
+    rows left out), as batches of ``schema`` (:func:`state_schema`) of at most ``batch_rows``
+    rows."""
     wanted = pa.array(sorted(keys), type=pa.binary()) if keys is not None else None
     extra = [f.type for f in schema if f.name not in STATE_SCHEMA.names]  # typed_value
     typed = extra[0] if extra else None
     for run in runs:
         if run.info.raw or (states is not None and run.info.name not in states) or not len(run):
+            continue
+        if exclude_states is not None and exclude_states(run.info.name):
             continue
         if wanted is not None:
             run = run.filter(pc.is_in(run.kb, value_set=wanted).to_numpy(zero_copy_only=False))
@@ -1052,7 +1056,9 @@ def read_state_batches(store: BlobStore, split: StateSplit, *,
                        states: Collection[str] | None = None,
                        columns: Sequence[str] | None = None,
                        typed: tuple[str, pa.DataType] | None = None,
-                       batch_rows: int = _CHUNK) -> Iterator[pa.RecordBatch]:
+                       batch_rows: int = _CHUNK,
+                       exclude_states: Callable[[str], bool] | None = None
+                       ) -> Iterator[pa.RecordBatch]:
     """The state rows of one split as record batches of :data:`~dstl.reader.arrow.STATE_SCHEMA`
     — the rows :func:`~dstl.reader.state.read_state_split` gives (heap table), in
     :func:`~dstl.reader.arrow.batches`' columns, built column-wise (see the module docstring).
@@ -1061,6 +1067,8 @@ def read_state_batches(store: BlobStore, split: StateSplit, *,
     ``typed`` (``(name, Arrow type)``) adds a column of the values converted to that type, as
     :func:`~dstl.reader.arrow.batches` adds it (after the others, or where ``columns`` names
     it). Batches have at most ``batch_rows`` rows (zero-copy slices of larger ones).
+    ``exclude_states`` (a state name -> whether to leave its rows out) is asked once per run of
+    one state's entries, not per row (the Spark sources leave DSTL's own states out so).
 
     Raises:
         CheckpointDeletedError, ObjectNotFoundError, CorruptObjectError, UsageError: as
@@ -1080,13 +1088,15 @@ def read_state_batches(store: BlobStore, split: StateSplit, *,
                           "pyarrow.DataType)", owner=owner)
     schema = state_schema(columns, typed, owner)
     check_int(batch_rows, "batch_rows", owner, lo=1)
+    if exclude_states is not None:
+        check_callable(exclude_states, "exclude_states", owner, args=1)
     handle = ChangelogStateBackendHandle.from_json(split.handle)
 
     def batches() -> Iterator[pa.RecordBatch]:
         try:
             yield from run_batches(_split_runs(store, split, handle, cache, allow_pickle),
                                    split.checkpoint_id, split.task_id, keys, states, schema,
-                                   batch_rows)
+                                   batch_rows, exclude_states)
         except ObjectNotFoundError as exc:
             raise translate_missing(store, split.checkpoint_id, exc) from exc
 

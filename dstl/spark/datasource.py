@@ -35,7 +35,12 @@ import the options' checks, the catalog and the planner (``bench/state_reader_fi
 one session and turns Spark's filter pushdown on; without that conf Spark refuses a reader that
 implements ``pushFilters``, so the reader made where Spark pushes no filters has none
 (:func:`_batch_reader`). :class:`~dstl.spark.DstlStatefulOperator` registers them when it
-starts. Options are listed in docs/spark.md ("Reading state").
+starts.
+
+*DSTL's own states* (``$timers``, named with
+:data:`~dstl.spark.processor.RESERVED_STATE_PREFIX`) are left out of both sources' rows unless
+``internalStates`` is on; a backend's raw indexes are never shown (:mod:`dstl.reader`). Options
+are listed in docs/spark.md ("Reading state").
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from dstl.reader.checks import (
     source_int,
 )
 from dstl.reader.rows import CHANGE_DDL, STATE_DDL
+from dstl.spark.processor import RESERVED_STATE_PREFIX
 from dstl.stores import check_store_uri, parse_storage_options
 
 if TYPE_CHECKING:
@@ -120,6 +126,7 @@ class SourceOptions:
     cache: str
     value_type: str | None
     states: tuple[str, ...] | None
+    internal_states: bool
     on_lost: str
     starting: str
     max_checkpoints_per_trigger: int | None
@@ -149,6 +156,7 @@ class SourceOptions:
                               owner=owner, fix="dstl_changes is the change feed; "
                                                "spark.read.format('dstl') reads state")
         check_source_keys(o, owner, stream=stream, change_feed=feed)
+        internal = source_bool(o, "internalstates", "internalStates", owner, False)
         storage = _storage_options(o)
         path = o.get("path")
         if not path:
@@ -169,7 +177,8 @@ class SourceOptions:
             allow_pickle=source_bool(o, "allowpickle", "allowPickle", owner, False),
             cache=source_choice(o, "cache", "cache", owner, ("auto", "true", "false")),
             value_type=_value_type(o, owner),
-            states=_states(o, owner),
+            states=_states(o, owner, internal),
+            internal_states=internal,
             on_lost=source_choice(o, "onlostchanges", "onLostChanges", owner,
                                   ("fail", "resumeFromOldest")),
             starting=_starting(o, owner),
@@ -213,15 +222,29 @@ def _value_type(o: Mapping[str, str], owner: str) -> str | None:
                       "map<string,double>", owner=owner)
 
 
-def _states(o: Mapping[str, str], owner: str) -> tuple[str, ...] | None:
-    """``state``: comma-separated state names, each non-empty."""
+def _states(o: Mapping[str, str], owner: str, internal: bool) -> tuple[str, ...] | None:
+    """``state``: comma-separated state names, each non-empty; DSTL's own states only with
+    ``internalStates`` (without it, naming one is refused: it would give no rows)."""
     raw = o.get("state")
     if raw is None:
         return None
     names = tuple(s.strip() for s in str(raw).split(","))
     if not all(names):
         raise ConfigError("state", raw, "comma-separated state names, none empty", owner=owner)
+    own = [n for n in names if _is_internal(n)]
+    if own and not internal:
+        raise ConfigError("state", raw, f"names of the job's states (names starting with "
+                          f"{RESERVED_STATE_PREFIX!r}, like {own[0]!r}, are DSTL's own)",
+                          owner=owner, fix='add .option("internalStates", "true") to read '
+                                           "DSTL's own states")
     return names
+
+
+def _is_internal(name: str) -> bool:
+    """Whether ``name`` is one of DSTL's own states (the timer service's ``$timers``), which
+    the sources leave out unless ``internalStates`` is on (a job cannot name a state so:
+    :data:`~dstl.spark.processor.RESERVED_STATE_PREFIX`)."""
+    return name.startswith(RESERVED_STATE_PREFIX)
 
 
 def _starting(o: Mapping[str, str], owner: str) -> str:
@@ -267,6 +290,14 @@ class _Pushed:
     states: frozenset[str] | None = None
     partitions: frozenset[str] | None = None
     bounds: list[tuple[str, int]] = field(default_factory=list)
+    #: DSTL's own states are read too (``internalStates``)
+    internal: bool = False
+
+    @classmethod
+    def of(cls, opts: SourceOptions) -> _Pushed:
+        """What the options alone allow (``state``, ``internalStates``)."""
+        return cls(states=frozenset(opts.states) if opts.states else None,
+                   internal=opts.internal_states)
 
     @staticmethod
     def _narrow(cur: frozenset[Any] | None, new: frozenset[Any]) -> frozenset[Any]:
@@ -325,9 +356,23 @@ class _Pushed:
     def narrows_key_groups(self) -> bool:
         return self.keys is not None or self.key_groups is not None or bool(self.bounds)
 
+    @property
+    def read_states(self) -> frozenset[str] | None:
+        """The states a split reader is asked for (``None``: all of them)."""
+        if self.states is None or self.internal:
+            return self.states
+        return frozenset(s for s in self.states if not _is_internal(s))
+
+    @property
+    def hides_rows(self) -> bool:
+        """Whether rows of DSTL's own states must be left out of what a split reader gives
+        (it is asked for every state, and ``internalStates`` is off)."""
+        return self.states is None and not self.internal
+
     def accept(self, partition: str, key_bytes: bytes, state: str) -> bool:
         return ((self.keys is None or key_bytes in self.keys)
                 and (self.states is None or state in self.states)
+                and (self.internal or not _is_internal(state))
                 and (self.partitions is None or partition in self.partitions))
 
 
@@ -490,13 +535,17 @@ def _read_split(opts: SourceOptions, pushed: _Pushed, output: _Output,
             # only the columns the output has
             yield from read_state_batches(store, part.split, cache=cache,
                                           allow_pickle=opts.allow_pickle, keys=pushed.keys,
-                                          states=pushed.states, columns=output.columns,
-                                          typed=output.typed, batch_rows=_BATCH_ROWS)
+                                          states=pushed.read_states, columns=output.columns,
+                                          typed=output.typed, batch_rows=_BATCH_ROWS,
+                                          exclude_states=_is_internal if pushed.hides_rows
+                                          else None)
             return
         if isinstance(part.split, StateSplit):
             rows = read_state_split(store, part.split, cache=cache, table=opts.table,
                                     allow_pickle=opts.allow_pickle, keys=pushed.keys,
-                                    states=pushed.states)
+                                    states=pushed.read_states)
+            if pushed.hides_rows:
+                rows = (r for r in rows if not _is_internal(r.state))
             schema = STATE_SCHEMA
         else:
             rows = (r for r in read_change_split(store, part.split, cache=cache,
@@ -519,7 +568,7 @@ class _StateReader(DataSourceReader):
 
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
-        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.pushed = _Pushed.of(opts)
         self.output = _Output.of(opts, schema, STATE_DDL)
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -552,7 +601,7 @@ class _ChangeReader(DataSourceReader):
 
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
-        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.pushed = _Pushed.of(opts)
         self.output = _Output.of(opts, schema, CHANGE_DDL)
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -648,7 +697,7 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def __init__(self, opts: SourceOptions, schema: Any) -> None:
         self.opts = opts
-        self.pushed = _Pushed(states=frozenset(opts.states) if opts.states else None)
+        self.pushed = _Pushed.of(opts)
         self.output = _Output.of(opts, schema, CHANGE_DDL)
         self.target: int | None = None  # availableNow: the newest checkpoint when it started
 
