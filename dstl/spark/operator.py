@@ -236,6 +236,10 @@ class DstlStatefulOperator:
         self.local_dir = check_optional_path(local_dir, "local_dir", _OWNER)
         self.agent = agent
         self._ready: _Ready | None = None
+        #: (session, listener) once :meth:`transform` added its query listener
+        self._listener: tuple[Any, Any] | None = None
+        #: checkpoints of :meth:`transform`'s batches are written one at a time
+        self._commit_lock = threading.Lock()
         #: held by a batch and by a warm-up: their tasks never run at the same time, so a
         #: warm-up's restore never touches a table a batch task is writing (and a warm-up
         #: between batches finds every table at the next base: hit or adopt)
@@ -423,6 +427,147 @@ class DstlStatefulOperator:
     def remove_listener(self, listener: ProgressListener) -> bool:
         """Stop calling ``listener``; whether it was registered."""
         return self._progress.remove_listener(listener)
+
+    def __call__(self, df: Any) -> Any:
+        """``df.transform(op)``: the same as :meth:`transform`."""
+        return self.transform(df)
+
+    def transform(self, df: Any) -> Any:
+        """The operator inside the query: a streaming DataFrame of the processor's rows, to
+        chain with more DataFrame operations and write with any sink
+        (``op.transform(df).writeStream...``; ``df.transform(op)`` is the same).
+
+        The rows are routed by key group in the JVM and the state tasks run in the query's own
+        micro-batches; their outputs go straight to what follows in the query, never through
+        the driver. State is exactly-once with Spark's commit: the tasks of a batch agree on
+        its base and times through write-once objects in the store, and a batch's checkpoint
+        is taken from the results of the attempt Spark committed (:mod:`dstl.spark.query`;
+        docs/spark.md, "Inside the query"). The driver writes the checkpoint's manifest when
+        Spark reports the batch (a ``StreamingQueryListener`` this call adds to the session),
+        or, after a driver crash, when the operator starts again.
+
+        Raises:
+            UsageError: ``df`` is not a streaming DataFrame, or the operator has a ``sink``,
+                an ``initial_state`` or ``late_rows="side_output"`` (those belong to
+                :meth:`foreach_batch`).
+        """
+        from pyspark.sql import functions as F
+
+        from dstl.spark.query import run_in_query
+
+        if not getattr(df, "isStreaming", False):
+            raise UsageError(f"operator {self.name!r}: transform takes a streaming DataFrame "
+                             "(spark.readStream...); for a batch DataFrame call "
+                             "op.foreach_batch(df, batch_id)")
+        for given, what in ((self.sink is not None, "a sink"),
+                            (self.initial_state is not None, "an initial_state"),
+                            (self.time.late_rows == "side_output",
+                             'late_rows="side_output"')):
+            if given:
+                raise UsageError(f"operator {self.name!r} has {what}, which only "
+                                 "foreach_batch supports; inside the query the output "
+                                 "DataFrame is the sink's input (drop the argument)")
+        spark = df.sparkSession
+        ready = self._ensure_ready(spark)
+        self._commit_pending(ready)
+        df = _without_heartbeat(df)
+        key_type = self._key_type(df)
+        event_column = self.time.event_time_column
+        if event_column is not None:
+            df = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_column))
+        tasks = self._task_count(spark)
+        key = f"`{self.key_column}`"
+        hashed = key if key_type == "binary" else f"cast({key} as string)"
+        pid = F.expr(_routing_sql(hashed, self.max_parallelism, self.partitions))
+        cfg, delay_ms = ready.task_config, self.time.delay_ms
+        event_time, version = event_column is not None, _driver_version()
+
+        def task(batches: Any) -> Any:
+            return run_in_query(cfg, tasks, delay_ms, event_time, version, batches)
+
+        self._listen(spark)
+        return (df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid")
+                .mapInArrow(task, ready.out_schema))
+
+    def wait_for_checkpoint(self, batch_id: int, timeout_s: float = 60.0) -> bool:
+        """Wait until the checkpoint of batch ``batch_id`` (or a later one) is written: inside
+        the query the driver writes it when Spark reports the batch, on the listener's thread
+        (e.g. ``op.wait_for_checkpoint(query.lastProgress["batchId"])`` after
+        ``awaitTermination``, before reading the state). Whether it was written in time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = self._ready
+            latest = ready.coordinator.latest() if ready is not None else None
+            if latest is not None and latest.checkpoint_id >= batch_id:
+                with self._commit_lock:  # its progress is recorded too
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _listen(self, spark: Any) -> None:
+        """Add the listener that commits each batch Spark reports (once per session)."""
+        from dstl.spark.query_listener import BatchListener
+
+        if self._listener is not None:
+            return
+        listener = BatchListener(self)
+        spark.streams.addListener(listener)
+        self._listener = (spark, listener)
+
+    def on_batch_committed(self, batch_id: int, query_id: str,
+                           duration_ms: float = 0.0) -> None:
+        """Spark committed micro-batch ``batch_id`` of query ``query_id``: if that query runs
+        :meth:`transform`, write the checkpoints of the batch and of every earlier committed
+        batch not written yet. Called by the query listener; idempotent."""
+        from dstl.spark.query import choose, plan_of
+
+        with self._commit_lock:
+            ready = self._ready
+            if ready is None:
+                return
+            latest = ready.coordinator.latest()
+            if latest is not None and batch_id <= latest.checkpoint_id:
+                return
+            plan = plan_of(ready.store, batch_id)
+            if plan is None or plan.query_id != query_id:
+                return  # another query's batch, or no state task of this operator ran in it
+            if choose(ready.store, batch_id, self.partitions, delay_ms=self.time.delay_ms,
+                      event_time=self.time.event_time_column is not None) is None:
+                return  # no state task of this operator ran in that batch
+            self._commit_pending(ready, duration_ms)
+
+    def _commit_pending(self, ready: _Ready, duration_ms: float = 0.0) -> None:
+        """Write the checkpoint of every batch whose choice is stored and whose manifest is
+        not (Spark committed them), oldest first; then forget the protocol's objects below
+        the newest."""
+        from dstl.spark.query import choose, forget_before, pending_choices
+
+        latest = ready.coordinator.latest()
+        newest = None
+        for batch in pending_choices(ready.store, latest.checkpoint_id if latest else -1):
+            choice = choose(ready.store, batch, self.partitions, delay_ms=self.time.delay_ms,
+                            event_time=self.time.event_time_column is not None)
+            assert choice is not None
+            started, wall = time.monotonic(), time.time()
+            reports = choice.decoded()
+            cid = ready.coordinator.trigger([f"p{r.partition}" for r in reports],
+                                            checkpoint_id=batch)
+            props = {PROCESSING_TIME_PROPERTY: choice.processing_time_ms}
+            if self.time.event_time_column is not None:
+                props[WATERMARK_PROPERTY] = choice.watermark_ms
+            ready.coordinator.set_properties(cid, props)
+            completion = _acknowledge(ready.coordinator, cid, reports)
+            done = time.monotonic()
+            times = _BatchTimes(started - duration_ms / 1000.0, started, done, done)
+            stats = _batch_stats(batch, reports, completion, sum(r.rows_out for r in reports),
+                                 times)
+            stats.update(processing_time_ms=choice.processing_time_ms,
+                         watermark_ms=-1, next_watermark_ms=choice.watermark_ms)
+            self._record(ready, stats, reports, wall)
+            newest = batch
+        if newest is not None:
+            forget_before(ready.store, newest)
 
     def foreach_batch(self, df: Any, batch_id: int) -> None:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``).
@@ -728,10 +873,18 @@ class DstlStatefulOperator:
     def close(self) -> None:
         """Stop the coordinator (pending deletions finish), the metrics endpoint, and release
         the store."""
+        listening, self._listener = self._listener, None
+        if listening is not None:
+            spark, listener = listening
+            try:
+                spark.streams.removeListener(listener)
+            except Exception as exc:  # noqa: BLE001 - a stopped session has no listeners left
+                logger.info("operator %s: query listener not removed: %s", self.name, exc)
         exporter, self._exporter = self._exporter, None
         if exporter is not None:
             exporter.close()
-        ready, self._ready = self._ready, None
+        with self._commit_lock:
+            ready, self._ready = self._ready, None
         if ready is not None:
             ready.coordinator.close()
             ready.store.close()

@@ -66,7 +66,7 @@ from dstl.spark.timing import EVENT_TIME_COLUMN, ExpiredTimerInfo, TimerValues
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 
-__all__ = ["run_partition", "run_partitions"]
+__all__ = ["committed_reports", "run_group", "run_partition", "run_partitions"]
 
 #: How long a task waits for its checkpoint's log (and an in-task materialization) to be
 #: durable; beyond it the task fails and Spark retries it.
@@ -153,15 +153,46 @@ def _reported(rt: WorkerRuntime, cfg: OperatorConfig, attempt: int,
               done: list[_Committed]) -> Iterator[Any]:
     """Each committed partition registered with the executor agent, then its output rows and
     report row."""
+    for outputs, report in committed_reports(rt, cfg, attempt, done):
+        yield from _record_batches(cfg, outputs, report)
+
+
+def committed_reports(rt: WorkerRuntime, cfg: OperatorConfig, attempt: int,
+                      done: list[_Committed]) -> Iterator[tuple[Any, TaskReport]]:
+    """Per committed partition, registered with the executor agent first: its output rows (an
+    Arrow record batch with the report column, or ``None``) and its report."""
     for c in done:
         agent_metrics: dict[str, float] | None = None
         agent_log: tuple[str, ...] = ()
         if rt.agent is not None:
             agent_metrics, agent_log = _register_commit(rt.agent, cfg, c.started.slot.backend,
                                                         c.run.handle)
-        report = _report(c.started.partition, attempt, c.started.access, c.run,
-                         c.started.started, c.committed_at, agent_metrics, agent_log, c.table)
-        yield from _record_batches(cfg, c.run.outputs, report)
+        yield c.run.outputs, _report(c.started.partition, attempt, c.started.access, c.run,
+                                     c.started.started, c.committed_at, agent_metrics,
+                                     agent_log, c.table)
+
+
+def run_group(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
+              tasks: int, task: int | None = None) -> tuple[WorkerRuntime, int,
+                                                            list[_Committed]]:
+    """Process and commit the partitions of one Spark task (``task`` defaults to the Spark
+    task's partition id): partition ``task`` when ``tasks`` equals the partitions, else those
+    ``p`` with ``p mod tasks == task``, as :func:`run_partition` and :func:`run_partitions`
+    do. Returns the worker runtime, the task attempt and the committed partitions."""
+    check_version(task_input.driver_version)
+    if task is None:
+        task = _task_identity(None)[0]
+    attempt = _task_identity(task)[1]
+    rt = runtime_for(cfg)
+    if tasks == cfg.partitions:
+        with rt.lock, rt.partition_lock(task):
+            return rt, attempt, _run_group(rt, task_input, [(task, batches)])
+    mine = range(task, cfg.partitions, tasks)
+    rows = _split_by_partition(batches, mine)
+    with rt.lock, contextlib.ExitStack() as locks:
+        for partition in mine:  # ascending, as every task takes them: no lock-order deadlock
+            locks.enter_context(rt.partition_lock(partition))
+        return rt, attempt, _run_group(rt, task_input, [(p, rows[p]) for p in mine])
 
 
 def run_partitions(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[Any],
@@ -180,17 +211,7 @@ def run_partitions(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable
         UsageError: a row is routed to a partition that is not this task's (a routing bug:
             nothing is processed).
     """
-    check_version(task_input.driver_version)
-    if task is None:
-        task = _task_identity(None)[0]
-    attempt = _task_identity(task)[1]
-    mine = range(task, cfg.partitions, tasks)
-    rows = _split_by_partition(batches, mine)
-    rt = runtime_for(cfg)
-    with rt.lock, contextlib.ExitStack() as locks:
-        for partition in mine:  # ascending, as every task takes them: no lock-order deadlock
-            locks.enter_context(rt.partition_lock(partition))
-        done = _run_group(rt, task_input, [(p, rows[p]) for p in mine])
+    rt, attempt, done = run_group(cfg, task_input, batches, tasks, task)
     yield from _reported(rt, cfg, attempt, done)
 
 

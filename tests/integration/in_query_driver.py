@@ -1,0 +1,106 @@
+"""A driver process for the in-query tests: one run of a streaming query
+``files -> op.transform -> Parquet`` over the input files present (``availableNow``), killed with
+SIGKILL at a chosen step when asked.
+
+    python in_query_driver.py WORK PARTITIONS [KILL_AT]
+
+``KILL_AT``: ``task`` (the state task of batch 1 kills the driver while it runs), ``committed``
+(a listener added before DSTL's kills it when Spark reports batch 1: after Spark's commit, before
+DSTL's manifest) or ``manifest`` (a listener added after DSTL's: after both).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from pyspark.sql.streaming.listener import StreamingQueryListener
+
+from dstl.spark import DstlStatefulOperator, StatefulProcessor
+
+KILL_BATCH = 1
+
+
+class Count(StatefulProcessor):
+    """Counts rows per key; with ``DSTL_TEST_KILL_DRIVER`` set, its first call in batch
+    ``KILL_BATCH`` kills that process (the driver) and waits to be killed with it."""
+
+    def init(self, handle: Any) -> None:
+        self.count = handle.get_value_state("count")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        from pyspark import TaskContext
+
+        victim = os.environ.get("DSTL_TEST_KILL_DRIVER")
+        ctx = TaskContext.get()
+        if victim and ctx is not None and \
+                ctx.getLocalProperty("streaming.sql.batchId") == str(KILL_BATCH):
+            os.kill(int(victim), signal.SIGKILL)
+            signal.pause()
+        c = (self.count.get() or 0) + sum(1 for _ in rows)
+        self.count.update(c)
+        yield {"key": key, "count": c}
+
+
+class KillAt(StreamingQueryListener):
+    """SIGKILLs this process when Spark reports batch ``KILL_BATCH``."""
+
+    def onQueryStarted(self, event: Any) -> None:
+        pass
+
+    def onQueryProgress(self, event: Any) -> None:
+        if int(event.progress.batchId) == KILL_BATCH:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def onQueryIdle(self, event: Any) -> None:
+        pass
+
+    def onQueryTerminated(self, event: Any) -> None:
+        pass
+
+
+def main() -> None:
+    work, partitions = sys.argv[1], int(sys.argv[2])
+    kill_at = sys.argv[3] if len(sys.argv) > 3 else ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    if kill_at == "task":
+        os.environ["DSTL_TEST_KILL_DRIVER"] = str(os.getpid())
+    from spark_support import new_session
+
+    spark = new_session("dstl-in-query-driver")
+    # classes travel by reference: the workers import this module as ``in_query_driver``
+    from in_query_driver import Count as Processor
+    from in_query_driver import KillAt as Killer
+
+    if kill_at == "committed":
+        spark.streams.addListener(Killer())
+    op = DstlStatefulOperator(name="counts", processor=Processor, key_column="key",
+                              output_schema="key string, count bigint",
+                              state_uri=os.path.join(work, "state"), partitions=partitions,
+                              local_dir=os.path.join(work, f"local-{os.getpid()}"),
+                              materialization_interval_s=0)
+    src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
+           .json(os.path.join(work, "in")))
+    out = src.transform(op)
+    if kill_at == "manifest":
+        spark.streams.addListener(Killer())
+    q = (out.writeStream.format("parquet").option("path", os.path.join(work, "out"))
+         .option("checkpointLocation", os.path.join(work, "cp"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    last = q.lastProgress
+    if last is not None:
+        assert op.wait_for_checkpoint(int(last["batchId"])), "checkpoint not written"
+    op.close()
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
