@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
+from support.processors import Count
 
 from dstl.errors import UsageError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
@@ -29,17 +30,6 @@ HERE = Path(__file__).resolve().parent
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 TABLES = ["lmdb", "heap"] if DEEP else ["lmdb"]
 KILL_POINTS = ["task", "committed", "manifest"] if DEEP else ["committed"]
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
 
 
 class GroupTotal(StatefulProcessor):
