@@ -452,7 +452,11 @@ class DstlStatefulOperator:
                 :meth:`foreach_batch`).
         """
         from pyspark.sql import functions as F
+        from pyspark.sql.types import IntegerType, LongType, StructField, StructType
 
+        from dstl.spark.query import METRICS as QUERY_METRICS
+        from dstl.spark.query import METRICS_MARK as QUERY_METRICS_MARK
+        from dstl.spark.query import metric_column as query_metric_column
         from dstl.spark.query import run_in_query
 
         if not getattr(df, "isStreaming", False):
@@ -486,8 +490,18 @@ class DstlStatefulOperator:
             return run_in_query(cfg, tasks, delay_ms, event_time, version, batches)
 
         self._listen(spark)
+        metrics = [query_metric_column(m) for m in QUERY_METRICS]
+        schema = StructType([*ready.out_schema.fields,
+                             StructField(QUERY_METRICS_MARK, IntegerType(), True),
+                             *[StructField(c, LongType(), True) for c in metrics]])
+        aggregates = [(F.max if agg == "max" else F.sum)(query_metric_column(m)).alias(m)
+                      for m, (agg, _) in QUERY_METRICS.items()]
         return (df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid")
-                .mapInArrow(task, ready.out_schema))
+                .mapInArrow(task, schema)
+                # each task's metrics rows feed the query's observed metrics, then leave
+                .observe(f"dstl.{self.name}", *aggregates)
+                .where(F.col(QUERY_METRICS_MARK).isNull())
+                .drop(QUERY_METRICS_MARK, *metrics))
 
     def wait_for_checkpoint(self, batch_id: int, timeout_s: float = 60.0) -> bool:
         """Wait until the checkpoint of batch ``batch_id`` (or a later one) is written: inside

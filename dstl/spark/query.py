@@ -410,12 +410,52 @@ def _handles(obj: dict[str, Any], key: str) -> dict[int, str]:
     return {int(p): h for p, h in v.items()}
 
 
+#: The per-batch figures each state task adds to its query's observed metrics (Spark's
+#: ``Dataset.observe``): name -> (aggregate, what it is). They reach ``query.lastProgress[
+#: "observedMetrics"]["dstl.<operator>"]`` and every ``StreamingQueryListener``.
+METRICS: dict[str, tuple[str, str]] = {
+    "numInputRows": ("sum", "rows the state tasks received, late rows included"),
+    "numLateRows": ("sum", "rows at or below the watermark, dropped"),
+    "numOutputRows": ("sum", "rows the processor emitted"),
+    "numUpdatedKeys": ("sum", "keys the processor was called for"),
+    "numStateEntries": ("sum", "entries of the partitions' tables after the batch"),
+    "stateDiskBytes": ("sum", "bytes of the partitions' tables on disk"),
+    "numRestores": ("sum", "partitions restored from the store (moved, replaced, rescaled)"),
+    "restoreMs": ("max", "the slowest restore"),
+    "commitMs": ("max", "the slowest partition's wait for its log to be durable"),
+    "bytesWritten": ("sum", "log and snapshot bytes the batch wrote to the store"),
+    "numSegments": ("sum", "segment objects the partitions' changes went to"),
+    "numMaterializations": ("sum", "snapshots installed"),
+    "numTimersFired": ("sum", "timers delivered to handle_expired_timer"),
+    "numTtlPurged": ("sum", "values expired by TTL"),
+}
+#: the column of the metrics rows (null on output rows); every metric is a column of its own
+METRICS_MARK = "_dstl_metrics_partition"
+
+
+def metric_column(name: str) -> str:
+    return f"_dstl_m_{name}"
+
+
+def _metric_values(report: TaskReport, received: int, late: int) -> dict[str, int]:
+    return {"numInputRows": received, "numLateRows": late, "numOutputRows": report.rows_out,
+            "numUpdatedKeys": report.keys, "numStateEntries": report.state_entries,
+            "stateDiskBytes": report.state_disk_bytes,
+            "numRestores": int(report.slot.access in ("restore", "rescale")),
+            "restoreMs": int(report.slot.restore_seconds * 1000),
+            "commitMs": int(report.commit_seconds * 1000),
+            "bytesWritten": report.log_bytes + report.snapshot_bytes,
+            "numSegments": len(report.segment_keys),
+            "numMaterializations": int(report.snapshot is not None),
+            "numTimersFired": report.timers_fired, "numTtlPurged": report.ttl_purged}
+
+
 def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_version: str,
                  batches: Iterator[Any]) -> Iterator[Any]:
     """The body of one state task inside the user's query (``op.transform``): plan the batch
     (:func:`plan_batch`), run and commit its partitions as a ``foreach_batch`` task does
     (:func:`dstl.spark.task.run_group`), store each partition's result, then yield its output
-    rows."""
+    rows (the metric columns null) and one metrics row (the output columns null)."""
     import pyarrow as pa
 
     from dstl.spark.config import TaskInput
@@ -432,25 +472,45 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
                            base_handles=plan.handles, retained=plan.retained,
                            processing_time_ms=plan.processing_time_ms,
                            watermark_ms=plan.watermark_ms, driver_version=driver_version)
+    counts = {"received": 0, "late": 0}
     rows = iter_batches(iter(batches), EVENT_TIME_COLUMN if event_time else None,
-                        plan.watermark_ms)
+                        plan.watermark_ms, counts)
     rt, attempt, done = run_group(cfg, task_input, rows, tasks)
     names = list(cfg.output_columns)
-    for outputs, report in committed_reports(rt, cfg, attempt, done):
+    metric_cols = [metric_column(m) for m in METRICS]
+    schema = pa.schema([*[cfg.arrow_schema.field(n) for n in names],
+                        pa.field(METRICS_MARK, pa.int32()),
+                        *[pa.field(c, pa.int64()) for c in metric_cols]])
+    for i, (outputs, report) in enumerate(committed_reports(rt, cfg, attempt, done)):
         write_result(store, batch, cfg.partitions, report)
         if outputs is not None and outputs.num_rows:
-            yield pa.RecordBatch.from_arrays([outputs.column(n) for n in names], names=names)
+            n = outputs.num_rows
+            yield pa.RecordBatch.from_arrays(
+                [outputs.column(c) for c in names]
+                + [pa.nulls(n, pa.int32())] + [pa.nulls(n, pa.int64())] * len(metric_cols),
+                schema=schema)
+        # the task's rows received and dropped late are counted once, with its first partition
+        values = _metric_values(report, counts["received"] if i == 0 else 0,
+                                counts["late"] if i == 0 else 0)
+        yield pa.RecordBatch.from_arrays(
+            [pa.nulls(1, schema.field(c).type) for c in names]
+            + [pa.array([report.partition], pa.int32())]
+            + [pa.array([values[m]], pa.int64()) for m in METRICS], schema=schema)
 
 
-def iter_batches(batches: Iterator[Any], event_column: str | None, watermark_ms: int
-                 ) -> Iterator[Any]:
+def iter_batches(batches: Iterator[Any], event_column: str | None, watermark_ms: int,
+                 counts: dict[str, int]) -> Iterator[Any]:
     """The task's record batches without the rows at or below the watermark (late rows are
-    dropped inside the query: its plan knows no watermark before the tasks run)."""
-    if event_column is None or watermark_ms < 0:
-        yield from batches
-        return
+    dropped inside the query: its plan knows no watermark before the tasks run); counts the
+    rows received and dropped into ``counts``."""
     import pyarrow.compute as pc
 
     for b in batches:
+        counts["received"] += b.num_rows
+        if event_column is None or watermark_ms < 0:
+            yield b
+            continue
         col = b.column(event_column)
-        yield b.filter(pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms)))
+        kept = b.filter(pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms)))
+        counts["late"] += b.num_rows - kept.num_rows
+        yield kept

@@ -82,7 +82,7 @@ def _read_rows(spark: Any, path: Path, *cols: str) -> Counter[tuple[Any, ...]]: 
     return Counter(tuple(r) for r in spark.read.parquet(str(path)).select(*cols).collect())
 
 
-def _run(spark: Any, op: Any, work: Path, out: Any = None) -> None:  # noqa: F811
+def _run(spark: Any, op: Any, work: Path, out: Any = None) -> Any:  # noqa: F811
     src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
            .json(str(work / "in")))
     df = (out or (lambda d: d.transform(op)))(src)
@@ -90,6 +90,13 @@ def _run(spark: Any, op: Any, work: Path, out: Any = None) -> None:  # noqa: F81
          .option("checkpointLocation", str(work / "cp")).trigger(availableNow=True).start())
     q.awaitTermination()
     assert op.wait_for_checkpoint(int(q.lastProgress["batchId"]))
+    return q
+
+
+def _observed(q: Any, name: str) -> list[dict[str, int]]:
+    """The operator's figures in each batch's progress (Spark's observed metrics)."""
+    rows = [p["observedMetrics"].get(f"dstl.{name}") for p in q.recentProgress]
+    return [r.asDict() if hasattr(r, "asDict") else dict(r) for r in rows if r is not None]
 
 
 @pytest.mark.parametrize("table", TABLES)
@@ -106,7 +113,13 @@ def test_the_file_sink_gets_each_row_once_across_a_restart_and_a_rescale(
 
     op = op_of(4, 0)
     try:
-        _run(spark, op, tmp_path)
+        q = _run(spark, op, tmp_path)
+        # DSTL's figures are in Spark's own progress of the query
+        seen = _observed(q, "counts")
+        assert [m["numInputRows"] for m in seen] == [40] * 3
+        assert [m["numOutputRows"] for m in seen] == [len(set(_file_keys(i))) for i in range(3)]
+        assert [m["numUpdatedKeys"] for m in seen] == [m["numOutputRows"] for m in seen]
+        assert all(m["numStateEntries"] > 0 and m["bytesWritten"] > 0 for m in seen)
         assert op.last_progress is not None and op.last_progress["batchId"] == 2
         assert [s["batch_id"] for s in op.batch_stats] == [0, 1, 2]
     finally:
@@ -118,7 +131,8 @@ def test_the_file_sink_gets_each_row_once_across_a_restart_and_a_rescale(
     _write_files(tmp_path, 3, 6)
     op = op_of(3, 1)
     try:
-        _run(spark, op, tmp_path)
+        q = _run(spark, op, tmp_path)
+        assert _observed(q, "counts")[0]["numRestores"] == 3  # every partition rescaled
         assert op.coordinator is not None and op.coordinator.latest() is not None
         assert op.coordinator.latest().checkpoint_id == 5
         assert {a for s in op.batch_stats for a in s["accesses"]} >= {"rescale"}
