@@ -256,3 +256,45 @@ def test_leaf_fill_estimate_is_close_to_the_exact_fill(storage: ChangelogStorage
             assert estimate == pytest.approx(exact, abs=0.05), order
         finally:
             b.close()
+
+
+_BUILD = r"""
+import json, os, sys, threading
+from dstl.keygroups import KeyGroupRange
+from materializer.lmdb_files import RangeSource, build_environment
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+peak = [0]
+stop = threading.Event()
+def sample():
+    while not stop.wait(0.002):
+        peak[0] = max(peak[0], anon())
+base = anon()
+threading.Thread(target=sample, daemon=True).start()
+n = build_environment(sys.argv[2], [RangeSource(sys.argv[1], "k", KeyGroupRange(0, 15), {})])
+stop.set()
+print(json.dumps({"records": n, "grew": max(peak[0], anon()) - base}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+def test_range_copy_holds_one_transaction_of_pages_in_memory(tmp_path: Path) -> None:
+    """A range copy (a rescaling restore) writes its new environment in bounded transactions:
+    LMDB keeps a write transaction's dirty pages in memory, so one transaction for the whole
+    environment (~90 MB here) would hold all of it."""
+    import lmdb
+
+    src = tmp_path / "src"
+    records = 200_000
+    with lmdb.open(str(src), map_size=1 << 30) as env, env.begin(write=True) as txn, \
+            txn.cursor() as cur:
+        cur.putmulti(((struct.pack(">HHI", i * 16 // records, 0, 8) + b"%08d" % i,
+                       os.urandom(200).hex().encode()) for i in range(records)), append=True)
+    assert os.path.getsize(src / "data.mdb") > 80 << 20
+    out = subprocess.run([sys.executable, "-c", _BUILD, str(src), str(tmp_path / "dst")],
+                         capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["records"] == records
+    assert r["grew"] < lmdb_files.TXN_BYTES * 3, f"anonymous memory grew by {r['grew']} bytes"
