@@ -260,7 +260,7 @@ class DstlStatefulOperator:
             return self._ready
         from dstl.stores import open_store
 
-        static = dict(spark.sparkContext.getConf().getAll())
+        static = _static_conf(spark)
         conf = {**static, **_runtime_conf(spark)}
         from dstl.spark.registration import register
 
@@ -591,6 +591,11 @@ class DstlStatefulOperator:
                 Spark ends the query as stopped and runs the batch again at the next start
                 (:mod:`dstl.spark.stopping`).
         """
+        if is_connect(df.sparkSession):
+            raise UsageError(f"operator {self.name!r}: foreach_batch runs its state job from "
+                             "the driver's SparkContext, which a Spark Connect client does "
+                             "not have; use out = op.transform(df) (or df.transform(op)) and "
+                             "write out with writeStream")
         try:
             with self._tasks_lock:  # a warm-up of this operator never runs meanwhile
                 self._batch(df, batch_id)
@@ -863,6 +868,9 @@ class DstlStatefulOperator:
         partition)."""
         if self.tasks is not None:
             return self.tasks
+        if is_connect(spark):  # a Spark Connect client sees no SparkContext
+            slots = spark.conf.get("spark.default.parallelism", None)
+            return max(1, min(self.partitions, int(slots))) if slots else self.partitions
         return max(1, min(self.partitions, int(spark.sparkContext.defaultParallelism)))
 
     def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
@@ -1068,6 +1076,19 @@ def _deployment_problem(error_text: str) -> str | None:
                 "PYSPARK_PYTHON to an interpreter that has the driver's DSTL installed, or ship "
                 "it with a packed virtualenv (--archives) or a container image (docs/deploy.md)")
     return None
+
+
+def is_connect(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect client session (no SparkContext, no JVM here)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _static_conf(spark: Any) -> dict[str, str]:
+    """The SparkContext's conf; a Spark Connect client reads what the server's session shows
+    of it (``spark.conf``)."""
+    if is_connect(spark):
+        return {str(k): str(v) for k, v in spark.conf.getAll.items()}
+    return dict(spark.sparkContext.getConf().getAll())
 
 
 def _runtime_conf(spark: Any) -> dict[str, str]:
