@@ -1,7 +1,7 @@
 """The operator inside the user's query (``op.transform(df)``): a streaming DataFrame out, written
 by Spark's Parquet file sink, exactly-once against a model computed here from the input files —
-across a query restart with a changed partition count, with two DSTL operators chained in one
-query, and with the driver SIGKILLed while the state tasks run, after Spark's commit before
+with a task whose worker is killed (Spark retries it), across a query restart with a changed
+partition count, with two DSTL operators chained in one query, and with the driver SIGKILLed while the state tasks run, after Spark's commit before
 DSTL's manifest, and after both."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
-from support.processors import Count
+from support.processors import Count, CrashOnce
 
 from dstl.errors import UsageError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
@@ -103,9 +103,12 @@ def _observed(q: Any, name: str) -> list[dict[str, int]]:
 def test_the_file_sink_gets_each_row_once_across_a_restart_and_a_rescale(
         spark: Any, tmp_path: Path, table: str) -> None:  # noqa: F811
     _write_files(tmp_path, 0, 3)
+    # the first run's worker is killed in batch 1 (Spark retries the task)
+    crash = type("CrashOnceHere", (CrashOnce,), {"flag": str(tmp_path / "killed")})
 
     def op_of(partitions: int, run: int) -> DstlStatefulOperator:
-        return DstlStatefulOperator(name="counts", processor=Count, key_column="key",
+        return DstlStatefulOperator(name="counts", processor=crash if run == 0 else Count,
+                                    key_column="key",
                                     output_schema="key string, count bigint",
                                     state_uri=str(tmp_path / "state"), partitions=partitions,
                                     table=table, local_dir=str(tmp_path / f"local-{run}"),
@@ -120,6 +123,7 @@ def test_the_file_sink_gets_each_row_once_across_a_restart_and_a_rescale(
         assert [m["numOutputRows"] for m in seen] == [len(set(_file_keys(i))) for i in range(3)]
         assert [m["numUpdatedKeys"] for m in seen] == [m["numOutputRows"] for m in seen]
         assert all(m["numStateEntries"] > 0 and m["bytesWritten"] > 0 for m in seen)
+        assert (tmp_path / "killed").exists()
         assert op.last_progress is not None and op.last_progress["batchId"] == 2
         assert [s["batch_id"] for s in op.batch_stats] == [0, 1, 2]
     finally:
