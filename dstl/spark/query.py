@@ -273,6 +273,18 @@ def write_result(store: BlobStore, batch: int, partitions: int, report: TaskRepo
                                "report": report.to_json()}).encode())
 
 
+def check_same_query(plan: BatchPlan, query_id: str, operator: str, location: str) -> None:
+    """Refuse a plan another streaming query wrote (Spark's query id persists across restarts).
+
+    Raises:
+        UsageError: two queries write to one state.
+    """
+    if plan.query_id and query_id and plan.query_id != query_id:
+        raise UsageError(f"operator {operator!r}, batch {plan.batch}: another streaming query "
+                         f"(id {plan.query_id}) writes to the state in {location}; each query "
+                         "needs a state_uri of its own")
+
+
 def plan_of(store: BlobStore, batch: int) -> BatchPlan | None:
     """The stored plan of ``batch``, if any."""
     return _read(store, plan_key(batch), BatchPlan.from_json)
@@ -468,6 +480,7 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
     store = runtime_for(cfg).storage.store
     plan = plan_batch(store, batch, cfg.partitions, delay_ms=delay_ms, event_time=event_time,
                       now_ms=int(time.time() * 1000), query_id=query_id)
+    check_same_query(plan, query_id, cfg.name, store.location)
     task_input = TaskInput(batch_id=batch, base_checkpoint=plan.base,
                            base_handles=plan.handles, retained=plan.retained,
                            processing_time_ms=plan.processing_time_ms,

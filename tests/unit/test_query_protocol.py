@@ -143,3 +143,12 @@ def test_a_plan_keeps_its_fields_through_the_store() -> None:
                            processing_time_ms=7, watermark_ms=-1, query_id="q")
     assert query.BatchPlan.from_json(plan.to_json(), "k") == plan
     assert dataclasses.replace(plan, query_id="") != plan
+
+
+def test_a_plan_of_another_query_is_refused() -> None:
+    store = MemoryBlobStore()
+    plan = _plan(store, 0)  # query "q"
+    query.check_same_query(plan, "q", "op", store.location)
+    query.check_same_query(plan, "", "op", store.location)  # outside a query's task: no id
+    with pytest.raises(UsageError, match="another streaming query .id q. writes to the state"):
+        query.check_same_query(plan, "other", "op", store.location)
