@@ -150,5 +150,5 @@ def test_a_plan_of_another_query_is_refused() -> None:
     plan = _plan(store, 0)  # query "q"
     query.check_same_query(plan, "q", "op", store.location)
     query.check_same_query(plan, "", "op", store.location)  # outside a query's task: no id
-    with pytest.raises(UsageError, match="another streaming query .id q. writes to the state"):
+    with pytest.raises(UsageError, match=r"another streaming query \(id q\) writes to the state"):
         query.check_same_query(plan, "other", "op", store.location)
