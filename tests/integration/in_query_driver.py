@@ -4,7 +4,9 @@ SIGKILL at a chosen step when asked.
 
     python in_query_driver.py WORK PARTITIONS [KILL_AT]
 
-``KILL_AT``: ``task`` (the state task of batch 1 kills the driver while it runs), ``committed``
+``KILL_AT``: ``task`` (the state task of batch 1 kills the driver while it runs), ``tasks-done``
+(the operation after DSTL's in the same task kills it once DSTL's rows are all through: every
+result of batch 1 is stored, Spark has not committed), ``committed``
 (a listener added before DSTL's kills it when Spark reports batch 1: after Spark's commit, before
 DSTL's manifest) or ``manifest`` (a listener added after DSTL's: after both).
 """
@@ -37,13 +39,27 @@ class Count(StatefulProcessor):
 
         victim = os.environ.get("DSTL_TEST_KILL_DRIVER")
         ctx = TaskContext.get()
-        if victim and ctx is not None and \
+        if victim and os.environ.get("DSTL_TEST_KILL_AT") == "task" and ctx is not None and \
                 ctx.getLocalProperty("streaming.sql.batchId") == str(KILL_BATCH):
             os.kill(int(victim), signal.SIGKILL)
             signal.pause()
         c = (self.count.get() or 0) + sum(1 for _ in rows)
         self.count.update(c)
         yield {"key": key, "count": c}
+
+
+def kill_when_done(batches: Iterator[Any]) -> Iterator[Any]:
+    """Passes DSTL's rows on; in batch ``KILL_BATCH`` (with ``DSTL_TEST_KILL_AT=tasks-done``),
+    once they are all through, kills the driver."""
+    from pyspark import TaskContext
+
+    yield from batches
+    ctx = TaskContext.get()
+    victim = os.environ.get("DSTL_TEST_KILL_DRIVER")
+    if victim and os.environ.get("DSTL_TEST_KILL_AT") == "tasks-done" and ctx is not None \
+            and ctx.getLocalProperty("streaming.sql.batchId") == str(KILL_BATCH):
+        os.kill(int(victim), signal.SIGKILL)
+        signal.pause()
 
 
 class KillAt(StreamingQueryListener):
@@ -70,8 +86,9 @@ def main() -> None:
     sys.path.insert(0, here)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    if kill_at == "task":
+    if kill_at in ("task", "tasks-done"):
         os.environ["DSTL_TEST_KILL_DRIVER"] = str(os.getpid())
+        os.environ["DSTL_TEST_KILL_AT"] = kill_at
     from spark_support import new_session
 
     spark = new_session("dstl-in-query-driver")
@@ -88,7 +105,9 @@ def main() -> None:
                               materialization_interval_s=0)
     src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
            .json(os.path.join(work, "in")))
-    out = src.transform(op)
+    from in_query_driver import kill_when_done
+
+    out = src.transform(op).mapInArrow(kill_when_done, "key string, count bigint")
     if kill_at == "manifest":
         spark.streams.addListener(Killer())
     q = (out.writeStream.format("parquet").option("path", os.path.join(work, "out"))

@@ -1,8 +1,10 @@
 """The operator inside the user's query (``op.transform(df)``): a streaming DataFrame out, written
 by Spark's Parquet file sink, exactly-once against a model computed here from the input files —
 with a task whose worker is killed (Spark retries it), across a query restart with a changed
-partition count, with two DSTL operators chained in one query, and with the driver SIGKILLed while the state tasks run, after Spark's commit before
-DSTL's manifest, and after both."""
+partition count, with two DSTL operators chained in one query, and with the driver SIGKILLed
+after Spark's commit and before DSTL's manifest; ``DSTL_DEEP=1`` adds the heap table and
+SIGKILLs while the state tasks run, once they are done (before Spark's commit) and after DSTL's
+manifest."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 #: only this protocol has); ``DSTL_DEEP=1`` adds the heap and the other two crash points
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 TABLES = ["lmdb", "heap"] if DEEP else ["lmdb"]
-KILL_POINTS = ["task", "committed", "manifest"] if DEEP else ["committed"]
+KILL_POINTS = ["task", "tasks-done", "committed", "manifest"] if DEEP else ["committed"]
 
 
 class GroupTotal(StatefulProcessor):
