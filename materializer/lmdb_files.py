@@ -1,5 +1,6 @@
-"""LMDB environment files that are not (yet) a live table: trimming and range-copying the
-validated data files of file-level snapshots (:mod:`materializer.file_snapshot`).
+"""LMDB environment files that are not (yet) a live table: the validated data files of
+file-level snapshots (:mod:`materializer.file_snapshot`) trimmed and range-copied, and the file of
+a table snapshot written (packed first when its pages are far from full).
 
 Theory of operation
 -------------------
