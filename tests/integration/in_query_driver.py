@@ -4,6 +4,9 @@ SIGKILL at a chosen step when asked.
 
     python in_query_driver.py WORK PARTITIONS [KILL_AT]
 
+The state goes to ``WORK/state`` unless ``DSTL_TEST_STATE_URI`` names another store (with
+``DSTL_TEST_STORAGE_OPTIONS``, JSON); ``DSTL_TEST_TABLE`` picks the table (default LMDB).
+
 ``KILL_AT``: ``task`` (the state task of batch 1 kills the driver while it runs), ``tasks-done``
 (the operation after DSTL's in the same task kills it once DSTL's rows are all through: every
 result of batch 1 is stored, Spark has not committed), ``committed``
@@ -13,6 +16,7 @@ DSTL's manifest) or ``manifest`` (a listener added after DSTL's: after both).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -98,9 +102,14 @@ def main() -> None:
 
     if kill_at == "committed":
         spark.streams.addListener(Killer())
+    options = os.environ.get("DSTL_TEST_STORAGE_OPTIONS")
     op = DstlStatefulOperator(name="counts", processor=Processor, key_column="key",
                               output_schema="key string, count bigint",
-                              state_uri=os.path.join(work, "state"), partitions=partitions,
+                              state_uri=os.environ.get("DSTL_TEST_STATE_URI",
+                                                       os.path.join(work, "state")),
+                              storage_options=json.loads(options) if options else None,
+                              table=os.environ.get("DSTL_TEST_TABLE", "lmdb"),
+                              partitions=partitions,
                               local_dir=os.path.join(work, f"local-{os.getpid()}"),
                               materialization_interval_s=0)
     src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
+from support import moto_server
 from support.processors import Count, CrashOnce
 
 from dstl.errors import UsageError
@@ -27,11 +28,18 @@ from dstl.spark import DstlStatefulOperator, StatefulProcessor
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
 HERE = Path(__file__).resolve().parent
+moto_endpoint = moto_server.moto_endpoint
+s3_bucket = moto_server.s3_bucket
 #: CI runs the LMDB table and the crash between Spark's commit and DSTL's manifest (the step
 #: only this protocol has); ``DSTL_DEEP=1`` adds the heap and the other two crash points
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 TABLES = ["lmdb", "heap"] if DEEP else ["lmdb"]
-KILL_POINTS = ["task", "tasks-done", "committed", "manifest"] if DEEP else ["committed"]
+#: (store, table, kill point) of the driver-kill test
+KILL_POINTS = [("local", "lmdb", "committed")]
+if DEEP:
+    KILL_POINTS = [(store, table, kill) for store, table in
+                   (("local", "lmdb"), ("local", "heap"), ("s3", "lmdb"))
+                   for kill in ("task", "tasks-done", "committed", "manifest")]
 
 
 class GroupTotal(StatefulProcessor):
@@ -204,11 +212,20 @@ def test_transform_refuses_what_it_cannot_do(spark: Any, tmp_path: Path) -> None
     op.close()
 
 
-@pytest.mark.parametrize("kill_at", KILL_POINTS)
+@pytest.mark.timeout(900)  # two Spark drivers in turn, each in a process of its own
+@pytest.mark.parametrize(("store", "table", "kill_at"), KILL_POINTS)
 def test_a_driver_killed_at_each_step_loses_nothing_and_repeats_nothing(
-        spark: Any, tmp_path: Path, kill_at: str) -> None:  # noqa: F811
+        spark: Any, tmp_path: Path, request: pytest.FixtureRequest, store: str, table: str,  # noqa: F811
+        kill_at: str) -> None:
     _write_files(tmp_path, 0, 3)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "DSTL_TEST_TABLE": table}
+    if store == "s3":
+        from support.moto_server import s3_storage_options
+
+        endpoint = request.getfixturevalue("moto_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        env["DSTL_TEST_STATE_URI"] = f"s3://{bucket}/state"
+        env["DSTL_TEST_STORAGE_OPTIONS"] = json.dumps(s3_storage_options(endpoint))
     driver = [sys.executable, str(HERE / "in_query_driver.py"), str(tmp_path)]
     first = subprocess.run([*driver, "3", kill_at], env=env, capture_output=True, text=True,
                            timeout=600)
@@ -219,5 +236,17 @@ def test_a_driver_killed_at_each_step_loses_nothing_and_repeats_nothing(
     assert second.returncode == 0, second.stderr[-3000:]
     assert _read_rows(spark, tmp_path / "out", "key", "count") == _without_batch(
         _counts_model(5))
-    manifests = sorted(p.name[:16] for p in (tmp_path / "state" / "checkpoints").iterdir())
-    assert int(manifests[-1], 16) == 4
+    # every batch has its checkpoint: the newest is the last batch's
+    from dstl.checkpoint import CheckpointCoordinator
+    from dstl.stores import open_store
+
+    options = env.get("DSTL_TEST_STORAGE_OPTIONS")
+    state = open_store(env.get("DSTL_TEST_STATE_URI", str(tmp_path / "state")),
+                       json.loads(options) if options else None)
+    try:
+        coordinator = CheckpointCoordinator.recover(state, "counts")
+        latest = coordinator.latest()
+        coordinator.close()
+    finally:
+        state.close()
+    assert latest is not None and latest.checkpoint_id == 4
