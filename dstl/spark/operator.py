@@ -444,7 +444,9 @@ class DstlStatefulOperator:
         is taken from the results of the attempt Spark committed (:mod:`dstl.spark.query`;
         docs/spark.md, "Inside the query"). The driver writes the checkpoint's manifest when
         Spark reports the batch (a ``StreamingQueryListener`` this call adds to the session),
-        or, after a driver crash, when the operator starts again.
+        or, after a driver crash, when the operator starts again. Each batch's figures are in
+        the query's observed metrics, ``lastProgress["observedMetrics"]["dstl.<name>"]``
+        (:data:`dstl.spark.query.METRICS`). Works from a Spark Connect client too.
 
         Raises:
             UsageError: ``df`` is not a streaming DataFrame, or the operator has a ``sink``,
