@@ -1014,6 +1014,14 @@ class LmdbTableSnapshot(TablesSnapshot):
         finally:
             table._exit_read()
 
+    def _main_db(self) -> Any:
+        """The main database's handle, looked up in this snapshot's own read transaction:
+        without one py-lmdb begins another, which LMDB refuses with ``MDB_MAP_RESIZED`` once
+        the writer (another process: the agent materializes a worker's table) has grown the
+        table beyond this process's map — while this transaction still reads its own pages
+        fine. Call under the read guard."""
+        return self._table._env.open_db(txn=self._txn)
+
     def copy_size(self) -> int:
         """The size of what :meth:`copy_to` writes, known before it runs: a compacting copy
         holds the two meta pages and the pages of the tree, nothing else (no free pages, no
@@ -1024,7 +1032,7 @@ class LmdbTableSnapshot(TablesSnapshot):
         table = self._table
         table._enter_read()
         try:
-            st = self._txn.stat(table._env.open_db())
+            st = self._txn.stat(self._main_db())
         except lmdb.Error as exc:
             raise table._translate(exc, "snapshot stat") from exc
         finally:
@@ -1059,7 +1067,7 @@ class LmdbTableSnapshot(TablesSnapshot):
         table = self._table
         table._enter_read()
         try:
-            st = self._txn.stat(table._env.open_db())
+            st = self._txn.stat(self._main_db())
             leaves, psize = int(st["leaf_pages"]), int(st["psize"])
             if leaves < 64:
                 return 1.0
@@ -1094,7 +1102,7 @@ class LmdbTableSnapshot(TablesSnapshot):
         table = self._table
         table._enter_read()
         try:
-            return int(self._txn.stat(table._env.open_db())["entries"])
+            return int(self._txn.stat(self._main_db())["entries"])
         except lmdb.Error as exc:
             raise table._translate(exc, "snapshot stat") from exc
         finally:

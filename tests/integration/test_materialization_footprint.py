@@ -298,3 +298,59 @@ def test_range_copy_holds_one_transaction_of_pages_in_memory(tmp_path: Path) -> 
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["records"] == records
     assert r["grew"] < lmdb_files.TXN_BYTES * 3, f"anonymous memory grew by {r['grew']} bytes"
+
+
+_OUTGROWN = r"""
+import json, os, sys, lmdb
+from dstl.keygroups import KeyGroupRange
+from materializer.file_snapshot import FileSnapshotMeta, decompress_file_snapshot, \
+    verify_file_snapshot
+from materializer.lmdb_files import spool_table_snapshot
+from materializer.lmdb_table import LmdbStateTable
+directory, out = sys.argv[1], sys.argv[2]
+table = LmdbStateTable(directory, KeyGroupRange(0, 15), readonly=True, map_size_bytes=1 << 20)
+snap = table.snapshot()
+print("ready", flush=True)
+sys.stdin.readline()
+r = {"entries": snap.entry_count(), "copy_size": snap.copy_size(), "fill": snap.leaf_fill()}
+meta = FileSnapshotMeta(KeyGroupRange(0, 15), 16, {}, "op", 1)
+with spool_table_snapshot(snap, meta, os.path.dirname(directory)) as spool:
+    data = spool.read()
+layout = verify_file_snapshot(lambda o, n: data[o:o + n], len(data), key="k")
+os.makedirs(out)
+decompress_file_snapshot(lambda o, n: data[o:o + n], layout, os.path.join(out, "data.mdb"),
+                         key="k")
+with lmdb.open(out, readonly=True, lock=False) as env:
+    r["copied"] = env.stat()["entries"]
+print(json.dumps(r), flush=True)
+"""
+
+
+def test_a_table_outgrowing_the_materializers_map_is_still_snapshotted(tmp_path: Path) -> None:
+    """The agent opens a worker's table read-only with a map of the size it had; the worker
+    grows it beyond while the snapshot is open. The snapshot's own read transaction still reads
+    its pages: its figures and its file come from it (a lookup that began another transaction
+    failed with MDB_MAP_RESIZED)."""
+    from materializer.lmdb_table import LmdbStateTable
+
+    directory = str(tmp_path / "table")
+    writer = LmdbStateTable(directory, KGS, map_size_bytes=1 << 20)
+    try:
+        with writer.write_batch():
+            for i in range(300):
+                writer.put(1, i % MP, b"k%04d" % i, b"", b"v" * 300)
+        child = subprocess.Popen([sys.executable, "-c", _OUTGROWN, directory,
+                                  str(tmp_path / "copied")], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        with writer.write_batch():
+            for i in range(300, 12_000):
+                writer.put(1, i % MP, b"k%05d" % i, b"", b"v" * 300)
+        assert writer.map_size_bytes > 4 << 20
+        out, _ = child.communicate("go\n", timeout=60)
+        assert child.returncode == 0
+    finally:
+        writer.close()
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["entries"] == r["copied"] == 301   # the layout record and the snapshot's 300
