@@ -24,6 +24,16 @@ operations, so when LMDB reports a full map the transaction is aborted, the map 
 to ``max_map_size_bytes``) and the journal replayed: a batch is atomic and never half-applied.
 Beyond the maximum a :class:`~dstl.errors.StateTableFullError` names the setting.
 
+Memory: without ``writemap`` a write transaction keeps every page it changes in memory until it
+ends (a random update changes a whole page), and LMDB then keeps those page buffers for reuse
+until the environment closes — a table once written by a large batch would hold that batch's
+pages for its lifetime (measured: 49 MB kept after one transaction of 100 k puts of 300 bytes).
+So a batch counts its changes: after one that may have changed more than
+:data:`RELEASE_PAGES_BYTES` of pages the environment is reopened, which frees them (skipped while
+a snapshot or an ``entries()`` scan of this process is open), and a bulk load commits once its
+transaction may hold that many. ``writemap`` would avoid the buffers, but it writes through the
+map into a sparse file, where a full disk is a ``SIGBUS`` instead of an error.
+
 Snapshots: ``snapshot()`` opens a read transaction (MVCC), so writers continue while it is written
 out on another thread. py-lmdb invalidates every open transaction when the map is resized, so
 growth waits until open snapshots are released (at most ``grow_wait_s``), and ``snapshot()`` first
@@ -88,6 +98,7 @@ from materializer.state_tables import (
 )
 
 __all__ = [
+    "RELEASE_PAGES_BYTES",
     "DEFAULT_GROW_WAIT_S",
     "DEFAULT_MAP_SIZE_BYTES",
     "DEFAULT_MAX_MAP_SIZE_BYTES",
@@ -111,6 +122,9 @@ DEFAULT_MAP_SIZE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_MAX_MAP_SIZE_BYTES: Final = 64 * 1024 * 1024 * 1024
 #: Longest a writer waits for open snapshots to be released before the map can grow.
 DEFAULT_GROW_WAIT_S: Final = 60.0
+#: Pages a write transaction may change (changes x page size, an upper bound) before the
+#: environment is reopened after it, and before a bulk load commits (module docstring).
+RELEASE_PAGES_BYTES: Final = 16 << 20
 
 _PREFIX: Final = struct.Struct(">HHI")   # key group, state id, key length
 _KG_SID: Final = struct.Struct(">HH")
@@ -176,6 +190,8 @@ class LmdbWriteBatch:
         self.txn: Any = None
         self.journal: list[tuple[Any, ...]] = []
         self.thread = 0
+        self.changes = 0        # records written or deleted by the open transaction
+        self.most_changes = 0   # ... by the largest of the batch's committed transactions
 
     def __enter__(self) -> LmdbWriteBatch:
         self._outer = self._table._begin_batch(self)
@@ -318,7 +334,10 @@ class LmdbStateTable:
         self._active_reads = 0
         self._open_snapshots: weakref.WeakSet[LmdbTableSnapshot] = weakref.WeakSet()
         self._remapping = False
+        self._open_scans = 0   # entries() iterations holding a read transaction of their own
         self._batch: LmdbWriteBatch | None = None
+        self._sync = sync
+        self._psize = int(self._env.stat()["psize"])
         self._check_layout()
         _OPEN_TABLES.add(self)
         log.info("opened LMDB state table %s (map %d bytes, max %d)", self.path, self._map_size,
@@ -456,6 +475,8 @@ class LmdbStateTable:
         self._enter_read()
         try:
             txn = self._read_txn()
+            with self._cv:   # counted under the read guard: a reopen waits for that first
+                self._open_scans += 1
         finally:
             self._exit_read()
         try:
@@ -474,7 +495,10 @@ class LmdbStateTable:
                     return
                 start, skip_first = chunk[-1][0], True
         finally:
-            txn.abort()
+            with self._cv:
+                self._open_scans -= 1
+            if not (self._forked or self._closed):
+                txn.abort()
 
     def entries_up_to(self, state_id: int, key_group: int, key_len: int, max_key: bytes
                       ) -> list[tuple[bytes, bytes, bytes]]:
@@ -602,11 +626,14 @@ class LmdbStateTable:
         the next ``nbytes`` (x4: LMDB's pages and B-tree overhead over the change-set bytes of
         small records) plus one commit's worth; call with the batch open on this thread."""
         batch.pending += nbytes
-        if batch.pending < LmdbBulkLoad.COMMIT_BYTES and nbytes * 4 < self._map_size // 8:
+        if batch.pending < LmdbBulkLoad.COMMIT_BYTES and nbytes * 4 < self._map_size // 8 \
+                and batch.changes * self._psize < RELEASE_PAGES_BYTES:
             return
         self._commit_batch_txn(batch)
         batch.journal = []
         batch.pending = 0
+        batch.most_changes = max(batch.most_changes, batch.changes)
+        batch.changes = 0
         info = self._env.info()
         used = (int(info["last_pgno"]) + 1) * int(self._env.stat()["psize"])
         need = used + 4 * (nbytes + LmdbBulkLoad.COMMIT_BYTES)
@@ -653,13 +680,43 @@ class LmdbStateTable:
                 return
             if not commit:
                 batch.txn.abort()
-                return
-            self._commit_batch_txn(batch)
+            else:
+                self._commit_batch_txn(batch)
+            batch.txn = None
+            if max(batch.most_changes, batch.changes) * self._psize >= RELEASE_PAGES_BYTES:
+                self._release_pages()
         finally:
             self._batch = None
             batch.txn = None
             batch.journal = []
             self._write_lock.release()
+
+    def _release_pages(self) -> None:
+        """Reopen the environment, so LMDB frees the page buffers a large transaction left
+        (the module docstring); call with the write lock held and no write transaction open.
+        Skipped while a snapshot or a scan of this process holds a read transaction (closing
+        the environment would end it): the next large batch tries again."""
+        with self._cv:
+            if len(self._open_snapshots) or self._open_scans:
+                return
+            self._remapping = True
+            try:
+                while self._active_reads:
+                    self._cv.wait()
+                if len(self._open_snapshots) or self._open_scans:
+                    return   # one began before the guard went up
+                self._env.close()
+                try:
+                    self._env = self._open_env(sync=self._sync, readonly=False)
+                except BaseException:
+                    self._closed = True   # no environment left: every later call says so
+                    raise
+                self._map_size = int(self._env.info()["map_size"])
+            finally:
+                self._remapping = False
+                self._cv.notify_all()
+        log.debug("LMDB state table %s reopened to free a large transaction's pages",
+                  self.path)
 
     def _begin_write(self) -> Any:
         """A write transaction; call with the write lock held."""
@@ -675,6 +732,7 @@ class LmdbStateTable:
         batch = self._batch
         if batch is not None and batch.thread == threading.get_ident():
             batch.journal.append(op)
+            batch.changes += len(op[1]) if op[0] == "putmulti" else 1
             try:
                 return self._apply(batch.txn, op)
             except lmdb.MapFullError:
