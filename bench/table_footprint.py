@@ -133,8 +133,8 @@ for h, r in zip(p["handles"], ranges):
         tracemalloc.reset_peak()
     backends.append(restore_backend([h], storage, r, table="lmdb", cache=cache, options=opts,
                                     local_directory=p["op_dir"], auto_materialize=False))
-    steps.append({"anon": anon(), "traced_peak": tracemalloc.get_traced_memory()[1]
-                  if p.get("trace") else None})
+    traced = tracemalloc.get_traced_memory() if p.get("trace") else (None, None)
+    steps.append({"anon": anon(), "traced": traced[0], "traced_peak": traced[1]})
 seconds = time.monotonic() - t
 wrong = 0
 desc = ValueStateDescriptor("v")
@@ -605,7 +605,8 @@ def markdown(runs: list[dict[str, Any]], baseline_runs: list[dict[str, Any]],
                 f"{name} {_figures(r)[k] / max(1.0, _figures(b)[k]):.2f}x" for name, k in (
                     ("peak disk load + steady", "peak"), ("temporary", "temp"),
                     ("peak disk restore", "restore_peak"), ("restored tables", "restored"),
-                    ("agent anon", "agent"), ("restoring process anon", "restorer"),
+                    ("worker anon", "worker"), ("agent anon", "agent"),
+                    ("restoring process anon", "restorer"),
                     ("snapshot bytes", "objects")))
             for b, r in zip(baseline_runs, runs)) + "."]
     lines += ["", "Anonymous memory at the start (after imports), MB: " + "; ".join(
