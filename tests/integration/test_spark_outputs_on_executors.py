@@ -16,10 +16,12 @@ from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
-#: rows per batch and bytes of padding per output row: each batch emits ~10 MiB of rows,
-#: ten times the driver's result limit
-ROWS = 40_000
+#: rows per batch and bytes of padding per output row: each batch emits ~7 MiB of rows,
+#: seven times the driver's result limit
+ROWS = 30_000
 PAD = 240
+#: batch 1 is the one whose persisted rows are dropped before the sink reads them
+BATCHES = 2
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +89,17 @@ def test_outputs_larger_than_the_driver_limit_reach_the_sink_exactly(small_drive
                               state_uri=str(tmp_path / "state"), partitions=4,
                               materialization_interval_s=None, sink=sink)
     try:
-        for b in range(3):
+        for b in range(BATCHES):
             op.foreach_batch(_batch(spark, b), b)
         assert dropped == [1]
-        assert [s["rows_out"] for s in op.batch_stats] == [ROWS] * 3
+        assert [s["rows_out"] for s in op.batch_stats] == [ROWS] * BATCHES
     finally:
         op.close()
 
     # the model: each batch's keys, counted cumulatively
     seen: Counter[str] = Counter()
     expected = []
-    for b in range(3):
+    for b in range(BATCHES):
         lo = b * ROWS // 2
         for i in range(lo, lo + ROWS):
             k = f"key-{i}"
