@@ -27,10 +27,22 @@ pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
+    # pyspark marks the process as a Connect client in os.environ (SPARK_CONNECT_MODE_ENABLED,
+    # SPARK_REMOTE): every later SparkSession.builder would then ask for a Connect URL, so the
+    # marks go when the client does (the next test module in this process starts a local one)
+    marks = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
+    saved = {k: os.environ.get(k) for k in marks}
     with connect_server(tmp_path_factory.mktemp("connect")) as url:
         spark = SparkSession.builder.remote(url).getOrCreate()
-        yield spark
-        spark.stop()
+        try:
+            yield spark
+        finally:
+            spark.stop()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _named(row: Any) -> dict[str, Any]:
