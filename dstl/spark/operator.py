@@ -461,18 +461,7 @@ class DstlStatefulOperator:
         from dstl.spark.query import metric_column as query_metric_column
         from dstl.spark.query import run_in_query
 
-        if not getattr(df, "isStreaming", False):
-            raise UsageError(f"operator {self.name!r}: transform takes a streaming DataFrame "
-                             "(spark.readStream...); for a batch DataFrame call "
-                             "op.foreach_batch(df, batch_id)")
-        for given, what in ((self.sink is not None, "a sink"),
-                            (self.initial_state is not None, "an initial_state"),
-                            (self.time.late_rows == "side_output",
-                             'late_rows="side_output"')):
-            if given:
-                raise UsageError(f"operator {self.name!r} has {what}, which only "
-                                 "foreach_batch supports; inside the query the output "
-                                 "DataFrame is the sink's input (drop the argument)")
+        self._check_transform(df)
         spark = df.sparkSession
         ready = self._ensure_ready(spark)
         self._commit_pending(ready)
@@ -504,6 +493,21 @@ class DstlStatefulOperator:
                 .observe(f"dstl.{self.name}", *aggregates)
                 .where(F.col(QUERY_METRICS_MARK).isNull())
                 .drop(QUERY_METRICS_MARK, *metrics))
+
+    def _check_transform(self, df: Any) -> None:
+        """Refuse what :meth:`transform` cannot do (see its ``Raises``)."""
+        if not getattr(df, "isStreaming", False):
+            raise UsageError(f"operator {self.name!r}: transform takes a streaming DataFrame "
+                             "(spark.readStream...); for a batch DataFrame call "
+                             "op.foreach_batch(df, batch_id)")
+        for given, what in ((self.sink is not None, "a sink"),
+                            (self.initial_state is not None, "an initial_state"),
+                            (self.time.late_rows == "side_output",
+                             'late_rows="side_output"')):
+            if given:
+                raise UsageError(f"operator {self.name!r} has {what}, which only "
+                                 "foreach_batch supports; inside the query the output "
+                                 "DataFrame is the sink's input (drop the argument)")
 
     def wait_for_checkpoint(self, batch_id: int, timeout_s: float = 60.0) -> bool:
         """Wait until the checkpoint of batch ``batch_id`` (or a later one) is written: inside
