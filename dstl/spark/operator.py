@@ -480,6 +480,9 @@ class DstlStatefulOperator:
         def task(batches: Any) -> Any:
             return run_in_query(cfg, tasks, delay_ms, event_time, version, batches)
 
+        # the name Spark's plan (SQL tab, explain) shows for the state tasks' node
+        task.__name__ = task.__qualname__ = plan_name(self.name)
+
         self._listen(spark)
         metrics = [query_metric_column(m) for m in QUERY_METRICS]
         schema = StructType([*ready.out_schema.fields,
@@ -916,6 +919,12 @@ class DstlStatefulOperator:
         if ready is not None:
             ready.coordinator.close()
             ready.store.close()
+
+
+def plan_name(name: str) -> str:
+    """The operator's name as it appears in Spark's query plan (the state tasks' UDF):
+    ``dstl_`` and the name with every character that is not a letter, digit or ``_`` as ``_``."""
+    return "dstl_" + re.sub(r"\W", "_", name)
 
 
 def _routing_sql(hashed: str, max_parallelism: int, partitions: int) -> str:

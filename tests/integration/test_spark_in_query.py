@@ -173,16 +173,22 @@ def test_two_operators_chained_in_one_query(spark: Any, tmp_path: Path) -> None:
                                   state_uri=str(tmp_path / "state-b"), partitions=3,
                                   materialization_interval_s=None)
 
+    plans: list[str] = []
+
     def query(src: Any) -> Any:
         # per batch, each key's running count, then per group (the key's last digit) the
         # number of those rows received so far
-        return (counts.transform(src)
-                .select(F.substring("key", 3, 1).alias("grp"), "count")
-                .transform(totals))
+        out = (counts.transform(src)
+               .select(F.substring("key", 3, 1).alias("grp"), "count")
+               .transform(totals))
+        plans.append(out._jdf.queryExecution().analyzed().toString())
+        return out
 
     try:
         _run(spark, totals, tmp_path, out=query)
         assert counts.wait_for_checkpoint(3)
+        # Spark's plan (SQL tab, explain) names each operator's state tasks
+        assert "dstl_counts(" in plans[0] and "dstl_totals(" in plans[0], plans[0]
     finally:
         counts.close()
         totals.close()
