@@ -50,6 +50,7 @@ itself is used for structure that is wrong although its checksums match (a forge
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
@@ -98,6 +99,9 @@ __all__ = [
     "RECORD_HEADER_SIZE",
     "SNAPSHOT_FORMAT",
     "TAIL_READ_BYTES",
+    "TOMBSTONE_LENGTH",
+    "block_content",
+    "check_snapshot_header",
     "IndexEntry",
     "SnapshotContents",
     "SnapshotEncoder",
@@ -147,12 +151,19 @@ _FOOTER_HEAD: Final = struct.Struct(">QIIBBH")     # index off, index len, index
 _FOOTER: Final = struct.Struct(">QIIBBHI4s")       # the same with the trailer (object crc, magic)
 FOOTER_SIZE: Final = _FOOTER.size                  # 28
 
+#: A delta's value length that marks a tombstone (the entry has no value bytes): no v1 value can
+#: be this long (a block's content is at most :data:`MAX_BLOCK_CONTENT_BYTES`).
+TOMBSTONE_LENGTH: Final = 0xFFFFFFFF
+TOMBSTONE_BYTES: Final = _U32.pack(TOMBSTONE_LENGTH)
+
 #: One decoded entry: ``(state id, key bytes, namespace bytes, value bytes)``.
 SnapshotEntry = tuple[int, bytes, bytes, bytes]
 
 
-def snapshot_format(max_block_bytes: int | None = None) -> ObjectFormat:
-    """:data:`SNAPSHOT_FORMAT` with another limit on a block's content (``None``: the default).
+def snapshot_format(max_block_bytes: int | None = None, version: int = FORMAT_VERSION
+                    ) -> ObjectFormat:
+    """:data:`SNAPSHOT_FORMAT` with another limit on a block's content (``None``: the default)
+    and, for the delta format (:mod:`materializer.delta_format`), another version.
 
     Raises:
         UsageError: the limit is not an int in [1, :data:`MAX_BLOCK_CONTENT_BYTES`].
@@ -162,7 +173,8 @@ def snapshot_format(max_block_bytes: int | None = None) -> ObjectFormat:
             and 1 <= max_block_bytes <= MAX_BLOCK_CONTENT_BYTES):
         raise UsageError(f"max_block_bytes={max_block_bytes!r} is not an int in "
                          f"[1, {MAX_BLOCK_CONTENT_BYTES}]")
-    return SNAPSHOT_FORMAT.with_limit(max_block_bytes)
+    fmt = SNAPSHOT_FORMAT.with_limit(max_block_bytes)
+    return fmt if version == fmt.version else dataclasses.replace(fmt, version=version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,11 +242,14 @@ class SnapshotEncoder:
         metadata: opaque bytes describing the states (e.g. JSON), stored in the metadata block.
         zstd_level: compression level of every block (1: fast, ratio close to 3; see DstlOptions).
         max_block_bytes: the limit on a block's content (readers must use at least the same).
+        version: the format version (1; :data:`materializer.delta_format.DELTA_VERSION` for a
+            delta, whose entries may be tombstones: a value of ``None``).
     """
 
     def __init__(self, key_groups: KeyGroupRange, metadata: bytes = b"", *,
-                 zstd_level: int = 1, max_block_bytes: int | None = None) -> None:
-        self._fmt = snapshot_format(max_block_bytes)
+                 zstd_level: int = 1, max_block_bytes: int | None = None,
+                 version: int = FORMAT_VERSION) -> None:
+        self._fmt = snapshot_format(max_block_bytes, version)
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise UsageError(f"snapshot metadata must be bytes, got {type(metadata).__name__}")
         self._key_groups = key_groups
@@ -265,13 +280,14 @@ class SnapshotEncoder:
         if self._state != "new":
             raise UsageError("SnapshotEncoder.start() called twice")
         self._state = "blocks"
-        header = encode_header(SNAPSHOT_FORMAT)
+        header = encode_header(self._fmt)
         record = self._record(_BLOCK_PREFIX.pack(METADATA_KEY_GROUP, 0) + self._metadata,
                               "the metadata block")
         self._index.append(IndexEntry(METADATA_KEY_GROUP, HEADER_SIZE, len(record), 0))
         return self._emit(header + record)
 
-    def add_key_group(self, key_group: int, entries: Iterable[SnapshotEntry]) -> bytes:
+    def add_key_group(self, key_group: int,
+                      entries: Iterable[tuple[int, bytes, bytes, bytes | None]]) -> bytes:
         """Encode one key group's entries (all states) as a block; ``b""`` if there are none.
 
         Raises:
@@ -289,12 +305,20 @@ class SnapshotEncoder:
         head = _ENTRY_HEAD.pack
         u32 = _U32.pack
         count = 0
+        tombstones = self._fmt.version != FORMAT_VERSION
         try:
             for state_id, key, namespace, value in entries:
                 append(head(state_id, len(key)))
                 append(key)
                 append(u32(len(namespace)))
                 append(namespace)
+                if value is None:
+                    if not tombstones:
+                        raise UsageError(f"snapshot entry in key group {key_group} has no "
+                                         "value (only a delta holds tombstones)")
+                    append(TOMBSTONE_BYTES)
+                    count += 1
+                    continue
                 append(u32(len(value)))
                 append(value)
                 count += 1
@@ -330,7 +354,7 @@ class SnapshotEncoder:
         index_offset = self._offset
         self._emit(index)
         footer_head = _FOOTER_HEAD.pack(index_offset, len(index), zlib.crc32(index),
-                                        SNAPSHOT_FORMAT.kind, SNAPSHOT_FORMAT.version, 0)
+                                        self._fmt.kind, self._fmt.version, 0)
         self._emit(footer_head)
         tail = encode_trailer(self._crc)
         self._offset += len(tail)
@@ -353,7 +377,7 @@ def encode_snapshot(key_groups: KeyGroupRange, metadata: bytes,
 
 
 def decode_footer(tail: bytes | memoryview, object_size: int, *,
-                  key: str = "<snapshot>") -> SnapshotFooter:
+                  key: str = "<snapshot>", fmt: ObjectFormat = SNAPSHOT_FORMAT) -> SnapshotFooter:
     """Decode the footer from the last ``len(tail)`` bytes of an object of ``object_size`` bytes.
 
     Does not verify the object crc (that needs the whole object; see :func:`decode_snapshot`).
@@ -363,15 +387,15 @@ def decode_footer(tail: bytes | memoryview, object_size: int, *,
         UnsupportedFormatError: not a v1 snapshot.
         CorruptObjectError: the index location is impossible.
     """
-    check_min_size(object_size, HEADER_SIZE + FOOTER_SIZE, key, SNAPSHOT_FORMAT)
+    check_min_size(object_size, HEADER_SIZE + FOOTER_SIZE, key, fmt)
     if len(tail) < FOOTER_SIZE:
         raise TruncatedObjectError(key, object_size - len(tail), FOOTER_SIZE, len(tail),
                                    "snapshot footer (the tail read is shorter than the footer)")
-    check_end_magic(tail, object_size, key, SNAPSHOT_FORMAT)
+    check_end_magic(tail, object_size, key, fmt)
     at = object_size - FOOTER_SIZE
     (index_offset, index_length, index_crc, kind, version, flags, object_crc,
      _end_magic) = _FOOTER.unpack_from(tail, len(tail) - FOOTER_SIZE)
-    check_kind(key, at + 16, SNAPSHOT_FORMAT, kind, version, flags)
+    check_kind(key, at + 16, fmt, kind, version, flags)
     if index_offset < HEADER_SIZE or index_offset + index_length != at:
         raise CorruptObjectError(key, at, f"footer places the index at [{index_offset}, "
                                           f"{index_offset + index_length}), but it must end "
@@ -453,12 +477,32 @@ def _block_content(record: bytes | memoryview, entry: IndexEntry, key: str,
 
 
 def decode_metadata_block(record: bytes | memoryview, entry: IndexEntry, *,
-                          key: str = "<snapshot>", max_block_bytes: int | None = None) -> bytes:
+                          key: str = "<snapshot>", max_block_bytes: int | None = None,
+                          version: int = FORMAT_VERSION) -> bytes:
     """The caller's metadata bytes from the metadata block record."""
     if entry.key_group != METADATA_KEY_GROUP:
         raise UsageError(f"index entry {entry} is not the metadata block")
-    return _block_content(record, entry, key, snapshot_format(max_block_bytes))[
+    return _block_content(record, entry, key, snapshot_format(max_block_bytes, version))[
         _BLOCK_PREFIX.size:]
+
+
+def check_snapshot_header(head: bytes | memoryview, *, key: str = "<snapshot>",
+                          version: int = FORMAT_VERSION) -> None:
+    """Check an object's first 8 bytes: magic, kind 2, ``version``, flags 0 (a ranged reader
+    checks them before it trusts the footer).
+
+    Raises:
+        TruncatedObjectError, UnsupportedFormatError: naming ``key`` and the offset.
+    """
+    check_header(head, key, snapshot_format(None, version))
+
+
+def block_content(record: bytes | memoryview, entry: IndexEntry, *, key: str = "<snapshot>",
+                  max_block_bytes: int | None = None, version: int = FORMAT_VERSION) -> bytes:
+    """A key-group block's verified content (record length, CRC, zstd frame within the limit,
+    key group and entry count), prefix included: what a format with its own entry rules (the
+    delta's) parses from :data:`BLOCK_ENTRIES_OFFSET`."""
+    return _block_content(record, entry, key, snapshot_format(max_block_bytes, version))
 
 
 def iter_block(record: bytes | memoryview, entry: IndexEntry, *, key: str = "<snapshot>",
@@ -569,7 +613,7 @@ def _verified_index(view: memoryview, key: str, fmt: ObjectFormat) -> SnapshotIn
     check_min_size(size, HEADER_SIZE + FOOTER_SIZE, key, fmt)
     check_end_magic(view, size, key, fmt)
     check_object_crc(view, key, fmt)
-    footer = decode_footer(view[size - FOOTER_SIZE:], size, key=key)
+    footer = decode_footer(view[size - FOOTER_SIZE:], size, key=key, fmt=fmt)
     return decode_index(view[footer.index_offset:footer.index_offset + footer.index_length],
                         footer, key=key)
 
@@ -597,7 +641,8 @@ def decode_snapshot(data: bytes | bytearray | memoryview, *, key: str = "<snapsh
 
 
 def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "<snapshot>",
-                           max_block_bytes: int | None = None) -> None:
+                           max_block_bytes: int | None = None,
+                           version: int = FORMAT_VERSION) -> None:
     """Verify a whole snapshot object's integrity without parsing its entries, one block at a
     time, keeping nothing (at most one block's content is held at once): header, end magic, the
     object crc, footer, index, and per block its record (length, crc, zstd frame within the
@@ -612,7 +657,7 @@ def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "
         TruncatedObjectError, ChecksumMismatchError, UnsupportedFormatError, CorruptObjectError.
     """
     view = memoryview(data)
-    fmt = snapshot_format(max_block_bytes)
+    fmt = snapshot_format(max_block_bytes, version)
     index = _verified_index(view, key, fmt)
     for b in (index.metadata, *index.blocks):
         content = _block_content(view[b.offset:b.offset + b.length], b, key, fmt)

@@ -93,14 +93,15 @@ def verify_segment(data: bytes | memoryview, key: str, *,
 def verify_snapshot(data: bytes | memoryview, key: str, *,
                     max_block_bytes: int | None = None) -> None:
     """``verify`` for :meth:`LocalFileCache.lease`: check every byte of a snapshot object
-    (v1: object CRC, index, every block, one block at a time, nothing kept; v2, file level:
-    object CRC, footer, metadata).
+    (v1 and v3, the delta: object CRC, index, every block, one block at a time, nothing kept;
+    v2, file level: object CRC, footer, metadata).
 
     Raises:
         CorruptObjectError: naming the snapshot and the offset of the first problem.
     """
     # imported here: the materializer package loads the state tables, which reading the log
     # alone does not need
+    from materializer.delta_format import DELTA_VERSION, verify_delta_object
     from materializer.file_snapshot import (
         FILE_SNAPSHOT_VERSION,
         snapshot_version,
@@ -108,7 +109,11 @@ def verify_snapshot(data: bytes | memoryview, key: str, *,
     )
     from materializer.snapshot_format import verify_snapshot_object
 
-    if snapshot_version(bytes(data[:8])) == FILE_SNAPSHOT_VERSION:
+    version = snapshot_version(bytes(data[:8]))
+    if version == DELTA_VERSION:
+        verify_delta_object(data, key=key, max_block_bytes=max_block_bytes)
+        return
+    if version == FILE_SNAPSHOT_VERSION:
         # v2 (file level): the object crc over every byte and the structure; the data's zstd
         # checksum and size are checked when the restore decompresses it
         view = memoryview(data)
