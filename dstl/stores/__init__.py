@@ -6,7 +6,8 @@ base URI.
   :func:`is_retryable`);
 - :mod:`dstl.stores.memory` — :class:`MemoryBlobStore`, the reference implementation;
 - :mod:`dstl.stores.local` — :class:`LocalBlobStore`;
-- :mod:`dstl.stores.fsspec_store` — :class:`FsspecBlobStore`.
+- :mod:`dstl.stores.fsspec_store` — :class:`FsspecBlobStore`;
+- :mod:`dstl.stores.hdfs` — :class:`HdfsBlobStore`.
 
 =====================  ====================================================================
 ``base_uri``           store
@@ -14,8 +15,9 @@ base URI.
 plain path, file://    :class:`LocalBlobStore` (temp file + fsync + atomic link + dir fsync)
 memory://              :class:`FsspecBlobStore` over fsspec's memory filesystem (process-wide)
 s3://, s3a://          :class:`FsspecBlobStore` over ``s3fs.S3FileSystem``
-hdfs://host:port/path  :class:`FsspecBlobStore` over fsspec's Arrow HDFS filesystem (needs a
-                       Hadoop client: libhdfs, a JVM, the Hadoop classpath)
+hdfs://host:port/path  :class:`HdfsBlobStore` over ``hdfs-native`` (no JVM, no libhdfs); also
+hdfs://nameservice/p   an HA name service from the configuration, ``hdfs:///path`` for
+                       ``fs.defaultFS`` (options: :data:`dstl.stores.hdfs.OPTIONS`)
 gs://, gcs://          :class:`FsspecBlobStore` over ``gcsfs`` (>= 2024.12: write-once through
                        ``ifGenerationMatch=0``)
 abfs://, abfss://, az://  :class:`FsspecBlobStore` over ``adlfs`` (write-once through
@@ -63,10 +65,11 @@ from dstl.stores.base import (
     translate_error,
 )
 from dstl.stores.fsspec_store import FsspecBlobStore, write_once_primitive
+from dstl.stores.hdfs import HdfsBlobStore, open_hdfs
 from dstl.stores.local import LocalBlobStore
 from dstl.stores.memory import MemoryBlobStore
 
-__all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "LocalBlobStore",
+__all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "HdfsBlobStore", "LocalBlobStore",
            "MemoryBlobStore", "ObjectInfo", "check_key", "check_store", "check_store_uri",
            "is_retryable", "open_store", "parse_storage_options", "translate_error"]
 
@@ -108,7 +111,8 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
             with ``filesystem``, a path (or URL) that filesystem understands.
         storage_options: passed to the fsspec filesystem (for S3: ``key``, ``secret``,
             ``token``, ``profile``, ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``,
-            and ``retries`` for s3fs's own loop). Not copied into messages or logs.
+            and ``retries`` for s3fs's own loop; for HDFS: :data:`dstl.stores.hdfs.OPTIONS`).
+            Not copied into messages or logs.
         filesystem: an fsspec filesystem to use instead of one built from the URI. The caller
             keeps owning it.
         validate: check right away that the root is reachable and usable (S3: the bucket exists
@@ -123,7 +127,8 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
     Raises:
         ConfigError: unsupported scheme, malformed URI (also ``s3:/x``-like "paths"), a
             missing filesystem package (gcsfs, adlfs: named) or one without a write-once
-            primitive, no Hadoop client for ``hdfs://``,
+            primitive, the ``hdfs-native`` package missing for ``hdfs://`` or an unknown
+            ``hdfs://`` option,
             credentials embedded in the URI, ``storage_options`` for a store that takes none
             or together with ``filesystem``; ConfigTypeError: an argument of the wrong type.
         AccessDeniedError: (with ``validate``) missing or wrong credentials, no such bucket, or
@@ -286,7 +291,8 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
     elif scheme in _AZURE_SCHEMES:
         store = _open_azure(scheme, parts, storage_options, retry)
     else:
-        store = _open_hdfs(parts, storage_options, retry)
+        hdfs = open_hdfs(parts, storage_options, retry)
+        return _validated(hdfs) if validate else hdfs
     return _validated(store) if validate else store
 
 
@@ -323,40 +329,6 @@ def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
     fs = s3fs.S3FileSystem(**opts)
     fs.retries = retries
     return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket, retry=retry)
-
-
-def _open_hdfs(parts: urllib.parse.SplitResult, storage_options: dict[str, Any] | None,
-               retry: RetryPolicy | None) -> FsspecBlobStore:
-    # Not exercised by the test suite (no HDFS here): kept to the minimum fsspec needs.
-    host = parts.hostname or "default"  # "default": fs.defaultFS from the Hadoop configuration
-    try:
-        port = parts.port or 0
-    except ValueError as exc:
-        raise ConfigError("base_uri", parts.geturl(), "hdfs://host:port/path with a numeric "
-                          "port", owner="open_store") from exc
-    opts = {**(storage_options or {}), "skip_instance_cache": True}
-    try:
-        fs = fsspec.filesystem("hdfs", host=host, port=port, **opts)
-    except (OSError, ImportError) as exc:
-        text = str(exc)
-        if not any(s in text for s in _HADOOP_CLIENT_MISSING) and not isinstance(
-                exc, ImportError):
-            raise translate_error(exc, op="open", key=None,
-                                  location=f"hdfs://{parts.netloc}") from exc
-        raise ConfigError("base_uri", parts.geturl(), "hdfs:// with a working Hadoop client on "
-                          "this host", owner="open_store",
-                          fix="install a Hadoop client (libhdfs) and a JVM on the driver and "
-                              "every executor, and set JAVA_HOME, HADOOP_HOME (or "
-                              "ARROW_LIBHDFS_DIR) and CLASSPATH=$(hadoop classpath --glob); "
-                              f"pyarrow said: {text.splitlines()[0] if text else exc!r:.200}"
-                          ) from exc
-    location = f"hdfs://{parts.netloc}{parts.path}".rstrip("/")
-    return FsspecBlobStore(fs, parts.path or "/", location=location, retry=retry)
-
-
-#: Messages of pyarrow's HadoopFileSystem when the client, not the cluster, is missing.
-_HADOOP_CLIENT_MISSING = ("libjvm", "libhdfs", "JAVA_HOME", "CLASSPATH", "HADOOP_HOME",
-                          "NoClassDefFoundError", "ClassNotFoundException")
 
 
 def _import_filesystem(module: str, scheme: str, uri: str, package: str) -> Any:
@@ -415,7 +387,7 @@ def _open_azure(scheme: str, parts: urllib.parse.SplitResult,
                            retry=retry)
 
 
-_S = TypeVar("_S", LocalBlobStore, FsspecBlobStore)
+_S = TypeVar("_S", LocalBlobStore, FsspecBlobStore, HdfsBlobStore)
 
 
 def _validated(store: _S) -> _S:

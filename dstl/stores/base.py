@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import posixpath
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
@@ -315,6 +316,92 @@ def _from_local(cur: BaseException, *, op: str, key: str | None,
     return None
 
 
+# --------------------------------------------------------------------------- HDFS (hdfs-native)
+
+#: hdfs-native raises the NameNode's remote exceptions as ``RuntimeError('RPCError("<Java
+#: class>", "<message and stack>")')``, DataNode failures as ``DataTransferError(...)``, and Rust
+#: I/O errors as ``OSError("<text> (os error <errno>)")`` without an ``errno`` attribute.
+_HDFS_RPC_RE = re.compile(r'RPCError\("(?P<cls>[\w.$]+)", "(?P<msg>.*)', re.S)
+_RUST_OS_ERROR_RE = re.compile(r"\(os error (?P<errno>\d+)\)")
+_HDFS_DENIED = {"AccessControlException", "AuthorizationException", "InvalidToken",
+                "SaslException"}
+#: The NameNode cannot serve the call now, another one (or the same, later) will.
+_HDFS_TRANSIENT = {"StandbyException", "ObserverRetryOnActiveException", "RetriableException",
+                   "NotReplicatedYetException", "ServerTooBusyException"}
+_HDFS_LEASE = {"AlreadyBeingCreatedException", "RecoveryInProgressException",
+               "LeaseExpiredException"}
+_HDFS_QUOTA = {"DSQuotaExceededException", "NSQuotaExceededException", "QuotaExceededException"}
+
+
+def _hdfs_message(raw: str) -> str:
+    """The first line of a remote exception's message (its Java stack follows)."""
+    return raw.replace("\\n", "\n").split("\n", 1)[0].rstrip('")').strip()[:300]
+
+
+def _from_hdfs(cur: BaseException, *, op: str, key: str | None,
+               where: str) -> DstlError | None:
+    """Translate what an HDFS NameNode or DataNode said through hdfs-native."""
+    text = str(cur)
+    if isinstance(cur, FileExistsError) and "lease is currently owned" in text:
+        return ObjectExistsError(
+            f"{op} {where}: the file is being written by another client, which holds its "
+            f"lease ({_hdfs_message(text)}); if that writer died, the NameNode frees the lease "
+            "after its soft limit (60 s), or run `hdfs debug recoverLease -path <file>`",
+            key=key)
+    if type(cur).__name__ == "RuntimeError":
+        m = _HDFS_RPC_RE.search(text)
+        if m is not None:
+            return _from_hdfs_rpc(m.group("cls").rpartition(".")[2],
+                                  _hdfs_message(m.group("msg")), op=op, key=key, where=where)
+        if text.startswith(("DataTransferError(", "ChecksumError", "BlocksNotFound")):
+            return TransientStorageError(
+                f"{op} {where}: no DataNode holding the data answered ({text[:300]}); the "
+                "blocks are unavailable until a DataNode holding a replica is back (with "
+                "replication 1 one DataNode's loss is enough: use replication >= 2)", key=key)
+    if isinstance(cur, OSError) and cur.errno is None:
+        m = _RUST_OS_ERROR_RE.search(text)
+        code = int(m.group("errno")) if m else None
+        if code in _TRANSIENT_ERRNOS or (code is None and "connection" in text.lower()):
+            return TransientStorageError(
+                f"{op} {where}: HDFS unreachable ({text[:200]}): the NameNode, or a DataNode "
+                "it named, is down or not at that address; check that the NameNode runs and "
+                "the URI's host:port (or the name service's dfs.namenode.rpc-address.*); "
+                "DSTL retries", key=key)
+    return None
+
+
+def _from_hdfs_rpc(cls: str, msg: str, *, op: str, key: str | None,
+                   where: str) -> DstlError | None:
+    if cls in _HDFS_DENIED:
+        return AccessDeniedError(
+            f"{op} {where}: HDFS denied it ({cls}: {msg}); give the user access to the "
+            "directory (hdfs dfs -chown / -chmod, or an ACL with hdfs dfs -setfacl), or act as "
+            "a user who has it (storage option user=..., or the Kerberos principal)", key=key)
+    if cls == "SafeModeException":
+        return TransientStorageError(
+            f"{op} {where}: the NameNode is in safe mode ({msg}); it reads but does not write "
+            "or delete. After a restart it leaves by itself once the DataNodes have reported "
+            "their blocks; a manual safe mode ends with `hdfs dfsadmin -safemode leave`. DSTL "
+            "retries", key=key)
+    if cls in _HDFS_LEASE:
+        return TransientStorageError(
+            f"{op} {where}: the file's lease is held by another client ({cls}: {msg}); if that "
+            "writer died the NameNode frees it after the soft limit (60 s), or run "
+            "`hdfs debug recoverLease -path <file>`", key=key)
+    if cls in _HDFS_TRANSIENT:
+        return TransientStorageError(f"{op} {where}: the NameNode cannot serve this now "
+                                     f"({cls}: {msg}); DSTL retries", key=key)
+    if cls == "FileNotFoundException":
+        return ObjectNotFoundError(f"{op} {where}: object not found ({msg})", key=key)
+    if cls in ("FileAlreadyExistsException",):
+        return ObjectExistsError(f"{op} {where}: object already exists (write-once)", key=key)
+    if cls in _HDFS_QUOTA:
+        return StorageError(f"{op} {where}: an HDFS quota is exhausted ({cls}: {msg}); raise "
+                            "it (hdfs dfsadmin -setSpaceQuota / -setQuota) or free space "
+                            "(retention, `dstl gc`)", key=key)
+    return StorageError(f"{op} {where}: the NameNode refused it ({cls}: {msg})", key=key)
+
+
 def translate_error(exc: BaseException, *, op: str, key: str | None, location: str) -> DstlError:
     """Turn any exception raised by a storage backend into a DSTL error.
 
@@ -339,7 +426,7 @@ def translate_error(exc: BaseException, *, op: str, key: str | None, location: s
         return exc
     where = f"{location}/{key}" if key else location
     chain = list(_chain_names(exc))
-    for translate in (_from_service, _from_local):
+    for translate in (_from_hdfs, _from_service, _from_local):
         for cur in chain:
             err = translate(cur, op=op, key=key, where=where)
             if err is not None:

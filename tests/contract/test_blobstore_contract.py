@@ -2,9 +2,10 @@
 
 Backends: MemoryBlobStore (the reference), LocalBlobStore, FsspecBlobStore over fsspec's memory
 and local filesystems, FsspecBlobStore over s3fs on a moto server (marker ``s3``), over gcsfs on
-gcp-storage-emulator and over adlfs on Azurite (tests/support/store_emulators.py: what each
+gcp-storage-emulator, over adlfs on Azurite (tests/support/store_emulators.py: what each
 emulator can show; GCS's write-once is checked on the wire, since that emulator ignores
-``ifGenerationMatch``). The
+``ifGenerationMatch``), and HdfsBlobStore on a MiniDFSCluster (marker ``hdfs``,
+tests/support/minidfs.py). The
 semantics are those of the ``dstl.stores.base`` module docstring. LocalBlobStore-specific
 durability rules (temp files, stale temp cleanup, atomic write-once) follow the suite.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from support import moto_server, store_emulators
+from support import minidfs, moto_server, store_emulators
 from support.moto_server import s3_storage_options
 from support.store_emulators import RequestLog, azure_storage_options, gcs_storage_options
 
@@ -45,6 +46,7 @@ gcs_endpoint = store_emulators.gcs_endpoint
 gcs_bucket = store_emulators.gcs_bucket
 azurite_connection = store_emulators.azurite_connection
 azure_container = store_emulators.azure_container
+hdfs_cluster = minidfs.hdfs_cluster
 
 BACKENDS = [
     "memory",
@@ -55,7 +57,14 @@ BACKENDS = [
     # one emulator per kind and xdist worker: the group keeps each kind's tests on one worker
     pytest.param("fsspec-gcs", marks=pytest.mark.xdist_group("gcs-emulator")),
     pytest.param("fsspec-azure", marks=pytest.mark.xdist_group("azurite")),
+    # a MiniDFSCluster per xdist worker (tests/support/minidfs.py)
+    pytest.param("hdfs", marks=pytest.mark.hdfs),
 ]
+#: The backends of the tests that write many objects: HDFS closes a file in ~0.5 s (the NameNode
+#: waits for the DataNode's block report; bench/hdfs_clients.py), so on HDFS they run with
+#: DSTL_DEEP=1 only.
+MANY_OBJECT_BACKENDS = [b for b in BACKENDS if os.environ.get("DSTL_DEEP") == "1"
+                        or getattr(b, "values", (None,))[0] != "hdfs"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -82,6 +91,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlobStore]
         container = request.getfixturevalue("azure_container")
         connection = request.getfixturevalue("azurite_connection")
         s = open_store(f"abfs://{container}/contract", azure_storage_options(connection))
+    elif kind == "hdfs":
+        s = open_store(minidfs.hdfs_uri(request.getfixturevalue("hdfs_cluster"), "contract"))
     else:
         raise AssertionError(kind)
     yield s
@@ -209,6 +220,7 @@ LIST_KEYS = ["a.b", "a/b/c", "a/b/d", "a/bc", "ab", "b", "dstl/abc", "dstl/abd",
     ("zzz", []),
     ("nothere/deeper/", []),
 ], ids=lambda v: repr(v) if isinstance(v, str) else None)
+@pytest.mark.parametrize("store", MANY_OBJECT_BACKENDS, indirect=True)
 def test_list_prefix_semantics(store: BlobStore, prefix: str, expected: list[str]) -> None:
     for i, key in enumerate(reversed(LIST_KEYS)):  # insertion order != key order
         store.put(key, b"x" * i)
@@ -231,6 +243,7 @@ def test_delete_is_idempotent(store: BlobStore) -> None:
         store.get("d/k")
 
 
+@pytest.mark.parametrize("store", MANY_OBJECT_BACKENDS, indirect=True)
 def test_delete_many_with_missing(store: BlobStore) -> None:
     keys = [f"m/{i % 5}/obj-{i:04d}" for i in range(60)]
     for key in keys:

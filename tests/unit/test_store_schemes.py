@@ -1,6 +1,7 @@
 """Issue #17, item 5: gs:// and abfs:// are accepted only when the installed filesystem package
 can create an object only if absent (DSTL's objects are write-once), otherwise a ConfigError
-names the package; hdfs:// without a Hadoop client is a ConfigError saying what to install.
+names the package; hdfs:// without its client package (hdfs-native) is a ConfigError saying what
+to install, and its options are checked by name and type.
 
 No GCS or Azure service (or emulator) runs here: the packages are replaced by fakes that have,
 or lack, the write-once primitive, which is what the decision looks at."""
@@ -126,12 +127,20 @@ def test_malformed_cloud_uris_are_refused(bad: str) -> None:
         check_store_uri(bad)
 
 
-def test_hdfs_without_a_hadoop_client_says_what_to_install(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # a JAVA_HOME without a JVM: pyarrow cannot load libjvm, as on a host without Java/Hadoop
-    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "no-java"))
-    monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
-    with pytest.raises(ConfigError, match="Hadoop client") as info:
+def test_hdfs_without_its_client_package_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "hdfs_native", None)  # as if not installed
+    with pytest.raises(ConfigError, match="hdfs-native") as info:
         open_store("hdfs://localhost:8020/app", validate=False)
-    assert "JAVA_HOME" in str(info.value) and "CLASSPATH" in str(info.value)
-    assert not isinstance(info.value.__cause__, ConfigError)
+    assert "pip install" in str(info.value)
+
+
+def test_hdfs_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="replicaton") as info:
+        open_store("hdfs://localhost:8020/app", {"replicaton": 2}, validate=False)
+    assert "config=" in str(info.value)  # where Hadoop settings go
+    with pytest.raises(ConfigError, match="replication"):
+        open_store("hdfs://localhost:8020/app", {"replication": 0}, validate=False)
+    with pytest.raises(ConfigError, match="config"):
+        open_store("hdfs://localhost:8020/app", {"config": {"dfs.replication": [2]}},
+                   validate=False)
