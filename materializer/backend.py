@@ -46,6 +46,7 @@ import os
 import random
 import secrets
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -111,6 +112,7 @@ from materializer.codecs import (
     codec_by_name,
     decode_hashable,
 )
+from materializer.delta_format import DeltaEntry, DeltaMeta, encode_delta
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.local_dirs import OwnDirectory, prepare_environment
@@ -127,6 +129,7 @@ __all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key", "upload_snapshot"]
 logger = logging.getLogger(__name__)
 
 _pack_op_sid = OP_SID.pack
+_U32_PACK = struct.Struct(">I").pack
 _MAX_STATES: Final = 65536
 
 
@@ -173,7 +176,26 @@ class _BackendSnapshots:
     def log_end(self) -> int:
         return int(self._b._writer.next_sqn())
 
-    def take_snapshot(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
+    def take_snapshot(self, materialization_id: int, up_to: int
+                      ) -> Callable[[], tuple[SnapshotRef, ...]]:
+        b = self._b
+        delta = b._delta_writer(materialization_id, up_to)
+        if delta is not None:
+            return delta
+        full = self._full_writer(materialization_id, up_to)
+
+        def write() -> tuple[SnapshotRef, ...]:
+            try:
+                ref = full()
+            except BaseException:
+                b._dirty = None  # the base did not change: the next one is full again
+                raise
+            b._chain_id = ref.materialization_id
+            return (ref,)
+
+        return write
+
+    def _full_writer(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
         b = self._b
         snap = b._tables.snapshot()
         meta: dict[str, Any] = {
@@ -380,6 +402,13 @@ class ChangelogKeyedStateBackend:
             self._metrics.gauge(name, lambda n=name: self._non_mat_sizes[n])  # type: ignore[misc]
         self._closed = False
         self._attention = False  # the materialization manager wants the owner thread
+        # incremental materialization: the entries changed since the last materialization's cut
+        # ((key group, state id, key bytes, namespace bytes) -> the table's key and namespace),
+        # or None when not known (off, too many, after a failed materialization); and the id of
+        # the newest piece this backend wrote itself (a delta only continues its own chain)
+        self._dirty: dict[tuple[int, int, bytes, bytes], tuple[Any, Any]] | None = (
+            {} if self.options.incremental_snapshots else None)
+        self._chain_id = -1
         self._mat = MaterializationManager(
             operator_id, rules, _BackendSnapshots(self), self._metrics, wake=self._wake,
             timer=timer, automatic=auto_materialize, defer_in_batch=not self._heap)
@@ -434,6 +463,62 @@ class ChangelogKeyedStateBackend:
                 data = spool.read()
             key = upload_snapshot(store, self.operator_id, materialization_id, data, retry)
             return SnapshotRef(key, len(data), self.key_groups, materialization_id)
+
+        return write
+
+    def _delta_writer(self, materialization_id: int, up_to: int
+                      ) -> Callable[[], tuple[SnapshotRef, ...]] | None:
+        """On the owner thread, at a materialization's cut: the job writing a delta of the
+        entries changed since the previous cut (their values read now, from the table), or
+        ``None`` when this materialization must be a full one: incremental snapshots are off,
+        the changes are not known, the base is not this backend's own chain, or the chain has
+        reached ``max_snapshot_deltas`` deltas or ``max_delta_ratio`` of its full snapshot's
+        size (the compaction rule; docs/format.md)."""
+        o = self.options
+        if not o.incremental_snapshots:
+            return None
+        dirty, self._dirty = self._dirty, {}  # later changes belong to the next cut
+        base = self._mat.base
+        chain = base.snapshots
+        if (dirty is None or not chain or base.restored_log or chain[0].delta
+                or base.materialization_id != self._chain_id
+                or any(p.key_groups != self.key_groups for p in chain)):
+            return None
+        deltas = chain[1:]
+        if (len(deltas) >= o.max_snapshot_deltas
+                or sum(d.size for d in deltas) > o.max_delta_ratio * chain[0].size):
+            return None
+        blocks: dict[int, list[tuple[int, bytes, bytes, bytes | None]]] = {}
+        get = self._tables.get
+        for (kg, sid, kb, nb), (tk, tn) in dirty.items():
+            v = get(sid, kg, tk, tn)
+            if v is None:
+                value = None
+            elif self._heap and sid not in self._raw:
+                value = self._by_id[sid].shape.to_bytes(v)
+            else:
+                value = bytes(v)
+            blocks.setdefault(kg, []).append((sid, kb, nb, value))
+        for entries in blocks.values():
+            entries.sort(key=lambda e: (e[0], e[1], e[2]))
+        meta = DeltaMeta(self.key_groups, self.max_parallelism, self.operator_id,
+                         materialization_id, base.materialization_id, up_to,
+                         {str(r.state_id): r.meta for r in self._by_id.values()})
+        self._meta_logged.clear()  # the log after up_to must describe its states again
+        zstd_level, store, retry = o.zstd_level, self._store, self._upload_retry
+        max_block = o.max_snapshot_block_bytes
+
+        def write() -> tuple[SnapshotRef, ...]:
+            try:
+                data = encode_delta(meta, sorted(blocks.items()), zstd_level=zstd_level,
+                                    max_block_bytes=max_block)
+                key = upload_snapshot(store, self.operator_id, materialization_id, data, retry)
+            except BaseException:
+                self._dirty = None  # these changes are in no piece: the next one is full
+                raise
+            self._chain_id = materialization_id
+            return (*chain, SnapshotRef(key, len(data), self.key_groups, materialization_id,
+                                        delta=True))
 
         return write
 
@@ -665,7 +750,7 @@ class ChangelogKeyedStateBackend:
                 else:
                     kb, nb = bytes(key), bytes(ns)
                 self._tables.remove(sid, kg, key, ns)
-                self._log_raw(CLEAR, sid, kg, kb, nb, b"")
+                self._log_raw(CLEAR, sid, kg, kb, nb, b"", key, ns)
                 removed += 1
         return removed
 
@@ -746,6 +831,17 @@ class ChangelogKeyedStateBackend:
         data = _pack_op_sid(op, sid) + self._kn + payload
         self._writer.append(self._kg, data)
         self._mat.note_log(len(data))
+        if self._dirty is not None:
+            self._touch(self._kg, sid, self._key_b, self._ns_b, self._tk, self._tn)
+
+    def _touch(self, kg: int, sid: int, kb: bytes, nb: bytes, tk: Any, tn: Any) -> None:
+        """Remember a changed entry for the next delta (every logged change comes here)."""
+        dirty = self._dirty
+        if dirty is None:
+            return
+        dirty[(kg, sid, kb, nb)] = (tk, tn)
+        if len(dirty) > self.options.max_delta_entries:
+            self._dirty = None  # the next materialization is a full one
 
     def _log_metadata(self, sid: int) -> None:
         self._writer.append(META_KEY_GROUP, encode_metadata(sid, self._by_id[sid].meta))
@@ -847,12 +943,18 @@ class ChangelogKeyedStateBackend:
         return iter(list(self._tables.entries(sid, key_group)))
 
     def _log_raw(self, op: int, sid: int, key_group: int, key: bytes, namespace: bytes,
-                 payload: bytes) -> None:
+                 payload: bytes, table_key: Any = None, table_ns: Any = None) -> None:
+        """Log a change given by its bytes; ``table_key``/``table_ns``: the table's key and
+        namespace when they are not those bytes (a heap state's objects)."""
         if sid not in self._meta_logged:
             self._log_metadata(sid)
         data = _pack_op_sid(op, sid) + encode_key_ns(key, namespace) + payload
         self._writer.append(key_group, data)
         self._mat.note_log(len(data))
+        if self._dirty is not None:
+            self._touch(key_group, sid, bytes(key), bytes(namespace),
+                        key if table_key is None else table_key,
+                        namespace if table_ns is None else table_ns)
 
     # ------------------------------------------------------------------ restore hooks
 
@@ -970,6 +1072,63 @@ class ChangelogKeyedStateBackend:
         """
         return load_block(self, key_group, entries, remap)
 
+    def apply_delta_entries(self, key_group: int, entries: Iterable[DeltaEntry],
+                            remap: dict[int, int], loader: Any = None) -> int:
+        """Restore only: apply a delta's entries ``(state id, key, namespace, value)`` (bytes;
+        value ``None``: a tombstone) of one key group to the table, WITHOUT logging them,
+        mapping state ids with ``remap``; returns the count. ``loader``: the LMDB table's bulk
+        load (:meth:`bulk_restore`), which takes the block's puts as one run of records.
+
+        Raises:
+            CorruptObjectError: an entry of a state id the delta's metadata does not describe,
+                or a key group this backend does not own (named ``<delta entry>``; the loader
+                names the object).
+        """
+        if key_group not in self.key_groups:
+            raise CorruptObjectError("<delta entry>", 0, f"key group {key_group} is not owned "
+                                                         f"by backend {self.operator_id!r}")
+        t = self._tables
+        n = 0
+        if loader is not None and not self._heap:
+            # the stored bytes as they are: one run of records, tombstones one by one (a
+            # delta holds each entry once, so their order does not matter)
+            records: list[tuple[bytes, bytes]] = []
+            prefixes: dict[int, bytes] = {}
+            for sid0, k, ns, v in entries:
+                sid = remap.get(sid0, -1)
+                if sid not in self._by_id:
+                    raise CorruptObjectError("<delta entry>", 0, f"state id {sid0} is not "
+                                                                 "described by the delta's "
+                                                                 "metadata")
+                if v is None:
+                    t.remove(sid, key_group, k, ns)
+                else:
+                    prefix = prefixes.get(sid)
+                    if prefix is None:
+                        prefix = prefixes[sid] = loader.prefix(key_group, sid)
+                    records.append((prefix + _U32_PACK(len(k)) + k + ns, v))
+                n += 1
+            loader.put_raw(records)
+            return n
+        for sid0, k, ns, v in entries:
+            sid = remap.get(sid0, -1)
+            reg = self._by_id.get(sid)
+            if reg is None:
+                raise CorruptObjectError("<delta entry>", 0, f"state id {sid0} is not described "
+                                                             "by the delta's metadata")
+            if self._heap and sid not in self._raw:
+                tk: Any = self._key_codec.decode(k)
+                tn: Any = self._ns_codec.decode(ns)
+            else:
+                tk, tn = k, ns
+            if v is None:
+                t.remove(sid, key_group, tk, tn)
+            else:
+                t.put(sid, key_group, tk, tn,
+                      reg.shape.from_bytes(v) if self._heap and sid not in self._raw else v)
+            n += 1
+        return n
+
     def install_restored(self, materialized: Iterable[SnapshotRef],
                          non_materialized: Iterable[ChangelogHandle],
                          materialization_id: int) -> None:
@@ -977,6 +1136,7 @@ class ChangelogKeyedStateBackend:
         materialization): they keep being referenced, as in Flink — restricted to the key
         groups this backend owns (a part that names none of them is dropped), so its handles
         never claim another backend's share of an older log or snapshot."""
+        self._chain_id = -1  # restored pieces: the next materialization is a full one
         snapshots = (r.restricted(self.key_groups) for r in materialized)
         logs = (h.restricted(self.key_groups) for h in non_materialized)
         self._mat.restored(MaterializedBase(tuple(r for r in snapshots if r is not None), 0,
@@ -1034,6 +1194,7 @@ class ChangelogKeyedStateBackend:
         new = self._mat.install(cut)
         if new is None:
             return None
+        self._chain_id = -1  # a snapshot made elsewhere: the next own one is full
         installed = new.snapshots[0]
         logger.info("backend %s: installed materialization %d (%s, %d bytes) at %s@%d",
                     self.operator_id, installed.materialization_id, installed.key,

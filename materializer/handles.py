@@ -47,12 +47,16 @@ class SnapshotRef:
         key_groups: the key groups this reference stands for: the snapshot's own range, or the
             part of it a restored backend owns (:meth:`restricted`).
         materialization_id: the materialization that wrote it.
+        delta: the object is a delta (format v3, :mod:`materializer.delta_format`): the
+            changes since the previous piece of the same key groups, applied on top of it; a
+            full snapshot (v1 or v2) otherwise.
     """
 
     key: str
     size: int
     key_groups: KeyGroupRange
     materialization_id: int
+    delta: bool = False
 
     def restricted(self, key_groups: KeyGroupRange) -> SnapshotRef | None:
         """This reference for the key groups it shares with ``key_groups`` only (``None``:
@@ -63,8 +67,12 @@ class SnapshotRef:
         return self if r == self.key_groups else replace(self, key_groups=r)
 
     def to_json_obj(self) -> dict[str, Any]:
-        return {"key": self.key, "size": self.size, "key_groups": self.key_groups.to_json_obj(),
-                "materialization_id": self.materialization_id}
+        obj: dict[str, Any] = {"key": self.key, "size": self.size,
+                               "key_groups": self.key_groups.to_json_obj(),
+                               "materialization_id": self.materialization_id}
+        if self.delta:
+            obj["delta"] = True
+        return obj
 
     @classmethod
     def from_json_obj(cls, obj: Any, *, key: str = _WHERE,
@@ -78,9 +86,12 @@ class SnapshotRef:
         if not isinstance(obj, dict):
             raise MalformedHandleError(key, 0, field, f"{obj!r:.80} is not an object")
         at = field + "."
+        delta = obj.get("delta", False)
+        if type(delta) is not bool:
+            raise MalformedHandleError(key, 0, at + "delta", f"{delta!r:.80} is not a boolean")
         return cls(handle_key(obj.get("key"), key, at + "key"), _int(obj, "size", key, at),
                    handle_key_groups(obj.get("key_groups"), key, at + "key_groups"),
-                   _int(obj, "materialization_id", key, at))
+                   _int(obj, "materialization_id", key, at), delta)
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,9 +80,11 @@ class SnapshotSource(Protocol):
         """The boundary of a materialization starting now (everything logged so far is
         below it)."""
 
-    def take_snapshot(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
+    def take_snapshot(self, materialization_id: int, up_to: int
+                      ) -> Callable[[], tuple[SnapshotRef, ...]]:
         """On the owner thread: snapshot the table as of ``up_to``; return the job that writes
-        and uploads it (run on the materializer thread) and gives its reference."""
+        and uploads it (run on the materializer thread) and gives the pieces of the new base:
+        a full snapshot alone, or the current base's pieces followed by a delta."""
 
     def base_changed(self) -> None:
         """A new base is in place (the backend may truncate its log)."""
@@ -143,9 +145,10 @@ class MaterializationManager:
         self._m_failed = m.counter("failedMaterialization")
         self._last_duration_ms = -1.0
         self._last_size = 0.0
+        self._last_inc_size = 0.0
         m.gauge("lastDurationOfMaterialization", lambda: self._last_duration_ms)
         m.gauge("lastFullSizeOfMaterialization", lambda: self._last_size)
-        m.gauge("lastIncSizeOfMaterialization", lambda: self._last_size)
+        m.gauge("lastIncSizeOfMaterialization", lambda: self._last_inc_size)
         m.gauge("logBytesSinceMaterialization", lambda: float(self.log_bytes))
 
     # ------------------------------------------------------------------ state
@@ -216,8 +219,9 @@ class MaterializationManager:
         """Run one attempt to completion (the timer's ``run_once``).
 
         Returns:
-            The new snapshot, or ``None`` when none started (nothing new, a guard, or deferred
-            to the end of the write batch).
+            The new snapshot (a full one or a delta: the newest piece of the base), or ``None``
+            when none started (nothing new, a guard, or deferred to the end of the write
+            batch).
 
         Raises:
             BackendFailedError: failed for good (earlier, or by this attempt).
@@ -229,7 +233,7 @@ class MaterializationManager:
             return None
         fut.result(timeout_s)
         snapshots = self._base.snapshots
-        return snapshots[0] if snapshots else None
+        return snapshots[-1] if snapshots else None
 
     def start(self) -> Future[None] | None:
         """Start an attempt now unless a guard, nothing new or an open write batch holds it
@@ -272,28 +276,33 @@ class MaterializationManager:
             return True
         return False
 
-    def _run(self, write: Callable[[], SnapshotRef], mat_id: int, up_to: int, log_bytes: int,
-             t0: float) -> None:
+    def _run(self, write: Callable[[], tuple[SnapshotRef, ...]], mat_id: int, up_to: int,
+             log_bytes: int, t0: float) -> None:
         try:
-            ref = write()
+            pieces = write()
         except BaseException as exc:
             self.log_bytes += log_bytes  # still not materialized
             self._failed(mat_id, exc)
             raise
-        self._finished(ref, up_to, time.monotonic() - t0)
+        self._finished(pieces, up_to, time.monotonic() - t0)
 
-    def _finished(self, ref: SnapshotRef, up_to: int, duration_s: float) -> None:
+    def _finished(self, pieces: tuple[SnapshotRef, ...], up_to: int, duration_s: float) -> None:
+        ref = pieces[-1]
+        # the size trigger compares the log with what a restore reads: every piece
+        full = sum(p.size for p in pieces)
         with self._lock:
-            self._base = MaterializedBase((ref,), up_to, (), ref.materialization_id)
-            self._policy.record_success(self._clock(), up_to, ref.size)
+            self._base = MaterializedBase(pieces, up_to, (), ref.materialization_id)
+            self._policy.record_success(self._clock(), up_to, full)
             self._running = False
             self._requested = False  # a time trigger that fired meanwhile is stale (rule 2)
             self._rearm_size_trigger_locked()
         self._m_completed.inc()
         self._last_duration_ms = duration_s * 1000.0
-        self._last_size = float(ref.size)
-        logger.info("backend %s: materialization %d up to sqn %d written to %s (%d bytes, "
-                    "%.1f ms)", self.name, ref.materialization_id, up_to, ref.key, ref.size,
+        self._last_size = float(full)
+        self._last_inc_size = float(ref.size)
+        logger.info("backend %s: materialization %d up to sqn %d written to %s (%s, %d bytes; "
+                    "%d pieces, %d bytes; %.1f ms)", self.name, ref.materialization_id, up_to,
+                    ref.key, "delta" if ref.delta else "full", ref.size, len(pieces), full,
                     duration_s * 1e3)
         self._source.base_changed()
         self._arm()
@@ -372,7 +381,7 @@ class MaterializationManager:
             self.log_bytes = 0
             self._rearm_size_trigger_locked()
         self._m_completed.inc()
-        self._last_size = float(size)
+        self._last_size = self._last_inc_size = float(size)
         self._source.base_changed()
         return new
 

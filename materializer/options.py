@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dstl.checks import MAX_INT64, check_choice, check_int, check_number
+from dstl.checks import MAX_INT64, check_bool, check_choice, check_int, check_number
 from dstl.errors import ConfigError
 
 __all__ = ["LMDB_SNAPSHOT_FORMATS", "BackendOptions"]
@@ -64,6 +64,22 @@ class BackendOptions:
     #: copied from a read transaction and zstd-compressed; restored without per-entry work) or
     #: ``"entries"`` (format v1, entry by entry, as the heap table always writes).
     lmdb_snapshot_format: str = "file"
+    #: Incremental materialization: a materialization writes only the entries changed since the
+    #: previous one (a delta, snapshot format v3), and checkpoints name the last full snapshot
+    #: plus the deltas since. Off by default: the state reader, the change feed, ``dstl
+    #: verify``/``inspect`` and the executor agent's materialization do not read or write deltas
+    #: yet (they refuse a delta with ``UnsupportedFormatError``).
+    incremental_snapshots: bool = False
+    #: With ``incremental_snapshots``: at most this many deltas follow a full snapshot; the next
+    #: materialization writes a full one (bounds the pieces a restore reads).
+    max_snapshot_deltas: int = 8
+    #: With ``incremental_snapshots``: a full snapshot is written instead of a delta once the
+    #: deltas since the last full one add up to more than this fraction of its size (bounds
+    #: what a restore reads beyond the state itself, and the store's space).
+    max_delta_ratio: float = 0.5
+    #: With ``incremental_snapshots``: the changed entries remembered for the next delta (in
+    #: memory, one small tuple each); beyond this many the next materialization is a full one.
+    max_delta_entries: int = 1_000_000
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -88,6 +104,12 @@ def _validate(o: BackendOptions) -> None:
     _int(o, "max_snapshot_block_bytes", lo=1 << 20, hi=1 << 30)
     _int(o, "max_value_decoded_bytes", lo=1 << 20)
     check_choice(o.lmdb_snapshot_format, "lmdb_snapshot_format", _OWNER, LMDB_SNAPSHOT_FORMATS)
+    object.__setattr__(o, "incremental_snapshots",
+                       check_bool(o.incremental_snapshots, "incremental_snapshots", _OWNER))
+    _int(o, "max_snapshot_deltas", lo=1, hi=1000)
+    _number(o, "max_delta_ratio", lo=0.0, hi=100.0, lo_open=True,
+            fix="a fraction of the full snapshot's size, e.g. 0.5")
+    _int(o, "max_delta_entries", lo=1)
     if o.lmdb_max_map_size_bytes < o.lmdb_map_size_bytes:
         raise ConfigError("lmdb_max_map_size_bytes", o.lmdb_max_map_size_bytes,
                           f">= lmdb_map_size_bytes ({o.lmdb_map_size_bytes})", owner=_OWNER,

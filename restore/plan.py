@@ -26,6 +26,10 @@ checkpoints with a materialization between them): refused with :class:`UsageErro
 key groups and the handles. Histories only change where some range starts or ends, so they are
 computed once per elementary interval of ``K``, not per key group.
 
+*Pieces.* A key group's history starts with at most one full snapshot, which deltas may follow
+(incremental materializations: each applies on the piece before it); the plan lists every
+snapshot reference in first-use order, so a delta comes after the pieces it applies on.
+
 *Order.* A backend's handle lists its snapshots, then its restored logs in the order its own
 restore replayed them, then its own log (``materializer.backend``: ``restored_log + (delta,)``);
 so in every history an older change set precedes a newer one. The plan replays each change set
@@ -66,7 +70,8 @@ class RestorePlan:
         key_groups: the restored backend's range.
         checkpoint: the checkpoint id(s) of the handles, for messages (``"?"`` without handles).
         snapshots: the snapshot references to load, each restricted to the key groups it is
-            loaded for (an object appears once per contiguous run of them), in first-use order.
+            loaded for (an object appears once per contiguous run of them), in first-use order
+            (a delta after the pieces it applies on).
         logs: the changelog handles to replay after the snapshots, in replay order, each
             restricted to the key groups it is replayed for; every change set is applied to
             every key group at most once.
@@ -142,7 +147,7 @@ class _Part:
         """The items standing for ``interval`` (inside one range or outside it), in order, each
         once."""
         k = interval.start
-        items: list[_Id] = [("s", s.key) for s in self.snapshots if k in s.key_groups]
+        items: list[_Id] = [_snapshot_id(s) for s in self.snapshots if k in s.key_groups]
         for log in self.logs:
             if k in log.replay_key_groups:
                 items.extend(_change_set_id(log, r) for r in log.change_sets)
@@ -151,6 +156,10 @@ class _Part:
     def describe(self) -> str:
         h = self.handle
         return f"handle of {h.operator_id!r} {h.key_groups} (checkpoint {h.checkpoint_id})"
+
+
+def _snapshot_id(ref: SnapshotRef) -> _Id:
+    return ("d" if ref.delta else "s", ref.key)
 
 
 def _change_set_id(log: ChangelogHandle, ref: ChangeSetRef) -> _Id:
@@ -172,7 +181,8 @@ class _Index:
         for p in parts:
             for s in p.snapshots:
                 seen = index.snapshots.setdefault(s.key, s)
-                if (seen.size, seen.materialization_id) != (s.size, s.materialization_id):
+                if (seen.size, seen.materialization_id, seen.delta) != (
+                        s.size, s.materialization_id, s.delta):
                     raise UsageError(f"handles disagree about snapshot {s.key}: size "
                                      f"{seen.size} vs {s.size}; pass the handles of one job")
             for log in p.logs:
@@ -213,15 +223,20 @@ def _choose(parts: Sequence[_Part], interval: KeyGroupRange) -> list[_Id]:
                 f"{best_part.describe()} differ at item {at} ({_describe(h[at])} vs "
                 f"{_describe(best[at])}); they describe different states — pass the handles of "
                 "one checkpoint of one job")
-    if sum(1 for x in best if x[0] == "s") > 1:
+    pieces = [x[0] for x in best if x[0] != "c"]
+    if pieces and (pieces[0] != "s" or "s" in pieces[1:]):
         raise UsageError(f"{best_part.describe()} names several snapshots for key groups "
-                         f"{interval}; a snapshot reference must not overlap another")
+                         f"{interval}, or a delta without the full snapshot before it; a "
+                         "snapshot reference must not overlap another, except by the deltas "
+                         "that follow it")
     return best
 
 
 def _describe(item: _Id) -> str:
     if item[0] == "s":
         return f"snapshot {item[1]}"
+    if item[0] == "d":
+        return f"delta {item[1]}"
     return f"change set ({item[1]!r}, sqn {item[2]}) at {item[3]}@{item[4]}"
 
 
@@ -269,8 +284,8 @@ def _merged(intervals: Sequence[KeyGroupRange]) -> tuple[KeyGroupRange, ...]:
 def _snapshot_refs(index: _Index, covered: dict[_Id, list[KeyGroupRange]]
                    ) -> tuple[SnapshotRef, ...]:
     out: list[SnapshotRef] = []
-    for key, ref in index.snapshots.items():
-        for r in _merged(covered.get(("s", key), [])):
+    for ref in index.snapshots.values():
+        for r in _merged(covered.get(_snapshot_id(ref), [])):
             out.append(ref if ref.key_groups == r else replace(ref, key_groups=r))
     return tuple(out)
 

@@ -76,6 +76,8 @@ from dstl.stores.base import BlobStore
 from dstl.timer import Timer, check_timer
 from materializer.backend import ChangelogKeyedStateBackend, check_layout, check_storage
 from materializer.changes import decode_snapshot_states
+from materializer.delta_format import DELTA_VERSION, DeltaReader
+from materializer.file_snapshot import snapshot_version
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
 from materializer.replay import BlockReplayer
@@ -359,11 +361,13 @@ def _load_snapshots(plan: RestorePlan, backend: ChangelogKeyedStateBackend, stor
     any_v1 = False
     try:
         for ref in plan.snapshots:
-            source = (_CacheRangeSource(cache, store, ref.key,
-                                        backend.options.max_snapshot_block_bytes)
-                      if cache is not None else _StoreSource(store, ref.key))
+            if ref.delta:
+                continue   # applied below, on the full snapshots
+            source = _snapshot_source(backend, store, cache, ref)
             try:
-                if is_file_snapshot(source.read(0, min(8, source.size()))):
+                head = source.read(0, min(8, source.size()))
+                _check_piece_kind(ref, head)
+                if is_file_snapshot(head):
                     if not source.verified:   # one GET of the whole object, verified here
                         source.close()
                         read, size = read_at(store, ref.key)
@@ -385,7 +389,83 @@ def _load_snapshots(plan: RestorePlan, backend: ChangelogKeyedStateBackend, stor
     finally:
         for s in staged:
             shutil.rmtree(s.directory, ignore_errors=True)
+    t = time.monotonic()
+    deltas = 0
+    for i, ref in enumerate(plan.snapshots):
+        if ref.delta:
+            entries += _apply_delta(plan, i, backend, store, cache, allow_pickle)
+            deltas += 1
+    st["deltas"] = deltas
+    st["delta_seconds"] = time.monotonic() - t
     return entries
+
+
+def _snapshot_source(backend: ChangelogKeyedStateBackend, store: BlobStore,
+                     cache: LeasingCache | None, ref: SnapshotRef
+                     ) -> _CacheRangeSource | _StoreSource:
+    return (_CacheRangeSource(cache, store, ref.key, backend.options.max_snapshot_block_bytes)
+            if cache is not None else _StoreSource(store, ref.key))
+
+
+def _check_piece_kind(ref: SnapshotRef, head: bytes) -> None:
+    """The object is what the handle says: a delta (format v3) or a full snapshot (v1, v2) —
+    a full snapshot read as a delta, or the reverse, would give a wrong state."""
+    version = snapshot_version(head)
+    if ref.delta != (version == DELTA_VERSION):
+        raise CorruptObjectError(
+            ref.key, 5, f"the checkpoint names a {'delta' if ref.delta else 'full snapshot'} "
+                        f"but the object's format version is {version}",
+            hint="the handle does not match the object; restore from an earlier checkpoint")
+
+
+def _apply_delta(plan: RestorePlan, i: int, backend: ChangelogKeyedStateBackend,
+                 store: BlobStore, cache: LeasingCache | None, allow_pickle: bool) -> int:
+    """Apply the delta ``plan.snapshots[i]`` (for its key groups) on the pieces before it;
+    returns the entries applied."""
+    ref = plan.snapshots[i]
+    before = next((p for p in reversed(plan.snapshots[:i])
+                   if ref.key_groups.start in p.key_groups), None)
+    source = _snapshot_source(backend, store, cache, ref)
+    try:
+        _check_piece_kind(ref, source.read(0, min(8, source.size())))
+        reader = DeltaReader(source, key=ref.key,
+                             max_block_bytes=backend.options.max_snapshot_block_bytes)
+        meta, at = reader.meta, reader.metadata_offset
+        if before is None or meta.follows != before.materialization_id:
+            raise CorruptObjectError(
+                ref.key, at, f"the delta follows materialization {meta.follows}, but the piece "
+                             f"before it for key groups {ref.key_groups} is "
+                             f"{'none' if before is None else before.materialization_id}")
+        if (meta.materialization_id != ref.materialization_id
+                or meta.max_parallelism != plan.max_parallelism
+                or ref.key_groups.intersection(meta.key_groups) != ref.key_groups):
+            raise CorruptObjectError(
+                ref.key, at, f"the delta is materialization {meta.materialization_id} of key "
+                             f"groups {meta.key_groups} at max parallelism "
+                             f"{meta.max_parallelism}; the checkpoint names materialization "
+                             f"{ref.materialization_id} of {ref.key_groups} at "
+                             f"{plan.max_parallelism}")
+        remap: dict[int, int] = {}
+        for sid, state in sorted(meta.states.items()):
+            try:
+                remap[int(sid)] = backend.register_restored_state(state, int(sid),
+                                                                  allow_pickle=allow_pickle)
+            except (DstlError, *DECODER_BUGS) as exc:
+                raise placed(exc, ref.key, at, f"delta metadata of state {sid}") from exc
+        applied = 0
+        with backend.bulk_restore() as loader:
+            for kg, offset, block in reader.read(ref.key_groups):
+                try:
+                    if loader is not None:
+                        loader.step(0)
+                    applied += backend.apply_delta_entries(kg, block, remap, loader)
+                except (DstlError, *DECODER_BUGS) as exc:
+                    raise placed(exc, ref.key, offset, f"delta block of key group {kg}") from exc
+        return applied
+    except DECODER_BUGS as exc:
+        raise placed(exc, ref.key, 0, "delta") from exc
+    finally:
+        source.close()
 
 
 def _load_snapshot(backend: ChangelogKeyedStateBackend, ref: SnapshotRef, source: RangeSource,

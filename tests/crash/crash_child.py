@@ -47,7 +47,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support.job_model import JobConfig, Journal, JournalView, MiniJob, journal_path
+from support.job_model import (
+    INCREMENTAL,
+    JobConfig,
+    Journal,
+    JournalView,
+    MiniJob,
+    journal_path,
+)
 
 from dstl.layout import MANIFEST_PREFIX, SEGMENT_PREFIX, SNAPSHOT_PREFIX
 from dstl.stores import open_store
@@ -136,6 +143,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", required=True, help="journal, marker and LMDB directory")
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--table", choices=("heap", "lmdb"), default="heap")
+    p.add_argument("--incremental", action="store_true",
+                   help="incremental materialization (deltas after a full snapshot)")
     p.add_argument("--checkpoints", type=int, default=30)
     p.add_argument("--pause-at", default="", help="NAME:N (see the module docstring)")
     p.add_argument("--mat-interval", type=float, default=0.0,
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                          int(nth or 1), os.path.join(a.work, "paused"),
                          async_put=a.bug == "async-put")
     config = JobConfig(table=a.table, backend_options=BackendOptions(
-        materialization_interval_s=a.mat_interval or None, materialize_log_ratio=None))
+        materialization_interval_s=a.mat_interval or None, materialize_log_ratio=None,
+        **(INCREMENTAL if a.incremental else {})))
     if a.materialize_probability is not None:
         config = dataclasses.replace(config, materialize_probability=a.materialize_probability)
     journal = Journal(journal_path(a.work))
@@ -177,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                 job.model["op-0"].setdefault("k0", [None, [], {}])[0] = -1
             job.checkpoint(ack_early=a.bug == "ack-before-durable",
                            before_ack=lambda cid: store.hit("before-ack"))
+            before = job.deltas
             job.materialize(rng)
+            if job.deltas != before:
+                print(f"deltas written: {job.deltas}", flush=True)
     finally:
         job.close()
         journal.close()

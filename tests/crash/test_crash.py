@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 from support import moto_server
 from support.job_model import (
+    INCREMENTAL,
     JOB_ID,
     JobConfig,
     JournalView,
@@ -51,6 +52,7 @@ from support.job_model import (
 
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.stores import open_store
+from materializer.options import BackendOptions
 
 moto_endpoint = moto_server.moto_endpoint
 s3_bucket = moto_server.s3_bucket
@@ -81,6 +83,10 @@ TARGETS = [pytest.param(("local", "heap"), id="local-heap"),
            pytest.param(("local", "lmdb"), id="local-lmdb"),
            pytest.param(("s3", "heap"), id="s3-heap", marks=pytest.mark.s3),
            pytest.param(("s3", "lmdb"), id="s3-lmdb", marks=pytest.mark.s3)]
+#: Incremental materialization (full snapshots and the deltas after them, shared by
+#: checkpoints): pieces deleted exactly when no retained checkpoint names them.
+INCREMENTAL_TARGETS = [pytest.param(("local", "heap", True), id="local-heap-incremental"),
+                       pytest.param(("local", "lmdb", True), id="local-lmdb-incremental")]
 
 
 @dataclass
@@ -91,11 +97,19 @@ class Target:
     storage_options: dict[str, Any]
     work: Path
     table: str
+    incremental: bool = False
     kills: int = 0
     log: list[str] = field(default_factory=list)
 
     def config(self) -> JobConfig:
+        if self.incremental:
+            return JobConfig(table=self.table, backend_options=BackendOptions(
+                materialization_interval_s=None, materialize_log_ratio=None, **INCREMENTAL))
         return JobConfig(table=self.table)
+
+    def deltas_written(self) -> int:
+        """Deltas the children reported writing (their logs)."""
+        return sum(Path(p).read_text().count("deltas written:") for p in self.log)
 
     def check(self) -> list[str]:
         """The oracle over a direct view of the store (no pausing wrapper)."""
@@ -112,11 +126,11 @@ class Target:
 
 @pytest.fixture
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
-    where, table = request.param
+    where, table, *incremental = request.param
     work = tmp_path / "work"
     work.mkdir()
     if where == "local":
-        return Target(str(tmp_path / "store"), {}, work, table)
+        return Target(str(tmp_path / "store"), {}, work, table, bool(incremental))
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     return Target(f"s3://{bucket}/job", moto_server.s3_storage_options(endpoint), work, table)
@@ -138,8 +152,13 @@ def run_child(t: Target, seed: int, *, pause_at: str = "", kill_after_s: float |
            json.dumps(t.storage_options), "--work", str(t.work), "--seed", str(seed),
            "--table", t.table, "--checkpoints", str(checkpoints), "--pause-at", pause_at,
            "--mat-interval", str(mat_interval_s), "--bug", bug]
+    if t.incremental:
+        # materialize often, so that chains of deltas form between the kills
+        cmd.append("--incremental")
+        materialize_probability = materialize_probability or 0.8
     if materialize_probability is not None:
         cmd += ["--materialize-probability", str(materialize_probability)]
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
            "PYTHONDONTWRITEBYTECODE": "1"}
     log_path = t.work / f"child-{len(t.log)}.log"
@@ -212,7 +231,7 @@ def finish_cleanly(t: Target, seed: int) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("round_no", range(NAMED_ROUNDS))
-@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("target", TARGETS + INCREMENTAL_TARGETS, indirect=True)
 def test_sigkill_at_named_points(target: Target, round_no: int) -> None:
     rng = random.Random(20_140 + round_no)
     print(f"seed={20_140 + round_no}")
@@ -227,11 +246,13 @@ def test_sigkill_at_named_points(target: Target, round_no: int) -> None:
     finish_cleanly(target, 7)
     print(f"{target.url} {target.table}: {target.kills} kills at named points")
     assert target.kills == len(POINTS)
+    if target.incremental:
+        assert target.deltas_written() > 0, "no delta was written: the target tests nothing new"
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("chunk", range(RANDOM_CHUNKS))
-@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("target", TARGETS + INCREMENTAL_TARGETS[1:], indirect=True)
 def test_sigkill_at_random_moments(target: Target, chunk: int) -> None:
     rng = random.Random(20_141 + 1000 * chunk)
     print(f"seed={20_141 + 1000 * chunk}")
@@ -244,6 +265,8 @@ def test_sigkill_at_random_moments(target: Target, chunk: int) -> None:
     finish_cleanly(target, 8)
     print(f"{target.url} {target.table}: {target.kills} kills at random moments")
     assert target.kills == RANDOM_KILLS
+    if target.incremental:
+        assert target.deltas_written() > 0, "no delta was written: the target tests nothing new"
 
 
 # --------------------------------------------------------------------------- self-tests

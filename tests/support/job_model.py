@@ -135,6 +135,12 @@ class JournalView:
 # --------------------------------------------------------------------------- the job
 
 
+#: Backend options of the incremental variant: chains of up to three deltas, whatever their size
+#: (the job's states are small, so the default ratio would make most materializations full).
+INCREMENTAL: dict[str, Any] = {"incremental_snapshots": True, "max_snapshot_deltas": 3,
+                               "max_delta_ratio": 4.0}
+
+
 @dataclass(frozen=True)
 class JobConfig:
     table: str = "heap"
@@ -162,6 +168,7 @@ class MiniJob:
         self.config = config
         self.journal = journal
         self.completed: list[int] = []
+        self.deltas = 0
 
     @classmethod
     def open(cls, store: Any, config: JobConfig, *, intents: dict[int, Model],
@@ -253,12 +260,15 @@ class MiniJob:
             b.notify_checkpoint_aborted(cid)
 
     def materialize(self, rng: random.Random) -> int:
-        """Materialize each backend with the configured probability; return how many ran."""
+        """Materialize each backend with the configured probability; return how many ran
+        (``deltas`` counts the incremental ones)."""
         done = 0
         for b in self.backends.values():
-            if rng.random() < self.config.materialize_probability \
-                    and b.materialize_now(WAIT_S) is not None:
-                done += 1
+            if rng.random() < self.config.materialize_probability:
+                ref = b.materialize_now(WAIT_S)
+                if ref is not None:
+                    done += 1
+                    self.deltas += ref.delta
         return done
 
     def close(self) -> None:

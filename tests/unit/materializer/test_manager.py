@@ -34,17 +34,18 @@ class FakeSource:
     def log_end(self) -> int:
         return self.end
 
-    def take_snapshot(self, materialization_id: int, up_to: int) -> Callable[[], SnapshotRef]:
+    def take_snapshot(self, materialization_id: int, up_to: int
+                      ) -> Callable[[], tuple[SnapshotRef, ...]]:
         self.taken.append((materialization_id, up_to))
         fail, gate = self.fail, self.gate
 
-        def write() -> SnapshotRef:
+        def write() -> tuple[SnapshotRef, ...]:
             if gate is not None:
                 assert gate.wait(WAIT)
             if fail is not None:
                 raise fail
-            return SnapshotRef(f"snapshots/{materialization_id}", 100 * up_to, KGS,
-                               materialization_id)
+            return (SnapshotRef(f"snapshots/{materialization_id}", 100 * up_to, KGS,
+                                materialization_id),)
 
         return write
 

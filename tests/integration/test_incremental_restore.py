@@ -1,0 +1,469 @@
+"""Incremental materialization: a restore from a full snapshot, the deltas written after it and
+the log equals a dict model — every state kind, the heap and LMDB tables, rescaling 1->2, 2->1
+and 4->3 — and the chain is bounded by the compaction rule (``max_snapshot_deltas``,
+``max_delta_ratio``).
+
+Each generation restores (or creates) ``p`` backends, checks every key of every state against
+the model, then runs rounds of random writes (puts, adds, removes and clears, in two
+namespaces), each followed by a checkpoint and a materialization, and ends with writes after the
+last materialization (so the restore also replays a log tail). The seed is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
+from dstl.errors import (
+    CorruptObjectError,
+    MalformedHandleError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from dstl.stores import MemoryBlobStore
+from materializer.backend import ChangelogKeyedStateBackend
+from materializer.handles import ChangelogStateBackendHandle
+from materializer.options import BackendOptions
+from materializer.states import (
+    AggregatingStateDescriptor,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    ValueStateDescriptor,
+)
+from restore.restore import restore_backend
+
+MP = 32
+WAIT = 10.0
+DEEP = os.environ.get("DSTL_DEEP") == "1"
+KEYS = [f"k{i}" for i in range(300 if DEEP else 120)]
+NAMESPACES = [None, "w1"]
+OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None,
+                      incremental_snapshots=True, max_snapshot_deltas=3, max_delta_ratio=10.0)
+
+#: (state, key, namespace) -> the value the state's read returns
+Model = dict[tuple[str, str, Any], Any]
+
+
+class _Mean:
+    """An aggregate: (count, sum) accumulator, the mean as result."""
+
+    def create_accumulator(self) -> Any:
+        return [0, 0]
+
+    def add(self, value: Any, accumulator: Any) -> Any:
+        return [accumulator[0] + 1, accumulator[1] + value]
+
+    def get_result(self, accumulator: Any) -> Any:
+        return accumulator[1] / accumulator[0]
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return [a[0] + b[0], a[1] + b[1]]
+
+
+def _states(b: ChangelogKeyedStateBackend) -> dict[str, Any]:
+    return {"v": b.get_state(ValueStateDescriptor("v")),
+            "l": b.get_state(ListStateDescriptor("l")),
+            "m": b.get_state(MapStateDescriptor("m")),
+            "r": b.get_state(ReducingStateDescriptor("r", lambda a, c: a + c)),
+            "a": b.get_state(AggregatingStateDescriptor("a", _Mean()))}
+
+
+def _read(states: dict[str, Any], name: str) -> Any:
+    s = states[name]
+    if name == "l":
+        return list(s.get() or []) or None
+    if name == "m":
+        return dict(s.items()) or None
+    if name == "v":
+        return s.value()
+    return s.get()
+
+
+@pytest.fixture
+def storage() -> Iterator[ChangelogStorage]:
+    s = ChangelogStorage(store=MemoryBlobStore(), options=DstlOptions(persist_delay_s=0.0))
+    yield s
+    s.close()
+
+
+def _owned(b: ChangelogKeyedStateBackend) -> list[str]:
+    return [k for k in KEYS if key_group_for(k.encode(), MP) in b.key_groups]
+
+
+def _check(backends: Sequence[ChangelogKeyedStateBackend], model: Model, where: str) -> None:
+    for b in backends:
+        states = _states(b)
+        for k in _owned(b):
+            b.set_current_key(k)
+            for ns in NAMESPACES:
+                b.set_current_namespace(ns)
+                for name in states:
+                    want = model.get((name, k, ns))
+                    got = _read(states, name)
+                    assert got == want, f"{where}: {name}[{k!r}, {ns!r}] in {b.operator_id}"
+        b.set_current_namespace(None)
+
+
+def _write(b: ChangelogKeyedStateBackend, model: Model, rng: random.Random, n: int) -> None:
+    states = _states(b)
+    keys = _owned(b)
+    for _ in range(n):
+        k, ns = rng.choice(keys), rng.choice(NAMESPACES)
+        b.set_current_key(k)
+        b.set_current_namespace(ns)
+        name = rng.choice(list(states))
+        s = states[name]
+        slot = (name, k, ns)
+        x = rng.randrange(100)
+        if rng.random() < 0.15:   # clears and removals: tombstones in the next delta
+            if name == "m" and model.get(slot):
+                mk = rng.choice(sorted(model[slot]))
+                s.remove(mk)
+                del model[slot][mk]
+                if not model[slot]:
+                    del model[slot]
+            else:
+                s.clear()
+                model.pop(slot, None)
+                if name == "a":
+                    model.pop(("a-acc", k, ns), None)
+        elif name == "v":
+            s.update(x)
+            model[slot] = x
+        elif name == "l":
+            s.add(f"e{x}")
+            model.setdefault(slot, []).append(f"e{x}")
+        elif name == "m":
+            s.put(f"m{x % 7}", x)
+            model.setdefault(slot, {})[f"m{x % 7}"] = x
+        elif name == "r":
+            s.add(x)
+            model[slot] = model.get(slot, 0) + x
+        else:
+            s.add(x)
+            acc = model.get(("a-acc", k, ns), [0, 0])
+            acc = [acc[0] + 1, acc[1] + x]
+            model[("a-acc", k, ns)] = acc
+            model[slot] = acc[1] / acc[0]
+    b.set_current_namespace(None)
+
+
+def _clean(model: Model) -> Model:
+    return {s: v for s, v in model.items() if s[0] != "a-acc"}
+
+
+def _generation(storage: ChangelogStorage, handles: list[ChangelogStateBackendHandle] | None,
+                p: int, gen: int, model: Model, rng: random.Random, table: str,
+                rounds: int) -> list[ChangelogStateBackendHandle]:
+    backends: list[ChangelogKeyedStateBackend] = []
+    out: list[ChangelogStateBackendHandle] = []
+    try:
+        for i in range(p):
+            kgs = KeyGroupRange.of_operator(MP, p, i)
+            if handles is None:
+                b = ChangelogKeyedStateBackend(storage, f"op/p{i}", kgs, MP, table=table,
+                                               options=OPTS)
+            else:
+                b = restore_backend(handles, storage, kgs, table=table, operator_id=f"op/p{i}",
+                                    options=OPTS)
+            backends.append(b)
+        _check(backends, _clean(model), f"generation {gen} (p={p}, {table})")
+        for i, b in enumerate(backends):
+            cp = 100 * gen
+            for _ in range(rounds):
+                _write(b, model, rng, 60)
+                cp += 1
+                b.snapshot(cp).result(WAIT)
+                b.notify_checkpoint_complete(cp)
+                assert b.materialize_now(WAIT) is not None
+            _write(b, model, rng, 40)   # a log tail after the last materialization
+            cp += 1
+            out.append(b.snapshot(cp).result(WAIT))
+            b.notify_checkpoint_complete(cp)
+            assert i < len(out)
+        return out
+    finally:
+        for b in backends:
+            b.close()
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+@pytest.mark.parametrize("sequence", [[1, 2], [2, 1], [4, 3]])
+def test_restore_from_a_full_snapshot_and_deltas_equals_the_model(
+        storage: ChangelogStorage, table: str, sequence: list[int]) -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    model: Model = {}
+    handles: list[ChangelogStateBackendHandle] | None = None
+    for gen, p in enumerate(sequence):
+        handles = _generation(storage, handles, p, gen, model, rng, table, rounds=3)
+        for h in handles:
+            # a full snapshot and two deltas after it (the first materialization after a
+            # restore is a full one)
+            assert [r.delta for r in h.materialized] == [False, True, True], h.materialized
+            assert ChangelogStateBackendHandle.from_json(h.to_json()) == h
+    assert handles is not None
+    # and onto one backend of the other table: same state
+    other = "lmdb" if table == "heap" else "heap"
+    b = restore_backend(handles, storage, KeyGroupRange(0, MP - 1), table=other,
+                        operator_id="all", options=OPTS)
+    try:
+        _check([b], _clean(model), f"all key groups ({other})")
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_the_chain_is_compacted_by_count_and_by_size(storage: ChangelogStorage,
+                                                     table: str) -> None:
+    """``max_snapshot_deltas`` deltas follow a full snapshot, then a full one again; a delta
+    chain larger than ``max_delta_ratio`` of its full snapshot is compacted early."""
+    rng = random.Random(7)
+    model: Model = {}
+    kgs = KeyGroupRange(0, MP - 1)
+    b = ChangelogKeyedStateBackend(storage, "op", kgs, MP, table=table, options=OPTS)
+    kinds = []
+    try:
+        for cp in range(1, 10):
+            _write(b, model, rng, 30)
+            b.snapshot(cp).result(WAIT)
+            b.notify_checkpoint_complete(cp)
+            ref = b.materialize_now(WAIT)
+            assert ref is not None
+            kinds.append(ref.delta)
+    finally:
+        b.close()
+    assert kinds == [False, True, True, True, False, True, True, True, False]
+    small = OPTS.replace(max_delta_ratio=0.01)
+    b = ChangelogKeyedStateBackend(storage, "op2", kgs, MP, table=table, options=small)
+    kinds = []
+    try:
+        for cp in range(1, 5):
+            _write(b, model, rng, 200 if cp == 1 else 30)
+            b.snapshot(cp).result(WAIT)
+            b.notify_checkpoint_complete(cp)
+            ref = b.materialize_now(WAIT)
+            assert ref is not None
+            kinds.append(ref.delta)
+            print(cp, ref)
+    finally:
+        b.close()
+    # one delta is written (nothing to compare yet), then its size is over 1 % of the base
+    assert kinds == [False, True, False, True]
+
+
+def test_a_failed_delta_makes_the_next_materialization_full(storage: ChangelogStorage) -> None:
+    """The changes of a delta that did not land are in no piece: the next one is a full
+    snapshot, and a restore of it equals the model."""
+    rng = random.Random(11)
+    model: Model = {}
+    kgs = KeyGroupRange(0, MP - 1)
+    b = ChangelogKeyedStateBackend(storage, "op", kgs, MP, table="lmdb", options=OPTS)
+    store = storage.store
+    try:
+        _write(b, model, rng, 80)
+        b.snapshot(1).result(WAIT)
+        b.notify_checkpoint_complete(1)
+        assert b.materialize_now(WAIT) is not None
+        _write(b, model, rng, 80)
+        b.snapshot(2).result(WAIT)
+        b.notify_checkpoint_complete(2)
+        put = store.put
+
+        def refuse(key: str, data: bytes) -> None:
+            raise PermissionError(f"refused {key}")
+
+        store.put = refuse  # type: ignore[method-assign]
+        try:
+            with pytest.raises(Exception, match="refused"):
+                b.materialize_now(WAIT)
+        finally:
+            store.put = put  # type: ignore[method-assign]
+        _write(b, model, rng, 20)
+        b.snapshot(3).result(WAIT)
+        b.notify_checkpoint_complete(3)
+        ref = b.materialize_now(WAIT)
+        assert ref is not None and not ref.delta
+        _write(b, model, rng, 20)
+        h = b.snapshot(4).result(WAIT)
+        b.notify_checkpoint_complete(4)
+    finally:
+        b.close()
+    r = restore_backend([h], storage, kgs, table="heap", options=OPTS)
+    try:
+        _check([r], _clean(model), "after a failed delta")
+    finally:
+        r.close()
+
+
+# --------------------------------------------------------------------------- forged pieces
+
+
+def _chain(storage: ChangelogStorage, table: str) -> tuple[ChangelogStateBackendHandle, Model]:
+    """A checkpoint naming a full snapshot and two deltas, and its model."""
+    rng = random.Random(3)
+    model: Model = {}
+    b = ChangelogKeyedStateBackend(storage, "op", KeyGroupRange(0, MP - 1), MP, table=table,
+                                   options=OPTS)
+    try:
+        for cp in range(1, 4):
+            _write(b, model, rng, 60)
+            b.snapshot(cp).result(WAIT)
+            b.notify_checkpoint_complete(cp)
+            assert b.materialize_now(WAIT) is not None
+        h = b.snapshot(4).result(WAIT)
+        b.notify_checkpoint_complete(4)
+    finally:
+        b.close()
+    assert [r.delta for r in h.materialized] == [False, True, True]
+    return h, model
+
+
+def _restore(storage: ChangelogStorage, h: ChangelogStateBackendHandle | str, table: str
+             ) -> None:
+    r = restore_backend([h], storage, KeyGroupRange(0, MP - 1), table=table, options=OPTS)
+    r.close()
+
+
+def _replace_object(storage: ChangelogStorage, key: str, data: bytes) -> None:
+    storage.store.delete([key])
+    storage.store.put(key, data)
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_forged_or_truncated_deltas_fail_restore_typed_naming_the_object(
+        storage: ChangelogStorage, table: str) -> None:
+    """A delta object replaced in the store (truncated, a byte flipped, or forged with valid
+    checksums: following another materialization, of another max parallelism, a full snapshot
+    under a delta's name, a delta under a full snapshot's) fails the restore with a
+    ``CorruptObjectError`` naming it; the untouched chain restores the model."""
+    import dataclasses
+
+    from materializer.delta_format import DeltaMeta, decode_delta, encode_delta
+    h, model = _chain(storage, table)
+    base, d1, d2 = h.materialized
+    original = storage.store.get(d2.key)
+    meta, blocks = decode_delta(original, key=d2.key)
+
+    def forged(**changes: Any) -> bytes:
+        return encode_delta(dataclasses.replace(meta, **changes), sorted(blocks.items()))
+
+    cases = {
+        "truncated": original[:len(original) // 2],
+        "a flipped byte": original[:40] + bytes([original[40] ^ 1]) + original[41:],
+        "follows another piece": forged(follows=base.materialization_id),
+        "another materialization": forged(materialization_id=meta.materialization_id + 1),
+        "another max parallelism": encode_delta(
+            DeltaMeta(KeyGroupRange(0, MP - 1), 2 * MP, meta.operator_id,
+                      meta.materialization_id, meta.follows, meta.up_to, meta.states), []),
+        "a full snapshot": storage.store.get(base.key),
+    }
+    for name, data in cases.items():
+        _replace_object(storage, d2.key, data)
+        with pytest.raises(CorruptObjectError) as info:
+            _restore(storage, h, table)
+        assert info.value.key == d2.key, name
+    _replace_object(storage, d2.key, original)
+    # a handle that calls the full snapshot a delta, or a delta a full snapshot, or that puts a
+    # delta before its full snapshot
+    as_delta = dataclasses.replace(h, materialized=(dataclasses.replace(base, delta=True),
+                                                    d1, d2))
+    with pytest.raises((CorruptObjectError, UsageError)):
+        _restore(storage, as_delta, table)
+    as_full = dataclasses.replace(h, materialized=(base, dataclasses.replace(d1, delta=False),
+                                                   d2))
+    with pytest.raises(UsageError, match="several snapshots"):
+        _restore(storage, as_full, table)
+    reordered = dataclasses.replace(h, materialized=(d1, base, d2))
+    with pytest.raises(UsageError, match="delta without the full snapshot"):
+        _restore(storage, reordered, table)
+    skipped = dataclasses.replace(h, materialized=(base, d2))
+    with pytest.raises(CorruptObjectError, match="follows materialization"):
+        _restore(storage, skipped, table)
+    bad_json = h.to_json().replace('"delta":true', '"delta":1', 1)
+    with pytest.raises(MalformedHandleError, match="delta"):
+        _restore(storage, bad_json, table)
+    r = restore_backend([h], storage, KeyGroupRange(0, MP - 1), table=table, options=OPTS)
+    try:
+        _check([r], _clean(model), "the untouched chain")
+    finally:
+        r.close()
+
+
+def test_the_state_reader_refuses_a_delta_typed(storage: ChangelogStorage) -> None:
+    """The state reader's snapshot path does not read deltas (the option is off by default):
+    it refuses one with a typed error naming it, rather than reading the chain's first piece
+    alone."""
+    from dstl.reader.image import stream_snapshots
+    h, _ = _chain(storage, "lmdb")
+    entries = stream_snapshots(storage.store, h.materialized, h.key_groups, False)
+    with pytest.raises(UnsupportedFormatError) as info:
+        for _ in entries:
+            pass
+    assert info.value.key == h.materialized[1].key
+
+
+# --------------------------------------------------------------------------- retention
+
+
+@pytest.mark.parametrize("retained", [1, 3])
+def test_pieces_are_deleted_exactly_when_no_retained_checkpoint_names_them(
+        retained: int) -> None:
+    """A full snapshot is shared by every checkpoint of its chain and deleted by the
+    coordinator's retention once no retained checkpoint names it — not before (every retained
+    checkpoint restores to its model), and not later (after each completion the store's
+    snapshot objects are exactly the pieces the retained checkpoints name)."""
+    import copy
+
+    from dstl.checkpoint import CheckpointCoordinator
+
+    store = MemoryBlobStore()
+    storage = ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0))
+    coord = CheckpointCoordinator(store, job_id="job", retained=retained)
+    kgs = KeyGroupRange(0, MP - 1)
+    b = ChangelogKeyedStateBackend(storage, "op", kgs, MP, table="lmdb", options=OPTS)
+    rng = random.Random(5)
+    model: Model = {}
+    models: dict[int, Model] = {}
+    handles: dict[int, ChangelogStateBackendHandle] = {}
+    shared = 0
+    try:
+        for _ in range(14):
+            _write(b, model, rng, 25)
+            cid = coord.trigger(["op"])
+            h = b.snapshot(cid).result(WAIT)
+            completion = coord.acknowledge(cid, "op", h.to_json_obj(), h.referenced_keys(),
+                                           h.full_size, h.incremental_size)
+            assert completion is not None
+            b.notify_checkpoint_complete(cid)
+            for m in completion.subsumed:
+                b.notify_checkpoint_subsumed(m.checkpoint_id)
+            coord.run_deletions()
+            handles[cid], models[cid] = h, copy.deepcopy(model)
+            kept = [m.checkpoint_id for m in coord.manifests()]
+            named = {r.key for c in kept for r in handles[c].materialized}
+            stored = {o.key for o in store.list("snapshots/")}
+            assert stored == named, f"after checkpoint {cid} (retained {kept})"
+            if cid - 1 in handles:   # pieces the previous (maybe subsumed) checkpoint named
+                shared += len({r.key for r in h.materialized}
+                              & {r.key for r in handles[cid - 1].materialized})
+            b.materialize_now(WAIT)
+        for c in kept:
+            r = restore_backend([handles[c]], storage, kgs, table="heap", options=OPTS,
+                                operator_id=f"check{c}")
+            try:
+                _check([r], _clean(models[c]), f"retained checkpoint {c}")
+            finally:
+                r.close()
+    finally:
+        b.close()
+        coord.close()
+        storage.close()
+    assert shared > 0, "no piece was shared by two checkpoints"
