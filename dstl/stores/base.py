@@ -376,7 +376,7 @@ def _from_hdfs_rpc(cls: str, msg: str, *, op: str, key: str | None,
         return AccessDeniedError(
             f"{op} {where}: HDFS denied it ({cls}: {msg}); give the user access to the "
             "directory (hdfs dfs -chown / -chmod, or an ACL with hdfs dfs -setfacl), or act as "
-            "a user who has it (storage option user=..., or the Kerberos principal)", key=key)
+            "a user who has it (HADOOP_USER_NAME, or the Kerberos principal)", key=key)
     if cls == "SafeModeException":
         return TransientStorageError(
             f"{op} {where}: the NameNode is in safe mode ({msg}); it reads but does not write "

@@ -1,5 +1,9 @@
 """Blob store on HDFS through ``hdfs-native`` (a native client: no JVM, no libhdfs).
 
+Identity: without Kerberos the client acts as ``HADOOP_USER_NAME`` of the process environment
+(else the OS user), as Hadoop's own clients do; with
+Kerberos, as the principal of the ticket cache or of ``kerberos_principal``/``kerberos_keytab``.
+
 Theory of operation: a key maps to the file ``<root>/<key>``; the NameNode's namespace is the
 index and the DataNodes hold the bytes.
 
@@ -37,7 +41,6 @@ through :func:`dstl.stores.base.translate_error`, which knows the NameNode's rem
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
 import threading
@@ -59,20 +62,22 @@ from dstl.errors import (
 from dstl.retry import RetryPolicy, call_with_retries
 from dstl.stores.base import ObjectInfo, check_key, translate_error
 
-__all__ = ["CLIENT_DEFAULTS", "OPTIONS", "STALE_TEMP_S", "HdfsBlobStore", "open_hdfs"]
+__all__ = ["CLIENT_DEFAULTS", "NAME_SERVICE_DEFAULTS", "OPTIONS", "STALE_TEMP_S", "HdfsBlobStore", "open_hdfs"]
 
 _log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 #: Hadoop client settings DSTL sets unless ``config`` names them: one pass over the NameNodes
-#: per call (DSTL's retry policy owns the retries and their deadline).
+#: per call (DSTL's retry policy owns the retries and their deadline). For ``host:port`` URIs no
+#: failover at all; for a name service as many failovers as it has NameNodes after the first
+#: (``dfs.ha.namenodes.<ns>`` in ``config``; 1 when the XML files define it), 100 ms apart.
 CLIENT_DEFAULTS: Final[Mapping[str, str]] = {"dfs.client.failover.max.attempts": "0"}
+NAME_SERVICE_DEFAULTS: Final[Mapping[str, str]] = {"dfs.client.failover.sleep.base.millis": "100",
+                                                   "dfs.client.failover.sleep.max.millis": "1000"}
 
 #: The storage options of an ``hdfs://`` store (docs/deploy.md, "HDFS"): what each one does.
 OPTIONS: Final[Mapping[str, str]] = {
-    "user": "the HDFS user to act as without Kerberos (Hadoop's HADOOP_USER_NAME); default: "
-            "HADOOP_USER_NAME, else the OS user",
     "config": "Hadoop client settings (a dict of str: str), over core-site.xml/hdfs-site.xml: "
               "name services, failover, dfs.client.* settings",
     "config_dir": "directory of core-site.xml and hdfs-site.xml; default: $HADOOP_CONF_DIR, "
@@ -88,9 +93,6 @@ OPTIONS: Final[Mapping[str, str]] = {
 #: A temp file older than this is a crashed writer's: far past HDFS's lease hard limit (1 h),
 #: after which the NameNode itself closes the file.
 STALE_TEMP_S: Final = 2 * 3600.0
-
-#: The HADOOP_USER_NAME swap while a client is built (the client reads it then, only then).
-_USER_ENV_LOCK = threading.Lock()
 
 
 def _is_temp(name: str) -> bool:
@@ -110,7 +112,7 @@ def _check_options(storage_options: Mapping[str, Any]) -> dict[str, Any]:
                           + ", ".join(OPTIONS), owner=owner,
                           fix="Hadoop settings go in config={'dfs....': '...'}")
     opts = dict(storage_options)
-    for name in ("user", "config_dir", "kerberos_principal", "kerberos_keytab", "kerberos_cache"):
+    for name in ("config_dir", "kerberos_principal", "kerberos_keytab", "kerberos_cache"):
         if name in opts and not (isinstance(opts[name], str) and opts[name]):
             raise ConfigTypeError(f"storage_options[{name!r}]", opts[name], "a non-empty str",
                                   owner=owner)
@@ -148,29 +150,26 @@ def open_hdfs(parts: urllib.parse.SplitResult, storage_options: Mapping[str, Any
                           fix="pip install 'dstl[hdfs]' (or hdfs-native) on the driver and every "
                               f"executor ({exc})") from exc
     opts = _check_options(storage_options or {})
-    config = {**CLIENT_DEFAULTS, **{k: str(v).lower() if isinstance(v, bool) else str(v)
-                                    for k, v in opts.get("config", {}).items()}}
+    given = {k: str(v).lower() if isinstance(v, bool) else str(v)
+             for k, v in opts.get("config", {}).items()}
+    if parts.port is None and parts.hostname:
+        namenodes = [n for n in given.get(f"dfs.ha.namenodes.{parts.hostname}", "").split(",")
+                     if n.strip()]
+        defaults = {**NAME_SERVICE_DEFAULTS,
+                    "dfs.client.failover.max.attempts": str(max(1, len(namenodes) - 1))}
+    else:
+        defaults = dict(CLIENT_DEFAULTS)
+    config = {**defaults, **given}
     url = f"hdfs://{parts.netloc}" if parts.netloc else None
     kwargs = {k: opts[k] for k in ("kerberos_principal", "kerberos_keytab", "kerberos_cache")
               if k in opts}
-    user = opts.get("user")
-    with _USER_ENV_LOCK:
-        before = os.environ.get("HADOOP_USER_NAME")
-        if user is not None:
-            os.environ["HADOOP_USER_NAME"] = user
-        try:
-            client = hdfs_native.Client(url, config, opts.get("config_dir"), **kwargs)
-        except Exception as exc:
-            raise ConfigError("base_uri", parts.geturl(), "an hdfs:// URI the client can "
-                              "resolve (host:port, a configured name service, or hdfs:/// with "
-                              "fs.defaultFS set)", owner="open_store",
-                              fix=f"hdfs-native said: {exc!s:.300}") from exc
-        finally:
-            if user is not None:
-                if before is None:
-                    del os.environ["HADOOP_USER_NAME"]
-                else:
-                    os.environ["HADOOP_USER_NAME"] = before
+    try:
+        client = hdfs_native.Client(url, config, opts.get("config_dir"), **kwargs)
+    except Exception as exc:
+        raise ConfigError("base_uri", parts.geturl(), "an hdfs:// URI the client can "
+                          "resolve (host:port, a configured name service, or hdfs:/// with "
+                          "fs.defaultFS set)", owner="open_store",
+                          fix=f"hdfs-native said: {exc!s:.300}") from exc
     location = f"hdfs://{parts.netloc}{parts.path}".rstrip("/")
     return HdfsBlobStore(client, parts.path or "/", location=location, retry=retry,
                          replication=opts.get("replication"), block_size=opts.get("block_size"))

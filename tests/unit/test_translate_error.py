@@ -3,7 +3,8 @@
 Two sources: botocore ``ClientError`` objects built from the response dicts moto and AWS send,
 wrapped exactly as s3fs wraps them (``s3fs.errors.translate_boto_error``, raised inside the
 ``except`` so the chain is the real one); and exceptions captured live from s3fs against the moto
-server (marker ``s3``). Builtin ``OSError`` s with errnos cover local disks and sockets.
+server (marker ``s3``). Builtin ``OSError`` s with errnos cover local disks and sockets; HDFS's
+errors are those hdfs-native raised against a MiniDFSCluster.
 """
 
 from __future__ import annotations
@@ -303,3 +304,47 @@ def _wrapped(cause: BaseException) -> BaseException:
             raise OSError("the filesystem's own wrapper") from exc
     except OSError as outer:
         return outer
+
+
+# --------------------------------------------------------------------------- HDFS (hdfs-native)
+# The exceptions as hdfs-native 0.14 raised them against a MiniDFSCluster (the texts are those
+# observed, stack lines cut); tests/integration/test_hdfs.py provokes each one for real.
+
+_RPC = 'RPCError("org.apache.hadoop.{cls}", "{msg}\\n\\tat org.apache.hadoop.hdfs.server.X(X.java:1)")'
+
+
+@pytest.mark.parametrize(("exc", "kind", "words"), [
+    (RuntimeError(_RPC.format(cls="security.AccessControlException",
+                              msg="Permission denied: user=alice, access=EXECUTE")),
+     AccessDeniedError, ["user=alice", "chown", "HADOOP_USER_NAME"]),
+    (RuntimeError(_RPC.format(cls="hdfs.server.namenode.SafeModeException",
+                              msg="Cannot create file/a/sm. Name node is in safe mode.")),
+     TransientStorageError, ["safe mode", "dfsadmin -safemode leave"]),
+    (RuntimeError(_RPC.format(cls="ipc.StandbyException", msg="Operation category WRITE")),
+     TransientStorageError, ["cannot serve"]),
+    (RuntimeError(_RPC.format(cls="hdfs.protocol.RecoveryInProgressException",
+                              msg="Failed to APPEND_FILE")),
+     TransientStorageError, ["lease", "recoverLease"]),
+    (RuntimeError(_RPC.format(cls="hdfs.protocol.DSQuotaExceededException",
+                              msg="The DiskSpace quota is exceeded")),
+     StorageError, ["quota", "setSpaceQuota"]),
+    (FileExistsError("Failed to CREATE_FILE /a/open for hdfs_native_client-1 on 127.0.0.1 "
+                     "because this file lease is currently owned by hdfs_native_client-2 on "
+                     "127.0.0.1\n\tat org.apache.hadoop.X"),
+     ObjectExistsError, ["lease", "recoverLease"]),
+    (FileExistsError("/a/b/c already exists"), ObjectExistsError, ["write-once"]),
+    (OSError("Connection refused (os error 111)"), TransientStorageError,
+     ["unreachable", "NameNode", "rpc-address"]),
+    (RuntimeError('DataTransferError("All DataNodes failed: [DatanodeInfoProto { ... }]")'),
+     TransientStorageError, ["DataNode", "replication >= 2"]),
+], ids=["denied", "safe-mode", "standby", "lease-recovery", "quota", "lease-held", "exists",
+        "refused", "datanodes"])
+def test_hdfs_errors(exc: BaseException, kind: type[DstlError], words: list[str]) -> None:
+    err = translate_error(exc, op="put", key="dstl/seg", location="hdfs://nn:8020/app")
+    assert type(err) is kind, err
+    text = str(err)
+    assert "hdfs://nn:8020/app/dstl/seg" in text and err.key == "dstl/seg"  # type: ignore[attr-defined]
+    for word in words:
+        assert word in text, (word, text)
+    assert is_retryable(exc) == issubclass(kind, TransientStorageError)
+    assert "\tat org.apache" not in text  # the Java stack stays out of the message
