@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "s3fs>=2024.6.0"
-	$(PY) -m pip install --quiet -e ".[spark,dev]"
+	$(PY) -m pip install --quiet -e ".[spark,hdfs,dev]"
 	$(MAKE) --no-print-directory azurite || echo "WARNING: Azurite not installed: the Azure store tests will fail until 'make azurite' succeeds"
 	touch $(STAMP)
 
