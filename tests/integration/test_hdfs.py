@@ -199,6 +199,39 @@ def test_a_file_still_being_written_is_a_typed_error(hdfs_cluster: MiniDfs,
     assert store.get("snapshots/open") == b"partial bytes"
 
 
+_DEAD_WRITER = """
+import os, sys
+from hdfs_native import Client, WriteOptions
+client = Client(sys.argv[1], {"dfs.client.failover.max.attempts": "0"})
+writer = client.create(sys.argv[2], WriteOptions(overwrite=False, create_parent=True))
+writer.write(b"half of a segment")
+writer.hsync()
+print("written", flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_lease_held_by_a_dead_writer(hdfs_cluster: MiniDfs, store: HdfsBlobStore) -> None:
+    """A writer SIGKILLed with a file open leaves it under construction, its lease held by a
+    client that is gone: reading it and putting its key are typed errors naming the lease, and
+    once the lease is recovered the file is readable (never replaced)."""
+    path = f"{store._root}/dstl/held"
+    done = subprocess.run([sys.executable, "-c", _DEAD_WRITER, f"hdfs://{hdfs_cluster.namenode}",
+                           path], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -9 and "written" in done.stdout, done.stderr[-2000:]
+    with pytest.raises(StorageError, match="still being written") as reading:
+        store.get("dstl/held")
+    assert "recoverLease" in str(reading.value)
+    with pytest.raises(StorageError, match=r"still being written|lease"):
+        store.put("dstl/held", b"another writer's bytes")
+    client = _client(hdfs_cluster)
+    deadline = time.monotonic() + 60
+    while not client.recover_lease(path):  # what `hdfs debug recoverLease` does
+        assert time.monotonic() < deadline, "lease not recovered within 60 s"
+        time.sleep(0.5)
+    assert store.get("dstl/held") == b"half of a segment"
+
+
 def test_namenode_down_is_a_transient_error_within_the_deadline(hdfs_cluster: MiniDfs,
                                                                 store: HdfsBlobStore) -> None:
     store.put("dstl/x", b"x")
