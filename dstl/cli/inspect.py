@@ -3,7 +3,8 @@
 
 The kind is recognised from the bytes (:func:`dstl.reader.identify_object`): a **segment**
 (every record verified; its index: writers, sqns, key-group ranges, offsets), a **snapshot**
-(object CRC and every block verified; its states and per key group the entries), or a
+(object CRC and every block verified; its states and per key group the entries; a delta's
+entries checked as a restore reads them, and its tombstones counted), or a
 **manifest** (strictly decoded; its tasks and what they reference). Anything else is an
 ``UnsupportedFormatError`` naming what was found (exit 1).
 """
@@ -21,6 +22,8 @@ from dstl.envelope import HEADER_SIZE
 from dstl.errors import ConfigError
 from dstl.reader import identify_object, open_read_only
 from dstl.segment import decode_segment
+from materializer.delta_format import DELTA_VERSION, decode_delta
+from materializer.file_snapshot import snapshot_version
 from materializer.snapshot_format import decode_snapshot
 from restore.file_restore import is_file_snapshot, validate_file_snapshot
 
@@ -89,9 +92,34 @@ def _file_snapshot(data: bytes, name: str) -> None:
               f"{st.get('value_codec')}, key codec {st.get('key_codec')})")
 
 
+def _delta(data: bytes, name: str) -> None:
+    """A delta (format v3): verified whole as a restore reads it (object crc, every block, every
+    entry's framing, order, state and key group); its metadata and per key group the entries and
+    tombstones."""
+    meta, blocks = decode_delta(data, key=name)
+    entries = sum(len(v) for v in blocks.values())
+    tombstones = sum(1 for v in blocks.values() for e in v if e[3] is None)
+    print(f"{name}: delta (snapshot v3), {len(data)} bytes, key groups {meta.key_groups.start}.."
+          f"{meta.key_groups.end}, {len(blocks)} non-empty key groups, {entries} entries "
+          f"({tombstones} tombstones), checksums OK")
+    shown = {"operator_id": meta.operator_id, "materialization_id": meta.materialization_id,
+             "follows": meta.follows, "up_to": meta.up_to,
+             "max_parallelism": meta.max_parallelism}
+    print(f"metadata: {json.dumps(shown, sort_keys=True)}")
+    for sid, st in sorted(meta.states.items(), key=lambda kv: int(kv[0])):
+        print(f"  state {sid}: {st.get('name')!r} ({st.get('kind')}, value codec "
+              f"{st.get('value_codec')}, key codec {st.get('key_codec')})")
+    print(f"{'key group':>10}{'entries':>10}{'tombstones':>12}")
+    for kg, es in blocks.items():
+        print(f"{kg:>10}{len(es):>10}{sum(1 for e in es if e[3] is None):>12}")
+
+
 def _snapshot(data: bytes, name: str) -> None:
     if is_file_snapshot(data[:HEADER_SIZE]):
         _file_snapshot(data, name)
+        return
+    if snapshot_version(data[:HEADER_SIZE]) == DELTA_VERSION:
+        _delta(data, name)
         return
     snap = decode_snapshot(data, key=name)
     entries = sum(len(v) for v in snap.blocks.values())

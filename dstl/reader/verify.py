@@ -7,7 +7,9 @@ and canonical form), each task's state is parsed as a backend handle, and then e
 handles name is fetched whole and verified by its own decoder — a segment with
 :func:`~dstl.segment.decode_segment` (object CRC, every record's CRC and zstd checksum), a
 snapshot with :func:`~materializer.snapshot_format.decode_snapshot` (object CRC, index, every
-block), a v2 (file-level) snapshot as a restore stages it
+block), a delta (format v3) with :func:`~materializer.delta_format.decode_delta` (every
+entry's framing, order, state and key group too), a v2 (file-level) snapshot as a restore stages
+it
 (:func:`~restore.file_restore.validate_file_snapshot`: object crc, zstd checksum and size, the
 LMDB file validated whole), so ``verify`` fails exactly where a restore would on the stored bytes.
 On top of the checksums, the references must agree with the objects: every change set a
@@ -39,6 +41,8 @@ from dstl.reader.checks import check_checkpoint_id
 from dstl.reader.image import state_info
 from dstl.segment import decode_segment
 from materializer.codecs import SafeCodec
+from materializer.delta_format import DELTA_VERSION, decode_delta
+from materializer.file_snapshot import snapshot_version
 from materializer.handles import SnapshotRef
 from materializer.lmdb_table import KEY_PREFIX
 from materializer.snapshot_format import decode_snapshot
@@ -166,8 +170,20 @@ def _check_segment(data: bytes, key: str, refs: list[tuple[str, ChangeSetRef]]) 
 
 
 def _check_snapshot(data: bytes, key: str, refs: list[SnapshotRef]) -> None:
-    covered = (_file_snapshot_covers(data, key) if is_file_snapshot(data[:HEADER_SIZE])
-               else decode_snapshot(data, key=key).key_groups)
+    delta = snapshot_version(data[:HEADER_SIZE]) == DELTA_VERSION
+    for r in refs:
+        if r.delta != delta:
+            raise CorruptObjectError(key, 5, f"the checkpoint names a "
+                                             f"{'delta' if r.delta else 'full snapshot'}, the "
+                                             f"object is {'a delta' if delta else 'not'}")
+    if delta:
+        # every check a restore makes of the object: metadata, index, every entry's framing,
+        # order, state and key group
+        covered = decode_delta(data, key=key)[0].key_groups
+    elif is_file_snapshot(data[:HEADER_SIZE]):
+        covered = _file_snapshot_covers(data, key)
+    else:
+        covered = decode_snapshot(data, key=key).key_groups
     for r in refs:
         if r.size != len(data):
             raise CorruptObjectError(key, 0, f"the checkpoint says {r.size} bytes, the object "

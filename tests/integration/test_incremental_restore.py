@@ -467,3 +467,78 @@ def test_pieces_are_deleted_exactly_when_no_retained_checkpoint_names_them(
         coord.close()
         storage.close()
     assert shared > 0, "no piece was shared by two checkpoints"
+
+
+def test_verify_checks_deltas_as_a_restore_does() -> None:
+    """``dstl verify`` (``verify_checkpoint``) reads a checkpoint of a full snapshot and its
+    deltas, and names a delta that is damaged, forged (a key in another key group, valid
+    checksums) or not what the checkpoint calls it."""
+    from dstl.checkpoint import CheckpointCoordinator
+    from dstl.reader import CheckpointCatalog, verify_checkpoint
+    from dstl.reader.store import ReadOnlyBlobStore
+    from materializer.delta_format import decode_delta, encode_delta
+
+    store = MemoryBlobStore()
+    storage = ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0))
+    coord = CheckpointCoordinator(store, job_id="job", retained=2)
+    b = ChangelogKeyedStateBackend(storage, "op", KeyGroupRange(0, MP - 1), MP, table="lmdb",
+                                   options=OPTS)
+    rng = random.Random(9)
+    model: Model = {}
+    try:
+        for _ in range(4):
+            _write(b, model, rng, 40)
+            cid = coord.trigger(["op"])
+            h = b.snapshot(cid).result(WAIT)
+            assert coord.acknowledge(cid, "op", h.to_json_obj(), h.referenced_keys(),
+                                     h.full_size, h.incremental_size) is not None
+            b.notify_checkpoint_complete(cid)
+            b.materialize_now(WAIT)
+    finally:
+        b.close()
+        coord.close()
+        storage.close()
+    assert [r.delta for r in h.materialized] == [False, True, True]
+    catalog = CheckpointCatalog(ReadOnlyBlobStore(store), job_id="job")
+    assert verify_checkpoint(catalog).ok
+    base, _, d2 = h.materialized
+    original = store.get(d2.key)
+    meta, blocks = decode_delta(original, key=d2.key)
+    kg, entries = next(iter(sorted(blocks.items())))
+    moved = {kg + 1 if kg + 1 < MP else kg - 1: entries}   # keys in another key group
+    forged = encode_delta(meta, sorted(moved.items()))
+    cases = {"flipped": (original[:50] + bytes([original[50] ^ 4]) + original[51:], "checksum"),
+             "forged": (forged, "belongs to key group"),
+             "a full snapshot": (store.get(base.key), "names a delta")}
+    for name, (data, says) in cases.items():
+        store.delete([d2.key])
+        store.put(d2.key, data)
+        report = verify_checkpoint(catalog)
+        assert [p.key for p in report.problems] == [d2.key], name
+        assert isinstance(report.problems[0].error, CorruptObjectError), name
+        assert says in str(report.problems[0].error), (name, str(report.problems[0].error))
+
+
+def test_inspect_describes_a_delta_and_refuses_a_forged_one(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``dstl inspect`` of the golden delta prints its metadata, entries and tombstones; a
+    forged delta (an entry out of order, valid checksums) exits 1 naming the file."""
+    from pathlib import Path
+
+    from dstl.cli import main
+    from materializer.delta_format import decode_delta
+    from materializer.snapshot_format import SnapshotEncoder
+    golden = Path(__file__).resolve().parents[1] / "data" / "format" / "v3" / "delta_small.bin"
+    assert main(["inspect", str(golden)]) == 0
+    out = capsys.readouterr().out
+    assert "delta (snapshot v3)" in out and "(2 tombstones)" in out and '"follows": 4' in out
+    meta, blocks = decode_delta(golden.read_bytes())
+    kg, entries = max(blocks.items(), key=lambda kv: len(kv[1]))
+    assert len(entries) >= 2
+    enc = SnapshotEncoder(meta.key_groups, meta.to_bytes(), version=3)
+    forged = enc.start() + enc.add_key_group(kg, list(reversed(entries))) + enc.finish()
+    path = tmp_path / "forged.snap"
+    path.write_bytes(forged)
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "forged.snap" in err and "ascending" in err
