@@ -355,6 +355,43 @@ def test_restore_through_the_cache_reads_each_segment_once(hdfs_cluster: MiniDfs
             w.close()
 
 
+@pytest.mark.skipif(not DEEP, reason="a restore across a NameNode restart runs with DSTL_DEEP=1")
+def test_a_restore_across_a_namenode_restart(hdfs_cluster: MiniDfs, tmp_path: Path) -> None:
+    """Readers restore change sets while the NameNode restarts: each read returns exactly what
+    was written or fails with a typed transient error, and reads after the restart succeed."""
+    uri = hdfs_uri(hdfs_cluster, "restore-restart")
+    with ChangelogStorage(uri, options=DstlOptions(persist_delay_s=0.01)) as storage:
+        writer = storage.create_writer("op/0", KeyGroupRange(0, 15))
+        handles = []
+        for r in range(6):
+            start = writer.next_sqn()
+            for kg in range(16):
+                writer.append(kg, b"%d:%d" % (r, kg))
+            handles.append(writer.persist(start, r + 1).result(120))
+        expected = [list(ChangelogReader(storage).read(h)) for h in handles]
+        outcomes: list[str] = []
+        stop = threading.Event()
+
+        def restore() -> None:
+            while not stop.is_set():
+                for h, want in zip(handles, expected):
+                    try:
+                        with LocalFileCache(tmp_path / f"c{len(outcomes)}") as cache:
+                            got = list(ChangelogReader(storage, cache=cache).read(h))
+                        outcomes.append("ok" if got == want else "WRONG")
+                    except TransientStorageError:
+                        outcomes.append("transient")
+
+        reader = threading.Thread(target=restore)
+        reader.start()
+        hdfs_cluster.restart_namenode()
+        stop.set()
+        reader.join(120)
+        assert "WRONG" not in outcomes and "ok" in outcomes, outcomes
+        assert [list(ChangelogReader(storage).read(h)) for h in handles] == expected
+        writer.close()
+
+
 @pytest.mark.parametrize("replication", [1, 2])
 def test_a_lost_datanode(hdfs_cluster: MiniDfs, replication: int) -> None:
     """Replication 1: the object's only DataNode stopped, a read is a typed error naming the
