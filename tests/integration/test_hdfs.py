@@ -11,7 +11,8 @@ worker, started by ``tests/support/minidfs.py`` (the store contract suite's HDFS
   error) and 2 (transparent);
 - operations: ``dstl verify``, ``dstl gc`` and ``dstl checkpoints`` on a job whose state is on
   HDFS, the log demo (``dstl demo --log-only --state-uri hdfs://...``); with ``DSTL_DEEP=1`` also
-  the Spark demo job (``dstl demo --state-uri hdfs://...``).
+  the Spark demo job (``dstl demo --state-uri hdfs://...``), a query whose Spark checkpoint and
+  DSTL state are both on HDFS, and restores across a NameNode restart.
 
 Faults go through the cluster's own seams (its NameNode restart, DataNode stop, safe mode), never
 through patched calls.
@@ -454,6 +455,7 @@ def test_log_demo_on_hdfs(hdfs_cluster: MiniDfs, capsys: pytest.CaptureFixture[s
     assert f"store {uri}" in out and out.rstrip().endswith("changes: OK")
 
 
+@pytest.mark.spark
 @pytest.mark.skipif(not DEEP, reason="the Spark demo job on HDFS runs with DSTL_DEEP=1")
 def test_spark_demo_on_hdfs(hdfs_cluster: MiniDfs) -> None:
     uri = hdfs_uri(hdfs_cluster, "spark-demo")
@@ -464,3 +466,67 @@ def test_spark_demo_on_hdfs(hdfs_cluster: MiniDfs) -> None:
                           check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "OK" in done.stdout
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(not DEEP, reason="Spark's checkpointLocation on HDFS runs with DSTL_DEEP=1")
+def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniDfs,
+                                                             tmp_path: Path) -> None:
+    """Spark's own checkpointLocation and DSTL's state_uri on the same HDFS: a query runs three
+    files, a new query on the same checkpoint runs three more, and the counts are exact."""
+    from collections import Counter
+
+    from spark_support import new_session
+    from support.processors import Count
+
+    from dstl.spark import DstlStatefulOperator
+
+    spark = new_session("hdfs-checkpoint")
+    base = hdfs_uri(hdfs_cluster, "query")
+    keys = [[f"k{(7 * i + j * j) % 11:02d}" for j in range(30)] for i in range(6)]
+    (tmp_path / "in").mkdir()
+
+    def write(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            tmp = tmp_path / f"f{i}.tmp"
+            tmp.write_text("".join(json.dumps({"key": k}) + "\n" for k in keys[i]))
+            os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
+            tmp.rename(tmp_path / "in" / f"f{i:03d}.json")
+
+    def run(run_id: int) -> None:
+        op = DstlStatefulOperator(name="counts", processor=Count, key_column="key",
+                                  output_schema="key string, count bigint",
+                                  state_uri=f"{base}/state", partitions=2,
+                                  local_dir=str(tmp_path / f"local-{run_id}"))
+        try:
+            src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
+                   .json(str(tmp_path / "in")))
+            q = (op.transform(src).writeStream.format("parquet")
+                 .option("path", f"{base}/out").option("checkpointLocation", f"{base}/spark")
+                 .trigger(availableNow=True).start())
+            q.awaitTermination()
+            assert op.wait_for_checkpoint(int(q.lastProgress["batchId"]))
+        finally:
+            op.close()
+
+    try:
+        write(0, 3)
+        run(0)
+        write(3, 6)
+        run(1)
+        got = Counter(tuple(r) for r in spark.read.parquet(f"{base}/out")
+                      .select("key", "count").collect())
+    finally:
+        spark.stop()
+    seen: Counter[str] = Counter()
+    want: Counter[tuple[str, int]] = Counter()
+    for batch in keys:
+        here = Counter(batch)
+        for k, n in here.items():
+            seen[k] += n
+            want[(k, seen[k])] += 1
+    assert got == want
+    client = _client(hdfs_cluster)
+    path = base.split(hdfs_cluster.namenode, 1)[1]
+    names = {s.path.rsplit("/", 1)[-1] for s in client.list_status(f"{path}/spark", True)}
+    assert {"commits", "offsets"} <= names  # Spark's checkpoint lives on HDFS
