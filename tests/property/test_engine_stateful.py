@@ -1,8 +1,8 @@
 """The whole engine against a dict model (issue #5; reliability matrix R11/R10).
 
-Rules: put, delete, clear (of a whole key's state), checkpoint, complete, subsume, materialize,
-crash-and-restore from ANY retained checkpoint (heap or LMDB, possibly a different table than
-before). Invariants: the live backend equals the model; every object named by a retained
+Rules: put, delete, clear (of a whole key's state), checkpoint, complete, subsume, materialize
+(in full, or incremental: deltas after a full snapshot), crash-and-restore from ANY retained
+checkpoint (heap or LMDB, possibly a different table than before). Invariants: the live backend equals the model; every object named by a retained
 checkpoint exists (G5); a restore equals the model at that checkpoint (G2/G3).
 """
 
@@ -37,12 +37,15 @@ RETAINED = 2
 
 class EngineMachine(RuleBasedStateMachine):
     @initialize(table=st.sampled_from(["heap", "lmdb"]),
-                preemptive=st.sampled_from([64, 1 << 20]))
-    def start(self, table: str, preemptive: int) -> None:
+                preemptive=st.sampled_from([64, 1 << 20]), incremental=st.booleans())
+    def start(self, table: str, preemptive: int, incremental: bool) -> None:
         self.store = MemoryBlobStore()
         self.storage = ChangelogStorage(store=self.store, options=DstlOptions(
             persist_delay_s=0.0, preemptive_persist_threshold_bytes=preemptive))
-        self.opts = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+        # incremental: chains of up to three deltas after a full snapshot, whatever their size
+        self.opts = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None,
+                                   incremental_snapshots=incremental, max_snapshot_deltas=3,
+                                   max_delta_ratio=100.0)
         self.backend = ChangelogKeyedStateBackend(self.storage, "op", KGS, MP, table=table,
                                                   options=self.opts)
         self.model: dict[str, tuple[Any, list[int]]] = {}
@@ -101,9 +104,20 @@ class EngineMachine(RuleBasedStateMachine):
             old_cp, _, _ = self.retained.pop(0)
             self.backend.notify_checkpoint_subsumed(old_cp)
 
+    @precondition(lambda self: self.pending is None)
+    @rule()
+    def checkpoint_then_materialize(self) -> None:
+        """A completed checkpoint and a materialization in one step (what a job does each
+        interval): the sequences that build chains of deltas."""
+        self.checkpoint()
+        self.finish_checkpoint(True)
+        self.materialize()
+
     @rule()
     def materialize(self) -> None:
-        event("materialized" if self.backend.materialize_now(WAIT) else "materialize skipped")
+        ref = self.backend.materialize_now(WAIT)
+        event("materialize skipped" if ref is None
+              else "materialized a delta" if ref.delta else "materialized in full")
 
     @precondition(lambda self: self.retained)
     @rule(which=st.integers(0, RETAINED - 1), table=st.sampled_from(["heap", "lmdb"]))
@@ -120,7 +134,9 @@ class EngineMachine(RuleBasedStateMachine):
         # checkpoints after the restored one are gone with the failover
         self.retained = [r for r in self.retained if r[0] <= cp]
         self.pending = None
-        event(f"restored ({'with' if h.materialized else 'without'} snapshot, {table})")
+        deltas = sum(r.delta for r in h.materialized)
+        event(f"restored ({'with' if h.materialized else 'without'} snapshot"
+              f"{' and deltas' if deltas else ''}, {table})")
 
     @invariant()
     def table_equals_model(self) -> None:
