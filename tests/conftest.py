@@ -17,6 +17,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # make tests/support importable as `support`
+# One MiniDFSCluster per worker process for every module that uses it: a fixture defined here
+# is one definition (imported into each module, it would be one per module, 20 s each).
+from support.minidfs import hdfs_cluster  # noqa: F401
+
 # gcsfs reads this when imported: its "extended" class probes a gRPC API that the GCS emulator
 # of the contract suite lacks (see tests/support/store_emulators.py).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -46,7 +46,6 @@ gcs_endpoint = store_emulators.gcs_endpoint
 gcs_bucket = store_emulators.gcs_bucket
 azurite_connection = store_emulators.azurite_connection
 azure_container = store_emulators.azure_container
-hdfs_cluster = minidfs.hdfs_cluster
 
 BACKENDS = [
     "memory",

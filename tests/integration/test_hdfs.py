@@ -33,7 +33,6 @@ from pathlib import Path
 
 import pytest
 from hdfs_native import Client, WriteOptions
-from support import minidfs
 from support.minidfs import MiniDfs, hdfs_uri
 from support.state_job import MiniJob
 
@@ -52,7 +51,6 @@ from dstl.stores import HdfsBlobStore, open_store, translate_error
 from restore import ChangelogReader, LocalFileCache
 
 pytestmark = pytest.mark.hdfs
-hdfs_cluster = minidfs.hdfs_cluster
 
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ pom and the source, and built under a file lock, so two pytest workers build it 
 and restart on the same ports, DataNode stop and start, safe mode). The JVM exits when its stdin
 closes, so a killed test process never leaves a cluster behind.
 
-Fixture: ``hdfs_cluster`` (session scope: one cluster per pytest worker process).
+Fixture: ``hdfs_cluster`` (session scope: one cluster per pytest worker process; registered in
+``tests/conftest.py``, so every module shares it).
 """
 
 from __future__ import annotations
