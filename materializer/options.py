@@ -66,9 +66,9 @@ class BackendOptions:
     lmdb_snapshot_format: str = "file"
     #: Incremental materialization: a materialization writes only the entries changed since the
     #: previous one (a delta, snapshot format v3), and checkpoints name the last full snapshot
-    #: plus the deltas since. Off by default: the state reader's snapshot path and the change
-    #: feed do not read deltas yet (they refuse one with ``UnsupportedFormatError``), and the
-    #: executor agent's materialization writes full snapshots only.
+    #: plus the deltas since. Off by default: the column reader (the Spark state source) and
+    #: the change feed do not read deltas yet (they refuse one with ``UnsupportedFormatError``),
+    #: and the executor agent's materialization writes full snapshots only.
     incremental_snapshots: bool = False
     #: With ``incremental_snapshots``: at most this many deltas follow a full snapshot; the next
     #: materialization writes a full one (bounds the pieces a restore reads).

@@ -57,6 +57,7 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import codec_by_name
+from materializer.delta_format import DeltaReader
 from materializer.file_snapshot import (
     FileSnapshotLayout,
     read_file_snapshot_layout,
@@ -136,7 +137,9 @@ def stream_snapshots(store: BlobStore, refs: Iterable[SnapshotRef], key_groups: 
                      ) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
     """``(state, key group, key bytes, namespace bytes, stored value)`` of every entry of the
     snapshots in ``key_groups`` (each narrowed to its ``ref.key_groups``), block by block:
-    ranged reads, or through ``cache``."""
+    ranged reads, or through ``cache``. Full snapshots only: a delta changes entries already
+    yielded, so a chain with deltas is read through :meth:`StateImage.load` (a delta here is an
+    ``UnsupportedFormatError``)."""
     for ref in refs:
         wanted = key_groups.intersection(ref.key_groups)
         if not len(wanted):
@@ -293,12 +296,42 @@ class StateImage:
 
     def load(self, store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,
              cache: LeasingCache | None = None) -> None:
-        """Add the snapshot entries of ``key_groups``."""
+        """Add the snapshot entries of ``key_groups``, piece by piece in order: a full
+        snapshot's entries, then a delta's puts and tombstones on top of them."""
         entries = self.entries
-        for info, kg, kb, nb, vb in stream_snapshots(store, refs, key_groups, self.allow_pickle,
-                                                     cache):
-            name = self.known(info, "a snapshot").name
-            entries[(name, kg, kb, nb)] = vb
+        for ref in refs:
+            if ref.delta:
+                self._load_delta(store, ref, key_groups, cache)
+                continue
+            for info, kg, kb, nb, vb in stream_snapshots(store, (ref,), key_groups,
+                                                         self.allow_pickle, cache):
+                name = self.known(info, "a snapshot").name
+                entries[(name, kg, kb, nb)] = vb
+
+    def _load_delta(self, store: BlobStore, ref: SnapshotRef, key_groups: KeyGroupRange,
+                    cache: LeasingCache | None) -> None:
+        """A delta's entries of ``key_groups`` over the entries loaded so far (read and checked
+        as a restore reads it: :class:`~materializer.delta_format.DeltaReader`)."""
+        wanted = key_groups.intersection(ref.key_groups)
+        if not len(wanted):
+            return
+        lease = cache.lease(store, ref.key, verify=verify_snapshot) if cache else None
+        try:
+            source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
+            reader = DeltaReader(source, key=ref.key)
+            names = {int(sid): self.known(state_info(m, self.allow_pickle, ref.key),
+                                          "a delta").name
+                     for sid, m in reader.meta.states.items()}
+            entries = self.entries
+            for kg, _, block in reader.read(wanted):
+                for sid, kb, nb, vb in block:
+                    if vb is None:
+                        entries.pop((names[sid], kg, kb, nb), None)
+                    else:
+                        entries[(names[sid], kg, kb, nb)] = vb
+        finally:
+            if lease is not None:
+                lease.release()
 
     def replay(self, reader: ChangelogReader, handle: ChangelogHandle,
                key_groups: Container[int]) -> int:

@@ -175,7 +175,7 @@ def _image_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
     plan = plan_restore([handle], rng)  # narrowed to what the handle owns in the range
     logs = [h for h in plan.logs if h.change_sets]
     source: Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]
-    if not logs:
+    if not logs and not any(r.delta for r in plan.snapshots):
         source = stream_snapshots(store, plan.snapshots, rng, allow_pickle, cache)
     else:
         image = StateImage(allow_pickle)

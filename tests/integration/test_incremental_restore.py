@@ -397,17 +397,67 @@ def test_forged_or_truncated_deltas_fail_restore_typed_naming_the_object(
         r.close()
 
 
-def test_the_state_reader_refuses_a_delta_typed(storage: ChangelogStorage) -> None:
-    """The state reader's snapshot path does not read deltas (the option is off by default):
-    it refuses one with a typed error naming it, rather than reading the chain's first piece
-    alone."""
+def test_the_state_reader_reads_a_chain_with_deltas(storage: ChangelogStorage) -> None:
+    """The row state reader reads a checkpoint of a full snapshot and deltas (the pieces in
+    order, tombstones removing entries) and equals the model — with and without a log after
+    the chain; the streaming path, which cannot undo what it yielded, refuses a delta typed."""
+    from dstl.checkpoint import CheckpointCoordinator
+    from dstl.reader import CheckpointCatalog, read_state
     from dstl.reader.image import stream_snapshots
-    h, _ = _chain(storage, "lmdb")
-    entries = stream_snapshots(storage.store, h.materialized, h.key_groups, False)
+    from dstl.reader.store import ReadOnlyBlobStore
+
+    store = storage.store
+    coord = CheckpointCoordinator(store, job_id="job", retained=3)
+    b = ChangelogKeyedStateBackend(storage, "op", KeyGroupRange(0, MP - 1), MP, table="lmdb",
+                                   options=OPTS)
+    rng = random.Random(13)
+    model: Model = {}
+    models: dict[int, Model] = {}
+    handles: dict[int, ChangelogStateBackendHandle] = {}
+
+    def checkpoint() -> int:
+        cid = coord.trigger(["op"])
+        h = b.snapshot(cid).result(WAIT)
+        assert coord.acknowledge(cid, "op", h.to_json_obj(), h.referenced_keys(), h.full_size,
+                                 h.incremental_size) is not None
+        b.notify_checkpoint_complete(cid)
+        handles[cid], models[cid] = h, {k: (dict(v) if isinstance(v, dict) else
+                                              list(v) if isinstance(v, list) else v)
+                                         for k, v in model.items()}
+        return cid
+
+    try:
+        for _ in range(3):
+            _write(b, model, rng, 60)
+            checkpoint()
+            b.materialize_now(WAIT)
+        at_chain = checkpoint()           # the chain alone, no log after it
+        _write(b, model, rng, 30)
+        with_log = checkpoint()           # the chain and a log
+    finally:
+        b.close()
+        coord.close()
+    assert [r.delta for r in handles[at_chain].materialized] == [False, True, True]
+    assert not any(h.change_sets for h in handles[at_chain].non_materialized)
+    catalog = CheckpointCatalog(ReadOnlyBlobStore(store), job_id="job")
+    for cid in (at_chain, with_log):
+        got: Model = {}
+        for row in read_state(catalog, cid):
+            slot = ({"value": "v", "list": "l", "map": "m", "reducing": "r",
+                     "aggregating": "a"}[row.kind], row.key, row.namespace)
+            if row.kind == "map":
+                got.setdefault(slot, {})[row.user_key] = row.value
+            elif row.kind == "aggregating":
+                got[slot] = row.value[1] / row.value[0]    # the accumulator, as stored
+            else:
+                got[slot] = row.value
+        assert got == _clean(models[cid]), f"checkpoint {cid}"
+    entries = stream_snapshots(store, handles[at_chain].materialized, KeyGroupRange(0, MP - 1),
+                               False)
     with pytest.raises(UnsupportedFormatError) as info:
         for _ in entries:
             pass
-    assert info.value.key == h.materialized[1].key
+    assert info.value.key == handles[at_chain].materialized[1].key
 
 
 # --------------------------------------------------------------------------- retention
