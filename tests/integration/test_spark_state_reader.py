@@ -172,9 +172,12 @@ def _stream_rows(session: Any, root: str, where: Path, **options: Any) -> list[A
         query = (reader.load(root).writeStream
                  .foreachBatch(lambda df, _: got.extend(df.collect()))
                  .option("checkpointLocation", str(where)).trigger(availableNow=True).start())
+        error: Any = None
         try:
             query.awaitTermination(300)
             error = query.exception()
+        except Exception as exc:  # awaitTermination raises the query's error itself
+            error = exc
         finally:
             query.stop()
         if error is None:
