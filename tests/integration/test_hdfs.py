@@ -9,8 +9,8 @@ worker, started by ``tests/support/minidfs.py`` (the store contract suite's HDFS
 - the log on HDFS: uploads while the NameNode restarts (every acknowledged change set readable
   afterwards), a restore through the restore cache, DataNode loss with replication 1 (typed
   error) and 2 (transparent);
-- operations: ``dstl verify``, ``dstl gc`` and ``dstl checkpoints`` on a job whose state is on
-  HDFS, the log demo (``dstl demo --log-only --state-uri hdfs://...``); with ``DSTL_DEEP=1`` also
+- operations: ``dstl verify``, ``dstl gc``, ``dstl state dump`` and ``dstl checkpoints`` on a
+  job whose state is on HDFS, the log demo (``dstl demo --log-only --state-uri hdfs://...``); with ``DSTL_DEEP=1`` also
   the Spark demo job (``dstl demo --state-uri hdfs://...``), a query whose Spark checkpoint and
   DSTL state are both on HDFS, and restores across a NameNode restart.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from hdfs_native import Client, WriteOptions
 from support.minidfs import MiniDfs, hdfs_uri
-from support.state_job import MiniJob
+from support.state_job import MiniJob, state_of
 
 from dstl import ChangelogHandle, ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.cli import main
@@ -46,6 +46,7 @@ from dstl.errors import (
     TransientStorageError,
 )
 from dstl.layout import segment_key
+from dstl.reader import from_json
 from dstl.retry import RetryPolicy
 from dstl.stores import HdfsBlobStore, open_store, translate_error
 from restore import ChangelogReader, LocalFileCache
@@ -418,7 +419,16 @@ def test_a_lost_datanode(hdfs_cluster: MiniDfs, replication: int) -> None:
 # --------------------------------------------------------------------------- operations
 
 
-def test_verify_gc_and_checkpoints_on_hdfs(hdfs_cluster: MiniDfs,
+class _Row:
+    """A dumped state row as the model compares it (attributes, like a Spark Row)."""
+
+    def __init__(self, d: dict[str, object]) -> None:
+        for f in ("key", "namespace", "user_key", "value"):
+            d[f] = from_json(json.dumps(d[f])) if d[f] is not None else None
+        self.__dict__.update(d)
+
+
+def test_verify_gc_state_and_checkpoints_on_hdfs(hdfs_cluster: MiniDfs,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     uri = hdfs_uri(hdfs_cluster, "cli")
     store = open_store(uri)
@@ -437,6 +447,10 @@ def test_verify_gc_and_checkpoints_on_hdfs(hdfs_cluster: MiniDfs,
     assert listed == [1]
     assert main(["verify", uri, "--job", "job"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("OK")
+    # the state reader restores the checkpoint from HDFS
+    assert main(["state", "dump", uri]) == 0
+    rows = [_Row(json.loads(x)) for x in capsys.readouterr().out.splitlines()]
+    assert state_of(rows) == job.checkpoint_models[1]
     assert main(["gc", uri, "--job", "job", "--min-age", "0"]) == 0
     assert "objects deleted from" in capsys.readouterr().out
     after = open_store(uri)
