@@ -409,6 +409,7 @@ class ChangelogKeyedStateBackend:
         self._dirty: dict[tuple[int, int, bytes, bytes], tuple[Any, Any]] | None = (
             {} if self.options.incremental_snapshots else None)
         self._chain_id = -1
+        self._max_dirty = self.options.max_delta_entries
         self._mat = MaterializationManager(
             operator_id, rules, _BackendSnapshots(self), self._metrics, wake=self._wake,
             timer=timer, automatic=auto_materialize, defer_in_batch=not self._heap)
@@ -831,16 +832,20 @@ class ChangelogKeyedStateBackend:
         data = _pack_op_sid(op, sid) + self._kn + payload
         self._writer.append(self._kg, data)
         self._mat.note_log(len(data))
-        if self._dirty is not None:
-            self._touch(self._kg, sid, self._key_b, self._ns_b, self._tk, self._tn)
+        dirty = self._dirty
+        if dirty is not None:  # inline: the hot path of every write (_touch's job)
+            dirty[(self._kg, sid, self._key_b, self._ns_b)] = (self._tk, self._tn)
+            if len(dirty) > self._max_dirty:
+                self._dirty = None
 
     def _touch(self, kg: int, sid: int, kb: bytes, nb: bytes, tk: Any, tn: Any) -> None:
-        """Remember a changed entry for the next delta (every logged change comes here)."""
+        """Remember a changed entry for the next delta (``log_change``, the hot path, does the
+        same inline)."""
         dirty = self._dirty
         if dirty is None:
             return
         dirty[(kg, sid, kb, nb)] = (tk, tn)
-        if len(dirty) > self.options.max_delta_entries:
+        if len(dirty) > self._max_dirty:
             self._dirty = None  # the next materialization is a full one
 
     def _log_metadata(self, sid: int) -> None:
