@@ -19,12 +19,16 @@ of the process (all threads: the materializer's included); at the end, the snaps
 last checkpoint names, the store's size, and the restore of partition 0 from the last checkpoint
 into a fresh LMDB table (wall time, sample keys checked).
 
+Also measured: the write path's cost of remembering the changed entries (200 k updates in one
+write batch, heap and LMDB, tracking off and on, alternating repeats).
+
 Run: ``.venv/bin/python bench/incremental.py [--quick] [--keys 200000 1000000]``; sizes
 200 k and 1 M keys by default, ``--quick`` 20 k.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import shutil
@@ -192,6 +196,44 @@ def run(n: int, incremental: bool, intervals: int, update_frac: float, mat_every
             "checked_keys": len(sample)}
 
 
+def write_cost(n: int, repeats: int, work: Path) -> dict[str, Any]:
+    """What the change tracking costs the write path: ``n`` updates of 256-byte values in one
+    write batch (heap, LMDB), with ``incremental_snapshots`` off and on, in alternating order;
+    seconds per repeat."""
+    out: dict[str, Any] = {}
+    storage = ChangelogStorage(store=open_store(str(work / "wstore")), options=DstlOptions())
+    rng = random.Random(7)
+    values = [_value(rng) for _ in range(1000)]
+    try:
+        for table in ("heap", "lmdb"):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for r in range(repeats):
+                for inc in ((False, True) if r % 2 == 0 else (True, False)):
+                    gc.collect()   # the previous repeat's table is freed before the clock
+                    opts = BackendOptions(materialization_interval_s=None,
+                                          materialize_log_ratio=None, incremental_snapshots=inc)
+                    b = ChangelogKeyedStateBackend(
+                        storage, f"w/{table}/{inc}/{r}", KeyGroupRange(0, MP - 1), MP,
+                        table=table, options=opts, local_directory=str(work / "wlocal"),
+                        auto_materialize=False)
+                    s = b.get_state(ValueStateDescriptor("v"))
+                    t0 = time.perf_counter()
+                    with b.write_batch():
+                        for i in range(n):
+                            b.set_current_key(_key(i))
+                            s.update(values[i % 1000])
+                    times[inc].append(time.perf_counter() - t0)
+                    b.close()
+            off, on = statistics.median(times[False]), statistics.median(times[True])
+            out[table] = {"off_s": times[False], "on_s": times[True], "median_off_s": off,
+                          "median_on_s": on, "ratio": on / off}
+            print(f"write cost {table}: {n / off:,.0f} -> {n / on:,.0f} updates/s "
+                  f"({on / off:.2f}x the time)", flush=True)
+    finally:
+        storage.close()
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.split("\n", 1)[0])
     p.add_argument("--keys", type=int, nargs="*", default=None)
@@ -201,6 +243,11 @@ def main() -> None:
     a = p.parse_args()
     sizes = a.keys or ([20_000] if a.quick else [200_000, 1_000_000])
     sampler = LoadSampler()
+    work = Path(tempfile.mkdtemp(prefix="dstl-bench-inc-"))
+    try:
+        writes = write_cost(20_000 if a.quick else 200_000, max(a.repeats, 5), work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     results = []
     for n in sizes:
         for incremental in (False, True):
@@ -241,10 +288,17 @@ def main() -> None:
         "| keys | full | incremental | full / incremental | log alone | incremental / log | "
         "CPU s per interval, full / incremental | store size at the end, MB, full / "
         "incremental | restore of partition 0, s, full / incremental |\n"
-        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "The write path's cost of remembering changed entries: "
+        f"{20_000 if a.quick else 200_000:,} updates of a `ValueState` in one write batch, "
+        "median of 5 alternating repeats, off / on: " + "; ".join(
+            f"{t} {w['median_off_s']:.3f} ({min(w['off_s']):.3f}-{max(w['off_s']):.3f}) / "
+            f"{w['median_on_s']:.3f} ({min(w['on_s']):.3f}-{max(w['on_s']):.3f}) s "
+            f"(**{w['ratio']:.2f}x**)" for t, w in writes.items()) + ".\n")
     command = "python bench/incremental.py" + (" --quick" if a.quick else "") + (
         f" --keys {' '.join(map(str, a.keys))}" if a.keys else "")
-    write_results("incremental", {"sizes": results, "load": load}, md, quick=a.quick,
+    write_results("incremental", {"sizes": results, "write_cost": writes, "load": load}, md,
+                  quick=a.quick,
                   command=command, no_doc=a.no_doc, tag=a.tag, machine=machine_info())
 
 
