@@ -1,7 +1,7 @@
 """dstl.spark.daemon under real Spark: ``spark.python.daemon.module=dstl.spark.daemon`` forks
 Python workers that start with DSTL imported, and the operator's counts stay exact with it
 (LMDB and heap, agent on and off, a restart from the store, the warm-up), in ``local[2]`` and
-in a ``local-cluster`` of two executor JVMs; a preload that cannot be imported, or an executor
+(``DSTL_DEEP=1``) in a ``local-cluster`` of two executor JVMs; a preload that cannot be imported, or an executor
 Python that cannot import the daemon itself, fails the task with the module named."""
 
 from __future__ import annotations
@@ -211,6 +211,9 @@ def test_an_executor_python_that_cannot_import_the_daemon_names_the_missing_modu
 
 
 @pytest.mark.s3
+@pytest.mark.skipif(os.environ.get("DSTL_DEEP") != "1",
+                    reason="DSTL_DEEP=1: a local-cluster of its own (1.5-3 min); CI runs the "
+                           "daemon in local[2], and the cluster tests without it")
 def test_local_cluster_executors_run_the_daemon_and_counts_stay_exact(
         daemon_spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
     daemon_spark.stop()  # the module's last test: a cluster needs its own driver JVM
