@@ -724,6 +724,12 @@ class ChangelogKeyedStateBackend:
     def state_names(self) -> list[str]:
         return sorted(self._states)
 
+    def internal_state_ids(self) -> list[int]:
+        """Ids of the states that are DSTL's own, not the user's: the raw indexes and the
+        states whose name starts with ``$`` (the timer service's)."""
+        return sorted(sid for sid, reg in self._by_id.items()
+                      if sid in self._raw or str(reg.meta["name"]).startswith("$"))
+
     def delete_state_entries(self, name: str) -> int:
         """Remove every entry of state ``name`` — all keys and namespaces of this backend —
         and return how many (no such state: 0). Each removal is logged as a ``CLEAR`` of its

@@ -539,6 +539,46 @@ class LmdbStateTable:
             self._exit_read()
         return n
 
+    def count_state(self, state_id: int) -> int:
+        """Records of one state in the key-group range: a cursor seek per key group, then its
+        keys (O(the state's records): for the internal indexes the progress figures leave out
+        of the state rows)."""
+        self._check_usable()
+        check_state_id(state_id)
+        n = 0
+        self._enter_read()
+        try:
+            with self._read_txn() as txn, txn.cursor() as cur:
+                for kg in range(self._kg_start, self._kg_end + 1):
+                    prefix = _KG_SID.pack(kg, state_id)
+                    if not cur.set_range(prefix):
+                        break
+                    for raw in cur.iternext(keys=True, values=False):
+                        if not raw.startswith(prefix):
+                            break
+                        n += 1
+        except lmdb.Error as exc:
+            raise self._translate(exc, "count_state") from exc
+        finally:
+            self._exit_read()
+        return n
+
+    def fixed_records(self) -> int:
+        """The layout and marker records (outside every key-group range): what ``stats``
+        counts besides the states' records."""
+        self._check_usable()
+        n = 0
+        self._enter_read()
+        try:
+            with self._read_txn() as txn, txn.cursor() as cur:
+                if cur.set_range(b"\xff\xff"):
+                    n = sum(1 for _ in cur.iternext(keys=True, values=False))
+        except lmdb.Error as exc:
+            raise self._translate(exc, "fixed_records") from exc
+        finally:
+            self._exit_read()
+        return n
+
     def stats(self) -> dict[str, int]:
         """Cheap figures for progress reports, O(1) (no scan, unlike ``len``): ``entries``
         (records in the environment, the layout and marker records included), ``disk_bytes``

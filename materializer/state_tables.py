@@ -350,6 +350,12 @@ class StateTables(Protocol):
     def load_snapshot(self, reader: SnapshotReader, decode: DecodeFn | None = None,
                       key_groups: KeyGroupRange | None = None) -> int: ...
 
+    def stats(self) -> dict[str, int]: ...
+
+    def count_state(self, state_id: int) -> int: ...
+
+    def fixed_records(self) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -449,6 +455,15 @@ class HeapStateTables:
                     self.table(sid).put(k, kg, ns, v)
                 count += 1
         return count
+
+    def count_state(self, state_id: int) -> int:
+        """Entries of one state (O(1))."""
+        t = self._tables.get(state_id)
+        return len(t) if t is not None else 0
+
+    def fixed_records(self) -> int:
+        """Records besides the states' entries: none on the heap."""
+        return 0
 
     def stats(self) -> dict[str, int]:
         """Figures for progress reports: ``entries`` over all states, ``disk_bytes`` 0 (the heap

@@ -66,7 +66,8 @@ def progress_record(operator: str, partitions: int, table: str, stats: Mapping[s
                        "restore": ms("restore_seconds")},
         "stateOperators": [{
             "operatorName": f"dstl:{operator}", "storeProvider": f"dstl-{table}",
-            "numRowsTotal": sum(r.state_entries for r in reports),
+            # the user's state rows, as Spark's numRowsTotal (DSTL's own: internalRows)
+            "numRowsTotal": sum(r.state_rows for r in reports),
             "numRowsUpdated": sum(r.keys for r in reports),
             # LMDB: the environments' pages in use; heap: a sampled estimate (task reports)
             "memoryUsedBytes": sum(r.state_memory_bytes for r in reports),
@@ -81,6 +82,8 @@ def progress_record(operator: str, partitions: int, table: str, stats: Mapping[s
                 "agents": len(stats["agents"]),
                 "timersFired": int(stats.get("timers_fired", 0)),
                 "ttlPurged": int(stats.get("ttl_purged", 0)),
+                "internalRows": sum(r.internal_rows for r in reports),
+                "tableRecords": sum(r.state_entries for r in reports),
             },
         }],
         **_event_time(stats),

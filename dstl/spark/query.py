@@ -430,7 +430,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "numLateRows": ("sum", "rows at or below the watermark, dropped"),
     "numOutputRows": ("sum", "rows the processor emitted"),
     "numUpdatedKeys": ("sum", "keys the processor was called for"),
-    "numStateEntries": ("sum", "entries of the partitions' tables after the batch"),
+    "numRowsTotal": ("sum", "rows of the user's states after the batch (as Spark's "
+                            "numRowsTotal; DSTL's own timer and TTL index rows not included)"),
+    "numStateEntries": ("sum", "records of the partitions' tables after the batch (DSTL's own "
+                               "states and LMDB's layout records included)"),
     "stateDiskBytes": ("sum", "bytes of the partitions' tables on disk"),
     "numRestores": ("sum", "partitions restored from the store (moved, replaced, rescaled)"),
     "restoreMs": ("max", "the slowest restore"),
@@ -451,7 +454,8 @@ def metric_column(name: str) -> str:
 
 def _metric_values(report: TaskReport, received: int, late: int) -> dict[str, int]:
     return {"numInputRows": received, "numLateRows": late, "numOutputRows": report.rows_out,
-            "numUpdatedKeys": report.keys, "numStateEntries": report.state_entries,
+            "numUpdatedKeys": report.keys, "numRowsTotal": report.state_rows,
+            "numStateEntries": report.state_entries,
             "stateDiskBytes": report.state_disk_bytes,
             "numRestores": int(report.slot.access in ("restore", "rescale")),
             "restoreMs": int(report.slot.restore_seconds * 1000),

@@ -87,6 +87,9 @@ class TaskReport:
             commit (records; the LMDB environment's pages in use, heap: 0 bytes; memory: LMDB's
             pages in use, the heap's sampled estimate), from figures whose cost does not grow
             with the state.
+        state_rows, internal_rows: the records of the user's states in the table, and of
+            DSTL's own (timers, TTL indexes); ``state_entries`` also counts LMDB's few layout
+            records.
     """
 
     partition: int
@@ -110,6 +113,8 @@ class TaskReport:
     state_disk_bytes: int = 0
     ttl_purged: int = 0
     state_memory_bytes: int = 0
+    state_rows: int = 0
+    internal_rows: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -131,7 +136,8 @@ class TaskReport:
             "max_event_time_ms": self.max_event_time_ms, "timers_fired": self.timers_fired,
             "state_entries": self.state_entries, "state_disk_bytes": self.state_disk_bytes,
             "ttl_purged": self.ttl_purged,
-            "state_memory_bytes": self.state_memory_bytes,
+            "state_memory_bytes": self.state_memory_bytes, "state_rows": self.state_rows,
+            "internal_rows": self.internal_rows,
         }, separators=(",", ":"))
 
     @classmethod
@@ -152,7 +158,8 @@ class TaskReport:
                    f.texts("agent_log"), f.opt_integer("max_event_time_ms", MIN_TIMESTAMP_MS),
                    f.integer("timers_fired"), f.integer("state_entries"),
                    f.integer("state_disk_bytes"), f.integer("ttl_purged"),
-                   f.integer("state_memory_bytes"))
+                   f.integer("state_memory_bytes"), f.integer("state_rows"),
+                   f.integer("internal_rows"))
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -586,13 +586,20 @@ def _report(partition: int, attempt: int, access: SlotAccess, run: _BatchRun, st
         max_event_time_ms=run.max_event_time_ms, timers_fired=run.timers_fired,
         ttl_purged=run.ttl_purged,
         state_entries=table["entries"], state_disk_bytes=table["disk_bytes"],
-        state_memory_bytes=table["memory_bytes"])
+        state_memory_bytes=table["memory_bytes"], state_rows=table["rows"],
+        internal_rows=table["internal_rows"])
 
 
 def _table_stats(backend: ChangelogKeyedStateBackend) -> dict[str, int]:
-    """The partition table's figures for the driver's progress record, as committed (O(1) on
-    LMDB; a fixed-size sample on the heap)."""
-    stats: dict[str, int] = backend.tables.stats()
+    """The partition table's figures for the driver's progress record, as committed: the
+    records (``entries``, O(1) on LMDB), the user's state rows among them (``rows``: without
+    the LMDB layout records and DSTL's own states, whose records LMDB counts by a scan:
+    O(timers and TTL index entries)), and the bytes (a fixed-size sample on the heap)."""
+    tables = backend.tables
+    stats: dict[str, int] = dict(tables.stats())
+    internal = sum(tables.count_state(sid) for sid in backend.internal_state_ids())
+    stats["internal_rows"] = internal
+    stats["rows"] = stats["entries"] - tables.fixed_records() - internal
     return stats
 
 

@@ -242,3 +242,23 @@ def test_cached_pid_is_refreshed_in_a_forked_child_and_checked(tmp_path: Path,
         assert t.get(0, 1, b"k", b"") == b"v"
     finally:
         t.close()
+
+
+def test_count_state_counts_one_states_records_in_every_key_group(tmp_path: Path) -> None:
+    t = _table(tmp_path / "t")
+    try:
+        kgs = list(t.key_groups)
+        for i, kg in enumerate(kgs):
+            for j in range(i + 1):  # i + 1 records of state 1 in the i-th key group
+                t.put(1, kg, f"k{j}".encode(), b"", b"v")
+            t.put(0, kg, b"zero", b"", b"v")  # the neighbouring state ids are not counted
+            t.put(2, kg, b"two", b"ns", b"v")
+        t.write_marker(b"marker")
+        n1 = sum(range(1, len(kgs) + 1))
+        assert t.count_state(1) == n1
+        assert t.count_state(0) == t.count_state(2) == len(kgs)
+        assert t.count_state(3) == 0
+        assert t.stats()["entries"] == n1 + 2 * len(kgs) + t.fixed_records()
+        assert t.fixed_records() >= 2  # the layout and the marker record
+    finally:
+        t.close()

@@ -133,6 +133,9 @@ def test_the_file_sink_gets_each_row_once_across_a_restart_and_a_rescale(
         assert [m["numOutputRows"] for m in seen] == [len(set(_file_keys(i))) for i in range(3)]
         assert [m["numUpdatedKeys"] for m in seen] == [m["numOutputRows"] for m in seen]
         assert all(m["numStateEntries"] > 0 and m["bytesWritten"] > 0 for m in seen)
+        # the state rows, as Spark's numRowsTotal: one count per key seen so far
+        assert [m["numRowsTotal"] for m in seen] == [
+            len(set().union(*(_file_keys(j) for j in range(i + 1)))) for i in range(3)]
         assert (tmp_path / "killed").exists()
         assert op.last_progress is not None and op.last_progress["batchId"] == 2
         assert [s["batch_id"] for s in op.batch_stats] == [0, 1, 2]

@@ -36,8 +36,8 @@ class Count(StatefulProcessor):
         yield {"key": key, "count": c}
 
 
-def _op(tmp: Path, table: str, **kw: Any) -> DstlStatefulOperator:
-    return DstlStatefulOperator(name="prog", processor=Count, key_column="key",
+def _op(tmp: Path, table: str, processor: Any = Count, **kw: Any) -> DstlStatefulOperator:
+    return DstlStatefulOperator(name="prog", processor=processor, key_column="key",
                                 output_schema="key string, count long",
                                 state_uri=str(tmp / "store"), partitions=2, max_parallelism=16,
                                 table=table, local_dir=str(tmp / "local"),
@@ -77,11 +77,14 @@ def test_progress_listener_prometheus_and_bounded_stats(
         distinct = len(set().union(*map(set, batches)))
         st = last["stateOperators"][0]
         assert st["numRowsUpdated"] == len(set(batches[-1]))
+        # Spark's meaning: the state rows (one value state: one per key), on both tables
+        assert st["numRowsTotal"] == distinct
+        assert st["customMetrics"]["internalRows"] == 0
         if table == "heap":
-            assert st["numRowsTotal"] == distinct  # one value state: one entry per key
             assert st["diskBytes"] == 0
-        else:  # LMDB counts its layout and marker records too, and has pages on disk
-            assert distinct < st["numRowsTotal"] <= distinct + 16
+            assert st["customMetrics"]["tableRecords"] == distinct
+        else:  # LMDB's records include its layout and marker records; it has pages on disk
+            assert distinct < st["customMetrics"]["tableRecords"] <= distinct + 16
             assert st["diskBytes"] > 0
         assert st["customMetrics"]["materializations"] >= 1
         assert last["durationMs"]["triggerExecution"] >= last["durationMs"]["tasks"] > 0
@@ -312,3 +315,36 @@ def test_memory_used_bytes_is_measured_and_grows_with_the_state(
     # 400 keys of ~58 characters per batch: at least their strings, at most a few KB each
     for rows, m in figures:
         assert rows * 60 <= m <= rows * 4096, figures
+
+
+class RememberWithTimers(StatefulProcessor):
+    """Per key one value state and two processing-time timers far in the future: state rows
+    one per key; DSTL's own rows (the timers and their index) per timer."""
+
+    def init(self, handle: Any) -> None:
+        self.handle = handle
+        self.last = handle.get_value_state("last")
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]], timer_values: Any
+                          ) -> Iterator[dict[str, Any]]:
+        n = sum(1 for _ in rows)
+        self.last.update(n)
+        for at in (10**13, 10**13 + 1):
+            self.handle.register_timer(at)
+        yield {"key": key, "count": n}
+
+
+@pytest.mark.parametrize("table", ["heap", "lmdb"])
+def test_num_rows_total_counts_the_users_state_rows_not_dstls_timers(
+        spark: Any, tmp_path: Path, table: str) -> None:  # noqa: F811
+    op = _op(tmp_path, table, processor=RememberWithTimers, time_mode="processing_time")
+    keys = ["a", "b", "c", "d", "e", "f", "a"]
+    try:
+        op.foreach_batch(spark.createDataFrame([(k,) for k in keys], "key string"), 0)
+        st = op.last_progress["stateOperators"][0] if op.last_progress else {}
+        assert st["numRowsTotal"] == 6, st  # one value per key: Spark's meaning
+        internal = st["customMetrics"]["internalRows"]
+        assert internal >= 12, st  # two timers per key, besides their index
+        assert st["customMetrics"]["tableRecords"] >= 6 + internal
+    finally:
+        op.close()

@@ -29,13 +29,16 @@ def _stats(batch_id: int = 7) -> dict[str, Any]:
             "bytes_written": 1234, "restores": 1, "deleted": 3, "agents": {11: {}, 12: {}}}
 
 
-def _report(entries: int, disk: int, keys: int) -> Any:
+def _report(entries: int, disk: int, keys: int, internal: int = 0) -> Any:
+    # one LMDB layout record in each table besides the states' records
     return SimpleNamespace(state_entries=entries, state_disk_bytes=disk, keys=keys,
-                           state_memory_bytes=disk)
+                           state_memory_bytes=disk, state_rows=entries - 1 - internal,
+                           internal_rows=internal)
 
 
 def test_progress_record_has_sparks_shape_and_the_batch_figures() -> None:
-    p = progress_record("count", 3, "lmdb", _stats(), [_report(5, 4096, 2), _report(7, 8192, 3)],
+    p = progress_record("count", 3, "lmdb", _stats(),
+                        [_report(5, 4096, 2), _report(7, 8192, 3, internal=2)],
                         wall_start=1_700_000_000.25)
     assert p["batchId"] == 7 and p["name"] == "count"
     assert p["timestamp"] == "2023-11-14T22:13:20.250Z"
@@ -44,12 +47,13 @@ def test_progress_record_has_sparks_shape_and_the_batch_figures() -> None:
     assert p["durationMs"] == {"triggerExecution": 2000, "tasks": 1500, "taskCommit": 250,
                                "manifest": 125, "sink": 375, "restore": 500}
     (st,) = p["stateOperators"]
-    assert (st["numRowsTotal"], st["numRowsUpdated"], st["diskBytes"]) == (12, 5, 12288)
+    # Spark's meaning: the user's state rows (5 - 1 + 7 - 1 - 2)
+    assert (st["numRowsTotal"], st["numRowsUpdated"], st["diskBytes"]) == (8, 5, 12288)
     assert st["numStateStoreInstances"] == 3
     assert st["customMetrics"] == {"segments": 2, "objectsWritten": 4, "bytesWritten": 1234,
                                    "restores": 1, "restoreMs": 750, "materializations": 1,
                                    "deletedObjects": 3, "agents": 2, "timersFired": 0,
-                                   "ttlPurged": 0}
+                                   "ttlPurged": 0, "internalRows": 2, "tableRecords": 12}
     assert "eventTime" not in p
     with_wm = progress_record("count", 3, "lmdb", {**_stats(), "watermark_ms": 1500,
                                                     "timers_fired": 4, "ttl_purged": 7}, [],

@@ -24,7 +24,7 @@ REPORT = TaskReport(partition=2, attempt=1, pid=4321, handle=HANDLE,
                     slot=SlotAccess("restore", 0.25, 17, 9), rows_in=10, rows_out=4, keys=3,
                     process_seconds=0.5, commit_seconds=0.125, segment_keys=("dstl/a", "dstl/b"),
                     log_bytes=90, snapshot=SNAP, agent_metrics={"agent.pid": 77.0},
-                    agent_log=("one", "two"))
+                    agent_log=("one", "two"), state_entries=12, state_rows=7, internal_rows=4)
 
 
 def test_round_trip() -> None:
