@@ -482,12 +482,16 @@ def test_spark_demo_on_hdfs(hdfs_cluster: MiniDfs) -> None:
 
 @pytest.mark.spark
 @pytest.mark.skipif(not DEEP, reason="Spark's checkpointLocation on HDFS runs with DSTL_DEEP=1")
+@pytest.mark.parametrize("fault", ["none", "namenode-restart"])
 def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniDfs,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path, fault: str) -> None:
     """Spark's own checkpointLocation and DSTL's state_uri on the same HDFS: a query runs three
-    files, a new query on the same checkpoint runs three more, and the counts are exact."""
+    files, a new query on the same checkpoint runs three more, and the counts are exact. With
+    ``namenode-restart`` the NameNode restarts after the first batch of the first query: the
+    query goes on, or fails and its restart on the same checkpoint resumes it."""
     from collections import Counter
 
+    from pyspark.errors import StreamingQueryException
     from spark_support import new_session
     from support.processors import Count
 
@@ -497,6 +501,8 @@ def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniD
     base = hdfs_uri(hdfs_cluster, "query")
     keys = [[f"k{(7 * i + j * j) % 11:02d}" for j in range(30)] for i in range(6)]
     (tmp_path / "in").mkdir()
+    failures: list[str] = []
+    restarts: list[threading.Thread] = []
 
     def write(lo: int, hi: int) -> None:
         for i in range(lo, hi):
@@ -505,21 +511,39 @@ def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniD
             os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
             tmp.rename(tmp_path / "in" / f"f{i:03d}.json")
 
+    def restart_after_first_batch(op: DstlStatefulOperator) -> None:
+        deadline = time.monotonic() + 300
+        while op.last_progress is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        hdfs_cluster.restart_namenode()
+
     def run(run_id: int) -> None:
+        failed_before = len(failures)
         op = DstlStatefulOperator(name="counts", processor=Count, key_column="key",
                                   output_schema="key string, count bigint",
                                   state_uri=f"{base}/state", partitions=2,
                                   local_dir=str(tmp_path / f"local-{run_id}"))
         try:
+            if fault == "namenode-restart" and run_id == 0:
+                restarts.append(threading.Thread(target=restart_after_first_batch, args=(op,)))
+                restarts[-1].start()
             src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
                    .json(str(tmp_path / "in")))
             q = (op.transform(src).writeStream.format("parquet")
                  .option("path", f"{base}/out").option("checkpointLocation", f"{base}/spark")
                  .trigger(availableNow=True).start())
-            q.awaitTermination()
-            assert op.wait_for_checkpoint(int(q.lastProgress["batchId"]))
+            try:
+                q.awaitTermination()
+            except StreamingQueryException as exc:
+                failures.append(str(exc).splitlines()[0][:300])
+            else:
+                assert op.wait_for_checkpoint(int(q.lastProgress["batchId"]))
         finally:
             op.close()
+        for t in restarts:
+            t.join(300)
+        if len(failures) > failed_before:
+            run(run_id + 10)  # a new query on the same checkpoint, this one closed
 
     try:
         write(0, 3)
@@ -537,7 +561,9 @@ def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniD
         for k, n in here.items():
             seen[k] += n
             want[(k, seen[k])] += 1
-    assert got == want
+    assert got == want, failures
+    assert len(failures) <= 1, failures
+    assert (fault == "none") == (not restarts) and not any(t.is_alive() for t in restarts)
     client = _client(hdfs_cluster)
     path = base.split(hdfs_cluster.namenode, 1)[1]
     names = {s.path.rsplit("/", 1)[-1] for s in client.list_status(f"{path}/spark", True)}
