@@ -40,7 +40,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(XDIST) -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/contract -m "not s3 and not spark"
+	$(PY) -m pytest -q tests/unit tests/contract -m "not s3 and not spark and not hdfs"
 
 test-deep: $(STAMP)
 	DSTL_DEEP=1 HYPOTHESIS_PROFILE=deep $(PY) -m pytest $(XDIST) -q
