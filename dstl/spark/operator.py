@@ -715,19 +715,19 @@ class DstlStatefulOperator:
 
     def _split_late(self, df: Any, watermark_ms: int) -> tuple[Any, Any]:
         """With a watermark: ``df`` with the event-time column (epoch ms) the tasks take the
-        maximum of, its late rows removed; and the late rows (user columns) for the side output
-        (``None``: dropped, or no watermark)."""
+        maximum of and drop the late rows by (:func:`dstl.spark.task.drop_late`: so the
+        batch's ``numInputRows`` counts every row received, as Spark's does); and the late rows
+        (user columns) for the side output (``None``: dropped, or no watermark)."""
         event_col = self.time.event_time_column
         if event_col is None:
             return df, None
         from pyspark.sql import functions as F
 
         with_ms = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_col))
-        late = F.col(EVENT_TIME_COLUMN) <= F.lit(watermark_ms)
-        on_time = with_ms.where(F.col(EVENT_TIME_COLUMN).isNull() | ~late)
         if self.time.late_rows != "side_output":
-            return on_time, None
-        return on_time, with_ms.where(late).drop(EVENT_TIME_COLUMN)
+            return with_ms, None
+        late = F.col(EVENT_TIME_COLUMN) <= F.lit(watermark_ms)
+        return with_ms, with_ms.where(late).drop(EVENT_TIME_COLUMN)
 
     def _commit_properties(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
                            task_input: TaskInput, reports: list[TaskReport]) -> int:
@@ -1016,7 +1016,9 @@ def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completio
         "commit_seconds": t.acknowledged - t.tasks_done + task_commit,
         "manifest_seconds": t.acknowledged - t.tasks_done, "task_commit_seconds": task_commit,
         "sink_seconds": t.delivered - t.acknowledged,
-        "rows_in": sum(r.rows_in for r in reports), "rows_out": rows_out,
+        # rows received, as Spark's numInputRows: the late ones the tasks dropped included
+        "rows_in": sum(r.rows_in + r.rows_late for r in reports), "rows_out": rows_out,
+        "rows_late": sum(r.rows_late for r in reports),
         "segments": len(segments), "materializations": snapshots,
         "objects_written": len(segments) + snapshots + 1,
         "bytes_written": sum(r.log_bytes + r.snapshot_bytes for r in reports),

@@ -82,6 +82,7 @@ def progress_record(operator: str, partitions: int, table: str, stats: Mapping[s
                 "agents": len(stats["agents"]),
                 "timersFired": int(stats.get("timers_fired", 0)),
                 "ttlPurged": int(stats.get("ttl_purged", 0)),
+                "lateRows": int(stats.get("rows_late", 0)),
                 "internalRows": sum(r.internal_rows for r in reports),
                 "tableRecords": sum(r.state_entries for r in reports),
             },

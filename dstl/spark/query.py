@@ -476,7 +476,7 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
 
     from dstl.spark.config import TaskInput
     from dstl.spark.runtime import runtime_for
-    from dstl.spark.task import check_version, committed_reports, run_group
+    from dstl.spark.task import check_version, committed_reports, drop_late, run_group
     from dstl.spark.timing import EVENT_TIME_COLUMN
 
     check_version(driver_version)
@@ -490,7 +490,7 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
                            processing_time_ms=plan.processing_time_ms,
                            watermark_ms=plan.watermark_ms, driver_version=driver_version)
     counts = {"received": 0, "late": 0}
-    rows = iter_batches(iter(batches), EVENT_TIME_COLUMN if event_time else None,
+    rows = drop_late(iter(batches), EVENT_TIME_COLUMN if event_time else None,
                         plan.watermark_ms, counts)
     rt, attempt, done = run_group(cfg, task_input, rows, tasks)
     names = list(cfg.output_columns)
@@ -513,21 +513,3 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
             [pa.nulls(1, schema.field(c).type) for c in names]
             + [pa.array([report.partition], pa.int32())]
             + [pa.array([values[m]], pa.int64()) for m in METRICS], schema=schema)
-
-
-def iter_batches(batches: Iterator[Any], event_column: str | None, watermark_ms: int,
-                 counts: dict[str, int]) -> Iterator[Any]:
-    """The task's record batches without the rows at or below the watermark (late rows are
-    dropped inside the query: its plan knows no watermark before the tasks run); counts the
-    rows received and dropped into ``counts``."""
-    import pyarrow.compute as pc
-
-    for b in batches:
-        counts["received"] += b.num_rows
-        if event_column is None or watermark_ms < 0:
-            yield b
-            continue
-        col = b.column(event_column)
-        kept = b.filter(pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms)))
-        counts["late"] += b.num_rows - kept.num_rows
-        yield kept

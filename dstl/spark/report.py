@@ -87,6 +87,8 @@ class TaskReport:
             commit (records; the LMDB environment's pages in use, heap: 0 bytes; memory: LMDB's
             pages in use, the heap's sampled estimate), from figures whose cost does not grow
             with the state.
+        rows_late: rows the task dropped as late (at or below the watermark), counted in the
+            first partition of a task; ``rows_in`` are the others.
         state_rows, internal_rows: the records of the user's states in the table, and of
             DSTL's own (timers, TTL indexes); ``state_entries`` also counts LMDB's few layout
             records.
@@ -115,6 +117,7 @@ class TaskReport:
     state_memory_bytes: int = 0
     state_rows: int = 0
     internal_rows: int = 0
+    rows_late: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -137,7 +140,7 @@ class TaskReport:
             "state_entries": self.state_entries, "state_disk_bytes": self.state_disk_bytes,
             "ttl_purged": self.ttl_purged,
             "state_memory_bytes": self.state_memory_bytes, "state_rows": self.state_rows,
-            "internal_rows": self.internal_rows,
+            "internal_rows": self.internal_rows, "rows_late": self.rows_late,
         }, separators=(",", ":"))
 
     @classmethod
@@ -159,7 +162,7 @@ class TaskReport:
                    f.integer("timers_fired"), f.integer("state_entries"),
                    f.integer("state_disk_bytes"), f.integer("ttl_purged"),
                    f.integer("state_memory_bytes"), f.integer("state_rows"),
-                   f.integer("internal_rows"))
+                   f.integer("internal_rows"), f.integer("rows_late"))
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -45,6 +45,7 @@ also writes its own segment.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -100,11 +101,32 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
     check_version(task_input.driver_version)
     partition, attempt = _task_identity(partition)
     rt = runtime_for(cfg)
+    counts = {"received": 0, "late": 0}
+    rows = drop_late(batches, EVENT_TIME_COLUMN, task_input.watermark_ms, counts)
     # the runtime's lock: one task per worker at a time; the partition lock: one attempt of the
     # partition on this host's table at a time (a zombie attempt, a shared local_dir)
     with rt.lock, rt.partition_lock(partition):
-        done = _run_group(rt, task_input, [(partition, batches)])
-    yield from _reported(rt, cfg, attempt, done)
+        done = _run_group(rt, task_input, [(partition, rows)])
+    yield from _reported(rt, cfg, attempt, done, counts["late"])
+
+
+def drop_late(batches: Iterable[Any], event_column: str | None, watermark_ms: int,
+              counts: dict[str, int]) -> Iterator[Any]:
+    """The task's record batches without the rows at or below the watermark (event time in
+    ``event_column``; a row without one is kept; none without a watermark or the column); the
+    rows received and dropped are added to ``counts["received"]`` and ``counts["late"]``. The
+    tasks drop late rows themselves so that a batch's figures count every row received."""
+    import pyarrow.compute as pc
+
+    for b in batches:
+        counts["received"] += b.num_rows
+        if event_column is None or watermark_ms < 0 or event_column not in b.schema.names:
+            yield b
+            continue
+        col = b.column(event_column)
+        kept = b.filter(pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms)))
+        counts["late"] += b.num_rows - kept.num_rows
+        yield kept
 
 
 def _run_group(rt: WorkerRuntime, task_input: TaskInput,
@@ -150,10 +172,12 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
 
 
 def _reported(rt: WorkerRuntime, cfg: OperatorConfig, attempt: int,
-              done: list[_Committed]) -> Iterator[Any]:
+              done: list[_Committed], late: int) -> Iterator[Any]:
     """Each committed partition registered with the executor agent, then its output rows and
-    report row."""
-    for outputs, report in committed_reports(rt, cfg, attempt, done):
+    report row; the task's late rows are counted once, in its first partition's report."""
+    for i, (outputs, report) in enumerate(committed_reports(rt, cfg, attempt, done)):
+        if i == 0 and late:
+            report = dataclasses.replace(report, rows_late=late)
         yield from _record_batches(cfg, outputs, report)
 
 
@@ -211,8 +235,10 @@ def run_partitions(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable
         UsageError: a row is routed to a partition that is not this task's (a routing bug:
             nothing is processed).
     """
-    rt, attempt, done = run_group(cfg, task_input, batches, tasks, task)
-    yield from _reported(rt, cfg, attempt, done)
+    counts = {"received": 0, "late": 0}
+    rows = drop_late(batches, EVENT_TIME_COLUMN, task_input.watermark_ms, counts)
+    rt, attempt, done = run_group(cfg, task_input, rows, tasks, task)
+    yield from _reported(rt, cfg, attempt, done, counts["late"])
 
 
 def _split_by_partition(batches: Iterable[Any], partitions: range) -> dict[int, list[Any]]:

@@ -108,6 +108,11 @@ def _session_run(tmp: Path, partitions: int, table: str, agent: bool, batches: l
                 assert late[b] == late_rows, f"batch {b}: late rows"
                 assert op.batch_stats[-1]["watermark_ms"] == wm
                 assert op.batch_stats[-1]["next_watermark_ms"] == model.wm
+                # rows received, the late ones included (Spark's numInputRows)
+                progress = op.last_progress or {}
+                assert progress["numInputRows"] == len(rows), f"batch {b}: rows in"
+                assert progress["stateOperators"][0]["customMetrics"]["lateRows"] == \
+                    len(late_rows), f"batch {b}: late rows counted"
         coordinator = op.coordinator
         assert coordinator is not None
         return [m.properties["watermark_ms"] for m in coordinator.manifests()]

@@ -53,7 +53,8 @@ def test_progress_record_has_sparks_shape_and_the_batch_figures() -> None:
     assert st["customMetrics"] == {"segments": 2, "objectsWritten": 4, "bytesWritten": 1234,
                                    "restores": 1, "restoreMs": 750, "materializations": 1,
                                    "deletedObjects": 3, "agents": 2, "timersFired": 0,
-                                   "ttlPurged": 0, "internalRows": 2, "tableRecords": 12}
+                                   "ttlPurged": 0, "lateRows": 0, "internalRows": 2,
+                                   "tableRecords": 12}
     assert "eventTime" not in p
     with_wm = progress_record("count", 3, "lmdb", {**_stats(), "watermark_ms": 1500,
                                                     "timers_fired": 4, "ttl_purged": 7}, [],
