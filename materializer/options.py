@@ -78,8 +78,9 @@ class BackendOptions:
     #: what a restore reads beyond the state itself, and the store's space).
     max_delta_ratio: float = 0.5
     #: With ``incremental_snapshots``: the changed entries remembered for the next delta (in
-    #: memory, one small tuple each); beyond this many the next materialization is a full one.
-    max_delta_entries: int = 1_000_000
+    #: memory, one small tuple each: 235 MB per million 32-byte keys); beyond this many the
+    #: next materialization is a full one.
+    max_delta_entries: int = 250_000
 
     def __post_init__(self) -> None:
         _validate(self)

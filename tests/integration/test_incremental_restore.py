@@ -224,7 +224,8 @@ def test_restore_from_a_full_snapshot_and_deltas_equals_the_model(
 def test_the_chain_is_compacted_by_count_and_by_size(storage: ChangelogStorage,
                                                      table: str) -> None:
     """``max_snapshot_deltas`` deltas follow a full snapshot, then a full one again; a delta
-    chain larger than ``max_delta_ratio`` of its full snapshot is compacted early."""
+    chain larger than ``max_delta_ratio`` of its full snapshot is compacted early; more changed
+    entries than ``max_delta_entries`` make the next materialization full."""
     rng = random.Random(7)
     model: Model = {}
     kgs = KeyGroupRange(0, MP - 1)
@@ -256,6 +257,24 @@ def test_the_chain_is_compacted_by_count_and_by_size(storage: ChangelogStorage,
     finally:
         b.close()
     # one delta is written (nothing to compare yet), then its size is over 1 % of the base
+    assert kinds == [False, True, False, True]
+    # more changed entries than max_delta_entries: not remembered, the next one is full
+    few = OPTS.replace(max_delta_entries=20)
+    b = ChangelogKeyedStateBackend(storage, "op3", kgs, MP, table=table, options=few)
+    kinds = []
+    try:
+        v = b.get_state(ValueStateDescriptor("v"))
+        for cp, n in enumerate([30, 10, 30, 10], start=1):
+            for i in range(n):
+                b.set_current_key(f"k{i}")
+                v.update(cp)
+            b.snapshot(cp).result(WAIT)
+            b.notify_checkpoint_complete(cp)
+            ref = b.materialize_now(WAIT)
+            assert ref is not None
+            kinds.append(ref.delta)
+    finally:
+        b.close()
     assert kinds == [False, True, False, True]
 
 
