@@ -45,7 +45,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dstl.errors import ClosedError, DstlError, KeyGroupError, UsageError, WriterFailedError
+from dstl.errors import (
+    ClosedError,
+    ConfigTypeError,
+    DstlError,
+    KeyGroupError,
+    UsageError,
+    WriterFailedError,
+)
 from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.registry import SegmentRegistry
@@ -260,6 +267,7 @@ class ChangelogWriter:
         Contract: ``[.., to_sqn)`` is materialized and no retained, not-subsumed checkpoint
         needs it (the backend's truncation rule ensures that).
         """
+        _check_ints("truncate", to_sqn=to_sqn)
         released: list[str] = []
         with self._lock:
             if to_sqn > self._active_sqn:
@@ -285,6 +293,7 @@ class ChangelogWriter:
     def confirm(self, from_sqn: int, to_sqn: int, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` (covering ``[from, to)``) completed: hand its segments to
         the coordinator (the process will never delete them) and drop pins up to it."""
+        _check_ints("confirm", from_sqn=from_sqn, to_sqn=to_sqn, checkpoint_id=checkpoint_id)
         keys: list[str] = []
         with self._lock:
             self._check_range("confirm", from_sqn, to_sqn)
@@ -300,6 +309,7 @@ class ChangelogWriter:
 
     def reset(self, from_sqn: int, to_sqn: int, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` was aborted: keep the uploads for reuse, drop its pins."""
+        _check_ints("reset", from_sqn=from_sqn, to_sqn=to_sqn, checkpoint_id=checkpoint_id)
         with self._lock:
             self._check_range("reset", from_sqn, to_sqn)
             unpin = self._take_pins(lambda cp: cp == checkpoint_id)
@@ -310,6 +320,7 @@ class ChangelogWriter:
 
         Change sets below ``from_sqn`` may be part of a checkpoint and stay untouched.
         """
+        _check_ints("truncate_and_close", from_sqn=from_sqn)
         self._close(release_from=from_sqn)
 
     def close(self) -> None:
@@ -492,3 +503,12 @@ def _complete(ready: list[tuple[Future[ChangelogHandle], ChangelogHandle]]) -> N
 def _fail(fut: Future[ChangelogHandle], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _check_ints(op: str, **values: object) -> None:
+    """Refuse a sequence number or checkpoint id that is not an ``int`` (a ``bool``, float,
+    string or ``None`` would otherwise fail deep inside a comparison with a bare ``TypeError``)."""
+    for field_name, value in values.items():
+        if type(value) is not int:
+            raise ConfigTypeError(field_name, value, "an int", owner=f"ChangelogWriter.{op}",
+                                  fix="sequence numbers and checkpoint ids are ints")

@@ -11,6 +11,7 @@ from support.fakes import ScriptedStore
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.errors import (
     ClosedError,
+    ConfigTypeError,
     KeyGroupError,
     UploadFailedError,
     UsageError,
@@ -225,6 +226,28 @@ def test_bad_input_gives_typed_errors(storage: ChangelogStorage) -> None:
         w.append(1, b"x")
     with pytest.raises(ClosedError):
         w.persist(0, 1)
+
+
+@pytest.mark.parametrize(("call", "shown"), [
+    (lambda w: w.truncate("a"), "ChangelogWriter.truncate.to_sqn='a'"),
+    (lambda w: w.truncate(None), "ChangelogWriter.truncate.to_sqn=None"),
+    (lambda w: w.truncate(1.0), "ChangelogWriter.truncate.to_sqn=1.0"),
+    (lambda w: w.reset("a", None, 1), "ChangelogWriter.reset.from_sqn='a'"),
+    (lambda w: w.reset(0, None, 1), "ChangelogWriter.reset.to_sqn=None"),
+    (lambda w: w.reset(0, 0, "1"), "ChangelogWriter.reset.checkpoint_id='1'"),
+    (lambda w: w.confirm(0, True, 1), "ChangelogWriter.confirm.to_sqn=True"),
+    (lambda w: w.truncate_and_close("0"), "ChangelogWriter.truncate_and_close.from_sqn='0'"),
+])
+def test_sqn_arguments_of_the_wrong_type_are_named(storage: ChangelogStorage, call: object,
+                                                   shown: str) -> None:
+    w = storage.create_writer("w", KGS)
+    w.append(1, b"a")
+    with pytest.raises(ConfigTypeError) as info:
+        call(w)  # type: ignore[operator]
+    assert str(info.value) == (f"{shown} is invalid: expected an int; sequence numbers "
+                               "and checkpoint ids are ints")
+    assert not w.closed  # a refused call changes nothing
+    w.close()
 
 
 class _IntSubclass(int):
