@@ -83,6 +83,8 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: A "path" starting like a URI scheme of two or more characters (one letter would be a
 #: Windows drive, ``C:``).
 _SCHEME_PREFIX_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+#: A relative "path" that is a supported scheme missing its colon: ``s3//bucket/app``.
+_SCHEME_WITHOUT_COLON_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)//")
 #: Bucket names: S3's rules plus the legacy characters (uppercase, ``_``) some stores allow.
 _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _SUPPORTED_TEXT = ("a local path or a URI with one of the schemes "
@@ -161,7 +163,9 @@ def check_store_uri(base_uri: object, storage_options: Mapping[str, Any] | None 
 
     A plain path is a local directory. Anything that starts like a URI scheme (``s3:``,
     ``file:``, ``ftp:``) must be a complete ``scheme://`` URI of a supported scheme: ``s3:/typo``
-    or ``s3:bucket`` would otherwise become a local directory named ``s3:``, silently.
+    or ``s3:bucket`` would otherwise become a local directory named ``s3:``, silently. So must a
+    relative path that starts with a supported scheme's name and ``//`` (``s3//bucket/app``,
+    ``hdfs//nn/x``: the colon forgotten); ``./s3//bucket`` says a local directory is meant.
 
     Raises:
         ConfigError: the form is wrong; the message names the supported forms and the fix
@@ -212,7 +216,9 @@ def _check_not_a_broken_uri(path: str, owner: str, field: str) -> None:
     ``file:/x``, ``ftp:host``): a local directory of that name is never what was meant."""
     m = _SCHEME_PREFIX_RE.match(path)
     if m is None:
-        return
+        m = _SCHEME_WITHOUT_COLON_RE.match(path)
+        if m is None or m.group(1).lower() not in SUPPORTED_SCHEMES:
+            return
     scheme, rest = m.group(1), path[m.end():]
     if scheme.lower() in SUPPORTED_SCHEMES:
         tail = rest.lstrip("/")
@@ -220,9 +226,9 @@ def _check_not_a_broken_uri(path: str, owner: str, field: str) -> None:
                 if scheme.lower() == "file" else f"did you mean {scheme.lower()}://{tail}?")
     else:
         hint = f"{scheme!r:.40} is not a supported scheme."
+    local = "has a colon" if ":" in m.group(0) else f"is {scheme!r}"
     raise ConfigError(field, _redact(path), _SUPPORTED_TEXT, owner=owner,
-                      fix=f"{hint} A local directory whose name has a colon is written "
-                          f"./{path}")
+                      fix=f"{hint} A local directory whose name {local} is written ./{path}")
 
 
 def _check_uri_location(scheme: str, parts: urllib.parse.SplitResult, uri: str, owner: str,

@@ -29,6 +29,14 @@ BROKEN = [
     ("hdfs:/nn/path", "did you mean hdfs://nn/path?"),
     ("ftp:host/dir", "'ftp' is not a supported scheme"),
     ("data:2024", "./data:2024"),
+    # a scheme without its colon: a relative directory named after the scheme
+    ("s3//bucket/app", "did you mean s3://bucket/app?"),
+    ("S3//bucket/app", "did you mean s3://bucket/app?"),
+    ("s3a///b/app", "did you mean s3a://b/app?"),
+    ("hdfs//nn/x", "did you mean hdfs://nn/x?"),
+    ("gs//bucket/app", "did you mean gs://bucket/app?"),
+    ("abfs//container/app", "did you mean abfs://container/app?"),
+    ("file//tmp/x", "file:///tmp/x"),
 ]
 
 
@@ -95,7 +103,8 @@ def test_credentials_in_a_refused_uri_are_never_shown() -> None:
 @pytest.mark.parametrize("good", ["s3://bucket", "s3://bucket/", "s3://Bucket_1.x/a/b",
                                   "s3a://b/app", "memory://x/y", "file:///tmp/x",
                                   "file://localhost/tmp/x", "hdfs://nn:8020/x", "/abs/path",
-                                  "rel/path", "./s3:/typo/app", "/x/s3:y", "C:/windows-drive"])
+                                  "rel/path", "./s3:/typo/app", "/x/s3:y", "C:/windows-drive",
+                                  "s3/app", "./s3//bucket/app", "data//x", "/s3//b"])
 def test_accepted_forms(good: str) -> None:
     assert check_store_uri(good) == good
 
