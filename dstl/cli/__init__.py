@@ -15,6 +15,8 @@ Every command takes ``--help`` (exit 0) and ``--storage-option key=value`` for S
 fsspec stores (:mod:`dstl.cli.common`). Exit codes: 0 done; 2 the command line must change —
 bad arguments, a :class:`~dstl.errors.ConfigError` (a malformed URI or storage option, an
 argument out of range, a ``state_uri`` directory or ``inspect`` file that does not exist), a
+``state_uri`` that is not a DSTL store (:class:`~dstl.reader.errors.NoStoreError`: empty, a
+mistyped prefix, a Spark checkpoint directory; see :func:`dstl.reader.store.require_store`), a
 checkpoint the store does not hold (:class:`~dstl.reader.CheckpointNotFoundError`, also for a
 store with no checkpoint), or an :class:`~dstl.errors.AccessDeniedError` (credentials refused, a
 bucket that does not exist); 1 any other :class:`~dstl.errors.DstlError` with its message — a
@@ -83,6 +85,7 @@ def _fixed_by_the_command_line(exc: DstlError) -> bool:
     """Whether ``exc`` is fixed by changing the command line: its arguments, its store or its
     credentials (exit 2; see the module docstring)."""
     # imported here: a command that fails before reading (gc, a usage error) loads no reader
-    from dstl.reader.errors import CheckpointNotFoundError
+    from dstl.reader.errors import CheckpointNotFoundError, NoStoreError
 
-    return isinstance(exc, (ConfigError, CheckpointNotFoundError, AccessDeniedError))
+    return isinstance(exc, (ConfigError, CheckpointNotFoundError, NoStoreError,
+                            AccessDeniedError))

@@ -18,7 +18,7 @@ from typing import Any
 from dstl.checkpoint.manifest import Manifest
 from dstl.cli.common import add_storage_options, storage_options
 from dstl.errors import CorruptObjectError
-from dstl.reader import CheckpointCatalog, open_read_only, task_states
+from dstl.reader import CheckpointCatalog, open_read_only, require_store, task_states
 
 __all__ = ["run"]
 
@@ -45,6 +45,7 @@ def run(argv: list[str]) -> int:
     p = _parser()
     args = p.parse_args(argv)
     with open_read_only(args.state_uri, storage_options(p, args)) as store:
+        require_store(store)
         catalog = CheckpointCatalog(store, job_id=args.job)
         if args.action == "list":
             return _list(catalog, args.json)

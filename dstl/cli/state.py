@@ -35,6 +35,7 @@ from dstl.reader import (
     open_read_only,
     read_changes,
     read_state,
+    require_store,
     to_plain,
 )
 
@@ -83,6 +84,7 @@ def run(argv: list[str]) -> int:
     if args.format == "parquet" and not args.output:
         p.error("--format parquet needs --output FILE")
     with open_read_only(args.state_uri, storage_options(p, args)) as store:
+        require_store(store)
         catalog = CheckpointCatalog(store, job_id=args.job)
         rows: Iterable[StateRow] | Iterable[ChangeRow]
         if args.action == "dump" and args.format == "parquet" and args.table == "heap":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from dstl.cli.common import Progress, add_storage_options, storage_options
-from dstl.reader import CheckpointCatalog, open_read_only, verify_checkpoint
+from dstl.reader import CheckpointCatalog, open_read_only, require_store, verify_checkpoint
 
 __all__ = ["run"]
 
@@ -28,6 +28,7 @@ def run(argv: list[str]) -> int:
     add_storage_options(p)
     args = p.parse_args(argv)
     with open_read_only(args.state_uri, storage_options(p, args)) as store:
+        require_store(store)
         catalog = CheckpointCatalog(store, job_id=args.job)
         stored = catalog.find(args.checkpoint)
         bar = None if args.quiet else Progress(f"verify checkpoint {stored.checkpoint_id}")

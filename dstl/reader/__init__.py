@@ -26,6 +26,7 @@ from dstl.reader.errors import (
     ChangesLostError,
     CheckpointDeletedError,
     CheckpointNotFoundError,
+    NoStoreError,
     ValueTypeError,
 )
 from dstl.reader.objects import identify_object
@@ -41,7 +42,7 @@ from dstl.reader.plan import (
 from dstl.reader.read import key_bytes_of, read_changes, read_state
 from dstl.reader.rows import ChangeRow, StateRow, from_json, to_json, to_plain
 from dstl.reader.state import read_state_split
-from dstl.reader.store import ReadOnlyBlobStore, open_read_only
+from dstl.reader.store import ReadOnlyBlobStore, open_read_only, require_store
 from dstl.reader.verify import VerifyProblem, VerifyReport, verify_checkpoint
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointView",
     "GapFill",
     "LogRun",
+    "NoStoreError",
     "ReadOnlyBlobStore",
     "StateRow",
     "StateSplit",
@@ -73,6 +75,7 @@ __all__ = [
     "read_change_split",
     "read_changes",
     "read_state",
+    "require_store",
     "read_state_split",
     "task_states",
     "to_json",

@@ -18,7 +18,7 @@ from typing import Any
 from dstl.errors import DstlError, ObjectNotFoundError, UsageError
 
 __all__ = ["ChangesLostError", "CheckpointDeletedError", "CheckpointNotFoundError",
-           "ValueTypeError"]
+           "NoStoreError", "ValueTypeError"]
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -45,6 +45,21 @@ class CheckpointNotFoundError(UsageError):
         what = "no checkpoint" if checkpoint_id is None else f"no checkpoint {checkpoint_id}"
         super().__init__(f"{location} holds {what} (checkpoints there: {_ids(available)}); "
                          "pick one of those, or omit the checkpoint for the newest")
+
+
+class NoStoreError(UsageError):
+    """The root the reader was pointed at is not a DSTL store (see
+    :func:`dstl.reader.store.require_store` for what is one).
+
+    Attributes:
+        location: the root.
+        found: what is there instead (``"it is empty"``, ``"it holds a Spark checkpoint ..."``).
+    """
+
+    def __init__(self, location: str, found: str, fix: str):
+        self.location = location
+        self.found = found
+        super().__init__(f"no DSTL store at {location}: {found}; {fix}")
 
 
 class CheckpointDeletedError(ObjectNotFoundError):

@@ -18,12 +18,22 @@ import fsspec
 
 from dstl.checks import check_mapping
 from dstl.errors import ConfigError, UsageError
+from dstl.layout import MANIFEST_PREFIX, SEGMENT_PREFIX, SNAPSHOT_PREFIX
 from dstl.options import DstlOptions
+from dstl.reader.errors import NoStoreError
 from dstl.retry import RetryPolicy
-from dstl.stores import check_store_uri, open_store
+from dstl.stores import LocalBlobStore, check_store_uri, open_store
 from dstl.stores.base import BlobStore, ObjectInfo
 
-__all__ = ["ReadOnlyBlobStore", "open_read_only"]
+__all__ = ["ReadOnlyBlobStore", "open_read_only", "require_store"]
+
+#: The prefixes only DSTL writes (:mod:`dstl.layout`): a root with an object below one of them is
+#: a DSTL store.
+STORE_PREFIXES: tuple[str, ...] = (MANIFEST_PREFIX, SEGMENT_PREFIX, SNAPSHOT_PREFIX)
+#: What a Spark streaming query keeps in its checkpointLocation.
+_SPARK_CHECKPOINT_PREFIXES = ("offsets/", "commits/")
+#: Entries of a local root a refusal names.
+_SHOWN_ENTRIES = 5
 
 
 class ReadOnlyBlobStore:
@@ -121,3 +131,46 @@ def _local_path(uri: str) -> str | None:
         return os.path.expanduser(uri) if uri else None
     parts = urllib.parse.urlsplit(uri)
     return urllib.parse.unquote(parts.path) if parts.scheme.lower() == "file" else None
+
+
+def require_store(store: ReadOnlyBlobStore) -> None:
+    """Refuse a root that is not a DSTL store.
+
+    A root is a DSTL store when it holds at least one object below ``checkpoints/``, ``dstl/``
+    or ``snapshots/`` (:data:`STORE_PREFIXES`, :mod:`dstl.layout`) — a manifest, a segment or a
+    snapshot; a job's store has one as soon as its first upload is done, before any checkpoint.
+    An empty directory or prefix (a mistyped ``state_uri``, or a job that has uploaded nothing
+    yet), a Spark checkpoint directory or a directory of other files is not. A store without a
+    checkpoint passes (it lists nothing).
+
+    Raises:
+        NoStoreError: not a DSTL store; the message says what is there (a Spark checkpoint, the
+            first entries of a local directory, nothing) and the fix.
+    """
+    if any(_holds(store, prefix) for prefix in STORE_PREFIXES):
+        return
+    fix = ("pass the state_uri the job writes to (a DSTL store holds objects below "
+           + ", ".join(STORE_PREFIXES[:-1]) + f" or {STORE_PREFIXES[-1]})")
+    if all(_holds(store, prefix) for prefix in _SPARK_CHECKPOINT_PREFIXES):
+        raise NoStoreError(store.location, "it holds a Spark checkpoint (offsets/, commits/)",
+                           "pass the operator's state_uri, not the query's checkpointLocation")
+    inner = store.inner
+    if isinstance(inner, LocalBlobStore):
+        raise NoStoreError(store.location, _local_entries(inner.location), fix)
+    raise NoStoreError(store.location, "no object is stored below it (a mistyped bucket or "
+                       "prefix?)", fix)
+
+
+def _holds(store: ReadOnlyBlobStore, prefix: str) -> bool:
+    return next(iter(store.list(prefix)), None) is not None
+
+
+def _local_entries(root: str) -> str:
+    """What a local directory that is not a store holds: nothing, or its first entries."""
+    with os.scandir(root) as it:
+        names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in it)
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:_SHOWN_ENTRIES])
+    more = f", ... {len(names)} entries" if len(names) > _SHOWN_ENTRIES else ""
+    return f"it holds other files ({shown}{more})"

@@ -71,12 +71,14 @@ def test_cli_reads_a_job_on_s3(moto_endpoint: str, s3_bucket: str, tmp_path: Pat
         assert main(["gc", uri, "--job", "job", "--min-age", "0", *opts]) == 0
         assert "objects deleted from" in capsys.readouterr().out
         # a store that does not exist is a usage error (exit 2), as a missing directory is:
-        # a bucket that is not there, and a prefix with no checkpoint
+        # a bucket that is not there, and a prefix that holds no DSTL store (a typo)
         for cmd in (["checkpoints", "list"], ["verify"], ["state", "dump"]):
             assert main([*cmd, f"s3://{s3_bucket}-absent/app", *opts]) == 2, cmd
             assert "bucket" in capsys.readouterr().err, cmd
-            assert main([*cmd, f"s3://{s3_bucket}/nothing-here", *opts]) == \
-                (0 if cmd[0] == "checkpoints" else 2), cmd
+            assert main([*cmd, f"s3://{s3_bucket}/nothing-here", *opts]) == 2, cmd
+            assert (f"NoStoreError: no DSTL store at s3://{s3_bucket}/nothing-here: no object is "
+                    "stored below it (a mistyped bucket or prefix?); pass the state_uri the job "
+                    "writes to") in capsys.readouterr().err, cmd
         capsys.readouterr()
     finally:
         store.close()

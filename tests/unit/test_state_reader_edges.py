@@ -336,10 +336,10 @@ def test_a_store_without_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
         list(read_state(catalog))
     assert list(read_changes(catalog, None)) == []
-    assert main(["checkpoints", "list", str(root)]) == 0
-    # nothing to read is a usage error (exit 2): the command names no checkpoint or no store
+    # nothing to read is a usage error (exit 2): an empty directory holds no DSTL store
+    assert main(["checkpoints", "list", str(root)]) == 2
     assert main(["state", "dump", str(root)]) == 2
-    assert "CheckpointNotFoundError" in capsys.readouterr().err
+    assert "NoStoreError: no DSTL store at" in capsys.readouterr().err
     assert main(["state", "dump", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
