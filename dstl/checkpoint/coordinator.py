@@ -132,6 +132,12 @@ def _usage_properties(field: str, reason: str) -> NoReturn:
     raise UsageError(f"set_properties: {field}: {reason}")
 
 
+#: The fix for a caller of the coordinator API itself (not through the Spark operator, which
+#: always recovers): a second run must read the store's checkpoints first.
+_RECOVER_HINT = ("a CheckpointCoordinator built directly on a store with checkpoints is opened "
+                 "with CheckpointCoordinator.recover()")
+
+
 class CheckpointCommitError(StorageError):
     """The manifest of a checkpoint could not be written: the checkpoint is NOT complete.
 
@@ -831,10 +837,11 @@ class CheckpointCoordinator:
                     continue
                 if parsed[0] > newest and k not in self._doomed_manifests:
                     raise UsageError(
-                        f"collect_orphans: {self._store.location} holds manifest {k}, newer "
-                        f"than this coordinator's latest checkpoint ({newest}) and unknown "
-                        "to it; nothing was deleted. Open an existing store with "
-                        "CheckpointCoordinator.recover(), and run one coordinator per store")
+                        f"another query writes to this state_uri: {self._store.location} "
+                        f"holds checkpoint {parsed[0]} ({k}), which this query did not write "
+                        f"(its latest is {newest}); nothing was deleted. Run one query per "
+                        "state_uri: stop the other query, or give this one a state_uri of its "
+                        f"own ({_RECOVER_HINT})")
                 stale.add(k)
         return stale
 
@@ -981,8 +988,9 @@ class CheckpointCoordinator:
             p.uncertain_keys.remove(key)  # someone else's object: never ours to delete
             self._c_failed_commits.inc()
             raise CheckpointCommitError(
-                cid, key, str(exc), "another coordinator writes to this store, or it holds "
-                "checkpoints of an earlier run: open it with CheckpointCoordinator.recover()"
+                cid, key, str(exc), "another query writes to this state_uri: run one query per "
+                "state_uri (stop the other query, or give this one a state_uri of its own). "
+                + _RECOVER_HINT[0].upper() + _RECOVER_HINT[1:]
             ) from exc
         except (DstlError, OSError) as exc:
             self._c_failed_commits.inc()

@@ -65,6 +65,7 @@ from dstl.spark.jobdesc import BatchJobs, outcome_label, tasks_label
 from dstl.spark.processor import StatefulProcessor
 from dstl.spark.progress import RECENT_PROGRESS, ProgressListener, ProgressTracker, progress_record
 from dstl.spark.prometheus import MetricsSnapshot, PrometheusExporter
+from dstl.spark.query import state_of_another_query
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
 from dstl.spark.stopping import stop_interruption
 from dstl.spark.timing import (
@@ -767,10 +768,8 @@ class DstlStatefulOperator:
         base = max((m for m in retained if m.checkpoint_id < batch_id),
                    key=lambda m: m.checkpoint_id, default=None)
         if base is None and any(m.checkpoint_id >= batch_id for m in retained):
-            raise UsageError(f"batch {batch_id} is older than every checkpoint in "
-                             f"{self.state_uri} (oldest retained: "
-                             f"{min(m.checkpoint_id for m in retained)}): this state belongs "
-                             "to another query or Spark checkpoint; use a fresh state_uri")
+            raise state_of_another_query(batch_id, self.state_uri,
+                                         (m.checkpoint_id for m in retained))
         return TaskInput(batch_id=batch_id,
                          base_checkpoint=base.checkpoint_id if base is not None else -1,
                          base_handles={int(t.task_id[1:]): json.dumps(t.state)

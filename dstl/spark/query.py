@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,7 +52,8 @@ from dstl.spark.timing import next_watermark
 from dstl.stores.base import BlobStore
 
 __all__ = ["QUERY_PREFIX", "BatchPlan", "Choice", "batch_id_of_task", "choose", "forget_before",
-           "pending_choices", "plan_batch", "plan_of", "run_in_query", "write_result"]
+           "pending_choices", "plan_batch", "plan_of", "run_in_query", "state_of_another_query",
+           "write_result"]
 
 T = TypeVar("T")
 
@@ -176,6 +177,21 @@ def batch_id_of_task() -> tuple[int, str]:
     return int(raw), ctx.getLocalProperty(QUERY_ID_PROPERTY) or ""
 
 
+def state_of_another_query(batch: int, location: str, checkpoints: Iterable[int]
+                           ) -> UsageError:
+    """The error for a batch that comes at or before every checkpoint of its ``state_uri``: the
+    state was not written by this query's history (another query's, or this query's before its
+    Spark checkpoint was deleted), and continuing would read or overwrite it."""
+    ids = sorted(checkpoints)
+    shown = (", ".join(map(str, ids)) if len(ids) <= 6
+             else f"{ids[0]}..{ids[-1]}, {len(ids)} checkpoints")
+    return UsageError(
+        f"batch {batch} cannot continue the state in {location}: every checkpoint there "
+        f"({shown}) is at or after batch {batch}, so another query wrote it, or this query "
+        "before its checkpointLocation was deleted or replaced; give this query a state_uri of "
+        "its own, or restart it with the checkpointLocation that wrote this state")
+
+
 def plan_batch(store: BlobStore, batch: int, partitions: int, *, delay_ms: int,
                event_time: bool, now_ms: int, query_id: str = "") -> BatchPlan:
     """The plan of ``batch``: the stored one, else one made now and stored (first writer
@@ -208,9 +224,7 @@ def plan_batch(store: BlobStore, batch: int, partitions: int, *, delay_ms: int,
         if event_time:
             base_wm = _int_property(m, WATERMARK_PROPERTY, 0)
     elif manifests:
-        raise UsageError(f"batch {batch} is older than every checkpoint in {store.location} "
-                         f"(oldest: {min(manifests)}): another query wrote this state; give "
-                         "this query a fresh state_uri")
+        raise state_of_another_query(batch, store.location, manifests)
     plan = BatchPlan(batch=batch, base=base, handles=handles,
                      retained=tuple(sorted(set(manifests) | ({base} if base >= 0 else set()))),
                      processing_time_ms=max(now_ms, base_time), watermark_ms=base_wm,

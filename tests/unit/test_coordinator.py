@@ -18,6 +18,7 @@ from support.fakes import DelegatingStore
 
 from dstl.checkpoint.coordinator import (
     AbortedCheckpoint,
+    CheckpointCommitError,
     CheckpointCoordinator,
     CheckpointListener,
     Completion,
@@ -621,9 +622,35 @@ def test_orphan_collection_refuses_a_store_with_unknown_newer_checkpoints(
     run_checkpoint(writer, {"t": [a]})
     # A second coordinator that was constructed instead of recovered must not wipe the store.
     stranger = coordinator(store, clock)
-    with pytest.raises(UsageError, match="recover"):
+    with pytest.raises(UsageError) as info:
         stranger.collect_orphans(min_age_s=0, now_ms=T0_MS)
+    assert str(info.value) == (
+        f"another query writes to this state_uri: {store.location} holds checkpoint 1 "
+        f"({manifest_key(1, 1)}), which this query did not write (its latest is -1); nothing "
+        "was deleted. Run one query per state_uri: stop the other query, or give this one a "
+        "state_uri of its own (a CheckpointCoordinator built directly on a store with "
+        "checkpoints is opened with CheckpointCoordinator.recover())")
     assert a in store.names() and len(store.names("checkpoints/")) == 2
+
+
+def test_two_writers_of_one_checkpoint_id_name_the_other_query(store: RecordingStore,
+                                                              clock: FakeClock) -> None:
+    first = CheckpointCoordinator.recover(store, "job", clock=clock.monotonic,
+                                          wall_clock=clock.wall)
+    second = CheckpointCoordinator.recover(store, "job", clock=clock.monotonic,
+                                           wall_clock=clock.wall)
+    a = upload(store, created_ms=0)
+    run_checkpoint(first, {"t": [a]}, checkpoint_id=4)
+    cid = second.trigger(["t"], 4)
+    with pytest.raises(CheckpointCommitError) as info:
+        second.acknowledge(cid, "t", {}, [a], full_size=1, incremental_size=1)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint 4 was not committed: manifest put {manifest_key(4, 1)} "
+                              "failed (")
+    assert message.endswith(
+        "; another query writes to this state_uri: run one query per state_uri (stop the other "
+        "query, or give this one a state_uri of its own). A CheckpointCoordinator built directly "
+        "on a store with checkpoints is opened with CheckpointCoordinator.recover()")
 
 
 def test_set_properties_commits_them_with_the_manifest_and_recover_reads_them(

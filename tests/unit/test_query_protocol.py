@@ -94,8 +94,13 @@ def test_state_of_another_query_is_refused() -> None:
     h = _report(0, 1, 1).handle
     coordinator.acknowledge(cid, "p0", h.to_json_obj(), h.referenced_keys(), 1, 1)
     coordinator.close()
-    with pytest.raises(UsageError, match="batch 3 is older than every checkpoint"):
+    with pytest.raises(UsageError) as info:
         _plan(store, 3)
+    assert str(info.value) == (
+        f"batch 3 cannot continue the state in {store.location}: every checkpoint there (7) is "
+        "at or after batch 3, so another query wrote it, or this query before its "
+        "checkpointLocation was deleted or replaced; give this query a state_uri of its own, or "
+        "restart it with the checkpointLocation that wrote this state")
     assert _plan(store, 8).base == 7
 
 
