@@ -12,7 +12,9 @@ port, data through the DataNodes' HTTP ports), ``pyarrow.fs.HadoopFileSystem`` (
   ``rename(..., overwrite=False)``; fsspec webhdfs: whether ``pipe_file`` overwrites).
 
 DSTL's own put (temp file + rename without overwrite, ``HdfsBlobStore.put``) is measured beside
-them. The cluster: one NameNode and one DataNode in one JVM (tests/support/minidfs.py), loopback.
+them, and so is a checkpoint's persist latency (p50/p99) and objects per checkpoint with 1 and 8
+writers on HDFS beside the local disk and S3 on moto behind 20 ms per request, in the same run
+(``write_path.bench_persist``, the write-path bench's own measurement). The cluster: one NameNode and one DataNode in one JVM (tests/support/minidfs.py), loopback.
 Usage: ``python bench/hdfs_clients.py [--quick] [--repeats N]``.
 """
 
@@ -31,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_info, parser, percentile, write_results
+from _common import fmt, machine_info, parser, percentile, write_results
 from support.minidfs import MiniDfs
 
 MIB = 1024 * 1024
@@ -172,8 +174,8 @@ def _markdown(figures: dict[str, Any]) -> str:
         f"{ratio_get:.2f}x the get. pyarrow's HadoopFileSystem: "
         + (f"unavailable here ({unavailable})." if unavailable else "works here.")
         + " The 8 MiB put figures spread widely (min..max): the machine ran other jobs (its "
-        "load is in the JSON's machine info), and hdfs-native and DSTL's store use the same "
-        "client, so their difference is that noise.",
+        "load is in the JSON's machine info), and hdfs-native, its fsspec filesystem and DSTL's "
+        "store use the same client, so their differences are that noise.",
         "A 1 KiB put through hdfs-native costs about half a second: its first `complete` of the "
         "file comes before the DataNode's block report reached the NameNode, which answers "
         "\"not yet\", and the client waits 500 ms before asking again. WebHDFS's writes (made "
@@ -184,7 +186,52 @@ def _markdown(figures: dict[str, Any]) -> str:
         "objects several times slower; a checkpoint's segment puts run in parallel and batch "
         "many writers, so the half second is paid per upload, not per change.",
     ])
+    persist = figures.get("persist")
+    if persist:
+        lines = ["", "Persist latency (from `persist()` to the future resolving; all writers "
+                 "persist one checkpoint together, 200 changes of 64 B each; default options) "
+                 "and objects per checkpoint, the three stores in this run (median over "
+                 "repeats, spread in brackets):", "",
+                 "| store | writers | p50 ms | p99 ms | objects per checkpoint |",
+                 "|---|---|---|---|---|"]
+        for r in persist.values():
+            lines.append(f"| {r['store']} | {r['writers']} | {fmt(r['p50_ms'], digits=1)} | "
+                         f"{fmt(r['p99_ms'], digits=1)} | "
+                         f"{fmt(r['objects_per_checkpoint'])} |")
+        markdown += "\n" + "\n".join(lines)
     return markdown
+
+
+def _persist(cluster: MiniDfs, quick: bool, repeats: int) -> dict[str, Any]:
+    """Persist latency and objects per checkpoint on the local disk, S3 (moto + 20 ms) and
+    HDFS, in this run (``bench/write_path.py``'s measurement)."""
+    import s3fs
+    from support.faulty_fs import FaultyFileSystem
+    from support.moto_server import create_bucket, s3_storage_options, start_moto_server
+    from write_path import persist_matrix
+
+    from dstl.stores import FsspecBlobStore, LocalBlobStore, open_store
+
+    tmp = tempfile.mkdtemp(prefix="dstl-bench-persist-")
+    counter = iter(range(10**9))
+    server, endpoint = start_moto_server()
+    try:
+        create_bucket(endpoint, "bench")
+
+        def moto_store() -> Any:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_storage_options(endpoint))
+            return FsspecBlobStore(FaultyFileSystem(fs, latency_s=0.020),
+                                   f"bench/{next(counter)}", location="moto+20ms")
+
+        stores = {
+            "local fs": lambda: LocalBlobStore(os.path.join(tmp, str(next(counter)))),
+            "moto + 20 ms": moto_store,
+            "hdfs (MiniDFSCluster)": lambda: open_store(
+                cluster.uri(f"/bench-persist/{uuid.uuid4().hex[:8]}")),
+        }
+        return persist_matrix(stores, [1, 8], 5 if quick else 20, max(3, repeats))
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -233,6 +280,7 @@ def main() -> None:
         figures["fsspec webhdfs"] = _measure(wput, wget, big_n, small_n, f"/bench-{run}/webhdfs")
         figures["fsspec webhdfs"]["write_once"] = _write_once_webhdfs(cluster, f"/bench-{run}/w2")
         figures["pyarrow HadoopFileSystem"] = {"unavailable": _pyarrow(cluster)}
+        figures["persist"] = _persist(cluster, args.quick, big_n)
     finally:
         cluster.close()
 
