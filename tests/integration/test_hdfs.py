@@ -30,9 +30,11 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hdfs_native import Client, WriteOptions
+from spark_support import spark  # noqa: F401 - the shared session of the Spark tests
 from support.minidfs import MiniDfs, hdfs_uri
 from support.state_job import MiniJob, state_of
 
@@ -483,8 +485,8 @@ def test_spark_demo_on_hdfs(hdfs_cluster: MiniDfs) -> None:
 @pytest.mark.spark
 @pytest.mark.skipif(not DEEP, reason="Spark's checkpointLocation on HDFS runs with DSTL_DEEP=1")
 @pytest.mark.parametrize("fault", ["none", "namenode-restart"])
-def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniDfs,
-                                                             tmp_path: Path, fault: str) -> None:
+def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(
+        hdfs_cluster: MiniDfs, spark: Any, tmp_path: Path, fault: str) -> None:  # noqa: F811
     """Spark's own checkpointLocation and DSTL's state_uri on the same HDFS: a query runs three
     files, a new query on the same checkpoint runs three more, and the counts are exact. With
     ``namenode-restart`` the NameNode restarts after the first batch of the first query: the
@@ -492,12 +494,10 @@ def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniD
     from collections import Counter
 
     from pyspark.errors import StreamingQueryException
-    from spark_support import new_session
     from support.processors import Count
 
     from dstl.spark import DstlStatefulOperator
 
-    spark = new_session("hdfs-checkpoint")
     base = hdfs_uri(hdfs_cluster, "query")
     keys = [[f"k{(7 * i + j * j) % 11:02d}" for j in range(30)] for i in range(6)]
     (tmp_path / "in").mkdir()
@@ -545,15 +545,12 @@ def test_a_query_with_its_spark_checkpoint_and_state_on_hdfs(hdfs_cluster: MiniD
         if len(failures) > failed_before:
             run(run_id + 10)  # a new query on the same checkpoint, this one closed
 
-    try:
-        write(0, 3)
-        run(0)
-        write(3, 6)
-        run(1)
-        got = Counter(tuple(r) for r in spark.read.parquet(f"{base}/out")
-                      .select("key", "count").collect())
-    finally:
-        spark.stop()
+    write(0, 3)
+    run(0)
+    write(3, 6)
+    run(1)
+    got = Counter(tuple(r) for r in spark.read.parquet(f"{base}/out")
+                  .select("key", "count").collect())
     seen: Counter[str] = Counter()
     want: Counter[tuple[str, int]] = Counter()
     for batch in keys:
