@@ -50,7 +50,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
@@ -71,7 +71,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, SupportsTriggerAvailableNow
 
 from dstl.checks import check_mapping, check_str
-from dstl.errors import ConfigError, UsageError
+from dstl.errors import ConfigError, DstlError, UsageError
 from dstl.keygroups import MAX_PARALLELISM_LIMIT, key_group_for
 from dstl.reader.checks import (
     TABLES,
@@ -750,6 +750,50 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                      self.opts.state_uri, end.get("checkpoint"))
 
 
+class _RefusedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A stream DSTL refuses (``readStream.format("dstl")``, a bad option): every call raises
+    the refusal, ``stop`` does nothing.
+
+    PySpark's stream runner creates the reader inside ``try: ... finally: reader.stop()``; a
+    ``streamReader`` that raised would leave ``reader`` unbound, and the ``UnboundLocalError`` of
+    ``stop()`` would become the error Spark shows, with DSTL's only as its context. This reader
+    is created, and the runner's first call on it raises DSTL's error itself.
+    """
+
+    def __init__(self, error: DstlError) -> None:
+        self.error = error
+
+    def initialOffset(self) -> dict[str, int]:
+        raise self.error
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        raise self.error
+
+    def latestOffset(self, start: dict[str, int] | None = None,
+                     limit: Any = None) -> dict[str, int]:
+        raise self.error
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        raise self.error
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        raise self.error
+
+    def commit(self, end: dict[str, int]) -> None:
+        raise self.error
+
+    def stop(self) -> None:
+        """Nothing was opened."""
+
+
+def _stream_reader(make: Callable[[], DataSourceStreamReader]) -> DataSourceStreamReader:
+    """``make()``, or a reader that raises its error from the runner's first call."""
+    try:
+        return make()
+    except DstlError as exc:
+        return _RefusedStreamReader(exc)
+
+
 # --------------------------------------------------------------------------- the sources
 
 
@@ -769,9 +813,10 @@ class DstlStateDataSource(DataSource):
         return _batch_reader(SourceOptions.parse(self.options, stream=False), schema)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        raise ConfigError("format", "dstl", "dstl_changes for a stream", owner="readStream",
-                          fix='spark.readStream.format("dstl_changes") streams the change feed; '
-                              'spark.read.format("dstl") reads state or a batch change feed')
+        return _RefusedStreamReader(ConfigError(
+            "format", "dstl", "dstl_changes for a stream", owner="readStream",
+            fix='spark.readStream.format("dstl_changes") streams the change feed; '
+                'spark.read.format("dstl") reads state or a batch change feed'))
 
 
 class DstlChangesDataSource(DataSource):
@@ -790,5 +835,5 @@ class DstlChangesDataSource(DataSource):
                                                  stream=False), schema)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        return _ChangeStreamReader(SourceOptions.parse(self.options, source="dstl_changes",
-                                                       stream=True), schema)
+        return _stream_reader(lambda: _ChangeStreamReader(
+            SourceOptions.parse(self.options, source="dstl_changes", stream=True), schema))
