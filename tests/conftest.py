@@ -65,14 +65,58 @@ def no_dstl_thread_leaks() -> Iterator[None]:
     assert not leaked, f"threads left running after the test: {sorted(t.name for t in leaked)}"
 
 
-@pytest.fixture(scope="module")
-def _module_spark_sessions() -> Iterator[list[Any]]:
-    """The SparkSessions that ``spark_support.spark`` started in one test module, stopped when
-    the module ends (here so that every test module sees it without importing it)."""
+@pytest.fixture(scope="session")
+def _shared_spark_sessions() -> Iterator[list[Any]]:
+    """The SparkSessions that ``spark_support.spark`` started in this process, the last one
+    alive: one session serves every module that takes the ``spark`` fixture (starting a session,
+    its Python workers and DSTL's agent costs 20-60 s on 2 cores, once per process instead of
+    once per module); stopped at the end."""
     sessions: list[Any] = []
     yield sessions
-    for s in sessions:
-        from pyspark import SparkContext
+    _stop_sessions(sessions)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_spark_sessions(request: pytest.FixtureRequest,
+                           _shared_spark_sessions: list[Any]) -> Iterator[list[Any]]:
+    """Before each module: a module whose tests take the ``spark`` fixture gets the shared
+    session as a fresh one (no active stream, nothing cached, the runtime conf as it started);
+    a module of Spark tests that do not take it starts sessions of its own (another master,
+    static conf, a Connect client), so the shared one is stopped first."""
+    items = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    if any("spark" in getattr(i, "fixturenames", ()) for i in items):
+        _reset_shared(_shared_spark_sessions)
+    elif any(i.get_closest_marker("spark") is not None for i in items):
+        _stop_sessions(_shared_spark_sessions)
+    yield _shared_spark_sessions
+
+
+def _stop_sessions(sessions: list[Any]) -> None:
+    if not sessions:
+        return
+    from pyspark import SparkContext
+
+    for s in sessions:
         if SparkContext._active_spark_context is s.sparkContext:
             s.stop()
+    sessions.clear()
+
+
+def _reset_shared(sessions: list[Any]) -> None:
+    """The shared session as the previous module found it: its streams stopped, its cache
+    dropped, runtime conf keys set since it started unset and changed ones set back."""
+    from pyspark import SparkContext
+
+    if not sessions or SparkContext._active_spark_context is not sessions[-1].sparkContext:
+        return
+    s = sessions[-1]
+    for q in s.streams.active:
+        q.stop()
+    s.catalog.clearCache()
+    start: dict[str, str] = getattr(s, "_dstl_tests_conf", None) or {}
+    now = s.conf.getAll
+    for k in now.keys() - start.keys():
+        s.conf.unset(k)
+    for k, v in start.items():
+        if now.get(k) != v:
+            s.conf.set(k, v)

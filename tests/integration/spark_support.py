@@ -48,12 +48,15 @@ def _alive(session: Any) -> bool:
 
 @pytest.fixture
 def spark(_module_spark_sessions: list[Any]) -> Any:
-    """The module's shared session (kept by ``_module_spark_sessions`` in tests/conftest.py),
-    started again if a test stopped it: a test that wants a fresh session calls
-    :func:`new_session`, whose ``getOrCreate`` returns this one, and stops it; the tests after
-    it must not get a stopped session (that made them depend on their order)."""
+    """The process's shared session (kept by ``_shared_spark_sessions`` in tests/conftest.py,
+    handed to each module as a fresh one), started again if a test stopped it: a test that
+    wants a fresh session calls :func:`new_session`, whose ``getOrCreate`` returns this one,
+    and stops it; the tests after it must not get a stopped session (that made them depend on
+    their order)."""
     if not _module_spark_sessions or not _alive(_module_spark_sessions[-1]):
-        _module_spark_sessions.append(new_session("dstl-tests"))
+        session = new_session("dstl-tests")
+        session._dstl_tests_conf = dict(session.conf.getAll)  # what each module starts from
+        _module_spark_sessions.append(session)
     return _module_spark_sessions[-1]
 
 
