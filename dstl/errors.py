@@ -33,6 +33,7 @@ Hierarchy::
     │   └── UnsupportedFormatError
     ├── WriterFailedError                  a writer is poisoned by an earlier permanent failure
     ├── BatchInterruptedError              a Spark micro-batch cut short by its query's stop()
+    ├── ProcessorError                     a user's stateful processor raised; names where
     ├── StateError                         state-table / backend misuse or failure
     │   ├── StateTableFullError            LMDB map full and not allowed to grow
     │   └── BackendFailedError             materialization failed too often
@@ -65,6 +66,7 @@ __all__ = [
     "ObjectExistsError",
     "ObjectNotFoundError",
     "OutputSchemaError",
+    "ProcessorError",
     "StateError",
     "StateTableFullError",
     "StorageError",
@@ -340,6 +342,39 @@ class WriterFailedError(DstlError):
         self.sqn = sqn
         super().__init__(f"writer {log_id!r}: change set sqn={sqn} failed to upload earlier "
                          f"({hint})")
+
+
+class ProcessorError(DstlError):
+    """A stateful processor (user code) raised while DSTL called it; the original exception is
+    the ``__cause__`` and its type and message are in this one's message.
+
+    Attributes:
+        operator: the operator's name.
+        partition: the partition (Spark task) the processor ran for.
+        batch_id: the micro-batch.
+        key: the key whose call raised (``None`` if the message was all that survived pickling).
+        method: the processor method that raised (``handle_input_rows``, ...).
+    """
+
+    def __init__(self, message: str, *, operator: str = "", partition: int = -1,
+                 batch_id: int = -1, key: Any = None, method: str = ""):
+        self.operator = operator
+        self.partition = partition
+        self.batch_id = batch_id
+        self.key = key
+        self.method = method
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, exc: BaseException, *, processor: str, operator: str, method: str, key: Any,
+           partition: int, batch_id: int) -> ProcessorError:
+        """The error for ``exc`` raised by ``processor``'s ``method`` for ``key`` (raise it
+        ``from exc``)."""
+        return cls(f"processor {processor} of operator {operator!r} raised "
+                   f"{type(exc).__name__} in {method} for key {_short_repr(key, 60)} "
+                   f"(partition {partition}, batch {batch_id}): {exc}",
+                   operator=operator, partition=partition, batch_id=batch_id, key=key,
+                   method=method)
 
 
 class BatchInterruptedError(DstlError):

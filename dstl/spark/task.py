@@ -54,7 +54,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstl.errors import BackendFailedError, UsageError
+from dstl.errors import BackendFailedError, DstlError, ProcessorError, UsageError
 from dstl.handle import ChangeSetRef
 from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
@@ -354,12 +354,13 @@ def _start_batch(rt: WorkerRuntime, partition: int, slot: Slot, access: SlotAcce
     times = TimerValues(task_input.processing_time_ms, task_input.watermark_ms)
     outputs = OutputRows(_output_schema(cfg), f"{cfg.processor.__qualname__} of operator "
                          f"{cfg.name!r}", cfg.session_time_zone)
+    call = ProcessorCall(cfg.processor.__qualname__, cfg.name, partition, task_input.batch_id)
     with contextlib.ExitStack() as batch:
         batch.enter_context(backend.write_batch())
         purged = _purge_expired(backend, task_input.processing_time_ms)
-        _apply_initial_state(slot, rows.initial, times)
-        fired = _fire_timers(slot, cfg.time_mode, times, outputs)
-        _process(slot, rows.groups, times, outputs)
+        _apply_initial_state(slot, rows.initial, times, call)
+        fired = _fire_timers(slot, cfg.time_mode, times, outputs, call)
+        _process(slot, rows.groups, times, outputs, call)
         # before the checkpoint: rows that do not fit the schema fail the batch uncommitted
         out_batch = _output_batch(cfg, outputs)
         open_batch = batch.pop_all()
@@ -449,8 +450,24 @@ def _take_initial_state(batch: Any, key_column: str,
     return batch.filter(pc.invert(is_init))
 
 
+@dataclass(frozen=True)
+class ProcessorCall:
+    """Where the processor runs, for the error that wraps an exception it raises."""
+
+    processor: str
+    operator: str
+    partition: int
+    batch_id: int
+
+    def error(self, exc: Exception, method: str, key: Any) -> ProcessorError:
+        """The :class:`ProcessorError` for ``exc``, raised by ``method`` for ``key``."""
+        return ProcessorError.of(exc, processor=self.processor, operator=self.operator,
+                                 method=method, key=key, partition=self.partition,
+                                 batch_id=self.batch_id)
+
+
 def _apply_initial_state(slot: Slot, initial: dict[Any, list[dict[str, Any]]],
-                         times: TimerValues) -> None:
+                         times: TimerValues, call: ProcessorCall) -> None:
     """Give each ``initial_state`` row to ``handle_initial_state`` with its key's state in
     scope (before the batch's timers and input)."""
     handle = slot.handle
@@ -461,6 +478,10 @@ def _apply_initial_state(slot: Slot, initial: dict[Any, list[dict[str, Any]]],
         try:
             for state in states:
                 slot.processor.handle_initial_state(key, state, times)
+        except DstlError:
+            raise
+        except Exception as exc:
+            raise call.error(exc, "handle_initial_state", key) from exc
         finally:
             if handle is not None:
                 handle.clear_key()
@@ -478,7 +499,8 @@ def _backend_key(key: Any) -> Any:
     return key if isinstance(key, (str, bytes)) else str(key)
 
 
-def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: OutputRows) -> int:
+def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: OutputRows,
+                 call: ProcessorCall) -> int:
     """Deliver the partition's expired timers, in timestamp order, each with its key's state in
     scope; their rows go to ``outputs``; returns how many fired."""
     handle = slot.handle
@@ -496,6 +518,10 @@ def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: Output
         try:
             outputs.extend(timer.key, slot.processor.handle_expired_timer(
                 timer.key, times, ExpiredTimerInfo(timer.timestamp_ms)))
+        except DstlError:
+            raise
+        except Exception as exc:
+            raise call.error(exc, "handle_expired_timer", timer.key) from exc
         finally:
             handle.clear_key()
         fired += 1
@@ -503,9 +529,10 @@ def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: Output
 
 
 def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerValues,
-             outputs: OutputRows) -> None:
+             outputs: OutputRows, call: ProcessorCall) -> None:
     """Call the processor once per key, with the backend's current key set to it; its rows go
-    to ``outputs``."""
+    to ``outputs``. An exception the processor raises (DSTL's own errors aside) becomes a
+    :class:`~dstl.errors.ProcessorError` naming ``call`` and the key, caused by it."""
     handle, with_times = slot.handle, slot.timer_values_arg
     for key, rows in groups.items():
         slot.backend.set_current_key(_backend_key(key))
@@ -516,6 +543,10 @@ def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerVa
                 outputs.extend(key, slot.processor.handle_input_rows(key, iter(rows), times))
             else:
                 outputs.extend(key, slot.processor.handle_input_rows(key, iter(rows)))  # type: ignore[call-arg]
+        except DstlError:
+            raise
+        except Exception as exc:
+            raise call.error(exc, "handle_input_rows", key) from exc
         finally:
             if handle is not None:
                 handle.clear_key()

@@ -4,6 +4,7 @@ batches, a task killed on its first attempt, a batch re-run, a failing processor
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,8 +194,12 @@ def test_failing_processor_fails_the_batch_and_leaves_state_unchanged(
     op = _op(Poison, f"s3://{s3_bucket}/poison", s3_storage_options(moto_endpoint), sink,
              tmp_path)
     op.foreach_batch(_batch(spark, ["a", "b", "a"]), 0)
-    with pytest.raises(Exception, match="processor refused the poison key"):
+    with pytest.raises(Exception) as info:
         op.foreach_batch(_batch(spark, ["a", "poison", "b"]), 1)
+    # Spark's summary line is DSTL's error naming where it happened, with the original's type
+    assert re.search(r"ProcessorError: processor Poison of operator 'count' raised ValueError "
+                     r"in handle_input_rows for key 'poison' \(partition \d, batch 1\): "
+                     r"processor refused the poison key", str(info.value)), str(info.value)
     op.foreach_batch(_batch(spark, ["a", "b"]), 1)  # Spark re-runs the batch (fixed input here)
     assert latest == {"a": 3, "b": 2}
     op.close()

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from dstl import DstlOptions, key_group_for
-from dstl.errors import UsageError
+from dstl.errors import ProcessorError, UsageError
 from dstl.spark import StatefulProcessor
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.report import REPORT_COLUMN, TaskReport
@@ -458,8 +458,10 @@ def test_a_task_of_several_partitions_checkpoints_them_in_one_window(tmp_path: P
         for slot in rt.slots.values():
             slot.processor = FailOnBang()
             slot.processor.init(slot.handle)
-        with pytest.raises(RuntimeError, match="bang"):
+        with pytest.raises(ProcessorError, match=r"raised RuntimeError in handle_input_rows for "
+                           r"key 'bang' \(partition \d, batch 1\): bang") as info:
             run(bad, TaskInput(1, 0, base, (0,)), [*keys, "bang"])
+        assert isinstance(info.value.__cause__, RuntimeError)
         assert rt.slots == {}  # both dropped: partition 0 had processed but not committed
         assert [rt.read_table_batch_id(p) for p in (0, 1)] == [None, None]
         rt.cfg = cfg
