@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_support import spark  # noqa: F401 - the module-scoped session fixture
+from spark_support import spark  # noqa: F401 - the shared session fixture
 from support.state_job import replay, state_of
 
 from dstl.reader import CheckpointCatalog, from_json, open_read_only, read_state

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from spark_support import spark  # noqa: F401 - the module-scoped session fixture
+from spark_support import spark  # noqa: F401 - the shared session fixture
 from support.state_job import MiniJob, replay, state_of
 
 from dstl.keygroups import key_group_for
