@@ -157,8 +157,8 @@ def require_store(store: ReadOnlyBlobStore) -> None:
     inner = store.inner
     if isinstance(inner, LocalBlobStore):
         raise NoStoreError(store.location, _local_entries(inner.location), fix)
-    raise NoStoreError(store.location, "no object is stored below it (a mistyped bucket or "
-                       "prefix?)", fix)
+    raise NoStoreError(store.location, "nothing is stored below its checkpoints/, dstl/ or "
+                       "snapshots/ (a mistyped bucket or prefix?)", fix)
 
 
 def _holds(store: ReadOnlyBlobStore, prefix: str) -> bool:

@@ -76,8 +76,9 @@ def test_cli_reads_a_job_on_s3(moto_endpoint: str, s3_bucket: str, tmp_path: Pat
             assert main([*cmd, f"s3://{s3_bucket}-absent/app", *opts]) == 2, cmd
             assert "bucket" in capsys.readouterr().err, cmd
             assert main([*cmd, f"s3://{s3_bucket}/nothing-here", *opts]) == 2, cmd
-            assert (f"NoStoreError: no DSTL store at s3://{s3_bucket}/nothing-here: no object is "
-                    "stored below it (a mistyped bucket or prefix?); pass the state_uri the job "
+            assert (f"NoStoreError: no DSTL store at s3://{s3_bucket}/nothing-here: nothing is "
+                    "stored below its checkpoints/, dstl/ or snapshots/ (a mistyped bucket or "
+                    "prefix?); pass the state_uri the job "
                     "writes to") in capsys.readouterr().err, cmd
         capsys.readouterr()
     finally:

@@ -1,6 +1,7 @@
-"""``open_store`` and ``check_store_uri`` refuse every URI they would misread (issue #12,
-item 9): a scheme without ``//`` silently became a local directory named ``s3:`` before, and
-query strings, empty buckets or prefixes with ``..`` were accepted or failed late. A plain path
+"""``open_store`` and ``check_store_uri`` refuse every URI they would misread: a scheme
+without ``//`` (``s3:/x``) or without its colon (``s3//x``) would become a local directory
+named ``s3:`` or ``s3``, and query strings, empty buckets or prefixes with ``..`` would be
+accepted or fail late. A plain path
 (str or ``os.PathLike``) stays a local directory, and a local path takes no storage options.
 """
 
@@ -16,8 +17,9 @@ from dstl.stores import SUPPORTED_SCHEMES, LocalBlobStore, open_store
 
 
 def check_store_uri(uri: str) -> str:
-    from dstl.stores import check_store_uri as check  # new in #12: imported here, so the
-    return check(uri)  # other tests of this module run against older code too
+    from dstl.stores import check_store_uri as check
+
+    return check(uri)
 
 BROKEN = [
     # (uri, text the message must contain)  -- all accepted before as local directories
