@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +159,30 @@ def test_a_plan_of_another_query_is_refused() -> None:
     query.check_same_query(plan, "", "op", store.location)  # outside a query's task: no id
     with pytest.raises(UsageError, match=r"another streaming query \(id q\) writes to the state"):
         query.check_same_query(plan, "other", "op", store.location)
+
+
+def test_the_operator_refuses_the_state_of_another_query_with_the_same_message(
+        tmp_path: Path) -> None:
+    from dstl.checkpoint import CheckpointCoordinator
+    from dstl.spark import DstlStatefulOperator, StatefulProcessor
+
+    class Nothing(StatefulProcessor):
+        def handle_input_rows(self, key: Any, rows: Any) -> Any:
+            yield from ()
+
+    store = MemoryBlobStore()
+    coordinator = CheckpointCoordinator.recover(store, "op")
+    h = _report(0, 1, 1).handle
+    for cid in (0, 1):
+        coordinator.trigger(["p0"], checkpoint_id=cid)
+        coordinator.acknowledge(cid, "p0", h.to_json_obj(), h.referenced_keys(), 1, 1)
+    op = DstlStatefulOperator(name="op", processor=Nothing, key_column="key",
+                              output_schema="key string", state_uri=str(tmp_path / "state"),
+                              partitions=1, sink=lambda df, batch: None)
+    with pytest.raises(UsageError) as info:
+        op._task_input(coordinator, 0)
+    assert str(info.value) == query.state_of_another_query(0, str(tmp_path / "state"),
+                                                           (0, 1)).args[0]
+    assert str(info.value).startswith(f"batch 0 cannot continue the state in {tmp_path}/state: "
+                                       "every checkpoint there (0, 1) is at or after batch 0")
+    coordinator.close()
