@@ -385,8 +385,8 @@ def _rss_kb(pid: int) -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError):  # the process ended meanwhile
+        return 0
     return 0
 
 

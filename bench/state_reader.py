@@ -520,7 +520,7 @@ _ANALYSIS = (
     'size gathered from it as one item each, the log cut into columns per change set and '
     'replayed column-wise, ints decoded as a matrix of bytes (to JSON text or to the typed '
     'column in one cast) — about 0.14 µs of CPU per entry in one process (a 1 M-entry split '
-    'of this state, stop 28); they are the rest. Batches of 16 k rows (the floor of the three columns at 4 '
+    'of this state); they are the rest. Batches of 16 k rows (the floor of the three columns at 4 '
     'M rows, interleaved in one session: 16 k 0.71 s, 64 k 0.79 s; 256 k and more cost '
     'more). The fixed per-read cost is not the gap: a warm read of a 100-key state costs '
     "DSTL about 0.3 s of CPU and Spark's reader about 0.2 s "

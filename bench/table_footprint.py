@@ -164,8 +164,8 @@ def proc_status(pid: int) -> dict[str, int]:
             name, _, rest = line.partition(":")
             if name in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
                 out[name] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
+    except OSError:  # the process ended meanwhile: what was read
+        return out
     return out
 
 
