@@ -455,11 +455,7 @@ class DstlStatefulOperator:
                 :meth:`foreach_batch`).
         """
         from pyspark.sql import functions as F
-        from pyspark.sql.types import IntegerType, LongType, StructField, StructType
 
-        from dstl.spark.query import METRICS as QUERY_METRICS
-        from dstl.spark.query import METRICS_MARK as QUERY_METRICS_MARK
-        from dstl.spark.query import metric_column as query_metric_column
         from dstl.spark.query import run_in_query
 
         self._check_transform(df)
@@ -485,18 +481,9 @@ class DstlStatefulOperator:
         task.__name__ = task.__qualname__ = plan_name(self.name)
 
         self._listen(spark)
-        metrics = [query_metric_column(m) for m in QUERY_METRICS]
-        schema = StructType([*ready.out_schema.fields,
-                             StructField(QUERY_METRICS_MARK, IntegerType(), True),
-                             *[StructField(c, LongType(), True) for c in metrics]])
-        aggregates = [(F.max if agg == "max" else F.sum)(query_metric_column(m)).alias(m)
-                      for m, (agg, _) in QUERY_METRICS.items()]
-        return (df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid")
-                .mapInArrow(task, schema)
-                # each task's metrics rows feed the query's observed metrics, then leave
-                .observe(f"dstl.{self.name}", *aggregates)
-                .where(F.col(QUERY_METRICS_MARK).isNull())
-                .drop(QUERY_METRICS_MARK, *metrics))
+        return _with_observed_metrics(
+            df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid"), task,
+            ready.out_schema, f"dstl.{self.name}")
 
     def _check_transform(self, df: Any) -> None:
         """Refuse what :meth:`transform` cannot do (see its ``Raises``)."""
@@ -918,6 +905,26 @@ class DstlStatefulOperator:
         if ready is not None:
             ready.coordinator.close()
             ready.store.close()
+
+
+def _with_observed_metrics(routed: Any, task: Any, out_schema: Any, observation: str) -> Any:
+    """``routed`` through the state tasks (``mapInArrow``: the output rows, then one metrics
+    row per partition), each task's metrics rows feeding the query's observed metrics
+    ``observation`` (:data:`dstl.spark.query.METRICS`), then left out: the output rows."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import IntegerType, LongType, StructField, StructType
+
+    from dstl.spark.query import METRICS, METRICS_MARK, metric_column
+
+    metrics = [metric_column(m) for m in METRICS]
+    schema = StructType([*out_schema.fields, StructField(METRICS_MARK, IntegerType(), True),
+                         *[StructField(c, LongType(), True) for c in metrics]])
+    aggregates = [(F.max if agg == "max" else F.sum)(metric_column(m)).alias(m)
+                  for m, (agg, _) in METRICS.items()]
+    return (routed.mapInArrow(task, schema)
+            .observe(observation, *aggregates)
+            .where(F.col(METRICS_MARK).isNull())
+            .drop(METRICS_MARK, *metrics))
 
 
 def plan_name(name: str) -> str:
