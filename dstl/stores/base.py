@@ -42,9 +42,11 @@ from dstl.errors import (
     ThrottledError,
     TransientStorageError,
     UnsafePathError,
+    UsageError,
 )
 
 __all__ = [
+    "check_range",
     "MAX_KEY_BYTES",
     "MAX_KEY_SEGMENT_BYTES",
     "BlobStore",
@@ -105,6 +107,17 @@ def check_store(value: object, field: str, owner: str) -> BlobStore:
                               "get_range, head, list, delete, close)", owner=owner,
                               fix="open one with dstl.stores.open_store(uri)")
     return value
+
+
+def check_range(location: str, key: str, offset: int, length: int) -> None:
+    """Every store's ``get_range`` argument check.
+
+    Raises:
+        UsageError: a negative offset or length.
+    """
+    if offset < 0 or length < 0:
+        raise UsageError(f"get_range {location}/{key}: bad range offset={offset} "
+                         f"length={length} (both must be >= 0)")
 
 
 def check_key(key: object) -> str:

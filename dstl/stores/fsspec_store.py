@@ -51,10 +51,9 @@ from dstl.errors import (
     ObjectNotFoundError,
     StorageError,
     TransientStorageError,
-    UsageError,
 )
 from dstl.retry import RetryPolicy, call_with_retries
-from dstl.stores.base import ObjectInfo, check_key, translate_error
+from dstl.stores.base import ObjectInfo, check_key, check_range, translate_error
 
 __all__ = ["FsspecBlobStore"]
 
@@ -198,9 +197,7 @@ class FsspecBlobStore:
             ObjectNotFoundError: no such object.
             UsageError: negative offset or length.
         """
-        if offset < 0 or length < 0:
-            raise UsageError(f"get_range {self.location}/{key}: bad range offset={offset} "
-                             f"length={length} (both must be >= 0)")
+        check_range(self.location, key, offset, length)
         fs = self._open_fs()
         path = self._path(key)
         if length == 0:

@@ -57,10 +57,9 @@ from dstl.errors import (
     ObjectNotFoundError,
     StorageError,
     UnsafePathError,
-    UsageError,
 )
 from dstl.retry import RetryPolicy, call_with_retries
-from dstl.stores.base import ObjectInfo, check_key, translate_error
+from dstl.stores.base import ObjectInfo, check_key, check_range, translate_error
 
 __all__ = ["CLIENT_DEFAULTS", "NAME_SERVICE_DEFAULTS", "OPTIONS", "STALE_TEMP_S", "HdfsBlobStore", "open_hdfs"]
 
@@ -291,9 +290,7 @@ class HdfsBlobStore:
             ObjectNotFoundError: no such object.
             UsageError: negative offset or length.
         """
-        if offset < 0 or length < 0:
-            raise UsageError(f"get_range {self.location}/{key}: bad range offset={offset} "
-                             f"length={length} (both must be >= 0)")
+        check_range(self.location, key, offset, length)
         return self._read_range("get_range", key, offset, length)
 
     def _read_range(self, op: str, key: str, offset: int, length: int | None) -> bytes:

@@ -52,9 +52,8 @@ from dstl.errors import (
     LocalDiskFullError,
     ObjectNotFoundError,
     UnsafePathError,
-    UsageError,
 )
-from dstl.stores.base import ObjectInfo, check_key, translate_error
+from dstl.stores.base import ObjectInfo, check_key, check_range, translate_error
 
 __all__ = ["LocalBlobStore", "pid_alive"]
 
@@ -193,9 +192,7 @@ class LocalBlobStore:
             UnsafePathError: as for :meth:`get`.
             UsageError: negative offset or length.
         """
-        if offset < 0 or length < 0:
-            raise UsageError(f"get_range {self.location}/{key}: bad range offset={offset} "
-                             f"length={length} (both must be >= 0)")
+        check_range(self.location, key, offset, length)
         with self._open_object("get_range", key) as f:
             try:
                 # Never ask for more than the file holds: a length from a crafted handle must
