@@ -1,9 +1,11 @@
 """Shared plumbing for the bench scripts: repeats, medians with spread, machine info, output.
 
 Every script measures ``repeats`` times (>= 5), reports median and spread (min..max), writes
-``bench/results/<name>.json`` (figures + machine info + git sha) and replaces its own section in
-``docs/benchmarks.md`` between ``<!-- bench:<name> -->`` markers, so scripts never overwrite each
-other's tables.
+``bench/results/<name>[-quick]-<date>-<commit>.json`` (figures + machine info + git sha; one
+file per run, never overwritten) and replaces its one section of ``docs/benchmarks.md`` between
+``<!-- bench:<name> -->`` markers, so scripts never overwrite each other's tables and a bench
+has one section: its latest run. ``latest_result(name)`` finds the newest results file of a
+bench.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="repeats per figure (>= 5 for reports)")
     p.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
     p.add_argument("--tag", default=None,
-                   help="label of this run (e.g. 'before' for a baseline): results go to "
-                        "bench/results/<name>-<tag>.json and to their own section of "
-                        "docs/benchmarks.md, so a later untagged run does not replace them")
+                   help="a label recorded in the results file (e.g. 'before' for a baseline; "
+                        "with --no-doc the benchmarks.md section keeps the previous run); "
+                        "it names neither the file nor the section")
     return p
 
 
@@ -179,20 +181,64 @@ def tree_cpu_s() -> float:
     return total / tick
 
 
+def results_path(name: str, info: dict[str, Any], *, quick: bool) -> Path:
+    """``bench/results/<name>[-quick]-<YYYYMMDDTHHMMSSZ>-<commit>.json`` for a run whose machine
+    info is ``info``: named by bench, date and commit, so runs never overwrite each other and
+    lexical order within a bench is time order."""
+    stamp = str(info.get("time", "")).replace("-", "").replace(":", "") or "undated"
+    sha = str(info.get("git_sha") or "").split()[0:1]
+    commit = sha[0] if sha and all(c in "0123456789abcdef" for c in sha[0]) else "nocommit"
+    return RESULTS / f"{name}{'-quick' if quick else ''}-{stamp}-{commit}.json"
+
+
+def latest_result(name: str, *, quick: bool = False) -> Path:
+    """The newest results file of bench ``name`` (full runs unless ``quick``).
+
+    Raises:
+        FileNotFoundError: no run of that bench is stored.
+    """
+    prefix = f"{name}{'-quick' if quick else ''}-"
+    runs = sorted(p for p in RESULTS.glob(f"{prefix}2*.json")
+                  if p.name[len(prefix):len(prefix) + 1].isdigit())
+    if not runs:
+        raise FileNotFoundError(f"no results of bench {name!r} in {RESULTS} "
+                                f"(run `python bench/{name.split('-')[0]}.py` first)")
+    return runs[-1]
+
+
+def replace_section(text: str, name: str, section: str) -> str:
+    """``text`` with the section of bench ``name`` (markers included) replaced by ``section``,
+    or ``section`` appended when the bench has none yet. Exactly one section per bench."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    if text.count(start) > 1:
+        raise ValueError(f"docs/benchmarks.md holds {text.count(start)} sections {start}; "
+                         "keep one")
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        return head + section + tail
+    return text.rstrip() + "\n\n" + section + "\n"
+
+
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
                   command: str, no_doc: bool = False, tag: str | None = None,
                   machine: dict[str, Any] | None = None) -> Path:
-    """Write the JSON result file and this script's section of docs/benchmarks.md (with
-    ``tag``: ``<name>-<tag>``, a section of its own). ``machine``: the machine info of the run
-    being re-rendered from its JSON (default: now)."""
-    if tag:
-        name = f"{name}-{tag}"
-        command = f"{command} --tag {tag}"
+    """Write this run's results file and replace the bench's one section of
+    docs/benchmarks.md (unless ``no_doc``).
+
+    Args:
+        name: the bench's section name (``<!-- bench:<name> -->``).
+        tag: a label kept in the results file only.
+        machine: the machine info of a run being re-rendered from its JSON (default: now).
+    """
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine or machine_info()
-    out = RESULTS / f"{name}{'-quick' if quick else ''}.json"
-    out.write_text(json.dumps({"name": name, "quick": quick, "command": command, "machine": info,
-                               "figures": figures}, indent=2, default=str) + "\n")
+    out = results_path(name, info, quick=quick)
+    record: dict[str, Any] = {"name": name, "quick": quick, "command": command, "machine": info,
+                              "figures": figures}
+    if tag:
+        record["label"] = tag
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     if not no_doc:
         section = (f"<!-- bench:{name} -->\n"
                    f"_Measured {info['time']} at git {info['git_sha']} on {info['cores']} cores "
@@ -200,13 +246,6 @@ def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: b
                    f"{'quick mode; ' if quick else ''}reproduce with `{command}`._\n\n"
                    f"{markdown.strip()}\n<!-- /bench:{name} -->")
         text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-        start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            _, tail = rest.split(end, 1)
-            text = head + section + tail
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        DOC.write_text(text)
+        DOC.write_text(replace_section(text, name, section))
     print(f"wrote {out}")
     return out

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt, machine_info, parser, percentile, write_results
+from _common import fmt, latest_result, machine_info, parser, percentile, write_results
 from support.minidfs import MiniDfs
 
 MIB = 1024 * 1024
@@ -237,12 +237,13 @@ def _persist(cluster: MiniDfs, quick: bool, repeats: int) -> dict[str, Any]:
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--render", action="store_true",
-                   help="rewrite the benchmarks.md section from bench/results/hdfs_clients.json")
+                   help="rewrite the benchmarks.md section from the latest full run in "
+                        "bench/results/")
     args = p.parse_args()
     if args.render:
         import json
 
-        saved = json.loads((Path(__file__).parent / "results" / "hdfs_clients.json").read_text())
+        saved = json.loads(latest_result("hdfs_clients").read_text())
         write_results("hdfs_clients", saved["figures"], _markdown(saved["figures"]),
                       quick=saved["quick"], command=saved["command"], machine=saved["machine"])
         return

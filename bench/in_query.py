@@ -51,7 +51,7 @@ a wrong run fails instead of looking fast.
 Each measurement runs in a child process (``--child``, its arguments and result as JSON files),
 the parent orchestrates, samples the load average and writes the results. Run:
 ``nice -n 10 .venv/bin/python bench/in_query.py [--quick]`` (quick: tiny sizes, 1 repeat;
-``--render bench/results/in_query.json`` rewrites the docs section from a stored run).
+``--render bench/results/in_query-<date>-<commit>.json`` rewrites the docs section from a stored run).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Restore times are the fastest of 3 runs (with GC, and with ``gc.disable()``, int
 
 Run: ``.venv/bin/python bench/profile_restore.py [--quick] [--entries N] [--py-spy]``
 (quick: 100 k entries, about 1 min; default 1 M entries, about 5 min on 2 cores). Writes
-``bench/results/profile_restore[-quick].json``; the analysis lives in the notes it feeds.
+``bench/results/profile_restore[-quick]-<date>-<commit>.json``.
 """
 
 from __future__ import annotations

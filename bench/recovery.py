@@ -24,7 +24,7 @@ spread min..max, ratios next to the absolute numbers):
     download-and-decompress floor and the bare loop of the same run, and the count job (small
     int values: replay of N changes and load of a v1 snapshot of N keys, heap and LMDB, 1 M;
     quick: 50 k) against its floors; ``--before RESULT.json`` shows a run of earlier code beside
-    (run that code's tree with this script and ``--no-doc --tag replay-before``). Every
+    (run that code's tree with this script and ``--no-doc --tag before``). Every
     restore of (e) is also run without prefetch (``restore_backend(..., prefetch=False)``, the
     path before prefetch existed), interleaved, against the serial GETs of its objects and the
     loading alone (the local-fs restore); and 4 partitions sharing every segment, restored one
@@ -1221,8 +1221,8 @@ def main_file_snapshots(args: Any) -> None:
     cmd = (f"python bench/recovery.py --only-file{' --quick' if q else ''}"
            + (f" --file-keys {args.file_keys}" if not q else "")
            + (f" --before {args.before}" if args.before else ""))
-    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
-                  tag=args.tag or "filesnap")
+    write_results("recovery-filesnap", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
+                  tag=args.tag)
     print(md)
 
 
@@ -1473,8 +1473,8 @@ def main_replay(args: Any) -> None:
     cmd = (f"python bench/recovery.py --only-replay{' --quick' if q else ''}"
            + (f" --replay-lengths {args.replay_lengths}" if not q else "")
            + (f" --before {args.before}" if args.before else ""))
-    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
-                  tag=args.tag or "replay")
+    write_results("recovery-replay", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
+                  tag=args.tag)
     print(md)
 
 
@@ -1620,8 +1620,8 @@ def main_materialize(args: Any) -> None:
                     *markdown_materialize(figures)])
     cmd = (f"python bench/recovery.py --only-materialize{' --quick' if q else ''}"
            + (f" --mat-keys {args.mat_keys}" if not q else "") + f" --repeats {reps}")
-    write_results("recovery", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
-                  tag=args.tag or "materialize")
+    write_results("recovery-materialize", figures, md, quick=q, command=cmd,
+                  no_doc=args.no_doc, tag=args.tag)
     print(md)
 
 
@@ -1721,8 +1721,7 @@ def main() -> None:
                            figures.get("file_snapshots"))
     figures["advice_text"], figures["advice"] = text, numbers
 
-    sfx = f"-{args.tag}" if args.tag else ""  # a tagged run keeps its own plots
-    imgs = {k: f"img/recovery_{k}{sfx}.png" for k in ("backends", "state_size", "log_length")}
+    imgs = {k: f"img/recovery_{k}.png" for k in ("backends", "state_size", "log_length")}
     if not args.no_doc:
         IMG.mkdir(parents=True, exist_ok=True)
         plot_backends(fa, ROOT / "docs" / imgs["backends"])

@@ -998,7 +998,9 @@ def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[i
               "Where Spark's restart batch goes (medians, s):", "", *spark_breakdown_table(figs),
               ""]
     lines += ["#### The build (what the restart starts from)", "", *build_table(figs), ""]
-    lines += ["#### Reading it", "", *interpretation(figs)]
+    reading = interpretation(figs)
+    if reading:
+        lines += ["#### Reading it", "", *reading]
     return "\n".join(lines)
 
 
@@ -1210,7 +1212,7 @@ def publish(results: dict[str, Any], tag: str | None, no_doc: bool,
     if results["failed"]:
         md += "\n\n" + "\n".join(f"**Failed at {n:,} keys** (not in the tables): `{e}`"
                                   for n, e in results["failed"].items())
-    img = f"img/restart_keys{'-' + tag if tag else ''}.png"
+    img = "img/restart_keys.png"
     if not no_doc and not q:
         plot(figs, ROOT / "docs" / img)
         md = md.replace("IMG", img)

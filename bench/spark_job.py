@@ -467,8 +467,7 @@ def interpretation(figs: dict[str, Any]) -> str:
           f"per-task DSTL one segment per partition + 1 manifest "
           f"({d['files']['median']:.0f}). ")
     if da:
-        t += (f"The executor agent (built since the issue was written; `agent=True` is the "
-              f"default) makes it at most one segment per executor per flush window: here "
+        t += (f"The executor agent (`agent=True`, the default) makes it at most one segment per executor per flush window: here "
               f"{da['files']['median']:.0f} objects per batch including the manifest, because "
               "on 2 cores the 4 tasks run in two waves and finish further apart than the 10 ms "
               "persist delay, so only tasks finishing together share a segment; the count "

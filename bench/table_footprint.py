@@ -704,11 +704,9 @@ def render(path: Path, no_doc: bool) -> int:
     note = f.get("load_note") or ""
     md = markdown(f["runs"], f.get("baseline_runs", []), f["params"]) + (
         "\n\n" + note if note else "")
-    name = doc["name"].removeprefix("table_footprint").removeprefix("-") or None
     command = doc["command"].split(" --tag ")[0]
     write_results("table_footprint", f, md, quick=doc["quick"], command=command,
-                  no_doc=no_doc, tag=name.removesuffix("-quick") if name else None,
-                  machine=doc["machine"])
+                  no_doc=no_doc, tag=doc.get("label"), machine=doc["machine"])
     print(md)
     return 0
 
