@@ -1,4 +1,4 @@
-"""Executor agent benchmark (issue #7): objects per micro-batch and per-batch latency with the
+"""Executor agent benchmark: objects per micro-batch and per-batch latency with the
 executor agent vs the per-task mode, same workload, same run; objects per day extrapolated to
 200 partitions on 10 executors with a 1 s trigger vs Spark's RocksDB + changelog store.
 
@@ -367,7 +367,7 @@ def main() -> int:
                  + (" — **high: another job shared the machine; absolute timings are "
                     "pessimistic (agent/per-task ratios are same-run)**" if high else ""))
     lines = [
-        f"Executor agent vs per-task segments (issue #7), `local[2,2]` (one executor, 2 cores), "
+        f"Executor agent vs per-task segments, `local[2,2]` (one executor, 2 cores), "
         f"demo click stream: {batches} micro-batches of {args.events} events ({args.users} "
         f"users) per run, file source `maxFilesPerTrigger=1`, LMDB, no snapshots within a run. "
         f"Steady state = batches 2..{batches}; cells are median (min..max) over {repeats} "

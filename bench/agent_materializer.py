@@ -1,4 +1,4 @@
-"""Issue #7, capability 4: the worker's update latency while its LMDB table is materialized in the
+"""The worker's update latency while its LMDB table is materialized in the
 worker (the backend's own ``dstl-materializer`` thread, the only way before the agent) vs by the
 executor agent (``materializer.external.materialize_table_directory`` in another process, the
 code the agent's materializer thread runs), in the same run.
@@ -9,7 +9,7 @@ marker is committed. Then, per repeat and per mode, the writer runs batches of 1
 starts (in-worker: ``_start_materialization``; agent: the other process is told to go, after its
 imports) until its snapshot is uploaded — and afterwards the same number of batches with no
 materialization. Per-update latency = batch time / 100. Reported: p50 and p99 of the batches
-with / without, their ratio (goal from issue #4: p99 <= 2x), and the materialization time.
+with / without, their ratio (goal: p99 <= 2x), and the materialization time.
 Medians of the repeats (>= 5) with min..max.
 
 Run: ``.venv/bin/python bench/agent_materializer.py [--quick]``.

@@ -1,4 +1,4 @@
-"""Keyed state backend benchmark (issue #4): logging overhead, checkpoint latency, update latency
+"""Keyed state backend benchmark: logging overhead, checkpoint latency, update latency
 under materialization, log growth with and without the size trigger, value codec choice.
 
 Figures, each against its baseline measured in the same run:

@@ -1,4 +1,4 @@
-"""Cluster benchmark (issue #17): the demo job on a 2-executor cluster vs Spark's RocksDB store.
+"""Cluster benchmark: the demo job on a 2-executor cluster vs Spark's RocksDB store.
 
 One cluster (``local-cluster[2,1,1024]``: two executor JVMs, one core each, see
 ``tests/support/spark_cluster.py``) runs, in the same run and in turns, these variants of one

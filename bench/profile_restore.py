@@ -1,4 +1,4 @@
-"""Profile of the restore path (issue #13): where a restore of N entries spends its time.
+"""Profile of the restore path: where a restore of N entries spends its time.
 
 Not a benchmark table: it guides the engine work on restore speed (file-level LMDB snapshots,
 bulk log replay, heap bulk load). For each table (heap, LMDB) and each phase, on the local store

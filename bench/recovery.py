@@ -1,4 +1,4 @@
-"""Recovery-time benchmark (issue #5): restore time, bytes downloaded and downloads per object.
+"""Recovery-time benchmark: restore time, bytes downloaded and downloads per object.
 
 Figures, each against its baseline measured in the same run (medians of ``--repeats`` >= 5,
 spread min..max, ratios next to the absolute numbers):
@@ -19,7 +19,7 @@ spread min..max, ratios next to the absolute numbers):
     ``RestoreStats``) into the heap table (goal >= 500 k changes/s) and into LMDB; baseline: a bare
     replay loop (zstd-1 decompress -> ``struct`` decode -> dict set / LMDB put in one write
     transaction) over records of the same shape, as in reference B.4.
-(e) **Log replay rates** (issue #13, ``--only-replay``, its own docs section ``recovery-replay``):
+(e) **Log replay rates** (``--only-replay``, its own docs section ``recovery-replay``):
     (c)'s replay at 200 k and 1 M changes (quick: 50 k) into heap and LMDB against the
     download-and-decompress floor and the bare loop of the same run, and the count job (small
     int values: replay of N changes and load of a v1 snapshot of N keys, heap and LMDB, 1 M;
@@ -30,7 +30,7 @@ spread min..max, ratios next to the absolute numbers):
     loading alone (the local-fs restore); and 4 partitions sharing every segment, restored one
     after another and in parallel through one cache, on moto, prefetch on and off.
 
-(f) **Materialization at scale** (issue #13, ``--only-materialize``, docs section
+(f) **Materialization at scale** (``--only-materialize``, docs section
     ``recovery-materialize``): one LMDB backend with 1 M and 4 M keys (``--mat-keys``; quick:
     50 k) of 64 B values: time and bytes of one file-level materialization (median of
     ``--repeats``); and the log tail a restore replays after each of 16 checkpoints of 50 k
@@ -601,7 +601,7 @@ def _half(ds: DataSet, n: int) -> DataSet:
 
 def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
                          heap_max_keys: int) -> dict[str, Any]:
-    """Issue #13: one LMDB backend owning all key groups, materialized as a v2 (file-level)
+    """One LMDB backend owning all key groups, materialized as a v2 (file-level)
     snapshot with no log after it; its restore into LMDB (install by rename: the whole range;
     range copy: half the key groups) and into the heap, against GET + zstd-decompress."""
     out: dict[str, Any] = {}
@@ -644,7 +644,7 @@ def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
 
 def markdown_file_snapshots(fd: dict[str, Any], before: dict[str, Any] | None = None
                             ) -> list[str]:
-    md = ["#### (d) LMDB file-level snapshots (format v2, issue #13)", "",
+    md = ["#### (d) LMDB file-level snapshots (format v2)", "",
           "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
           "materialized as a v2 snapshot (the environment file copied from a read transaction, "
           "zstd level 1) with no log after it. Materialize = `materialize_now` (copy, compress, "
@@ -1038,7 +1038,7 @@ def advice(fig_b: dict[str, Any], fig_c: dict[str, Any], fig_d: dict[str, Any] |
 
 
 def floor_goals(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> dict[str, Any]:
-    """Issue #13's goals, on the local store at the largest size: replay rates into LMDB and the
+    """The restore goals, on the local store at the largest size: replay rates into LMDB and the
     heap, snapshot restore (load phase) vs GET + zstd-decompress of the snapshot."""
     lmdb_local = max((r for r in fig_c.values() if r["store"] == LOCAL and r["table"] == "lmdb"),
                      key=lambda r: r["changes"])
@@ -1056,7 +1056,7 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
     bare = figs["bare_replay"]
     title = "### Recovery time (`bench/recovery.py`)"
     if figs.get("tag") == "before":
-        title += " — before: baseline for issue #13, measured before any engine change"
+        title += " — before: a baseline run of earlier code"
     md: list[str] = [title, ""]
     if figs.get("moto_error"):
         md += [f"_moto figures missing: {figs['moto_error']}_", ""]
@@ -1082,11 +1082,11 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            f"(local fs, {g['replay_changes']:,} changes; bare loop "
            f"{_n(bare['dict_per_s']['median'] / 1e3, 0)} k/s) | "
            f"{'met' if g['replay_met'] else 'MISSED'} |",
-           f"| replay >= 1 M changes/s into LMDB (issue #13) | "
+           f"| replay >= 1 M changes/s into LMDB | "
            f"{_n(g['replay_lmdb'] / 1e3, 0)} k/s (local fs, {g['replay_changes']:,} changes; "
            f"bare loop {_n(bare['lmdb_per_s']['median'] / 1e3, 0)} k/s) | "
            f"{'met' if g['replay_lmdb_met'] else 'MISSED'} |",
-           f"| snapshot restore within 2x of GET + zstd-decompress (issue #13), heap | "
+           f"| snapshot restore within 2x of GET + zstd-decompress, heap | "
            f"{_n(g['heap_vs_floor'], 1)}x (local fs, {g['floor_keys']:,} keys) | "
            f"{'met' if g['heap_floor_met'] else 'MISSED'} |",
            f"| same, LMDB, from that v1 (entries) snapshot | {_n(g['lmdb_vs_floor'], 1)}x | "
@@ -1142,7 +1142,7 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
     md += ["", "Snapshot load (the load phase of `RestoreStats`: cache lease, download, verify, "
            "decode, table puts) against the **download-and-decompress floor** (same run: one "
            "whole-object GET, then zstd-decompress every block; no parsing, no table), heap and "
-           "LMDB tables, with the cache (issue #13 goal: within 2x of the floor):", "",
+           "LMDB tables, with the cache (goal: within 2x of the floor):", "",
            "| store | keys | snapshot MB (raw) | GET ms | floor ms | heap load s | heap / floor | "
            "heap entries/s | LMDB load s | LMDB / floor | LMDB entries/s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1167,7 +1167,7 @@ def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
            f"{_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])}. Floor (same run): "
            "GET every segment whole and zstd-decompress the change-set records the handle "
            "names (no parsing, no table); replay / floor compares it with the replay phase. "
-           f"Goals (issue #13): >= {REPLAY_GOAL_LMDB / 1e6:.0f} M changes/s into LMDB, >= "
+           f"Goals: >= {REPLAY_GOAL_LMDB / 1e6:.0f} M changes/s into LMDB, >= "
            f"{REPLAY_GOAL / 1e3:.0f} k changes/s into the heap.", "",
            "| store | table | changes | log MB | restore s | replay rate | vs bare loop | "
            "floor s | floor rate | replay / floor | MB downloaded |",
@@ -1226,7 +1226,7 @@ def main_file_snapshots(args: Any) -> None:
     print(md)
 
 
-# ----------------------------------------------------------------- (e) replay rates (issue #13)
+# ----------------------------------------------------------------- (e) replay rates
 
 
 def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
@@ -1234,7 +1234,7 @@ def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[
     the bare loop (the same run), with a previous run's rates (``--before``) beside them."""
     bare = fig["bare_replay"]
     old = (before or {}).get("log_length", {})
-    md = ["### (e) Log replay rates (issue #13)", "",
+    md = ["### (e) Log replay rates", "",
           f"Replay of a log of N value changes (64 B values over 100 k keys, one value state, "
           f"`SafeCodec`) on top of a 1,000-key snapshot, through a fresh `LocalFileCache`; median (min..max) of "
           f"{fig['repeats']} repeats. *floor* = GET every segment + zstd-decompress every change "
@@ -1275,7 +1275,7 @@ def markdown_prefetch(fig: dict[str, Any]) -> list[str]:
     """(e) The overlap: each restore with prefetch (the default) and without (the control, the
     path of the rows measured before prefetch existed), interleaved in one run, against the
     serial GETs of its objects and the loading alone (the same restore from local fs)."""
-    md = ["#### Prefetch: downloads overlapping the loading (issue #13)", "",
+    md = ["#### Prefetch: downloads overlapping the loading", "",
           "The same restores as above, each also run with `restore_backend(..., "
           "prefetch=False)` (every object downloaded when its lease reaches it, as before "
           "prefetch existed), the two variants' repeats interleaved. *restore s* = the whole "
@@ -1478,7 +1478,7 @@ def main_replay(args: Any) -> None:
     print(md)
 
 
-# ----------------------------------------------------------------- (f) materialization (issue #13)
+# ----------------------------------------------------------------- (f) materialization
 
 
 def _fill(b: ChangelogKeyedStateBackend, keys: int) -> float:
@@ -1567,7 +1567,7 @@ def bench_log_tail(root: str, keys: int, per_checkpoint: int, checkpoints: int,
 
 
 def markdown_materialize(fig: dict[str, Any]) -> list[str]:
-    md = ["#### (f) Materialization at scale and the bounded log tail (issue #13)", "",
+    md = ["#### (f) Materialization at scale and the bounded log tail", "",
           "One LMDB backend owning all 128 key groups, keys `user-%08d` with 64 B values, local "
           "fs. *Materialization* = a file-level snapshot (compacting copy from a read "
           "transaction, zstd, upload), median (min..max) of the repeats, one changed key "

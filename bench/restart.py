@@ -1,4 +1,4 @@
-"""Restart benchmark (issue #13): the first micro-batch after a restart, DSTL vs Spark's RocksDB
+"""Restart benchmark: the first micro-batch after a restart, DSTL vs Spark's RocksDB
 state store with changelog checkpointing, by state size, with and without snapshots.
 
 The job (reference ``measured_next.md``): count per key, keys ``k%08d``, each key written once
@@ -968,7 +968,7 @@ def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[i
     note, _ = load_note(raw, info0)
     title = "### Restart after a stop (`bench/restart.py`)"
     if tag == "before":
-        title += " — before: baseline for issue #13, measured before any engine change"
+        title += " — before: a baseline run of earlier code"
     batches = ", ".join(f"{n:,} keys in {raw[n]['meta']['batches']} batches of "
                         f"{raw[n]['meta']['keys_per_batch']:,}" for n in sizes)
     repeats = ", ".join(f"{reps[n]} at {n:,} keys" for n in sizes)

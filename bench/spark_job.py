@@ -1,4 +1,4 @@
-"""Spark job benchmark (issue #6): the DSTL operator vs Spark's own state store, same workload.
+"""Spark job benchmark: the DSTL operator vs Spark's own state store, same workload.
 
 One workload, run in the same process on the same machine by each variant:
 

@@ -1,12 +1,11 @@
-"""State reader benchmark (issue #16): reading N keys of state with ``spark.read.format("dstl")``
+"""State reader benchmark: reading N keys of state with ``spark.read.format("dstl")``
 vs Spark's own ``spark.read.format("statestore")`` on the same state, in the same run; and the
 change feed's lag and throughput while the job writes.
 
 The state: count per key, keys ``k%08d``, each key written once over B batches (text file
 source, ``maxFilesPerTrigger=1``, ``availableNow``; 200 k keys per batch up to 1 M keys, 500 k
 beyond, 100 k in ``--quick``), ``local[2]``, 4 partitions, 128 key groups — the job shape of
-``bench/restart.py`` (issue #13). That script was not on main when this one was written, so the
-state is built here by two queries over the same input files:
+``bench/restart.py``. The state is built here by two queries over the same input files:
 
 * DSTL — ``DstlStatefulOperator`` (LMDB tables, the executor agent) with a ``count`` value state;
   ``--snapshots`` off (default ``both``): materialization off, the reader replays the log;
@@ -500,7 +499,7 @@ _ANALYSIS = (
     'key, the count as a bigint, the partition), asked for with a user-specified schema '
     '(`.schema("key string, typed_value bigint, partition string")`, docs/spark.md: only '
     "the columns named are built and handed over), and all ten columns of the source's own "
-    "schema. The goal of issue #16 — reading state at least as fast as Spark's reader of "
+    "schema. The goal — reading state at least as fast as Spark's reader of "
     'its own store — is the bold column: Spark / DSTL >= 1 for the same columns meets it. '
     '"DSTL daemon": the session runs `spark.python.daemon.module=dstl.spark.daemon` '
     "preloading the reader's modules (`--daemon`; docs/configuration.md): its workers use "
@@ -606,7 +605,7 @@ def main() -> None:
             c = r["split_cpu"]
             rows.append(f"| {r['keys']:,} | {c['splits']} | {fmt(c['cpu_s'], 's', digits=3)} "
                         f"| {fmt(c['ns_per_entry'], 'ns', digits=0)} |")
-    md = ("### State reader vs Spark's state reader (issue #16)\n\n"
+    md = ("### State reader vs Spark's state reader\n\n"
           "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
           "state written by both engines from the same input in the same run (count per key, "
           "4 partitions, `local[2]`). Change feed: a `dstl_changes` stream while the job "

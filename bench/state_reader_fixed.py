@@ -1,4 +1,4 @@
-"""The fixed cost of one state read (issue #16): what a ``spark.read.format("dstl")`` read of
+"""The fixed cost of one state read: what a ``spark.read.format("dstl")`` read of
 a tiny state costs besides its rows, process by process, next to Spark's ``statestore`` reader
 and the floor source of ``bench/state_reader.py`` on the same tiny state.
 
@@ -360,7 +360,7 @@ def main() -> None:
     if args.repeats < 5 and not args.quick:
         p.error("--repeats must be >= 5 (medians of at least five reads)")
     res = run(args.keys, args.repeats, args.warm)
-    md = ("### The fixed cost of a state read (issue #16)\n\n"
+    md = ("### The fixed cost of a state read\n\n"
           f"A whole read of a {res['keys']}-key state into the `noop` sink; cold = the first read "
           "of a fresh SparkSession (one per reader and round), warm = the next reads of the same "
           "session, readers interleaved. CPU by process kind from `/proc` (median per read; "

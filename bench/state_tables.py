@@ -1,4 +1,4 @@
-"""Benchmarks of the state tables (issue #3): heap map vs dict, rehash latency, snapshot pause,
+"""Benchmarks of the state tables: heap map vs dict, rehash latency, snapshot pause,
 write-out under a concurrent writer, LMDB rates. Every ratio is measured in the same run as its
 baseline. ``--quick`` for CI smoke runs (~1 minute), default sizes for the report, ``--profile`` to
 print a cProfile of the heap map's hot paths.

@@ -1,4 +1,4 @@
-"""Sessionization with event-time timers (issue #15): the DSTL operator vs Spark's
+"""Sessionization with event-time timers: the DSTL operator vs Spark's
 ``transformWithStateInPandas`` on RocksDB (changelog checkpointing), same logic, same run.
 
 Workload: clicks ``(user, ts)`` in JSON files, one per micro-batch (``maxFilesPerTrigger=1``,

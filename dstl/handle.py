@@ -93,7 +93,7 @@ class ChangeSetRef:
 
     ``kg_min``/``kg_max``: the key-group range the writer recorded for the change set (as in the
     segment's index; -1 = metadata), so a ranged read, which never reads the index, can check
-    the record against it. ``None`` in references written before issue #12.
+    the record against it. ``None`` in 6-item references (written without the range).
     """
 
     sqn: int

@@ -192,7 +192,7 @@ class UnsafeManifestKeyError(CorruptManifestError, UnsafePathError):
                   "snapshots/ of the storage root; do not restore from this manifest)")
 
 
-# --------------------------------------------------------------------------- validation helpers
+# ----------------------------------------------------------------------------------- validation
 
 _Fail = Callable[[str, str], NoReturn]
 

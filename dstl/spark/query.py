@@ -319,7 +319,7 @@ def forget_before(store: BlobStore, batch: int) -> int:
     return len(doomed)
 
 
-# ---------------------------------------------------------------------------- store helpers
+# ---------------------------------------------------------------------------- store access
 
 
 def _get(store: BlobStore, key: str) -> bytes:

@@ -1,4 +1,4 @@
-"""S3 faults as S3 produces them (issue #14; reliability matrix R4): G1, G3, G5, G6, G7.
+"""S3 faults as S3 produces them (reliability matrix R4): G1, G3, G5, G6, G7.
 
 Real DSTL work — the mini job of ``tests/support/job_model.py``: three heap backends writing value,
 list and map states, checkpoints committed by the coordinator with retention (deletes),

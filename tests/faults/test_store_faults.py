@@ -36,7 +36,7 @@ from dstl.errors import (
 from dstl.retry import RetryPolicy
 from dstl.stores import FsspecBlobStore, LocalBlobStore, is_retryable, open_store
 
-# Fixtures of the moto helper (one server per xdist worker), bound by assignment so that test
+# Fixtures of support.moto_server (one server per xdist worker), bound by assignment so that test
 # parameters of the same name do not shadow an import.
 moto_endpoint = moto_server.moto_endpoint
 s3_bucket = moto_server.s3_bucket

@@ -1,4 +1,4 @@
-"""Bounded memory on crafted objects (issue #12, item 6; docs/guarantees.md, "Untrusted stores").
+"""Bounded memory on crafted objects (docs/guarantees.md, "Untrusted stores").
 
 Every crafted object of at most 1 MiB (``support.crafted``: zstd frames declaring gigabytes, zstd
 bombs, pickle bombs, JSON bombs and nesting, handles of 2^62) is read in a fresh process the way

@@ -1,4 +1,4 @@
-"""Restores from file-level snapshots (format v2, issue #13): every state kind equals a dict model
+"""Restores from file-level snapshots (format v2): every state kind equals a dict model
 into LMDB (install by rename, or range copy) and the heap; rescaling 1->2, 2->1, 4->3, 8->2 with
 v2, v1 and mixed snapshots; the v1 golden checkpoint still restores; a corrupt or truncated object
 is a typed error naming it and nothing half-installed remains; a restore killed midway (SIGKILL in

@@ -1,4 +1,4 @@
-"""Restore with prefetch (issue #13) against S3: a moto server reached through s3fs, no mocked
+"""Restore with prefetch against S3: a moto server reached through s3fs, no mocked
 calls. Snapshots of both formats (v1 written by a heap backend, v2 file-level written by LMDB),
 restored into heap and LMDB.
 

@@ -1,4 +1,4 @@
-"""A soak (issue #17, capability 6): a streaming query runs ``SOAK_BATCHES`` batches (900 in
+"""A soak (capability 6): a streaming query runs ``SOAK_BATCHES`` batches (900 in
 ``make test-deep``; one input file per second, materialization every 5 s) and what it holds must
 stay flat: the slope of a straight line fitted over the second half of the samples
 (``soak_scenario.py``) is asserted against these bounds, per 100 batches:
@@ -6,7 +6,7 @@ stay flat: the slope of a straight line fitted over the second half of the sampl
 =====================  ====================  ==============================================
 figure                 bound / 100 batches   why
 =====================  ====================  ==============================================
-driver RSS (Python)    1 MiB                 issue #17 measured ~5 MB / 100 batches before
+driver RSS (Python)    1 MiB                 the unbounded records grew ~5 MB / 100 batches before
                                              ``batch_stats`` was bounded; 1 MiB is 4.5 MiB
                                              over the half, above allocator noise (the
                                              bounded records fill in the first 100 batches:

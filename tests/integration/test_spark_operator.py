@@ -216,7 +216,7 @@ def test_bad_state_uri_fails_before_any_batch(spark: Any, moto_endpoint: str,  #
 
 def test_agent_materializes_partitions_and_restores_through_its_cache(
         spark: Any, moto_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:  # noqa: F811
-    """Issue #7, capability 4: the executor agent snapshots the LMDB partitions (tasks install
+    """The executor agent snapshots the LMDB partitions (tasks install
     the snapshots into their checkpoints, so the log to replay stays short), and a partition
     that lost its local table restores through the agent's cache."""
     latest: dict[str, int] = {}
@@ -263,7 +263,7 @@ def test_agent_materializes_partitions_and_restores_through_its_cache(
 def test_changing_partitions_twice_keeps_counts_exact(spark: Any, moto_endpoint: str,  # noqa: F811
                                                       s3_bucket: str, tmp_path: Path,
                                                       table: str, mat_s: float | None) -> None:
-    """Issue #12: the query restarts with `partitions` 1 -> 2 -> 1 -> 3 -> 2 (the same Python
+    """The query restarts with `partitions` 1 -> 2 -> 1 -> 3 -> 2 (the same Python
     workers serve every layout), two batches per layout. Each restart restores every partition
     from the handles of the previous layout; counts stay exact. Heap without materializations
     (every restore replays the whole log, through every earlier layout's handles) and LMDB with

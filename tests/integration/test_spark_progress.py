@@ -1,4 +1,4 @@
-"""Issue #17 on a real local SparkSession: per-batch progress records (bounded, with a listener
+"""On a real local SparkSession: per-batch progress records (bounded, with a listener
 that raises), the bounded ``batch_stats``, the driver's Prometheus endpoint scraped and parsed,
 and runtime ``spark.conf.set("spark.dstl.…")`` changes refused instead of ignored — also inside
 a real streaming query, whose batches run on a clone of the user's session."""

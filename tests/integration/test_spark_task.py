@@ -327,8 +327,8 @@ def test_another_processor_under_the_same_name_and_store_is_not_served_by_the_ol
         tmp_path: Path, with_ids: bool) -> None:
     """A worker that ran the operator keeps its runtime (slots with processor instances); a
     query started again with another processor class (or one redefined under the same name)
-    must get the new processor, not the cached instances (issue #17's note: the runtime kept
-    the first configuration)."""
+    must get the new processor, not the cached instances (a runtime that kept the first
+    configuration would run the old one)."""
     import dataclasses
 
     from dstl.spark.config import processor_id

@@ -1,4 +1,4 @@
-"""Timers under Spark against a model (issue #15, capabilities 1-3): processing-time timers
+"""Timers under Spark against a model (capabilities 1-3): processing-time timers
 fire exactly once in the committed history across a killed task (Spark retries it), a batch
 re-run, a rescale (partitions changed) and batches without input; every partition fires its due
 timers with no rows. Heap and LMDB, executor agent on and off. The event-time side (watermark,

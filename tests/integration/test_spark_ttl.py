@@ -1,4 +1,4 @@
-"""State TTL under Spark against a model (issue #15, capability 4): value, list and map states
+"""State TTL under Spark against a model (capability 4): value, list and map states
 with a TTL (``ttl_s`` and Spark's ``ttl_duration_ms``) in a running operator. Each batch's output
 is the state its keys see after the batch's purge; the model purges at the batch's processing
 time, so every output and the purge count per batch (``ttl_purged``) must match it. Also: a

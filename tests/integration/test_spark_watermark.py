@@ -1,4 +1,4 @@
-"""Event time under Spark against a model (issue #15, capability 3): the watermark is the largest
+"""Event time under Spark against a model (capability 3): the watermark is the largest
 event time of earlier batches minus the delay, never decreasing, committed with each checkpoint
 and continued after a restart in a fresh SparkSession (here also with other partitions: a
 rescale); late rows go to the side output; event-time timers (a tumbling window per key) fire

@@ -1,4 +1,4 @@
-"""The bulk replay (materializer.replay, issue #13) against the per-change replay it replaced.
+"""The bulk replay (materializer.replay) against the per-change replay it replaced.
 
 Differential tests: the same log replayed block by block (``restore_backend``) and change by
 change (``ChangelogReader.read`` + ``backend.apply_change``, the old path, still the one for

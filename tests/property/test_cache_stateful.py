@@ -84,7 +84,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _open(self) -> LocalFileCache:
         return LocalFileCache(self.directory, idle_ttl_s=TTL, max_bytes=BUDGET, timer=self.timer)
 
-    # ------------------------------------------------------------------ model helpers
+    # -------------------------------------------------------------------------- model
 
     def _expect_acquire(self, key: str) -> type[Exception] | None:
         """Apply one acquire to the model; return the error it must raise, if any."""

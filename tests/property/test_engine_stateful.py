@@ -1,4 +1,4 @@
-"""The whole engine against a dict model (issue #5; reliability matrix R11/R10).
+"""The whole engine against a dict model (reliability matrix R11/R10).
 
 Rules: put, delete, clear (of a whole key's state), checkpoint, complete, subsume, materialize
 (in full, or incremental: deltas after a full snapshot), crash-and-restore from ANY retained

@@ -1,5 +1,5 @@
 """ChangelogKeyedStateBackend: logging per state kind, checkpoints, materialization, truncation,
-failures and bad input (issue #4; Flink's ChangelogXxxStateTest, ChangelogStateDiscardTest,
+failures and bad input (Flink's ChangelogXxxStateTest, ChangelogStateDiscardTest,
 ChangelogKeyedStateBackendTest re-expressed)."""
 
 from __future__ import annotations
@@ -469,7 +469,7 @@ class LandingThenFailingStore(DelegatingStore):
 
 def test_snapshot_uploads_are_retried_under_new_names_and_failed_names_deleted(
         table: str) -> None:
-    # regression (issue #14): one 503 or one lost response used to fail the materialization,
+    # regression: one 503 or one lost response used to fail the materialization,
     # and an object whose response was lost stayed in the store
     store = LandingThenFailingStore()
     with ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0,

@@ -1,4 +1,4 @@
-"""Every option and constructor argument is type- and range-checked (issue #12, item 9).
+"""Every option and constructor argument is type- and range-checked (item 9).
 
 One table of bad values per class or function; each row must raise :class:`ConfigError` (a
 ``ValueError``) naming the owner and the field, showing the value, and — for a wrong type — also

@@ -1,4 +1,4 @@
-"""One bad key in a manifest does not stop every later deletion pass (issue #12, items 5 and 8).
+"""One bad key in a manifest does not stop every later deletion pass (items 5 and 8).
 
 A doomed object that the store refuses to delete for good (a symbolic link planted in the
 checkpoint directory, or a permanent error of the filesystem) is logged and counted once and then

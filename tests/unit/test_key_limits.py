@@ -1,5 +1,5 @@
 """Object keys have a length limit, and a permanent storage failure is never retried as transient
-(issue #12, item 8; the deletion pass's part is in test_deletion_pass.py)."""
+(the deletion pass's part is in test_deletion_pass.py)."""
 
 from __future__ import annotations
 

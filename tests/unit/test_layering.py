@@ -7,7 +7,7 @@
   dstl.checkpoint, and dstl.spark never importing dstl.cli; all five contracts are still
   configured (none can be dropped quietly);
 - the log-core contract names every log-core module (a new core module cannot escape it);
-- no import cycle between modules beyond the known ones, which phase 2 of issue #11 removes. The
+- no import cycle between modules beyond the known ones (``KNOWN_CYCLES``, empty). The
   import graph is grimp's (import-linter's own), which sees imports inside functions and under
   ``TYPE_CHECKING`` too;
 - the package map of docs/architecture.md has a row for every module of the tree, and none for a
@@ -41,7 +41,7 @@ CONTRACTS = (
 )
 
 #: Import cycles that exist today, each as the set of modules of one strongly connected
-#: component. Phase 2 of issue #11 must empty this list; a new cycle, or a known one that grows,
+#: component (none today); a new cycle, or a known one that grows,
 #: fails the test.
 KNOWN_CYCLES: list[frozenset[str]] = []
 
@@ -169,7 +169,7 @@ def test_no_import_cycles_beyond_the_known_ones() -> None:
     print("\n".join(report) or "no import cycles")
     new = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
     assert not new, ("new import cycle(s) " + str(new) + " (break them; KNOWN_CYCLES is for "
-                     "cycles phase 2 of issue #11 removes):\n" + "\n".join(report))
+                     "cycles being removed):\n" + "\n".join(report))
     gone = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
     assert not gone, f"cycle(s) {gone} no longer exist: remove them from KNOWN_CYCLES"
 

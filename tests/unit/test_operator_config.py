@@ -1,5 +1,5 @@
 """``DstlStatefulOperator`` checks every argument on the driver, at construction, without
-starting Spark (issue #12, item 9).
+starting Spark (item 9).
 
 Before, ``processor=None``, ``sink=5``, ``state_uri='s3:/typo/app'`` (a local directory named
 ``s3:``) and ``'ftp://...'`` were accepted and failed — or silently did the wrong thing — at the

@@ -1,4 +1,4 @@
-"""Issue #17: the operator's progress record and tracker, merged histograms, the agent log's
+"""The operator's progress record and tracker, merged histograms, the agent log's
 rotation, and the Prometheus exposition (parsed with prometheus_client's own parser)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #17, item 5: gs:// and abfs:// are accepted only when the installed filesystem package
+"""Gs:// and abfs:// are accepted only when the installed filesystem package
 can create an object only if absent (DSTL's objects are write-once), otherwise a ConfigError
 names the package; hdfs:// without its client package (hdfs-native) is a ConfigError saying what
 to install, and its options are checked by name and type.

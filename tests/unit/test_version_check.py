@@ -1,4 +1,4 @@
-"""Issue #17, item 2: the task's DSTL version check and how the driver reads a failed job."""
+"""The task's DSTL version check and how the driver reads a failed job."""
 
 from __future__ import annotations
 

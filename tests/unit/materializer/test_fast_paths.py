@@ -1,4 +1,4 @@
-"""The restore fast paths of issue #13 against their slow paths (differential, Hypothesis):
+"""The restore fast paths against their slow paths (differential, Hypothesis):
 SafeCodec's scalar fast path and memo, CopyOnWriteStateMap.put_all, LmdbBulkLoad (raw runs,
 commits as it goes, map growth), and the collector pause of restore.gcpause."""
 

@@ -1,4 +1,4 @@
-"""State TTL (issue #15, capability 4) against a dict model, heap and LMDB.
+"""State TTL (capability 4) against a dict model, heap and LMDB.
 
 Random writes in Spark's and PyFlink's names to value, list and map states with a TTL run in
 "batches" whose clock moves forward (and sometimes backwards); each batch first purges, as the

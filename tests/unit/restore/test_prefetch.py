@@ -1,4 +1,4 @@
-"""LocalFileCache.prefetch (issue #13): downloads a restore's objects before their leases, through
+"""LocalFileCache.prefetch: downloads a restore's objects before their leases, through
 the cache's single flight, and is only ever a hint.
 
 Objects live in an fsspec memory filesystem wrapped by ``FaultyFileSystem`` and reached through

@@ -1,6 +1,6 @@
 """plan_restore: what a restore reads, decided from the handles alone (pure, no store).
 
-Issue #12 item 1: every change set once per key group, whatever handles are passed; the plan's
+Every change set once per key group, whatever handles are passed; the plan's
 parts are restricted to the key groups they are read for (the restored backend's share)."""
 
 from __future__ import annotations

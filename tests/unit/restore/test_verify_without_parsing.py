@@ -1,4 +1,4 @@
-"""Lease verification of snapshots checks integrity without parsing entries (issue #13 step 1),
+"""Lease verification of snapshots checks integrity without parsing entries,
 and every corruption is still a typed error naming the object: at verification when a checksum,
 the index or a block's record is wrong, at load when only the entries' framing is."""
 
