@@ -661,16 +661,19 @@ def _big_config(sizes: dict[str, Any], variants: list[str]) -> dict[str, Any]:
             "variants": variants}
 
 
-def figure_steady(base: Path, sizes: dict[str, Any], repeats: int,
-                  with_big: bool) -> dict[str, Any]:
-    """Figure 1 in one cluster (``with_big``, quick mode: figure 2 too, after it)."""
+def figure_steady(base: Path, sizes: dict[str, Any], repeats: int, with_big: bool,
+                  shape: str = "") -> dict[str, Any]:
+    """Figure 1 in one cluster, at the small shape (``shape`` ``""``: ``batches`` x ``rows``
+    over ``keys``) or the large one (``"large_"``: the ``large_*`` sizes); ``with_big``
+    (quick mode) runs figure 2 after it in the same cluster."""
     cfg: dict[str, Any] = {
-        "root": str(base / "steady"),
-        "steady": {"batches": sizes["batches"], "rows": sizes["rows"], "keys": sizes["keys"],
-                   "seed": 41, "repeats": repeats, "variants": list(STEADY_VARIANTS)}}
+        "root": str(base / f"steady{shape.rstrip('_')}"),
+        "steady": {"batches": sizes[f"{shape}batches"], "rows": sizes[f"{shape}rows"],
+                   "keys": sizes[f"{shape}keys"], "seed": 41, "repeats": repeats,
+                   "variants": list(STEADY_VARIANTS)}}
     if with_big:
         cfg["big"] = _big_config(sizes, list(BIG_VARIANTS))
-    return run_child("cluster", cfg, base, "steady", 3600)
+    return run_child("cluster", cfg, base, f"steady{shape.rstrip('_')}", 3600)
 
 
 def figure_big(base: Path, sizes: dict[str, Any], repeats: int) -> list[dict[str, Any]]:
@@ -876,6 +879,22 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
         f"| 1. context: Spark `groupBy(\"key\").count()`, update mode, JVM only (ms) | — | "
         f"{_ms(c['trigger_s'])} | DSTL / count {_x(_ratio(d['trigger_s'], c['trigger_s']))} "
         "| — |"]
+    lg = figs.get("steady_large")
+    if lg:
+        ld, lt, lc, lf = lg["dstl"], lg["tws"], lg["count"], lg["dstl-fb"]
+        r1l = _ratio(ld["trigger_s"], lt["trigger_s"])
+        shape = f"{sz['large_rows']:,} rows over {sz['large_keys']:,} keys"
+        lines += [
+            f"| 1. steady batch, {shape} per batch, `op.transform` (ms) | "
+            f"{_ms(ld['trigger_s'])} | {_ms(lt['trigger_s'])} | {_x(r1l)} (per repeat "
+            f"{fmt(ld['ratio_to_tws'], digits=2)}) | {_goal(r1l)} |",
+            f"| 1. the same, CPU of the process tree (ms) | {_ms(ld['cpu_s'])} | "
+            f"{_ms(lt['cpu_s'])} | {_x(_ratio(ld['cpu_s'], lt['cpu_s']))} | — |",
+            f"| 1. the same, `foreach_batch` (ms) | {_ms(lf['trigger_s'])} | "
+            f"{_ms(lt['trigger_s'])} | {_x(_ratio(lf['trigger_s'], lt['trigger_s']))} | — |",
+            f"| 1. the same, context: Spark's JVM-only count (ms) | — | "
+            f"{_ms(lc['trigger_s'])} | DSTL / count "
+            f"{_x(_ratio(ld['trigger_s'], lc['trigger_s']))} | — |"]
     bd, bf, bt = bg.get("dstl", {}), bg.get("dstl-fb", {}), bg.get("tws", {})
     same_d, same_f, same_t = bd.get("same"), bf.get("same"), bt.get("same")
     big_d, big_f = bd.get("big"), bf.get("big")
@@ -940,8 +959,9 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
     few_big = (f", fewer than the {rep_all['steady']} of the other figures: a new cluster per "
                "variant and repeat, and TWS's batch alone takes minutes"
                if rep_all["big"] < rep_all["steady"] else "")
-    exact = {f"{fig} {v}": f[v]["exact"] for fig, f in (("steady", st), ("big", bg),
-                                                         ("restart", rs))
+    exact = {f"{fig} {v}": f[v]["exact"] for fig, f in (("steady", st),
+                                                         ("steady, large", lg or {}),
+                                                         ("big", bg), ("restart", rs))
              for v in f if isinstance(f[v], dict) and "exact" in f[v]}
     all_exact = all(exact.values())
     rep = meta["repeats"]
@@ -959,8 +979,12 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
         f"against an independent computation: {'all exact' if all_exact else '**NOT ALL EXACT**: ' + str(exact)}.",
         "",
         f"1. **Steady batch** — `local-cluster[2,1,1024]` (two executor JVMs, one core each), "
-        f"{sz['batches']} batches of {sz['rows']:,} rows over {sz['keys']:,} keys per query, "
-        f"{rep['steady']} repeat(s), all variants' queries in one cluster, order rotated. "
+        f"{sz['batches']} batches of {sz['rows']:,} rows over {sz['keys']:,} keys per query"
+        + (f" (the small shape: Spark's fixed costs per batch dominate), and in a second "
+           f"cluster {sz['large_batches']} batches of {sz['large_rows']:,} rows over "
+           f"{sz['large_keys']:,} keys (the large shape: thousands of keys per batch)"
+           if lg else "")
+        + f", {rep['steady']} repeat(s), all variants' queries in one cluster, order rotated. "
         "`triggerExecution` from `recentProgress`; steady = every batch but the first (first "
         f"batch: DSTL {_ms(d['first_trigger_s'])} ms, TWS {_ms(t['first_trigger_s'])} ms, "
         f"count {_ms(c['first_trigger_s'])} ms); cell = median over repeats of the per-repeat "
@@ -1026,15 +1050,19 @@ def sizes_for(args: argparse.Namespace) -> dict[str, Any]:
             "tws_keys": args.tws_keys or (2_000 if q else 50_000),
             "big_keys": args.big_keys or (20_000 if q else 1_000_000),
             "restart_keys": args.restart_keys or (2_000 if q else 1_000_000),
-            "touched": 500 if q else 2_000}
+            "touched": 500 if q else 2_000,
+            # figure 1 again at thousands of keys per batch (per-key costs, not fixed ones)
+            "large_batches": args.large_batches or (3 if q else 6),
+            "large_rows": args.large_rows or (2_000 if q else 20_000),
+            "large_keys": args.large_keys or (1_000 if q else 10_000)}
 
 
 def command_line(args: argparse.Namespace) -> str:
     parts = ["nice -n 10 .venv/bin/python bench/in_query.py"]
     if args.quick:
         parts.append("--quick")
-    for flag in ("repeats", "big_repeats", "batches", "rows", "keys", "tws_keys", "big_keys",
-                 "restart_keys"):
+    for flag in ("repeats", "big_repeats", "batches", "rows", "keys", "large_batches",
+                 "large_rows", "large_keys", "tws_keys", "big_keys", "restart_keys"):
         v = getattr(args, flag)
         if v is not None and not (flag == "repeats" and v == 5):
             parts.append(f"--{flag.replace('_', '-')} {v}")
@@ -1048,7 +1076,10 @@ def dirty_files() -> list[str]:
 
 
 def results_of(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    figs = {"steady": steady_figures(raw["steady"]), "big": big_figures(raw["big"]),
+    figs = {"steady": steady_figures(raw["steady"]),
+            "steady_large": steady_figures(raw["steady_large"]) if "steady_large" in raw
+            else None,  # a run stored before the large shape existed
+            "big": big_figures(raw["big"]),
             "restart": restart_figures(raw["restart"])}
     return {"figures": figs, "meta": meta, "raw": raw}
 
@@ -1070,6 +1101,12 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=None, help="steady: batches per query")
     p.add_argument("--rows", type=int, default=None, help="steady: rows per batch")
     p.add_argument("--keys", type=int, default=None, help="steady: distinct keys")
+    p.add_argument("--large-batches", type=int, default=None,
+                   help="steady, large shape: batches per query")
+    p.add_argument("--large-rows", type=int, default=None,
+                   help="steady, large shape: rows per batch")
+    p.add_argument("--large-keys", type=int, default=None,
+                   help="steady, large shape: distinct keys")
     p.add_argument("--tws-keys", type=int, default=None,
                    help="the batch size both engines run in figure 2 and TWS's restart state")
     p.add_argument("--big-keys", type=int, default=None, help="figure 2: DSTL's big batch")
@@ -1107,6 +1144,7 @@ def main() -> int:
     raw: dict[str, Any] = {}
     try:
         raw["steady"] = figure_steady(base, sizes, repeats, with_big=q)
+        raw["steady_large"] = figure_steady(base, sizes, repeats, False, shape="large_")
         raw["big"] = [raw["steady"]] if q else figure_big(base, sizes, big_repeats)
         raw["restart"] = figure_restart(base, sizes, repeats)
     except BaseException:
