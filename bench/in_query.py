@@ -50,7 +50,7 @@ a wrong run fails instead of looking fast.
 
 Each measurement runs in a child process (``--child``, its arguments and result as JSON files),
 the parent orchestrates, samples the load average and writes the results. Run:
-``nice -n 10 .venv/bin/python bench/in_query.py [--quick]`` (quick: tiny sizes, 1 repeat;
+``.venv/bin/python bench/in_query.py [--quick]`` (quick: tiny sizes, 1 repeat;
 ``--render bench/results/in_query-<date>-<commit>.json`` rewrites the docs section from a stored run).
 """
 
@@ -1058,7 +1058,7 @@ def sizes_for(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    parts = ["nice -n 10 .venv/bin/python bench/in_query.py"]
+    parts = [".venv/bin/python bench/in_query.py"]
     if args.quick:
         parts.append("--quick")
     for flag in ("repeats", "big_repeats", "batches", "rows", "keys", "large_batches",
