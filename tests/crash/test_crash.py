@@ -2,9 +2,9 @@
 
 A child process (``crash_child.py``) runs the mini job of ``tests/support/job_model.py`` —
 heap or LMDB backends on one storage, a coordinator with retention, materializations — against
-a local directory or S3 on moto (the moto server lives in this process, so it survives every
-kill), and journals each checkpoint's intended state before triggering it and an ACK only after
-its commit returned. This process SIGKILLs the child
+a local directory, S3 on moto or HDFS (a MiniDFSCluster; the moto server and the cluster live
+in this process, so they survive every kill), and journals each checkpoint's intended state
+before triggering it and an ACK only after its commit returned. This process SIGKILLs the child
 
 - at **named points** (it pauses there and says so through a marker file): inside a segment
   upload, after a segment landed but before DSTL heard of it, inside a snapshot upload, inside the
@@ -18,9 +18,9 @@ model, every object a manifest names exists. The next child continues from what 
 so every test crashes the same store several times. At the end a clean run must succeed, and
 orphan collection must leave exactly the objects the retained checkpoints name.
 
-Sizes: CI 7 points x 4 targets + 2 random kills x 4 targets = 36 kills;
-``DSTL_DEEP=1`` (``make test-deep``): 7 points x 4 targets x 25 rounds + 8 x 10 random kills x 4
-targets = 1020 kills, split into tests of one round (7 kills) or ten random kills each.
+Sizes: CI 7 points x 5 targets + 2 random kills x 5 targets = 45 kills (HDFS: LMDB tables);
+``DSTL_DEEP=1`` (``make test-deep``): 7 points x 6 targets x 25 rounds + 8 x 10 random kills x 6
+targets = 1530 kills, split into tests of one round (7 kills) or ten random kills each.
 The self-tests run the child with a deliberate bug and require the oracle to report it.
 """
 
@@ -49,6 +49,7 @@ from support.job_model import (
     expected_objects,
     journal_path,
 )
+from support.minidfs import hdfs_uri
 
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.stores import open_store
@@ -82,7 +83,10 @@ LINGER_S = (0.0, 0.3)
 TARGETS = [pytest.param(("local", "heap"), id="local-heap"),
            pytest.param(("local", "lmdb"), id="local-lmdb"),
            pytest.param(("s3", "heap"), id="s3-heap", marks=pytest.mark.s3),
-           pytest.param(("s3", "lmdb"), id="s3-lmdb", marks=pytest.mark.s3)]
+           pytest.param(("s3", "lmdb"), id="s3-lmdb", marks=pytest.mark.s3),
+           pytest.param(("hdfs", "lmdb"), id="hdfs-lmdb", marks=pytest.mark.hdfs)]
+if DEEP:
+    TARGETS.append(pytest.param(("hdfs", "heap"), id="hdfs-heap", marks=pytest.mark.hdfs))
 #: Incremental materialization (full snapshots and the deltas after them, shared by
 #: checkpoints): pieces deleted exactly when no retained checkpoint names them.
 INCREMENTAL_TARGETS = [pytest.param(("local", "heap", True), id="local-heap-incremental"),
@@ -131,6 +135,9 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     work.mkdir()
     if where == "local":
         return Target(str(tmp_path / "store"), {}, work, table, bool(incremental))
+    if where == "hdfs":  # the MiniDFSCluster of tests/support/minidfs.py
+        return Target(hdfs_uri(request.getfixturevalue("hdfs_cluster"), "crash"), {}, work,
+                      table)
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     return Target(f"s3://{bucket}/job", moto_server.s3_storage_options(endpoint), work, table)
