@@ -368,6 +368,10 @@ class ChangelogKeyedStateBackend:
         self._writer = storage.create_writer(operator_id, key_groups)
         try:
             self._tables = self._open_tables(local_directory, clear_local, adopt_local)
+            # the table's incarnation (materializer.table_marker): kept when adopting the table,
+            # new when the table is created or restored
+            self._table_id = (self._adopted_table_id() if adopt_local else "") or \
+                secrets.token_hex(8)
             self._init_state(rules, timer, auto_materialize)
         except BaseException:
             self._abandon()
@@ -413,6 +417,17 @@ class ChangelogKeyedStateBackend:
         self._mat = MaterializationManager(
             operator_id, rules, _BackendSnapshots(self), self._metrics, wake=self._wake,
             timer=timer, automatic=auto_materialize, defer_in_batch=not self._heap)
+
+    def _adopted_table_id(self) -> str:
+        """The ``table_id`` of the adopted table's marker (``""``: none, or unreadable — the
+        caller checks the marker itself before using the table)."""
+        raw = self._tables.read_marker()
+        if raw is None:
+            return ""
+        try:
+            return TableMarker.from_bytes(raw).table_id
+        except CorruptObjectError:
+            return ""
 
     def _abandon(self) -> None:
         """A constructor failed midway: release what it opened (log id, table, own directory)."""
@@ -1160,7 +1175,9 @@ class ChangelogKeyedStateBackend:
                            handle.checkpoint_id, handle.materialization_id,
                            boundary_of(handle.non_materialized),
                            handle.non_materialized_size, handle.materialized_size,
-                           {str(r.state_id): r.meta for r in self._by_id.values()})
+                           {str(r.state_id): r.meta for r in self._by_id.values()},
+                           tuple((p.key, p.materialization_id) for p in handle.materialized),
+                           self._table_id)
 
     def write_table_marker(self, handle: ChangelogStateBackendHandle) -> None:
         """Write the marker of checkpoint ``handle`` into the (LMDB) table. Call it inside the
@@ -1174,8 +1191,8 @@ class ChangelogKeyedStateBackend:
             raise UsageError(f"backend {self.operator_id!r}: a heap table has no marker")
         self._tables.write_marker(self.table_marker(handle).to_bytes())
 
-    def install_materialization(self, ref: SnapshotRef, boundary: tuple[str, int]
-                                ) -> SnapshotRef | None:
+    def install_materialization(self, ref: SnapshotRef, boundary: tuple[str, int],
+                                chain: tuple[SnapshotRef, ...] = ()) -> SnapshotRef | None:
         """Make a snapshot taken elsewhere (the executor agent, from a read transaction of this
         table) the base of the next checkpoints, if this backend's log reaches it.
 
@@ -1185,9 +1202,16 @@ class ChangelogKeyedStateBackend:
         the snapshot; otherwise the lineage differs (a re-run batch, a restore elsewhere, a newer
         snapshot already installed) and nothing changes.
 
+        A delta (``ref.delta``) holds only the entries changed since the pieces ``chain`` (a
+        full snapshot and the deltas after it): it is installed, with the pieces of ``chain``
+        this backend's base lacks, only when the base is a prefix of ``chain`` (same objects,
+        same materialization ids: the agent may have written a delta the backend did not install
+        before the next one) and the delta's id follows ``chain``'s — else its lineage differs
+        and nothing changes.
+
         Returns:
-            The installed reference (its materialization id raised above this backend's current
-            one if needed), or ``None`` when it was not installed.
+            The installed reference (a full snapshot's materialization id raised above this
+            backend's current one if needed), or ``None`` when it was not installed.
         """
         delta = self.last_delta
         own = delta.change_sets if delta is not None else ()
@@ -1198,6 +1222,16 @@ class ChangelogKeyedStateBackend:
             rest = _log_after(base, own, boundary)
             if rest is None:
                 return None
+            if ref.delta:
+                pieces = tuple((p.key, p.materialization_id) for p in base.snapshots)
+                named = tuple((p.key, p.materialization_id) for p in chain)
+                if (not pieces or named[:len(pieces)] != pieces
+                        or ref.materialization_id != named[-1][1] + 1
+                        or chain[0].delta or not all(p.delta for p in chain[1:])
+                        or any(p.key_groups != ref.key_groups for p in (*base.snapshots,
+                                                                        *chain))):
+                    return None
+                return MaterializedBase((*chain, ref), rest[1], rest[0], ref.materialization_id)
             mat_id = max(ref.materialization_id, base.materialization_id + 1)
             return MaterializedBase((SnapshotRef(ref.key, ref.size, ref.key_groups, mat_id),),
                                     rest[1], rest[0], mat_id)
@@ -1206,9 +1240,10 @@ class ChangelogKeyedStateBackend:
         if new is None:
             return None
         self._chain_id = -1  # a snapshot made elsewhere: the next own one is full
-        installed = new.snapshots[0]
-        logger.info("backend %s: installed materialization %d (%s, %d bytes) at %s@%d",
-                    self.operator_id, installed.materialization_id, installed.key,
+        installed = new.snapshots[-1]
+        logger.info("backend %s: installed materialization %d (%s %s, %d bytes) at %s@%d",
+                    self.operator_id, installed.materialization_id,
+                    "delta" if installed.delta else "snapshot", installed.key,
                     installed.size, boundary[0], boundary[1])
         return installed
 

@@ -24,6 +24,24 @@ The result names the marker's *boundary*; a backend installs it with
 :meth:`~materializer.backend.ChangelogKeyedStateBackend.install_materialization` only if its own
 log contains that boundary. A table with no marker yet (no checkpoint written) or no log since its
 snapshot, or whose boundary was already materialized, is skipped (``None``).
+
+*Deltas.* Given a :class:`DeltaBase` — the pieces of the previous materialization (a full
+snapshot and the deltas after it), the table's ``table_id`` at that cut, and a function naming
+the entries changed since that cut up to a boundary — the materialization writes a delta (format
+v3, :mod:`materializer.delta_format`) instead: the value of every changed entry as of the same
+read transaction, or a tombstone. It does so only when all of these hold, else it writes a full
+snapshot:
+
+1. the marker's ``table_id`` is the one of the previous cut (no snapshot was loaded into the table
+   since: every change in between was logged, and the caller saw it);
+2. the checkpoint the table is at names a prefix of the previous pieces, with the same ids (the
+   chain the delta extends is the one the checkpoints use, or its continuation not installed
+   yet), and its materialization id is that of the prefix's last piece or less;
+3. the caller knows the entries changed up to the marker's boundary (``changed`` returns them)
+   and they are at most ``max_entries``;
+4. the compaction rule: fewer than ``max_deltas`` deltas follow the full snapshot and their sizes
+   add up to at most ``max_ratio`` of its size (the same rule as an in-process backend's,
+   docs/format.md).
 """
 
 from __future__ import annotations
@@ -32,16 +50,21 @@ import io
 import json
 import logging
 import os
+import struct
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Final
 
 from dstl.checks import check_choice
-from dstl.errors import UsageError
-from dstl.keygroups import KeyGroupRange
+from dstl.errors import CorruptObjectError, UsageError
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
+from dstl.segment import iter_body_changes
 from materializer.backend import upload_snapshot
+from materializer.changes import OP_SID
+from materializer.delta_format import DeltaEntry, DeltaMeta, encode_delta
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import SnapshotRef
 from materializer.lmdb_files import spool_table_snapshot
@@ -49,9 +72,12 @@ from materializer.lmdb_table import LmdbStateTable, LmdbTableSnapshot
 from materializer.options import LMDB_SNAPSHOT_FORMATS
 from materializer.table_marker import TableMarker
 
-__all__ = ["ExternalMaterialization", "materialize_table_directory"]
+__all__ = ["ChangedEntries", "DeltaBase", "ExternalMaterialization", "changed_entries",
+           "materialize_table_directory"]
 
 logger = logging.getLogger(__name__)
+
+_U32: Final = struct.Struct(">I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +97,73 @@ class ExternalMaterialization:
     marker: TableMarker
     entries: int
     duration_s: float
+    chain: tuple[SnapshotRef, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[SnapshotRef, ...]:
+        """The snapshot pieces a checkpoint names with this one: the full snapshot (``ref``
+        itself when not a delta) and the deltas after it, ``ref`` last."""
+        return (*self.chain, self.ref)
+
+
+@dataclass(frozen=True, slots=True)
+class ChangedEntries:
+    """The entries changed since a delta base's cut, up to a boundary.
+
+    Attributes:
+        entries: ``(key group, state id, key, namespace)`` of every changed entry (a superset is
+            correct: an unchanged entry is written again with its current value).
+        up_to: the first sqn of the writer's log after the boundary (the delta's ``up_to``).
+    """
+
+    entries: set[tuple[int, int, bytes, bytes]]
+    up_to: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaBase:
+    """What a delta written from outside the table's writer follows (see the module docstring).
+
+    Attributes:
+        pieces: the previous materialization's pieces (a full snapshot, then deltas).
+        table_id: the table's ``table_id`` at that materialization's cut.
+        changed: the entries changed since that cut up to a boundary, or ``None`` when not
+            known (a full snapshot is written then).
+        max_deltas, max_ratio, max_entries: the compaction rule
+            (``BackendOptions.max_snapshot_deltas``, ``max_delta_ratio``, ``max_delta_entries``).
+    """
+
+    pieces: tuple[SnapshotRef, ...]
+    table_id: str
+    changed: Callable[[tuple[str, int]], ChangedEntries | None]
+    max_deltas: int
+    max_ratio: float
+    max_entries: int
+
+
+def changed_entries(bodies: Iterable[bytes], into: set[tuple[int, int, bytes, bytes]]) -> None:
+    """Add ``(key group, state id, key, namespace)`` of every data change in the change-set
+    ``bodies`` (verified bodies, as a writer built them) to ``into``.
+
+    Raises:
+        CorruptObjectError: a body or change record is malformed.
+    """
+    add = into.add
+    for body in bodies:
+        for kg, payload in iter_body_changes(body):
+            if kg == META_KEY_GROUP:
+                continue
+            try:
+                _op, sid = OP_SID.unpack_from(payload, 0)
+                (kl,) = _U32.unpack_from(payload, 3)
+                (nl,) = _U32.unpack_from(payload, 7 + kl)
+            except struct.error as exc:
+                raise CorruptObjectError("<change set>", 0,
+                                         f"malformed change record: {exc}") from exc
+            ns_at = 11 + kl
+            if ns_at + nl > len(payload):
+                raise CorruptObjectError("<change set>", 0, "namespace runs past the record")
+            add((kg, sid, payload[7:7 + kl], payload[ns_at:ns_at + nl]))
 
 
 def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store: Any, *,
@@ -78,7 +171,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
                                 skip_boundary: tuple[str, int] | None = None,
                                 max_block_bytes: int | None = None,
                                 retry: RetryPolicy | None = None,
-                                snapshot_format: str = "file"
+                                snapshot_format: str = "file",
+                                delta_base: DeltaBase | None = None
                                 ) -> ExternalMaterialization | None:
     """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
 
@@ -93,6 +187,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         retry: how the upload retries (default: that of segment uploads at the default
             ``DstlOptions``).
         snapshot_format: ``"file"`` (format v2, the environment file) or ``"entries"`` (v1).
+        delta_base: what a delta would follow (``None``: always a full snapshot); a delta is
+            written only under the rules of the module docstring.
 
     Returns:
         The materialization, or ``None`` when there is nothing to materialize (no marker yet,
@@ -107,7 +203,7 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     check_choice(snapshot_format, "snapshot_format", "materialize_table_directory",
                  LMDB_SNAPSHOT_FORMATS)
     taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary, max_block_bytes,
-                           snapshot_format)
+                           snapshot_format, delta_base)
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
@@ -116,11 +212,13 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     key = upload_snapshot(store, marker.operator_id, mat_id, data,
                           retry or RetryPolicy.for_uploads(DstlOptions()))
     duration = time.monotonic() - t0
-    logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %d entries, %d "
-                "bytes to %s in %.1f ms", directory, marker.operator_id, marker.checkpoint_id,
-                taken.entries, len(data), key, duration * 1e3)
-    return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id),
-                                   taken.boundary, marker, taken.entries, duration)
+    kind = "delta" if taken.chain else "snapshot"
+    logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %s of %d entries, "
+                "%d bytes to %s in %.1f ms", directory, marker.operator_id,
+                marker.checkpoint_id, kind, taken.entries, len(data), key, duration * 1e3)
+    return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id,
+                                               delta=bool(taken.chain)),
+                                   taken.boundary, marker, taken.entries, duration, taken.chain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +231,14 @@ class _TakenSnapshot:
     boundary: tuple[str, int]
     materialization_id: int
     entries: int
+    chain: tuple[SnapshotRef, ...] = ()  # a delta: the pieces it follows
 
 
 def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
                    skip_boundary: tuple[str, int] | None,
                    max_block_bytes: int | None,
-                   snapshot_format: str = "file") -> _TakenSnapshot | None:
+                   snapshot_format: str = "file",
+                   delta_base: DeltaBase | None = None) -> _TakenSnapshot | None:
     """Open the table read-only, read its marker and write its snapshot from one read
     transaction; ``None`` when there is nothing to materialize."""
     table = LmdbStateTable(directory, key_groups, readonly=True)
@@ -156,6 +256,11 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
             if boundary is None or boundary == skip_boundary:
                 return None
             mat_id = marker.materialization_id + 1
+            if delta_base is not None:
+                delta = _take_delta(snap, marker, boundary, delta_base, zstd_level,
+                                    max_block_bytes)
+                if delta is not None:
+                    return delta
             data: BinaryIO
             if snapshot_format == "file":
                 data, entries = _write_file(snap, directory, marker, mat_id, zstd_level)
@@ -188,3 +293,46 @@ def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, ma
     entries = max(snap.entry_count() - 2, 0)
     return spool_table_snapshot(snap, meta, os.path.dirname(os.path.abspath(directory)),
                                 zstd_level=zstd_level), entries
+
+
+def _delta_chain(marker: TableMarker, base: DeltaBase, key_groups: KeyGroupRange
+                 ) -> tuple[SnapshotRef, ...] | None:
+    """The pieces a delta at ``marker`` follows (rules 1, 2 and 4 of the module docstring), or
+    ``None`` when the next materialization must be a full snapshot."""
+    pieces = base.pieces
+    named = marker.snapshots
+    if (not base.table_id or marker.table_id != base.table_id or not pieces or not named
+            or pieces[0].delta or any(p.key_groups != key_groups for p in pieces)
+            or len(named) > len(pieces)
+            or named != tuple((p.key, p.materialization_id) for p in pieces[:len(named)])
+            or marker.materialization_id != named[-1][1]):
+        return None
+    deltas = pieces[1:]
+    if (len(deltas) >= base.max_deltas
+            or sum(d.size for d in deltas) > base.max_ratio * pieces[0].size):
+        return None
+    return pieces
+
+
+def _take_delta(snap: LmdbTableSnapshot, marker: TableMarker, boundary: tuple[str, int],
+                base: DeltaBase, zstd_level: int, max_block_bytes: int | None
+                ) -> _TakenSnapshot | None:
+    """A delta of the entries changed since ``base``'s cut, read from ``snap``; ``None`` when
+    a full snapshot must be written instead."""
+    chain = _delta_chain(marker, base, marker.key_groups)
+    if chain is None:
+        return None
+    changed = base.changed(boundary)
+    if changed is None or len(changed.entries) > base.max_entries:
+        return None
+    keys = sorted((sid, kg, k, ns) for kg, sid, k, ns in changed.entries)
+    values = snap.get_many(keys)
+    blocks: dict[int, list[DeltaEntry]] = {}
+    for (sid, kg, k, ns), v in zip(keys, values, strict=True):
+        blocks.setdefault(kg, []).append((sid, k, ns, v))
+    mat_id = chain[-1].materialization_id + 1
+    meta = DeltaMeta(marker.key_groups, marker.max_parallelism, marker.operator_id, mat_id,
+                     chain[-1].materialization_id, changed.up_to, marker.states)
+    data = encode_delta(meta, sorted(blocks.items()), zstd_level=zstd_level,
+                        max_block_bytes=max_block_bytes)
+    return _TakenSnapshot(io.BytesIO(data), marker, boundary, mat_id, len(keys), chain)

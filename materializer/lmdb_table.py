@@ -61,7 +61,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -1137,6 +1137,22 @@ class LmdbTableSnapshot(TablesSnapshot):
             table._exit_read()
         tree = int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
         return (2 + tree) * int(st["psize"])
+
+    def get_many(self, keys: Iterable[tuple[int, int, bytes, bytes]]) -> list[bytes | None]:
+        """The values of ``(state id, key group, key, namespace)`` entries as of this snapshot
+        (``None``: absent), in the order given: what a delta of these entries holds."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        make = table._key
+        table._enter_read()
+        try:
+            get = self._txn.get
+            return [get(make(sid, kg, k, ns)) for sid, kg, k, ns in keys]
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot read") from exc
+        finally:
+            table._exit_read()
 
     def records(self) -> Generator[tuple[bytes, bytes], None, None]:
         """Every raw ``(key, value)`` record of the environment at the snapshot, in key order

@@ -21,7 +21,13 @@ not install it. ``boundary=None``: the table is exactly its materialized snapsho
 nothing new to materialize.
 
 The marker also carries the state registry (state id -> name, kind, codecs), so a snapshot taken
-from outside the writer is self-describing, and the sizes the size trigger needs. Decoding is
+from outside the writer is self-describing, and the sizes the size trigger needs. Two fields serve
+incremental materialization from outside the writer (:mod:`dstl.spark.agent.materializer`): the
+checkpoint's snapshot pieces (``snapshots``: key and materialization id of each, in order), so the
+agent knows which chain a delta may follow, and the table's ``table_id``, a random name the table
+gets whenever it is created or restored and keeps while backends adopt it: equal ids at two read
+transactions prove that every change between them was logged by a writer of this table (nothing was
+loaded into it from a snapshot in between). Decoding is
 strict: the table directory is local, but the marker decides what a snapshot claims to be. It is
 bounded (:data:`MAX_MARKER_BYTES` before parsing, nesting after:
 :func:`dstl.untrusted.load_json`), every integer has a range, every state description passes
@@ -107,6 +113,9 @@ class TableMarker:
         log_bytes: stored bytes of that log (the size trigger compares it with the snapshot).
         snapshot_bytes: stored bytes of the checkpoint's snapshot objects.
         states: state id (as a string) -> state metadata (name, kind, codecs).
+        snapshots: ``(object key, materialization id)`` of each snapshot piece of the
+            checkpoint, in order (a full snapshot, then its deltas).
+        table_id: the table's incarnation (see the module docstring; ``""``: not recorded).
     """
 
     operator_id: str
@@ -118,6 +127,8 @@ class TableMarker:
     log_bytes: int = 0
     snapshot_bytes: int = 0
     states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    snapshots: tuple[tuple[str, int], ...] = ()
+    table_id: str = ""
 
     def holds(self, handle: ChangelogStateBackendHandle) -> bool:
         """Whether the table holds exactly the checkpoint of ``handle``: the same checkpoint and
@@ -133,7 +144,8 @@ class TableMarker:
             "checkpoint_id": self.checkpoint_id, "materialization_id": self.materialization_id,
             "boundary": list(self.boundary) if self.boundary is not None else None,
             "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
-            "states": self.states,
+            "states": self.states, "snapshots": [list(p) for p in self.snapshots],
+            "table_id": self.table_id,
         }, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @classmethod
@@ -159,4 +171,37 @@ class TableMarker:
         return cls(op, kgs, _int(obj, "max_parallelism", where, 1, MAX_PARALLELISM_LIMIT),
                    _int(obj, "checkpoint_id", where, -1), _int(obj, "materialization_id", where),
                    _boundary(obj.get("boundary"), where), _int(obj, "log_bytes", where),
-                   _int(obj, "snapshot_bytes", where), _states(obj.get("states"), where))
+                   _int(obj, "snapshot_bytes", where), _states(obj.get("states"), where),
+                   _pieces(obj.get("snapshots", []), where), _table_id(obj.get("table_id", ""),
+                                                                       where))
+
+
+#: Most snapshot pieces a marker lists (a full snapshot and at most 1000 deltas per range, for a
+#: few ranges after rescaling).
+_MAX_PIECES = 4096
+
+
+def _pieces(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if not isinstance(raw, list) or len(raw) > _MAX_PIECES:
+        raise CorruptObjectError(where, 0, f"table marker snapshots={raw!r:.80} is not a list of "
+                                           f"at most {_MAX_PIECES} [object key, id] pairs")
+    out: list[tuple[str, int]] = []
+    for p in raw:
+        if (not isinstance(p, list) or len(p) != 2 or not isinstance(p[0], str)
+                or not isinstance(p[1], int) or isinstance(p[1], bool)
+                or not 0 <= p[1] <= _MAX_INT):
+            raise CorruptObjectError(where, 0, f"table marker snapshot piece {p!r:.120} is not "
+                                               "[object key, materialization id]")
+        try:
+            out.append((check_key(p[0]), p[1]))
+        except UsageError as exc:
+            raise CorruptObjectError(where, 0, f"table marker snapshot piece: {exc}") from exc
+    return tuple(out)
+
+
+def _table_id(raw: Any, where: str) -> str:
+    if not isinstance(raw, str) or len(raw) > 64 or not raw.isascii() or not (
+            raw == "" or raw.isalnum()):
+        raise CorruptObjectError(where, 0, f"table marker table_id={raw!r:.80} is not up to 64 "
+                                           "ASCII letters and digits")
+    return raw

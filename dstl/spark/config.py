@@ -64,6 +64,16 @@ class OperatorConfig:
         memory, so the task materializes it)."""
         return self.agent and self.table == "lmdb"
 
+    @property
+    def table_backend_options(self) -> BackendOptions:
+        """The options of the partitions' backends: with the agent materializing, a backend
+        does not remember its changed entries (the agent reads them from the change sets it
+        uploads, :mod:`dstl.spark.agent.materializer`)."""
+        o = self.backend_options
+        if self.agent_materializes and o.incremental_snapshots:
+            return o.replace(incremental_snapshots=False)
+        return o
+
     def key_groups(self, partition: int) -> KeyGroupRange:
         """The key groups of ``partition`` (Flink's operator-index rule)."""
         return KeyGroupRange.of_operator(self.max_parallelism, self.partitions, partition)

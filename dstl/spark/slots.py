@@ -102,7 +102,7 @@ def _open_at_base(rt: WorkerRuntime, partition: int, task_input: TaskInput
     if not handles:  # no state yet (first batch, or a partition that never had a checkpoint)
         return ChangelogKeyedStateBackend(
             rt.storage, operator_id, key_groups, cfg.max_parallelism, table=cfg.table,
-            options=cfg.backend_options, local_directory=rt.operator_dir,
+            options=cfg.table_backend_options, local_directory=rt.operator_dir,
             clear_local=True, auto_materialize=False), SlotAccess("new")
     same_layout = len(handles) == 1 and handles[0].key_groups == key_groups
     if (same_layout and cfg.table == "lmdb"
@@ -113,7 +113,7 @@ def _open_at_base(rt: WorkerRuntime, partition: int, task_input: TaskInput
     stats = RestoreStats()
     backend = restore_backend(handles, rt.storage, key_groups, table=cfg.table, cache=rt.cache,
                               operator_id=operator_id, max_parallelism=cfg.max_parallelism,
-                              options=cfg.backend_options, local_directory=rt.operator_dir,
+                              options=cfg.table_backend_options, local_directory=rt.operator_dir,
                               stats=stats, auto_materialize=False)
     return backend, SlotAccess("restore" if same_layout else "rescale",
                                restored_changes=int(stats.get("changes", 0)),
@@ -144,7 +144,7 @@ def _adopt(rt: WorkerRuntime, operator_id: str, key_groups: KeyGroupRange,
     cfg = rt.cfg
     backend = ChangelogKeyedStateBackend(rt.storage, operator_id, key_groups,
                                          cfg.max_parallelism, table=cfg.table,
-                                         options=cfg.backend_options,
+                                         options=cfg.table_backend_options,
                                          local_directory=rt.operator_dir, adopt_local=True,
                                          auto_materialize=False)
     try:

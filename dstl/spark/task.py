@@ -604,7 +604,8 @@ def _install_agent_snapshot(agent: AgentClient, cfg: OperatorConfig,
                                  "restart the query")
     if reply.snapshot is None:
         return None
-    return backend.install_materialization(reply.snapshot.ref, reply.snapshot.boundary)
+    return backend.install_materialization(reply.snapshot.ref, reply.snapshot.boundary,
+                                           reply.snapshot.chain)
 
 
 def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: ChangelogKeyedStateBackend,
@@ -620,7 +621,9 @@ def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: Changelog
             backend.operator_id, backend.tables.path, backend.key_groups,
             bo.materialization_interval_s, bo.materialize_log_ratio, bo.materialize_min_log_bytes,
             bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
-            marker.snapshot_bytes, bo.max_snapshot_block_bytes, bo.lmdb_snapshot_format)
+            marker.snapshot_bytes, bo.max_snapshot_block_bytes, bo.lmdb_snapshot_format,
+            bo.incremental_snapshots, bo.max_snapshot_deltas, bo.max_delta_ratio,
+            bo.max_delta_entries)
     reply = agent.call(CommittedRequest(_store_ref(cfg), spec), _AGENT_QUICK_TIMEOUT_S)
     return reply.metrics, reply.log_tail
 

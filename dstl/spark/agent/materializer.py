@@ -22,6 +22,36 @@ moved since its last materialization is not attempted, and stays due until it mo
 transaction, so the worker writing that table never waits — and keeps the newest result per
 partition. :meth:`run_due` is the loop's body, callable on its own.
 
+*Deltas* (``incremental``, the worker's ``BackendOptions.incremental_snapshots``). Every change
+set of the executor's writers passes through the agent on its way to the store, so the agent
+knows which entries changed without the writers remembering anything: :meth:`note_persisted`
+keeps each registered partition's change-set bodies, in the order they became durable, with their
+``(segment key, offset)``. A materialization at the marker's boundary ``B`` takes the bodies up to
+and including ``B``'s change set, reads the ``(key group, state, key, namespace)`` of their changes
+(:func:`~materializer.external.changed_entries`) and writes a delta of those entries' values from
+the same read transaction as the marker (:func:`~materializer.external.materialize_table_directory`
+with a :class:`~materializer.external.DeltaBase`, which also checks that the table is the same
+incarnation and the checkpoint names the chain). Once written, the bodies up to ``B`` are dropped;
+bodies after ``B`` (the next batch persisted while the cut was taken) stay for the next delta.
+
+Why this is complete: a task holds its table's write batch from its first write until its
+checkpoint's log is durable and the marker committed, so a table's change sets become durable in
+the order their write batches commit; every change set an executor's writers log for a table of
+this executor passes through this agent (agent mode has no other upload path); and a table that
+was instead loaded from a snapshot (restored, or after the partition moved) has a new
+``table_id``, which makes the next materialization full. Bodies of a batch that failed before its
+commit stay in the list: their entries are written again with their current values, which is
+correct. A full snapshot at ``B`` may be followed by deltas only if the bodies after ``B`` are known:
+``B``'s change set is in the list, or ``B`` is the boundary the partition was registered with
+(the list starts right after it). The list of a partition is bounded by
+``_MAX_PENDING_BYTES``; beyond it the bodies are dropped and the next materialization is full.
+
+Why here and not in the table: the alternative — the writers record changed keys in the table
+(or in memory, as an in-process backend does) — costs every write a second record in the write
+path, and a partition's backend does not stay in one worker process, so an in-memory set would be
+lost between tasks. Decoding the change sets costs the agent about 1 µs per change, once per
+materialization (bench/scale.py reports the agent's CPU).
+
 *Hand-over.* Before a task checkpoints, it asks for its partition's newest materialization
 (:meth:`latest`) and installs it into its backend if its own log contains the snapshot's boundary
 (``install_materialization``); the checkpoint then references the snapshot and only the log after
@@ -43,13 +73,19 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dstl.errors import DstlError
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
-from materializer.external import ExternalMaterialization, materialize_table_directory
+from materializer.external import (
+    ChangedEntries,
+    DeltaBase,
+    ExternalMaterialization,
+    changed_entries,
+    materialize_table_directory,
+)
 from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
 from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
 
@@ -80,6 +116,9 @@ class PartitionSpec:
             ``BackendOptions.max_snapshot_block_bytes``; absent in JSON: the default).
         snapshot_format: the worker's ``BackendOptions.lmdb_snapshot_format`` (``"file"``:
             format v2, the environment file; ``"entries"``: v1; absent in JSON: ``"file"``).
+        incremental, max_snapshot_deltas, max_delta_ratio, max_delta_entries: the worker's
+            ``BackendOptions.incremental_snapshots`` and its compaction rule (absent in JSON:
+            full snapshots only).
     """
 
     log_id: str
@@ -95,6 +134,10 @@ class PartitionSpec:
     snapshot_bytes: int
     max_block_bytes: int = DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
     snapshot_format: str = "file"
+    incremental: bool = False
+    max_snapshot_deltas: int = 8
+    max_delta_ratio: float = 0.5
+    max_delta_entries: int = 250_000
 
     @classmethod
     def from_json_obj(cls, obj: dict[str, Any]) -> PartitionSpec:
@@ -107,7 +150,10 @@ class PartitionSpec:
                    (str(b[0]), int(b[1])) if b else None, int(obj["log_bytes"]),
                    int(obj["snapshot_bytes"]),
                    int(obj.get("max_block_bytes", DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES)),
-                   str(obj.get("snapshot_format", "file")))
+                   str(obj.get("snapshot_format", "file")), obj.get("incremental") is True,
+                   max(1, int(obj.get("max_snapshot_deltas", 8))),
+                   max(0.0, float(obj.get("max_delta_ratio", 0.5))),
+                   max(1, int(obj.get("max_delta_entries", 250_000))))
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"log_id": self.log_id, "env_path": self.env_path,
@@ -117,7 +163,10 @@ class PartitionSpec:
                 "boundary": list(self.boundary) if self.boundary else None,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
                 "max_block_bytes": self.max_block_bytes,
-                "snapshot_format": self.snapshot_format}
+                "snapshot_format": self.snapshot_format, "incremental": self.incremental,
+                "max_snapshot_deltas": self.max_snapshot_deltas,
+                "max_delta_ratio": self.max_delta_ratio,
+                "max_delta_entries": self.max_delta_entries}
 
     @property
     def rules(self) -> MaterializationRules:
@@ -140,6 +189,42 @@ class LatestMaterialization:
     failed: str | None
 
 
+#: Change-set bytes kept per partition for its next delta; beyond, they are dropped and the next
+#: materialization is full (at 1 % updates of 256-byte values a million keys log ~0.7 MB per
+#: interval: far below).
+_MAX_PENDING_BYTES = 64 << 20
+
+
+@dataclass
+class _Pending:
+    """A partition's change sets since its last materialization's cut (see the module
+    docstring): ``(segment key, offset, sqn, body)`` in the order they became durable."""
+
+    sets: list[tuple[str, int, int, bytes]] = field(default_factory=list)
+    nbytes: int = 0
+    #: the boundary the list starts after (registration), while nothing was dropped before it
+    start: tuple[str, int] | None = None
+
+    def index(self, boundary: tuple[str, int]) -> int | None:
+        key, offset = boundary
+        for i in range(len(self.sets) - 1, -1, -1):
+            s = self.sets[i]
+            if s[0] == key and s[1] == offset:
+                return i
+        return None
+
+    def consume(self, boundary: tuple[str, int]) -> bool:
+        """Drop the change sets up to ``boundary``'s; whether the rest is exactly what follows
+        it (a delta may then follow a snapshot taken at ``boundary``)."""
+        i = self.index(boundary)
+        if i is None:
+            return boundary == self.start
+        del self.sets[:i + 1]
+        self.nbytes = sum(len(s[3]) for s in self.sets)
+        self.start = boundary
+        return True
+
+
 @dataclass
 class _Partition:
     spec: PartitionSpec
@@ -148,6 +233,10 @@ class _Partition:
     last_seen: float
     latest: ExternalMaterialization | None = None
     error: str | None = None
+    pending: _Pending = field(default_factory=_Pending)
+    #: ``latest`` may be followed by a delta (the change sets after it are known)
+    chainable: bool = False
+    table_id: str = ""  # the table's table_id at latest's cut
 
     def due_at(self) -> float:
         """When it is due (``inf``: never: nothing new since ``latest``, or failed for good)."""
@@ -173,7 +262,7 @@ class AgentMaterializer:
         self._parts: dict[tuple[str, str], _Partition] = {}
         self._stop = False
         self._m = {"started": 0, "completed": 0, "skipped": 0, "failed": 0, "bytes": 0,
-                   "entries": 0}
+                   "entries": 0, "full": 0, "deltas": 0}
         self._last_duration_ms = -1.0
         self._thread: threading.Thread | None = None
         if start:
@@ -193,12 +282,32 @@ class AgentMaterializer:
                 policy = MaterializationPolicy(spec.rules, uniform=self._uniform)
                 first = policy.start(now)
                 p = self._parts[ident] = _Partition(spec, store, policy, now)
+                p.pending.start = spec.boundary
                 logger.info("materializer: partition %s registered (%s; first due in %.1fs)",
                             spec.log_id, spec.env_path, max(0.0, first - now))
             else:
                 p.spec, p.store, p.last_seen = spec, store, now
                 p.policy.rules = spec.rules
             self._cond.notify_all()
+
+    def note_persisted(self, store_key: str, sets: list[tuple[str, str, int, int, bytes]]
+                       ) -> None:
+        """Change sets became durable: ``(log id, segment key, offset, sqn, body)`` each; keep
+        those of registered incremental partitions for their next delta."""
+        with self._cond:
+            for log_id, key, offset, sqn, body in sets:
+                p = self._parts.get((store_key, log_id))
+                if p is None or not p.spec.incremental:
+                    continue
+                pend = p.pending
+                pend.sets.append((key, offset, sqn, body))
+                pend.nbytes += len(body)
+                if pend.nbytes > _MAX_PENDING_BYTES:
+                    logger.info("materializer: partition %s logged more than %d bytes since its "
+                                "last materialization; the next one is full", log_id,
+                                _MAX_PENDING_BYTES)
+                    p.pending = _Pending()
+                    p.chainable = False
 
     def latest(self, store_key: str, log_id: str) -> LatestMaterialization:
         """The newest materialization of a partition, for the task to install, and the last
@@ -254,11 +363,35 @@ class AgentMaterializer:
                     return written
                 spec, store = p.spec, p.store
                 skip = None if p.latest is None else p.latest.boundary
+                base = self._delta_base_locked(p)
                 self._m["started"] += 1
-            result, error = _attempt(spec, store, skip)
+            result, error = _attempt(spec, store, skip, base)
             with self._cond:
                 written += self._record_locked(p, result, error)
                 self._cond.notify_all()
+
+    def _delta_base_locked(self, p: _Partition) -> DeltaBase | None:
+        """What the partition's next materialization may follow with a delta (``None``: it is
+        full)."""
+        if not p.spec.incremental or p.latest is None or not p.chainable:
+            return None
+        pending = p.pending
+
+        def changed(boundary: tuple[str, int]) -> ChangedEntries | None:
+            with self._cond:
+                if p.pending is not pending:  # dropped meanwhile
+                    return None
+                i = pending.index(boundary)
+                if i is None:
+                    return None
+                sets = pending.sets[:i + 1]
+            entries: set[tuple[int, int, bytes, bytes]] = set()
+            changed_entries((s[3] for s in sets), entries)
+            return ChangedEntries(entries, sets[-1][2] + 1)
+
+        spec = p.spec
+        return DeltaBase(p.latest.pieces, p.table_id, changed, spec.max_snapshot_deltas,
+                         spec.max_delta_ratio, spec.max_delta_entries)
 
     def _record_locked(self, p: _Partition, result: ExternalMaterialization | None,
                        error: BaseException | None) -> int:
@@ -277,7 +410,10 @@ class AgentMaterializer:
             return 0
         p.policy.record_success(now, result.boundary, result.ref.size)
         p.latest, p.error = result, None
+        p.table_id = result.marker.table_id
+        p.chainable = p.spec.incremental and p.pending.consume(result.boundary)
         self._m["completed"] += 1
+        self._m["deltas" if result.ref.delta else "full"] += 1
         self._m["bytes"] += result.ref.size
         self._m["entries"] += result.entries
         self._last_duration_ms = result.duration_s * 1e3
@@ -297,7 +433,8 @@ class AgentMaterializer:
             self.run_due()
 
 
-def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
+def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None,
+             base: DeltaBase | None = None
              ) -> tuple[ExternalMaterialization | None, BaseException | None]:
     """One materialization of a partition's table: ``(result or None, error or None)``; a
     table that is not there (being restored right now) gives neither."""
@@ -307,7 +444,8 @@ def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
                                                zstd_level=spec.zstd_level,
                                                skip_boundary=skip,
                                                max_block_bytes=spec.max_block_bytes,
-                                               snapshot_format=spec.snapshot_format), None
+                                               snapshot_format=spec.snapshot_format,
+                                               delta_base=base), None
     except DstlError as exc:
         return None, exc
     except OSError as exc:  # local file system trouble: count it, keep the agent up

@@ -243,10 +243,13 @@ class StoreRef:
 
 @dataclass(frozen=True, slots=True)
 class OfferedSnapshot:
-    """A snapshot the agent took of a partition: its object and the log position it covers."""
+    """A snapshot the agent took of a partition: its object and the log position it covers;
+    for a delta (``ref.delta``), the pieces it follows (``chain``: a full snapshot, then
+    deltas)."""
 
     ref: SnapshotRef
     boundary: tuple[str, int]
+    chain: tuple[SnapshotRef, ...] = ()
 
 
 # --------------------------------------------------------------------------- message bases
@@ -644,7 +647,8 @@ class MaterializationReply(Reply):
     def _fields(self) -> Header:
         s = self.snapshot
         return {"materialization": None if s is None else {
-                    "ref": s.ref.to_json_obj(), "boundary": list(s.boundary)},
+                    "ref": s.ref.to_json_obj(), "boundary": list(s.boundary),
+                    "chain": [p.to_json_obj() for p in s.chain]},
                 "failed": self.failed}
 
 
@@ -678,7 +682,17 @@ class MaterializationRequest(Request[MaterializationReply]):
             ref = SnapshotRef.from_json_obj(m.get("ref"))
         except DstlError as exc:
             raise m.bad("ref", f"a snapshot reference ({exc})") from exc
-        return MaterializationReply(OfferedSnapshot(ref, (boundary[0], boundary[1])), failed)
+        raw_chain = m.obj.get("chain", [])
+        if not isinstance(raw_chain, list):
+            raise m.bad("chain", "a list of snapshot references")
+        try:
+            chain = tuple(SnapshotRef.from_json_obj(p) for p in raw_chain)
+        except DstlError as exc:
+            raise m.bad("chain", f"a list of snapshot references ({exc})") from exc
+        if ref.delta != bool(chain):
+            raise m.bad("chain", "the pieces a delta follows (and none for a full snapshot)")
+        return MaterializationReply(OfferedSnapshot(ref, (boundary[0], boundary[1]), chain),
+                                    failed)
 
 
 # --------------------------------------------------------------------------- requests by op

@@ -302,7 +302,13 @@ class AgentServer:
         """Hand the change sets to the store's batching scheduler; answered once durable."""
         st = self.storage_for(request.store)
 
+        store_key = request.store.key()
+
         def ok(pairs: list[tuple[ChangeSet, ChangeSetRef]]) -> None:
+            # before the answer: the task commits its table only once answered, so a read
+            # transaction that sees the commit finds these change sets noted
+            self.materializer.note_persisted(
+                store_key, [(cs.log_id, r.key, r.offset, cs.sqn, cs.body) for cs, r in pairs])
             respond(PersistReply(tuple((r.key, r.offset, r.length) for _, r in pairs)))
 
         def failed(_: list[ChangeSet], exc: BaseException) -> None:
@@ -346,7 +352,8 @@ class AgentServer:
     def _materialization(self, request: MaterializationRequest) -> MaterializationReply:
         latest = self.materializer.latest(request.store.key(), request.log_id)
         m = latest.materialization
-        return MaterializationReply(None if m is None else OfferedSnapshot(m.ref, m.boundary),
+        return MaterializationReply(None if m is None else OfferedSnapshot(m.ref, m.boundary,
+                                                                           m.chain),
                                     latest.failed)
 
 

@@ -1,0 +1,304 @@
+"""The executor agent's incremental materialization of LMDB partitions: deltas built from the
+change sets the agent uploads, installed by the partition's backend, restored (with rescaling)
+to exactly the model; and the rules that make a materialization full instead (a table loaded
+from a snapshot, a chain the checkpoint does not name, the compaction rule, change sets the agent
+did not see).
+
+One process plays both sides, as the agent and its workers do on an executor: a worker's batch
+opens the partition's table (adopting it at the base, as ``dstl.spark.slots`` does), writes,
+checkpoints, commits the marker and closes it; the agent is told the change sets that became
+durable (their bodies read back from the store: the bytes the agent's persist receives), the
+partition registers, and the agent materializes from a read-only open."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for
+from dstl.segment import decode_record
+from dstl.spark.agent import AgentMaterializer, PartitionSpec
+from materializer import (
+    BackendOptions,
+    ChangelogKeyedStateBackend,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    TableMarker,
+    ValueStateDescriptor,
+)
+from materializer.delta_format import DELTA_VERSION
+from materializer.file_snapshot import snapshot_version
+from materializer.handles import ChangelogStateBackendHandle
+from restore import restore_backend
+
+MP = 16
+KGS = KeyGroupRange(0, MP - 1)
+OP = "op/p0"
+STORE = "s"
+NO_TIMER = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
+KEYS = [f"k{i}" for i in range(60)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Model = dict[str, dict[str, Any]]
+
+
+class Executor:
+    """A partition's table on one executor, its batches and the agent's materializer."""
+
+    def __init__(self, tmp: Path, storage: ChangelogStorage, **spec: Any) -> None:
+        self.tmp = tmp
+        self.storage = storage
+        self.clock = Clock()
+        self.agent = AgentMaterializer(clock=self.clock, start=False, uniform=lambda a, b: a)
+        self.handle: ChangelogStateBackendHandle | None = None
+        self.cp = 0
+        self.spec_extra = {"incremental": True, "max_snapshot_deltas": 8,
+                           "max_delta_ratio": 50.0, "max_delta_entries": 10_000, **spec}
+        self.env = ""
+
+    def _open(self, restore_from: ChangelogStateBackendHandle | None = None
+              ) -> ChangelogKeyedStateBackend:
+        local = str(self.tmp / "local")
+        if restore_from is not None:
+            return restore_backend([restore_from], self.storage, KGS, table="lmdb",
+                                   local_directory=local, operator_id=OP, options=NO_TIMER,
+                                   auto_materialize=False)
+        if self.handle is None:
+            return ChangelogKeyedStateBackend(self.storage, OP, KGS, MP, table="lmdb",
+                                              options=NO_TIMER, local_directory=local,
+                                              clear_local=True, auto_materialize=False)
+        b = ChangelogKeyedStateBackend(self.storage, OP, KGS, MP, table="lmdb",
+                                       options=NO_TIMER, local_directory=local,
+                                       adopt_local=True, auto_materialize=False)
+        h = self.handle
+        b.install_restored(h.materialized, h.non_materialized, h.materialization_id)
+        raw = b.tables.read_marker()
+        assert raw is not None
+        for sid, meta in TableMarker.from_bytes(raw).states.items():
+            b.register_restored_state(meta, int(sid))
+        return b
+
+    def batch(self, model: Model, rng: random.Random, n: int = 12, *,
+              restore: bool = False, note: bool = True, install: bool = True
+              ) -> ChangelogStateBackendHandle:
+        """One task: open (adopt, or restore from the last checkpoint), install the agent's
+        newest materialization, write ``n`` random updates, checkpoint, commit the marker."""
+        b = self._open(self.handle if restore else None)
+        try:
+            self.env = b.tables.path
+            v = b.get_state(ValueStateDescriptor("v"))
+            lst = b.get_state(ListStateDescriptor("l"))
+            mp = b.get_state(MapStateDescriptor("m"))
+            first_sqn = b.writer.next_sqn()
+            self.cp += 1
+            with b.write_batch():
+                for _ in range(n):
+                    k = rng.choice(KEYS)
+                    b.set_current_key(k)
+                    row = model.setdefault(k, {})
+                    op = rng.randrange(6)
+                    if op == 0:
+                        v.update(rng.randrange(1000))
+                        row["v"] = v.value()
+                    elif op == 1:
+                        v.clear()
+                        row.pop("v", None)
+                    elif op == 2:
+                        lst.add(rng.randrange(10))
+                        row["l"] = lst.get()
+                    elif op == 3:
+                        mp.put(f"f{rng.randrange(4)}", rng.randrange(100))
+                        row["m"] = dict(mp.items())
+                    elif op == 4:
+                        mp.remove(f"f{rng.randrange(4)}")
+                        row["m"] = dict(mp.items())
+                        if not row["m"]:
+                            row.pop("m")
+                    else:
+                        lst.clear()
+                        row.pop("l", None)
+                latest = self.agent.latest(STORE, OP).materialization
+                if latest is not None and install:
+                    b.install_materialization(latest.ref, latest.boundary, latest.chain)
+                h = b.snapshot(self.cp).result(10)
+                b.write_table_marker(h)
+            b.notify_checkpoint_complete(self.cp)
+            new = [r for r in b.last_delta.change_sets if r.sqn >= first_sqn] \
+                if b.last_delta is not None else []
+            marker = b.table_marker(h)
+        finally:
+            b.close()
+        if note:
+            bodies = [(OP, r.key, r.offset, r.sqn, decode_record(
+                self.storage.store.get_range(r.key, r.offset, r.length), key=r.key,
+                offset=r.offset, log_id=OP, sqn=r.sqn)) for r in new]
+            self.agent.note_persisted(STORE, bodies)
+        self.agent.register(STORE, self.storage.store, PartitionSpec(
+            OP, self.env, KGS, 10.0, None, 0, 1, 3, marker.boundary, marker.log_bytes,
+            marker.snapshot_bytes, **self.spec_extra))
+        self.handle = h
+        return h
+
+    def materialize(self) -> Any:
+        self.clock.now += 10.0
+        self.agent.request(STORE, OP)
+        assert self.agent.run_due() == 1
+        return self.agent.latest(STORE, OP).materialization
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def _read(storage: ChangelogStorage, handles: list[ChangelogStateBackendHandle],
+          kgs: KeyGroupRange, local: Path) -> Model:
+    b = restore_backend(handles, storage, kgs, table="lmdb", local_directory=str(local),
+                        operator_id=f"check-{local.name}", max_parallelism=MP)
+    try:
+        v = b.get_state(ValueStateDescriptor("v"))
+        lst = b.get_state(ListStateDescriptor("l"))
+        mp = b.get_state(MapStateDescriptor("m"))
+        out: Model = {}
+        for k in KEYS:
+            if key_group_for(k.encode(), MP) not in kgs:
+                continue
+            b.set_current_key(k)
+            row = {}
+            if (x := v.value()) is not None:
+                row["v"] = x
+            if (x := lst.get()):
+                row["l"] = x
+            if not mp.is_empty():
+                row["m"] = dict(mp.items())
+            if row:
+                out[k] = row
+        return out
+    finally:
+        b.close()
+
+
+def _expected(model: Model, kgs: KeyGroupRange) -> Model:
+    return {k: r for k, r in model.items() if r and key_group_for(k.encode(), MP) in kgs}
+
+
+def _kinds(storage: ChangelogStorage, h: ChangelogStateBackendHandle) -> list[str]:
+    out = []
+    for p in h.materialized:
+        version = snapshot_version(storage.store.get_range(p.key, 0, 8))
+        assert p.delta == (version == DELTA_VERSION), p
+        out.append("d" if p.delta else "f")
+    return out
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[ChangelogStorage]:
+    s = ChangelogStorage(str(tmp_path / "store"), options=DstlOptions(persist_delay_s=0.0))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_agent_deltas_restore_to_the_model_with_rescaling(storage: ChangelogStorage,
+                                                          tmp_path: Path, seed: int) -> None:
+    print("seed", seed)
+    rng = random.Random(seed)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    first = ex.materialize()
+    assert not first.ref.delta and first.chain == ()
+    kinds = []
+    for i in range(6):
+        ex.batch(model, rng)
+        ex.batch(model, rng)
+        m = ex.materialize()
+        assert m.ref.delta, f"materialization {i + 2} is full"
+        assert m.chain[0].key == first.ref.key
+        h = ex.batch(model, rng)  # installs it
+        kinds = _kinds(storage, h)
+        assert kinds == ["f"] + ["d"] * (i + 1)
+        assert _read(storage, [h], KGS, tmp_path / f"r{i}") == _expected(model, KGS)
+    assert ex.agent.metrics()["materializer.deltas"] == 6
+    # rescaling: 1 -> 2 from the chain and its log
+    for j, sub in enumerate((KeyGroupRange(0, 6), KeyGroupRange(7, MP - 1))):
+        assert _read(storage, [h], sub, tmp_path / f"half{j}") == _expected(model, sub)
+    ex.close()
+
+
+def test_full_when_the_table_was_loaded_compaction_or_changes_unknown(
+        storage: ChangelogStorage, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    ex = Executor(tmp_path, storage, max_snapshot_deltas=2)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    assert not ex.materialize().ref.delta
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta
+    ex.batch(model, rng)
+    # two deltas follow the full snapshot: the compaction rule makes the next one full
+    m = ex.materialize()
+    assert not m.ref.delta
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta
+    # the table is restored from the checkpoint (a re-run batch, the partition came back): a new
+    # table_id, so the changes between the two cuts are not all in the change sets: full
+    h = ex.batch(model, rng, restore=True)
+    assert ex.materialize().ref.delta is False
+    # a change set the agent did not see (persisted elsewhere): the boundary is not in its list
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta
+    ex.batch(model, rng, note=False)
+    m = ex.materialize()
+    assert not m.ref.delta
+    # ... and the snapshot after that is chained only once the change sets are known again
+    ex.batch(model, rng)
+    m = ex.materialize()
+    h = ex.batch(model, rng)
+    assert _read(storage, [h], KGS, tmp_path / "final") == _expected(model, KGS)
+    assert ex.agent.metrics()["materializer.full"] >= 4
+    ex.close()
+
+
+def test_a_delta_is_not_installed_on_another_chain(storage: ChangelogStorage,
+                                                   tmp_path: Path) -> None:
+    rng = random.Random(3)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    full = ex.materialize()
+    ex.batch(model, rng)
+    ex.batch(model, rng)
+    delta = ex.materialize()
+    assert delta.ref.delta
+    b = ChangelogKeyedStateBackend(storage, "other", KGS, MP, table="lmdb", options=NO_TIMER,
+                                   local_directory=str(tmp_path / "other"))
+    try:
+        # a backend whose base is not the delta's chain does not install it, even though the
+        # boundary is nowhere in its log either way; and a chain that is not the base is refused
+        assert b.install_materialization(delta.ref, delta.boundary, delta.chain) is None
+        assert b.install_materialization(delta.ref, delta.boundary, (full.ref,)) is None
+    finally:
+        b.close()
+    # the partition's own backend skips one delta: the next one brings it along (its base is a
+    # prefix of the chain)
+    ex.batch(model, rng, install=False)
+    ex.batch(model, rng, install=False)
+    second = ex.materialize()
+    assert second.ref.delta and second.chain == (full.ref, delta.ref)
+    h = ex.batch(model, rng)
+    assert [p.key for p in h.materialized] == [full.ref.key, delta.ref.key, second.ref.key]
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    ex.close()
