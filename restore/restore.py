@@ -76,7 +76,7 @@ from dstl.stores.base import BlobStore
 from dstl.timer import Timer, check_timer
 from materializer.backend import ChangelogKeyedStateBackend, check_layout, check_storage
 from materializer.changes import decode_snapshot_states
-from materializer.delta_format import DELTA_VERSION, DeltaReader
+from materializer.delta_format import DELTA_VERSION, DeltaMeta, DeltaReader
 from materializer.file_snapshot import snapshot_version
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.options import BackendOptions
@@ -95,7 +95,8 @@ from restore.leasing import LeasingCache, ObjectLease, PrefetchItem, PrefetchTic
 from restore.plan import RestorePlan, plan_restore
 from restore.reader import ChangelogReader, segment_verifier, snapshot_verifier
 
-__all__ = ["RestorePlan", "RestoreStats", "plan_restore", "prefetch_items", "restore_backend"]
+__all__ = ["RestorePlan", "RestoreStats", "check_delta_piece", "plan_restore", "prefetch_items",
+           "restore_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -418,33 +419,47 @@ def _check_piece_kind(ref: SnapshotRef, head: bytes) -> None:
             hint="the handle does not match the object; restore from an earlier checkpoint")
 
 
+def check_delta_piece(ref: SnapshotRef, meta: DeltaMeta, at: int,
+                      earlier: Sequence[SnapshotRef], max_parallelism: int) -> None:
+    """A delta is the piece its reference names, in the chain the checkpoint names: it follows
+    the piece before it for its key groups (the last of ``earlier`` covering its first key
+    group), is the materialization its reference names, has the checkpoint's max parallelism and
+    covers the reference's key groups — what every reader of a chain checks (restore, the row
+    and column readers, the change feed), since a delta with valid checksums can still claim any
+    of these.
+
+    Raises:
+        CorruptObjectError: naming the delta and its metadata block (``at``).
+    """
+    before = next((p for p in reversed(earlier) if ref.key_groups.start in p.key_groups), None)
+    if before is None or meta.follows != before.materialization_id:
+        raise CorruptObjectError(
+            ref.key, at, f"the delta follows materialization {meta.follows}, but the piece "
+                         f"before it for key groups {ref.key_groups} is "
+                         f"{'none' if before is None else before.materialization_id}")
+    if (meta.materialization_id != ref.materialization_id
+            or meta.max_parallelism != max_parallelism
+            or ref.key_groups.intersection(meta.key_groups) != ref.key_groups):
+        raise CorruptObjectError(
+            ref.key, at, f"the delta is materialization {meta.materialization_id} of key "
+                         f"groups {meta.key_groups} at max parallelism "
+                         f"{meta.max_parallelism}; the checkpoint names materialization "
+                         f"{ref.materialization_id} of {ref.key_groups} at "
+                         f"{max_parallelism}")
+
+
 def _apply_delta(plan: RestorePlan, i: int, backend: ChangelogKeyedStateBackend,
                  store: BlobStore, cache: LeasingCache | None, allow_pickle: bool) -> int:
     """Apply the delta ``plan.snapshots[i]`` (for its key groups) on the pieces before it;
     returns the entries applied."""
     ref = plan.snapshots[i]
-    before = next((p for p in reversed(plan.snapshots[:i])
-                   if ref.key_groups.start in p.key_groups), None)
     source = _snapshot_source(backend, store, cache, ref)
     try:
         _check_piece_kind(ref, source.read(0, min(8, source.size())))
         reader = DeltaReader(source, key=ref.key,
                              max_block_bytes=backend.options.max_snapshot_block_bytes)
         meta, at = reader.meta, reader.metadata_offset
-        if before is None or meta.follows != before.materialization_id:
-            raise CorruptObjectError(
-                ref.key, at, f"the delta follows materialization {meta.follows}, but the piece "
-                             f"before it for key groups {ref.key_groups} is "
-                             f"{'none' if before is None else before.materialization_id}")
-        if (meta.materialization_id != ref.materialization_id
-                or meta.max_parallelism != plan.max_parallelism
-                or ref.key_groups.intersection(meta.key_groups) != ref.key_groups):
-            raise CorruptObjectError(
-                ref.key, at, f"the delta is materialization {meta.materialization_id} of key "
-                             f"groups {meta.key_groups} at max parallelism "
-                             f"{meta.max_parallelism}; the checkpoint names materialization "
-                             f"{ref.materialization_id} of {ref.key_groups} at "
-                             f"{plan.max_parallelism}")
+        check_delta_piece(ref, meta, at, plan.snapshots[:i], plan.max_parallelism)
         remap: dict[int, int] = {}
         for sid, state in sorted(meta.states.items()):
             try:

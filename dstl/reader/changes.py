@@ -58,7 +58,8 @@ from materializer.changes import (
     iter_pairs,
 )
 from materializer.codecs import SafeCodec, StrOrBytesKeyCodec, codec_by_name
-from materializer.file_snapshot import read_file_snapshot_layout
+from materializer.delta_format import DELTA_VERSION
+from materializer.file_snapshot import read_file_snapshot_layout, snapshot_version
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.state_tables import BlobRangeSource, SnapshotReader
 from materializer.states import StateShape
@@ -98,7 +99,12 @@ def snapshot_boundary(store: BlobStore, ref: SnapshotRef) -> tuple[str, int] | N
     Raises:
         CorruptObjectError: the snapshot's tail or metadata block is damaged.
     """
-    if is_file_snapshot(store.get_range(ref.key, 0, HEADER_SIZE)):
+    head = store.get_range(ref.key, 0, HEADER_SIZE)
+    if ref.delta or snapshot_version(head) == DELTA_VERSION:
+        # a delta records no boundary: the changes it cut out of the log come back as the
+        # difference of the two checkpoints' states (a gap fill, which reads chains)
+        return None
+    if is_file_snapshot(head):
         layout = read_file_snapshot_layout(lambda off, n: store.get_range(ref.key, off, n),
                                            ref.size, key=ref.key)
         return layout.meta.boundary
@@ -334,7 +340,8 @@ class _SplitReader:
         image = StateImage(self.allow_pickle)
         if handles:
             plan = plan_restore(handles, rng, operator_id="dstl-reader")
-            image.load(self.store, plan.snapshots, rng, self.cache)
+            image.load(self.store, plan.snapshots, rng, self.cache,
+                       max_parallelism=plan.max_parallelism)
             for h in plan.logs:
                 if h.change_sets:
                     image.replay(self.reader, h, rng.intersection(h.replay_key_groups))

@@ -1037,6 +1037,10 @@ def _split_runs(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
     rng = split.key_group_range
     plan = plan_restore([handle], rng)  # narrowed to what the handle owns in the range
     logs = [h for h in plan.logs if h.change_sets]
+    if any(r.delta for r in plan.snapshots):
+        yield from _chain_runs(store, plan.snapshots, logs, rng, cache, allow_pickle,
+                               plan.max_parallelism)
+        return
     runs = snapshot_runs(store, plan.snapshots, rng, allow_pickle, cache)
     if not logs:
         yield from runs
@@ -1048,6 +1052,27 @@ def _split_runs(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
     for run in runs:
         yield from overlay.through(run)
     yield from overlay.rest()
+
+
+def _chain_runs(store: BlobStore, refs: Sequence[SnapshotRef], logs: Sequence[Any],
+                rng: KeyGroupRange, cache: LeasingCache | None, allow_pickle: bool,
+                max_parallelism: int) -> Iterator[Run]:
+    """The split's entries when its snapshots are a chain with deltas: a delta changes entries
+    a snapshot run would already have yielded, so the chain is loaded as the row reader loads
+    it (:meth:`StateImage.load <dstl.reader.image.StateImage.load>`: each piece in order,
+    checked as a restore checks it), the log replayed over it, and the entries come out as one
+    run per state. The split's state is held in memory (as the row reader holds it)."""
+    image = StateImage(allow_pickle)
+    image.load(store, refs, rng, cache, max_parallelism=max_parallelism)
+    if logs:
+        reader = ChangelogReader(store, cache=cache)
+        for h in logs:
+            image.replay(reader, h, rng.intersection(h.replay_key_groups))
+    by_state: dict[str, _Entries] = {}
+    for info, kg, kb, nb, vb in image.rows():
+        by_state.setdefault(info.name, _Entries()).add((info.name, kg, kb, nb), vb)
+    for name, entries in by_state.items():
+        yield entries.run(image.states[name])
 
 
 def read_state_batches(store: BlobStore, split: StateSplit, *,

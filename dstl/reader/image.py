@@ -32,12 +32,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dstl.envelope import HEADER_SIZE
-from dstl.errors import CorruptObjectError, StateError
+from dstl.errors import CorruptObjectError, StateError, UsageError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.stores.base import BlobStore
@@ -71,6 +71,7 @@ from materializer.states import StateShape
 from restore.file_restore import StagedSnapshot, is_file_snapshot, read_at, stage_file_snapshot
 from restore.leasing import LeasingCache, ObjectLease
 from restore.reader import ChangelogReader, verify_snapshot
+from restore.restore import check_delta_piece
 
 __all__ = ["Ident", "LeaseSource", "StateImage", "StateInfo", "decompressed_file_snapshot",
            "file_snapshot", "file_snapshot_states", "snapshot_states", "state_info",
@@ -294,14 +295,20 @@ class StateImage:
                              f"checkpoint and a {info.kind} state in {where}")
         return had
 
-    def load(self, store: BlobStore, refs: Iterable[SnapshotRef], key_groups: KeyGroupRange,
-             cache: LeasingCache | None = None) -> None:
+    def load(self, store: BlobStore, refs: Sequence[SnapshotRef], key_groups: KeyGroupRange,
+             cache: LeasingCache | None = None, *, max_parallelism: int | None = None) -> None:
         """Add the snapshot entries of ``key_groups``, piece by piece in order: a full
-        snapshot's entries, then a delta's puts and tombstones on top of them."""
+        snapshot's entries, then a delta's puts and tombstones on top of them — each delta
+        checked to be the piece the chain names, as a restore checks it
+        (:func:`restore.restore.check_delta_piece`; ``max_parallelism``: the checkpoint's,
+        needed when ``refs`` hold a delta)."""
         entries = self.entries
-        for ref in refs:
+        for i, ref in enumerate(refs):
             if ref.delta:
-                self._load_delta(store, ref, key_groups, cache)
+                if max_parallelism is None:
+                    raise UsageError("StateImage.load: a chain with deltas needs the "
+                                     "checkpoint's max_parallelism")
+                self._load_delta(store, ref, key_groups, cache, refs[:i], max_parallelism)
                 continue
             for info, kg, kb, nb, vb in stream_snapshots(store, (ref,), key_groups,
                                                          self.allow_pickle, cache):
@@ -309,7 +316,8 @@ class StateImage:
                 entries[(name, kg, kb, nb)] = vb
 
     def _load_delta(self, store: BlobStore, ref: SnapshotRef, key_groups: KeyGroupRange,
-                    cache: LeasingCache | None) -> None:
+                    cache: LeasingCache | None, earlier: Sequence[SnapshotRef],
+                    max_parallelism: int) -> None:
         """A delta's entries of ``key_groups`` over the entries loaded so far (read and checked
         as a restore reads it: :class:`~materializer.delta_format.DeltaReader`)."""
         wanted = key_groups.intersection(ref.key_groups)
@@ -319,6 +327,8 @@ class StateImage:
         try:
             source = LeaseSource(lease) if lease else BlobRangeSource(store, ref.key, ref.size)
             reader = DeltaReader(source, key=ref.key)
+            check_delta_piece(ref, reader.meta, reader.metadata_offset, earlier,
+                              max_parallelism)
             names = {int(sid): self.known(state_info(m, self.allow_pickle, ref.key),
                                           "a delta").name
                      for sid, m in reader.meta.states.items()}

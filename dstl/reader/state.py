@@ -179,7 +179,7 @@ def _image_rows(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
         source = stream_snapshots(store, plan.snapshots, rng, allow_pickle, cache)
     else:
         image = StateImage(allow_pickle)
-        image.load(store, plan.snapshots, rng, cache)
+        image.load(store, plan.snapshots, rng, cache, max_parallelism=plan.max_parallelism)
         reader = ChangelogReader(store, cache=cache)
         for h in logs:
             image.replay(reader, h, rng.intersection(h.replay_key_groups))

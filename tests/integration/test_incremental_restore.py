@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -361,8 +362,8 @@ def test_forged_or_truncated_deltas_fail_restore_typed_naming_the_object(
         storage: ChangelogStorage, table: str) -> None:
     """A delta object replaced in the store (truncated, a byte flipped, or forged with valid
     checksums: following another materialization, of another max parallelism, a full snapshot
-    under a delta's name, a delta under a full snapshot's) fails the restore with a
-    ``CorruptObjectError`` naming it; the untouched chain restores the model."""
+    under a delta's name, a delta under a full snapshot's) fails the restore and the column
+    reader with a ``CorruptObjectError`` naming it; the untouched chain restores the model."""
     import dataclasses
 
     from materializer.delta_format import DeltaMeta, decode_delta, encode_delta
@@ -384,12 +385,21 @@ def test_forged_or_truncated_deltas_fail_restore_typed_naming_the_object(
                       meta.materialization_id, meta.follows, meta.up_to, meta.states), []),
         "a full snapshot": storage.store.get(base.key),
     }
+    from dstl.reader import StateSplit
+    from dstl.reader.columns import read_state_batches
+    split = StateSplit(4, "op", h.to_json(), (0, MP - 1))
     for name, data in cases.items():
         _replace_object(storage, d2.key, data)
         with pytest.raises(CorruptObjectError) as info:
             _restore(storage, h, table)
         assert info.value.key == d2.key, name
+        # the column reader (the Spark state source) reads the chain as a restore does
+        with pytest.raises(CorruptObjectError) as info:
+            for _ in read_state_batches(storage.store, split):
+                pass
+        assert info.value.key == d2.key, f"column reader: {name}"
     _replace_object(storage, d2.key, original)
+    assert sum(b.num_rows for b in read_state_batches(storage.store, split)) > 0
     # a handle that calls the full snapshot a delta, or a delta a full snapshot, or that puts a
     # delta before its full snapshot
     as_delta = dataclasses.replace(h, materialized=(dataclasses.replace(base, delta=True),
@@ -419,9 +429,19 @@ def test_forged_or_truncated_deltas_fail_restore_typed_naming_the_object(
 def test_the_state_reader_reads_a_chain_with_deltas(storage: ChangelogStorage) -> None:
     """The row state reader reads a checkpoint of a full snapshot and deltas (the pieces in
     order, tombstones removing entries) and equals the model — with and without a log after
-    the chain; the streaming path, which cannot undo what it yielded, refuses a delta typed."""
+    the chain; the streaming path, which cannot undo what it yielded, refuses a delta typed;
+    the column reader gives the row reader's rows for every checkpoint, and the change feed
+    between two checkpoints turns the first's values into the second's."""
     from dstl.checkpoint import CheckpointCoordinator
-    from dstl.reader import CheckpointCatalog, read_state
+    from dstl.reader import (
+        CheckpointCatalog,
+        from_json,
+        plan_state_splits,
+        read_changes,
+        read_state,
+        task_states,
+    )
+    from dstl.reader.columns import read_state_batches
     from dstl.reader.image import stream_snapshots
     from dstl.reader.store import ReadOnlyBlobStore
 
@@ -477,6 +497,35 @@ def test_the_state_reader_reads_a_chain_with_deltas(storage: ChangelogStorage) -
         for _ in entries:
             pass
     assert info.value.key == handles[at_chain].materialized[1].key
+    # the column reader (the Spark state source) reads the same rows as the row reader, in every
+    # retained checkpoint
+    retained = sorted(c for c in handles if c >= at_chain - 1)
+    for cid in retained:
+        rows = sorted((r.state, r.key_group, r.key_bytes, repr(r.namespace), repr(r.user_key),
+                       repr(r.value)) for r in read_state(catalog, cid))
+        cols = []
+        for split in plan_state_splits(cid, task_states(catalog.manifest(cid))):
+            for batch in read_state_batches(store, split):
+                d = batch.to_pydict()
+                for i in range(batch.num_rows):
+                    row = {k: d[k][i] for k in d}
+                    cols.append((row["state"], row["key_group"], row["key_bytes"],
+                                 *(repr(None if row[c] is None else from_json(row[c]))
+                                   for c in ("namespace", "user_key", "value"))))
+        assert sorted(cols) == rows, f"checkpoint {cid}"
+    # the change feed from one checkpoint to the next turns the first's value state into the
+    # next's, across the deltas (their changes come back as state differences)
+    for a, z in pairwise(retained):
+        vs = {k: v for k, v in models[a].items() if k[0] == "v"}
+        for row in read_changes(catalog, a, z):
+            if row.state != "v":
+                continue
+            slot = ("v", row.key, row.namespace)
+            if row.op == "clear":
+                vs.pop(slot, None)
+            else:
+                vs[slot] = row.value
+        assert vs == {k: v for k, v in _clean(models[z]).items() if k[0] == "v"}, (a, z)
 
 
 # --------------------------------------------------------------------------- retention
