@@ -208,7 +208,8 @@ def latest_result(name: str, *, quick: bool = False) -> Path:
 
 def replace_section(text: str, name: str, section: str) -> str:
     """``text`` with the section of bench ``name`` (markers included) replaced by ``section``,
-    or ``section`` appended when the bench has none yet. Exactly one section per bench."""
+    or ``section`` appended under a title of its own when the bench has none yet (its goal and
+    latest ratio are then written by hand above it). Exactly one section per bench."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     if text.count(start) > 1:
         raise ValueError(f"docs/benchmarks.md holds {text.count(start)} sections {start}; "
@@ -217,7 +218,9 @@ def replace_section(text: str, name: str, section: str) -> str:
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         return head + section + tail
-    return text.rstrip() + "\n\n" + section + "\n"
+    script = name.split("-")[0]
+    return (text.rstrip() + f"\n\n## `bench/{script}.py`\n\n**Goal:** as the script's docstring "
+            "states it. **Latest:** the run below.\n\n" + section + "\n")
 
 
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,

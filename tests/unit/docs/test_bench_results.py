@@ -53,6 +53,7 @@ def test_a_second_run_replaces_the_section_and_a_tag_names_nothing(
     second = _run(tmp_path, monkeypatch, tag="before")
     doc = (tmp_path / "benchmarks.md").read_text()
     assert doc.count("<!-- bench:demo_bench -->") == 1, doc
+    assert "## `bench/demo_bench.py`\n\n**Goal:**" in doc  # a new section gets a title
     assert doc.count("<!-- /bench:demo_bench -->") == 1
     assert "Goal: kept." in doc  # the hand-written text around the markers stays
     assert "before" not in doc and "--tag" not in doc
@@ -75,9 +76,8 @@ def test_benchmarks_md_has_one_section_per_bench_and_each_has_its_writer() -> No
     sections = re.findall(r"<!-- bench:([^ ]+) -->", doc)
     assert len(sections) == len(set(sections)), sorted(sections)
     written = _section_names_written_by_scripts()
-    assert set(sections) == written, (
-        f"sections no script writes: {sorted(set(sections) - written)}; "
-        f"scripts without a section: {sorted(written - set(sections))}")
+    # a new bench adds its section at its first run; a section no script writes is stale
+    assert set(sections) <= written, f"sections no script writes: {sorted(set(sections) - written)}"
     for name in sections:
         start = doc.index(f"<!-- bench:{name} -->")
         before = doc[:start].rsplit("## ", 1)[-1]
