@@ -78,11 +78,11 @@ def _write(dirpath: str, index: int, events: list[dict[str, Any]]) -> None:
     os.replace(tmp, os.path.join(dirpath, f"part-{index:05d}.json"))
 
 
-def _session(name: str, partitions: int) -> Any:
+def _session(name: str, partitions: int, master: str) -> Any:
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers use this interpreter
-    return (SparkSession.builder.master("local[2]").appName(name)
+    return (SparkSession.builder.master(master).appName(name)
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", str(partitions))
@@ -92,11 +92,11 @@ def _session(name: str, partitions: int) -> Any:
 
 
 def _run_phase(label: str, src: str, ck: str, state_uri: str, storage_options: Any,
-               partitions: int, table: str, final: dict[str, dict[str, Any]]
+               partitions: int, table: str, final: dict[str, dict[str, Any]], master: str
                ) -> list[dict[str, Any]]:
     from dstl.spark.operator import DstlStatefulOperator
 
-    spark = _session(f"dstl-demo-{label}", partitions)
+    spark = _session(f"dstl-demo-{label}", partitions, master)
     spark.sparkContext.setLogLevel("ERROR")
 
     def sink(out_df: Any, batch_id: int) -> None:
@@ -156,7 +156,7 @@ def _table(rows: list[dict[str, Any]], label: str) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    work = tempfile.mkdtemp(prefix="dstl-demo-")
+    work = tempfile.mkdtemp(prefix="dstl-demo-", dir=args.work_dir)
     src = os.path.join(work, "clicks")
     ck = os.path.join(work, "spark-checkpoint")
     os.makedirs(src)
@@ -172,12 +172,12 @@ def run(argv: list[str] | None = None) -> int:
         for i in range(args.restart_after):
             _write(src, i, files[i])
         first = _run_phase("run-1", src, ck, state_uri, storage_options, args.partitions,
-                           args.table, final)
+                           args.table, final, args.master)
         _table(first, "run 1 (fresh state):")
         for i in range(args.restart_after, args.files):
             _write(src, i, files[i])
         second = _run_phase("run-2", src, ck, state_uri, storage_options, args.partitions,
-                            args.table, final)
+                            args.table, final, args.master)
         _table(second, "run 2 (a new SparkSession; state restored from the store):")
         expected = _expected_results(files)
         objs = sum(s["objects_written"] for s in first + second)
@@ -204,6 +204,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--table", choices=["lmdb", "heap"], default="lmdb")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--master", default="local[2]",
+                   help="Spark master URL, e.g. spark://host:7077 for a standalone cluster "
+                        "(its executors must reach the input and work directory: --work-dir)")
+    p.add_argument("--work-dir", default=None,
+                   help="directory of the input files and Spark's checkpoint, removed at the "
+                        "end (default: a new temp directory)")
     args = p.parse_args(argv)
     try:
         args.storage_option_values = parse_storage_options(args.storage_option)
