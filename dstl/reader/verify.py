@@ -41,12 +41,14 @@ from dstl.reader.checks import check_checkpoint_id
 from dstl.reader.image import state_info
 from dstl.segment import decode_segment
 from materializer.codecs import SafeCodec
-from materializer.delta_format import DELTA_VERSION, decode_delta
+from materializer.delta_format import DELTA_VERSION, DeltaReader, decode_delta
 from materializer.file_snapshot import snapshot_version
 from materializer.handles import SnapshotRef
 from materializer.lmdb_table import KEY_PREFIX
 from materializer.snapshot_format import decode_snapshot
+from materializer.state_tables import BytesSource
 from restore.file_restore import StagedSnapshot, is_file_snapshot, validate_file_snapshot
+from restore.restore import check_delta_piece
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "verify_checkpoint"]
 
@@ -87,6 +89,10 @@ class _Needs:
     change_sets: dict[str, list[tuple[str, ChangeSetRef]]] = field(default_factory=dict)
     snapshots: dict[str, list[SnapshotRef]] = field(default_factory=dict)
     unlisted: list[tuple[str, str]] = field(default_factory=list)  # (task, key)
+    #: a delta's key -> (its reference, the pieces before it in its handle, the handle's max
+    #: parallelism), one per handle that names it: the chain a restore checks it against
+    chains: dict[str, list[tuple[SnapshotRef, tuple[SnapshotRef, ...], int]]] = field(
+        default_factory=dict)
 
 
 def _needs(manifest: Manifest) -> _Needs:
@@ -95,8 +101,12 @@ def _needs(manifest: Manifest) -> _Needs:
     for t in task_states(manifest):
         keys = t.handle.referenced_keys()
         needs.unlisted.extend((t.task_id, k) for k in keys if k not in listed[t.task_id])
-        for s in t.handle.materialized:
+        pieces = t.handle.materialized
+        for i, s in enumerate(pieces):
             needs.snapshots.setdefault(s.key, []).append(s)
+            if s.delta:
+                needs.chains.setdefault(s.key, []).append(
+                    (s, pieces[:i], t.handle.max_parallelism))
         for h in t.handle.non_materialized:
             for r in h.change_sets:
                 needs.change_sets.setdefault(r.key, []).append((h.log_id, r))
@@ -151,7 +161,7 @@ def _verify_object(catalog: CheckpointCatalog, key: str, needs: _Needs,
         if key in needs.change_sets:
             _check_segment(data, key, needs.change_sets[key])
         if key in needs.snapshots:
-            _check_snapshot(data, key, needs.snapshots[key])
+            _check_snapshot(data, key, needs.snapshots[key], needs.chains.get(key, []))
     except CorruptObjectError as exc:
         report.problems.append(VerifyProblem(key, exc))
 
@@ -169,7 +179,8 @@ def _check_segment(data: bytes, key: str, refs: list[tuple[str, ChangeSetRef]]) 
                                                     f"here, the segment has {got}")
 
 
-def _check_snapshot(data: bytes, key: str, refs: list[SnapshotRef]) -> None:
+def _check_snapshot(data: bytes, key: str, refs: list[SnapshotRef],
+                    chains: list[tuple[SnapshotRef, tuple[SnapshotRef, ...], int]]) -> None:
     delta = snapshot_version(data[:HEADER_SIZE]) == DELTA_VERSION
     for r in refs:
         if r.delta != delta:
@@ -179,7 +190,12 @@ def _check_snapshot(data: bytes, key: str, refs: list[SnapshotRef]) -> None:
     if delta:
         # every check a restore makes of the object: metadata, index, every entry's framing,
         # order, state and key group
-        covered = decode_delta(data, key=key)[0].key_groups
+        meta = decode_delta(data, key=key)[0]
+        covered = meta.key_groups
+        # and that it is the piece each handle's chain names (as a restore checks it)
+        at = DeltaReader(BytesSource(data), key=key).metadata_offset
+        for ref, earlier, max_parallelism in chains:
+            check_delta_piece(ref, meta, at, earlier, max_parallelism)
     elif is_file_snapshot(data[:HEADER_SIZE]):
         covered = _file_snapshot_covers(data, key)
     else:

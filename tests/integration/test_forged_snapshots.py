@@ -19,6 +19,12 @@ from a server that has done the imports. The oracle, for every case:
 
 CI: every named forgery once and 40 flips (``FLIPS``); ``DSTL_DEEP=1``: 600 flips (4,200 path
 runs). ``read_forged.py <case> <path>`` reruns one path of a kept case by hand.
+
+The same paths and oracle run over a **delta** (snapshot format v3, ``support/forged_delta.py``):
+the checkpoint names a full snapshot and a delta, the delta is replaced by each named delta
+forgery (metadata that lies about the chain, entries in another key group, out of order, twice,
+of an undescribed state, a full snapshot in its place, a truncation, another valid value) and by
+byte flips anywhere in it (8 in CI, ``DELTA_FLIPS``; 200 with ``DSTL_DEEP=1``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from support import forged_delta as D
 from support import forged_lmdb as F
 from support.read_forged import PATHS
 
@@ -202,7 +209,9 @@ def _differ(a: list[str], b: list[str]) -> str:
 
 def violations(built: F.Built, results: dict[str, Result], expect: str | None) -> list[str]:
     """What ``results`` (every path of one case) break of the oracle (module docstring);
-    ``expect``: ``fail``, ``model``, ``None`` (no promise about the state), ``unmodified``."""
+    ``expect``: ``fail``, ``chain`` (``fail`` on every path that reads the checkpoint:
+    ``inspect`` reads the object alone), ``model``, ``None`` or ``any`` (no promise about the
+    state), ``unmodified``."""
     out = []
     bad = {"signal", "timeout", "no-result", "untyped", "inconsistent"}
     for r in results.values():
@@ -233,7 +242,7 @@ def violations(built: F.Built, results: dict[str, Result], expect: str | None) -
                        f"{adopt.state['marker'][:120]}")
     for r in readers:
         model = _rows_in(built.rows, _covered(r))
-        if expect == F.FAIL:
+        if expect in (F.FAIL, D.CHAIN):
             same = "the model's" if _rows_in(r.state, _covered(r)) == model else "another"
             out.append(f"{r.path}: read the forged file without error ({len(r.state)} rows, "
                        f"{same} state)")
@@ -241,7 +250,8 @@ def violations(built: F.Built, results: dict[str, Result], expect: str | None) -
             out.append(f"{r.path}: read a state other than the model's: "
                        f"{_differ(_rows_in(r.state, _covered(r)), model)}")
     for r in results.values():
-        if r.path in PATHS and r.outcome == "ok" and not r.key_groups and expect == F.FAIL:
+        if r.path in PATHS and r.outcome == "ok" and not r.key_groups and (
+                expect == F.FAIL or (expect == D.CHAIN and r.path != "inspect")):
             out.append(f"{r.path}: accepted the forged file")
     if expect == "unmodified":
         out += [f"{r.path}: {r.short()}" for r in results.values()
@@ -349,3 +359,71 @@ def test_key_groups_of_the_paths_meet_the_target(built: F.Built,
                                          "reader"}
     for r in readers:
         assert _covered(r) & target
+
+
+# --------------------------------------------------------------------------- deltas (format v3)
+# The same paths and oracle over a chain: partition 1's checkpoint names a full v2 snapshot and a
+# delta, and the delta is the object replaced (support/forged_delta.py).
+
+DELTA_FLIPS = 200 if DEEP else 8
+
+
+@pytest.fixture(scope="module")
+def built_delta(tmp_path_factory: pytest.TempPathFactory) -> F.Built:
+    return D.build_delta_store(tmp_path_factory.mktemp("forged-delta-original"))
+
+
+@pytest.fixture(scope="module")
+def named_delta(built_delta: F.Built, readers: Readers,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Result]]:
+    cases = Cases(built_delta, readers, tmp_path_factory.mktemp("forged-delta-named"))
+    objects = {"unmodified": cases.original}
+    objects |= {f.name: f.make(built_delta, cases.original) for f in D.DELTA_FORGERIES}
+    started = {name: cases.start(name, obj) for name, obj in objects.items()}
+    return {name: cases.finish(*s) for name, s in started.items()}
+
+
+def test_the_delta_case_is_a_chain_with_puts_and_tombstones(built_delta: F.Built) -> None:
+    from materializer.delta_format import decode_delta
+    meta, blocks = decode_delta(built_delta.object_bytes(), key=built_delta.target)
+    entries = [e for es in blocks.values() for e in es]
+    assert meta.key_groups == F.key_groups_of(F.TARGET_PARTITION)
+    assert any(e[3] is None for e in entries) and any(e[3] is not None for e in entries)
+    original = built_delta.object_bytes()
+    for forgery in D.DELTA_FORGERIES:
+        assert forgery.make(built_delta, original) != original, forgery.name
+
+
+def test_unmodified_delta_reads_the_model_on_every_path(
+        built_delta: F.Built, named_delta: dict[str, dict[str, Result]]) -> None:
+    results = named_delta["unmodified"]
+    problems = violations(built_delta, results, "unmodified")
+    assert not problems, "\n".join(problems)
+    assert any(r.key_groups for r in results.values())
+
+
+@pytest.mark.parametrize("forgery", D.DELTA_FORGERIES, ids=[f.name for f in D.DELTA_FORGERIES])
+def test_named_delta_forgery(built_delta: F.Built, named_delta: dict[str, dict[str, Result]],
+                             forgery: F.Forgery) -> None:
+    problems = violations(built_delta, named_delta[forgery.name], forgery.expect)
+    assert not problems, f"{forgery.name} ({forgery.expect}):\n" + "\n".join(problems)
+
+
+def test_random_delta_flips(built_delta: F.Built, readers: Readers,
+                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Byte flips anywhere in the delta: every one breaks a checksum, so every path fails
+    typed, naming the delta (the oracle's ``fail``)."""
+    import random
+    seed = 29
+    print("seed", seed)
+    original = built_delta.object_bytes()
+    drawn = D.flip_positions(original, random.Random(seed), DELTA_FLIPS)
+    cases = Cases(built_delta, readers, tmp_path_factory.mktemp("forged-delta-flips"))
+    started = [(positions, *cases.start(f"flip-{n}", D.flipped(original, positions)))
+               for n, positions in enumerate(drawn)]
+    problems = []
+    for positions, case, futures in started:
+        found = violations(built_delta, cases.finish(case, futures), F.FAIL)
+        problems.extend(f"flip {list(positions)}: {p}" for p in found)
+    assert not problems, f"{len(problems)} violations in {len(drawn)} flipped deltas:\n" + \
+        "\n".join(problems)
