@@ -73,7 +73,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("output_schema", "key string, KEY long", RANGE),  # accepted before
     ("output_schema", "key string, _dstl_report string", RANGE),  # accepted before
     ("state_uri", "s3:/typo/app", RANGE),  # accepted before (a local directory 's3:')
-    ("state_uri", "s3//bucket/app", RANGE),  # accepted before (a local directory 's3')
+    ("state_uri", "s3//bucket/app", RANGE),  # not a local directory 's3'
     ("state_uri", "ftp://host/app", RANGE),  # accepted before
     ("state_uri", "s3://bucket/app?x=1", RANGE),  # accepted before
     ("state_uri", "", RANGE),  # accepted before
