@@ -1,6 +1,6 @@
 """The executor agent's incremental materialization of LMDB partitions: deltas built from the
-change sets the agent uploads, installed by the partition's backend, restored (with rescaling)
-to exactly the model; and the rules that make a materialization full instead (a table loaded
+change sets the agent uploads, installed by the partition's backend, restored (with rescaling
+1->2, 2->1, 4->3) to exactly the model; and the rules that make a materialization full instead (a table loaded
 from a snapshot, a chain the checkpoint does not name, the compaction rule, change sets the agent
 did not see).
 
@@ -57,7 +57,10 @@ Model = dict[str, dict[str, Any]]
 class Executor:
     """A partition's table on one executor, its batches and the agent's materializer."""
 
-    def __init__(self, tmp: Path, storage: ChangelogStorage, **spec: Any) -> None:
+    def __init__(self, tmp: Path, storage: ChangelogStorage, *, op: str = OP,
+                 kgs: KeyGroupRange = KGS, **spec: Any) -> None:
+        self.op, self.kgs = op, kgs
+        self.keys = [k for k in KEYS if key_group_for(k.encode(), MP) in kgs]
         self.tmp = tmp
         self.storage = storage
         self.clock = Clock()
@@ -70,16 +73,17 @@ class Executor:
 
     def _open(self, restore_from: ChangelogStateBackendHandle | None = None
               ) -> ChangelogKeyedStateBackend:
-        local = str(self.tmp / "local")
+        local = str(self.tmp / f"local-{self.op.replace('/', '_')}")
+        op, kgs = self.op, self.kgs
         if restore_from is not None:
-            return restore_backend([restore_from], self.storage, KGS, table="lmdb",
-                                   local_directory=local, operator_id=OP, options=NO_TIMER,
+            return restore_backend([restore_from], self.storage, kgs, table="lmdb",
+                                   local_directory=local, operator_id=op, options=NO_TIMER,
                                    auto_materialize=False)
         if self.handle is None:
-            return ChangelogKeyedStateBackend(self.storage, OP, KGS, MP, table="lmdb",
+            return ChangelogKeyedStateBackend(self.storage, op, kgs, MP, table="lmdb",
                                               options=NO_TIMER, local_directory=local,
                                               clear_local=True, auto_materialize=False)
-        b = ChangelogKeyedStateBackend(self.storage, OP, KGS, MP, table="lmdb",
+        b = ChangelogKeyedStateBackend(self.storage, op, kgs, MP, table="lmdb",
                                        options=NO_TIMER, local_directory=local,
                                        adopt_local=True, auto_materialize=False)
         h = self.handle
@@ -105,7 +109,7 @@ class Executor:
             self.cp += 1
             with b.write_batch():
                 for _ in range(n):
-                    k = rng.choice(KEYS)
+                    k = rng.choice(self.keys)
                     b.set_current_key(k)
                     row = model.setdefault(k, {})
                     op = rng.randrange(6)
@@ -129,7 +133,7 @@ class Executor:
                     else:
                         lst.clear()
                         row.pop("l", None)
-                latest = self.agent.latest(STORE, OP).materialization
+                latest = self.agent.latest(STORE, self.op).materialization
                 if latest is not None and install:
                     b.install_materialization(latest.ref, latest.boundary, latest.chain)
                 h = b.snapshot(self.cp).result(10)
@@ -141,21 +145,21 @@ class Executor:
         finally:
             b.close()
         if note:
-            bodies = [(OP, r.key, r.offset, r.sqn, decode_record(
+            bodies = [(self.op, r.key, r.offset, r.sqn, decode_record(
                 self.storage.store.get_range(r.key, r.offset, r.length), key=r.key,
-                offset=r.offset, log_id=OP, sqn=r.sqn)) for r in new]
+                offset=r.offset, log_id=self.op, sqn=r.sqn)) for r in new]
             self.agent.note_persisted(STORE, bodies)
         self.agent.register(STORE, self.storage.store, PartitionSpec(
-            OP, self.env, KGS, 10.0, None, 0, 1, 3, marker.boundary, marker.log_bytes,
+            self.op, self.env, self.kgs, 10.0, None, 0, 1, 3, marker.boundary, marker.log_bytes,
             marker.snapshot_bytes, **self.spec_extra))
         self.handle = h
         return h
 
     def materialize(self) -> Any:
         self.clock.now += 10.0
-        self.agent.request(STORE, OP)
+        self.agent.request(STORE, self.op)
         assert self.agent.run_due() == 1
-        return self.agent.latest(STORE, OP).materialization
+        return self.agent.latest(STORE, self.op).materialization
 
     def close(self) -> None:
         self.agent.close()
@@ -302,3 +306,30 @@ def test_a_delta_is_not_installed_on_another_chain(storage: ChangelogStorage,
     assert [p.key for p in h.materialized] == [full.ref.key, delta.ref.key, second.ref.key]
     assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
     ex.close()
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (4, 3)])
+def test_agent_chains_of_several_partitions_restore_rescaled(
+        storage: ChangelogStorage, tmp_path: Path, before: int, after: int) -> None:
+    """Each of ``before`` partitions (one agent materializer each) writes a chain of a full
+    snapshot and deltas and a log after it; the checkpoints restored into ``after`` partitions
+    equal the model."""
+    rng = random.Random(before * 10 + after)
+    model: Model = {}
+    handles = []
+    for i in range(before):
+        ex = Executor(tmp_path, storage, op=f"op/p{i}",
+                      kgs=KeyGroupRange.of_operator(MP, before, i))
+        ex.batch(model, rng, 30)
+        assert not ex.materialize().ref.delta
+        for _ in range(3):
+            ex.batch(model, rng)
+            assert ex.materialize().ref.delta
+        ex.batch(model, rng)   # installs the last delta
+        h = ex.batch(model, rng)   # and a log after the chain
+        assert _kinds(storage, h) == ["f", "d", "d", "d"]
+        handles.append(h)
+        ex.close()
+    for j in range(after):
+        kgs = KeyGroupRange.of_operator(MP, after, j)
+        assert _read(storage, handles, kgs, tmp_path / f"after-{j}") == _expected(model, kgs)
