@@ -49,8 +49,9 @@ correct. A full snapshot at ``B`` may be followed by deltas only if the bodies a
 Why here and not in the table: the alternative — the writers record changed keys in the table
 (or in memory, as an in-process backend does) — costs every write a second record in the write
 path, and a partition's backend does not stay in one worker process, so an in-memory set would be
-lost between tasks. Decoding the change sets costs the agent about 1 µs per change, once per
-materialization (bench/scale.py reports the agent's CPU).
+lost between tasks. Finding the changed entries costs the agent one pass over the change sets'
+bytes per materialization (each change's header read, no value decoded); bench/scale.py's CPU
+per steady interval includes it.
 
 *Hand-over.* Before a task checkpoints, it asks for its partition's newest materialization
 (:meth:`latest`) and installs it into its backend if its own log contains the snapshot's boundary
