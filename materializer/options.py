@@ -66,10 +66,11 @@ class BackendOptions:
     lmdb_snapshot_format: str = "file"
     #: Incremental materialization: a materialization writes only the entries changed since the
     #: previous one (a delta, snapshot format v3), and checkpoints name the last full snapshot
-    #: plus the deltas since. Off by default: the column reader (the Spark state source) and
-    #: the change feed do not read deltas yet (they refuse one with ``UnsupportedFormatError``),
-    #: and the executor agent's materialization writes full snapshots only.
-    incremental_snapshots: bool = False
+    #: plus the deltas since. On by default: a steady interval then stores about what changed
+    #: instead of the whole table (bench/scale.py, docs/benchmarks.md); ``False`` writes a
+    #: full snapshot every time. Under Spark the executor agent writes the deltas of LMDB
+    #: partitions from the change sets it uploads (``dstl.spark.agent.materializer``).
+    incremental_snapshots: bool = True
     #: With ``incremental_snapshots``: at most this many deltas follow a full snapshot; the next
     #: materialization writes a full one (bounds the pieces a restore reads).
     max_snapshot_deltas: int = 8

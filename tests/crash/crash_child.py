@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from support.job_model import (
+    FULL,
     INCREMENTAL,
     JobConfig,
     Journal,
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                          async_put=a.bug == "async-put")
     config = JobConfig(table=a.table, backend_options=BackendOptions(
         materialization_interval_s=a.mat_interval or None, materialize_log_ratio=None,
-        **(INCREMENTAL if a.incremental else {})))
+        **(INCREMENTAL if a.incremental else FULL)))
     if a.materialize_probability is not None:
         config = dataclasses.replace(config, materialize_probability=a.materialize_probability)
     journal = Journal(journal_path(a.work))

@@ -139,6 +139,8 @@ class JournalView:
 #: (the job's states are small, so the default ratio would make most materializations full).
 INCREMENTAL: dict[str, Any] = {"incremental_snapshots": True, "max_snapshot_deltas": 3,
                                "max_delta_ratio": 4.0}
+#: Backend options of the full-snapshot variant (every materialization writes the whole table).
+FULL: dict[str, Any] = {"incremental_snapshots": False}
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class JobConfig:
         persist_delay_s=0.002, preemptive_persist_threshold_bytes=2048,
         upload_timeout_s=5.0, upload_retry_delay_s=0.05))
     backend_options: BackendOptions = field(default_factory=lambda: BackendOptions(
-        materialization_interval_s=None, materialize_log_ratio=None))
+        materialization_interval_s=None, materialize_log_ratio=None, **FULL))
 
 
 class MiniJob:
