@@ -1,4 +1,4 @@
-"""SIGKILL crash suite (issue #14; reliability matrix R1 and R2): G1, G2, G3, G5.
+"""SIGKILL crash suite (reliability matrix R1 and R2): G1, G2, G3, G5.
 
 A child process (``crash_child.py``) runs the mini job of ``tests/support/job_model.py`` —
 heap or LMDB backends on one storage, a coordinator with retention, materializations — against

@@ -79,7 +79,7 @@ def test_stop_during_a_batch_is_clean_and_restart_is_exact(tmp_path: Path, table
     bad = [line for line in log.splitlines() if any(b in line for b in _BAD)]
     assert not bad, "the JVM's log has errors:\n" + "\n".join(bad[:20])
     tasks, sink = result["stops"]
-    # stop 1 landed while batch 1's tasks ran, stop 2 inside batch 1's sink (re-run)
+    # the first query.stop() came while batch 1's tasks ran, the second inside batch 1's sink (re-run)
     assert tasks["batches_done"] == [0] and tasks["running_pids"], tasks
     assert sink["batches_done"] == [], sink  # batch 1 did not finish: its sink was interrupted
     # Spark killed the workers of the interrupted tasks (they do not run on after the stop)
