@@ -16,16 +16,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from support.processors import Count
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.spark import StatefulProcessor
 from dstl.spark.agent import AgentClient, AgentUnavailableError, AgentUploadScheduler, ensure_agent
 from dstl.spark.agent.protocol import PingRequest, ShutdownRequest
 from dstl.spark.config import OperatorConfig, TaskInput
@@ -104,17 +103,6 @@ def test_a_dead_agent_is_seen_even_while_the_reader_thread_lags(tmp_path: Path) 
     finally:
         hold.close()
         client.close()
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
 
 
 SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (REPORT_COLUMN, pa.string())])
