@@ -17,23 +17,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from spark_support import spark  # noqa: F401
+from support.processors import Count
 
 import dstl.spark.operator as operator_module
 from dstl.errors import ConfigError, UsageError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
 
 
 def _op(tmp: Path, table: str, processor: Any = Count, **kw: Any) -> DstlStatefulOperator:
