@@ -10,33 +10,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from support.processors import Count
 
 from dstl import DstlOptions, key_group_for
-from dstl.spark import StatefulProcessor
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.report import REPORT_COLUMN, TaskReport
 from dstl.spark.runtime import close_runtime, runtime_for
 from dstl.spark.task import run_partition
 from dstl.spark.warmup import pre_restore, warm_partition
 from materializer.options import BackendOptions
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
-
 
 SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (REPORT_COLUMN, pa.string())])
 MP = 8
