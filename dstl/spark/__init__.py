@@ -19,7 +19,6 @@ Usage (see docs/spark.md)::
 
 Reading the state back (docs/spark.md, "Reading state")::
 
-    dstl.spark.register(spark)        # the operator does it too when it starts
     spark.read.format("dstl").option("operator", "count").load("s3://b/app")
     spark.readStream.format("dstl_changes").option("operator", "count").load("s3://b/app")
 

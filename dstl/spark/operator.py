@@ -263,9 +263,11 @@ class DstlStatefulOperator:
 
         static = _static_conf(spark)
         conf = {**static, **_runtime_conf(spark)}
-        from dstl.spark.registration import register
+        from dstl.spark.registration import enable_filter_pushdown
 
-        register(spark)  # spark.read.format("dstl") works wherever the operator runs
+        # spark.read.format("dstl") is known to every session (pyspark_dstl); its filters
+        # reach the source with this on
+        enable_filter_pushdown(spark)
         out = _spark_schema(spark, self.output_schema)
         config = self._task_config(conf, out, _session_time_zone(spark))
         # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["register"]
+__all__ = ["enable_filter_pushdown", "register"]
 
 
 #: Spark pushes filters to a Python data source only with this on (off by default in Spark
@@ -20,6 +20,14 @@ __all__ = ["register"]
 #: leave ``pushFilters`` out then (:func:`dstl.spark.datasource._batch_reader`). It only
 #: concerns Python data sources that push filters.
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+
+
+def enable_filter_pushdown(spark: Any) -> None:
+    """Turn on Python data source filter pushdown for ``spark``'s session (a runtime conf: the
+    sources PySpark registered from :mod:`pyspark_dstl` push filters with it). What the operator
+    does when it starts: registering the sources again would cost a fresh session seconds
+    (PySpark pickles each source and checks it in a Python worker) for nothing."""
+    spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
 
 
 def register(spark: Any) -> None:
@@ -30,6 +38,6 @@ def register(spark: Any) -> None:
     and partition filters down to the key groups that can match)."""
     from dstl.spark.datasource import DstlChangesDataSource, DstlStateDataSource
 
-    spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
+    enable_filter_pushdown(spark)
     spark.dataSource.register(DstlStateDataSource)
     spark.dataSource.register(DstlChangesDataSource)
