@@ -1032,6 +1032,11 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         (f"Resumed after an interruption: {', '.join(meta['reused'])} measured before it "
          "(their load in the results JSON). " if meta.get("reused") else "")
+        + (f"Figures 1 and 2 are from the run at {meta['figures_1_2_from']['commit']} "
+           f"({meta['figures_1_2_from']['measured']}; {meta['figures_1_2_from']['load_note']}; "
+           f"{meta['figures_1_2_from']['total_s'] / 60:.0f} min), figure 3 from this one "
+           "(`--restart-from` that run's results file): " if meta.get("figures_1_2_from")
+           else "")
         + meta["load_note"] + f". Other JVMs at start: {meta['other_jvms']}. Total "
         f"{meta['total_s'] / 60:.0f} min." + (
             f" Measured with uncommitted changes in the working tree: "
@@ -1061,6 +1066,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts = [".venv/bin/python bench/in_query.py"]
     if args.quick:
         parts.append("--quick")
+    if args.restart_from:
+        parts.append(f"--restart-from {args.restart_from}")
     for flag in ("repeats", "big_repeats", "batches", "rows", "keys", "large_batches",
                  "large_rows", "large_keys", "tws_keys", "big_keys", "restart_keys"):
         v = getattr(args, flag)
@@ -1114,6 +1121,9 @@ def main() -> int:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="the work directory of an interrupted run of the same command: take "
                         "the results it has, measure the rest")
+    p.add_argument("--restart-from", default=None, metavar="JSON",
+                   help="measure figure 3 only and take figures 1 and 2 from a stored run "
+                        "(its results file; the docs name both commits)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="rewrite the docs section from a stored run, measuring nothing")
     p.add_argument("--child", choices=("cluster", "build", "restart"), help=argparse.SUPPRESS)
@@ -1142,10 +1152,17 @@ def main() -> int:
         print(f"work directory {base}; if the run is interrupted, the same command with "
               f"--resume {base} measures only what is missing", flush=True)
     raw: dict[str, Any] = {}
+    earlier: dict[str, Any] | None = None
+    if args.restart_from:
+        earlier = json.loads(Path(args.restart_from).read_text())
+        kept_raw = earlier["figures"]["raw"]
+        raw.update({k: kept_raw[k] for k in ("steady", "steady_large", "big") if k in kept_raw})
+        sizes = earlier["figures"]["meta"]["sizes"]
     try:
-        raw["steady"] = figure_steady(base, sizes, repeats, with_big=q)
-        raw["steady_large"] = figure_steady(base, sizes, repeats, False, shape="large_")
-        raw["big"] = [raw["steady"]] if q else figure_big(base, sizes, big_repeats)
+        if earlier is None:
+            raw["steady"] = figure_steady(base, sizes, repeats, with_big=q)
+            raw["steady_large"] = figure_steady(base, sizes, repeats, False, shape="large_")
+            raw["big"] = [raw["steady"]] if q else figure_big(base, sizes, big_repeats)
         raw["restart"] = figure_restart(base, sizes, repeats)
     except BaseException:
         print(f"failed; the measurements so far stay in {base} (--resume {base})", flush=True)
@@ -1157,6 +1174,13 @@ def main() -> int:
             "repeats": {"steady": repeats, "big": big_repeats, "restart": repeats},
             "load": load.summary, "load_note": load.note(), "other_jvms": jvms,
             "total_s": time.monotonic() - t0}
+    if earlier is not None:
+        em = earlier["figures"]["meta"]
+        meta["repeats"].update(steady=em["repeats"]["steady"], big=em["repeats"]["big"])
+        meta["figures_1_2_from"] = {"commit": earlier.get("machine", {}).get("git_sha"),
+                                    "measured": earlier.get("machine", {}).get("time"),
+                                    "load_note": em["load_note"],
+                                    "total_s": em["total_s"]}
     # kept apart first: a run of an hour is not lost to an error in the figures
     kept = base.with_name(base.name + "-raw.json")
     kept.write_text(json.dumps({"raw": raw, "meta": meta}, default=str))
