@@ -14,6 +14,7 @@ import pytest
 from spark_support import spark  # noqa: F401
 from support import moto_server
 from support.moto_server import s3_storage_options
+from support.processors import Count
 
 from dstl import key_group_for
 from dstl.errors import AccessDeniedError, ConfigError
@@ -22,17 +23,6 @@ from dstl.spark import DstlStatefulOperator, StatefulProcessor
 pytestmark = [pytest.mark.spark, pytest.mark.s3, pytest.mark.xdist_group("spark")]
 moto_endpoint = moto_server.moto_endpoint
 s3_bucket = moto_server.s3_bucket
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
 
 
 class CrashOnce(Count):
