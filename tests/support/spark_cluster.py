@@ -29,8 +29,9 @@ Two things make it work from a pip-installed pyspark:
   ``<spark home>/work/app-*/<executor id>``, and the agents (detached, reparented to init)
   inherit a worker's working directory and name their agent directory on their command line.
 
-The alternative — a ``spark-class`` master and two workers as separate processes — costs three
-more JVMs (about 15 s more to start on 2 cores) and shows nothing more to DSTL.
+A standalone master and two workers as separate processes (:mod:`support.standalone`) cost
+three more JVMs; the tests use them where the difference matters: workers on two hosts (Spark
+launches a speculative copy only on another host) and a worker machine lost as a whole.
 """
 
 from __future__ import annotations
