@@ -649,7 +649,7 @@ def verify_snapshot_object(data: bytes | bytearray | memoryview, *, key: str = "
     block limit, zstd's content checksum) and its key group and entry count.
 
     The entries' own framing is not walked here (that was a second full parse of every entry,
-    about as costly as loading them: issue #13); whoever reads the entries checks it as it goes
+    about as costly as loading them); whoever reads the entries checks it as it goes
     (:func:`iter_block`), so a crafted object whose checksums match but whose entries do not
     fill their block still fails — typed, naming the object — when it is loaded.
 

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A heap restore creates one map entry (and its key, namespace and state objects) per restored
 key: millions of objects the collector tracks. With the collector on, every generation-2
-collection during the restore walks all of them again (profile of issue #13: a third of a 1 M
+collection during the restore walks all of them again (profiled: a third of a 1 M
 key heap restore, single pauses of 0.9-1.9 s), and so does every later generation-2 collection
 of the worker for as long as the state lives.
 

@@ -14,9 +14,9 @@ from bench import _common
 ROOT = Path(__file__).resolve().parents[3]
 # Benches that write their results file only, no docs section (their call passes no_doc=True).
 NO_SECTION = {"profile_restore"}
-# References in pages that another change rewrites (a results file renamed by date and commit
-# whose page is not edited here). The check fails once a page is fixed: drop its entry then.
-STALE = {"format.md: bench/results/recovery-filesnap-2b981ff.json"}
+# References known to be stale (none): the check fails once such a page is fixed, so an entry
+# here is dropped with the fix.
+STALE: set[str] = set()
 RESULT_NAME = re.compile(r"^(?P<bench>[a-z_]+(-[a-z]+)?)(-quick)?-\d{8}T\d{6}Z-([0-9a-f]{7,}|nocommit)\.json$")
 
 
