@@ -420,6 +420,7 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="append each result to this JSON-lines file")
     p.add_argument("--render", default=None,
                    help="render the results of a --keep file instead of running")
+    p.add_argument("--note", default=None, help="with --render: a sentence added to the note")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     if args.quick:
@@ -437,12 +438,12 @@ def main() -> None:
     if args.render:  # the results a run kept (--keep), e.g. of a run stopped before its end
         kept = [json.loads(line) for line in Path(args.render).read_text().splitlines() if line]
         done = sorted({r["keys"] for r in kept})
-        md = render(kept, args, f"Rendered from the results the run kept (`--keep`): sizes "
-                                f"{', '.join(f'{k:,}' for k in done)} of the run; the run was "
-                                "stopped before the others.")
+        md = render(kept, args, f"Rendered from the results a run kept (`--keep FILE`, then "
+                                f"`--render FILE`): sizes {', '.join(f'{k:,}' for k in done)}; "
+                                "the run was stopped before its other sizes finished. " + (
+                                    args.note or ""))
         write_results("scale", {"config": dict(vars(args)), "keys": done, "results": kept},
-                      md, quick=args.quick, command="python bench/scale.py --keep FILE, then "
-                      "--render FILE", no_doc=args.no_doc)
+                      md, quick=args.quick, command="python bench/scale.py", no_doc=args.no_doc)
         print(md)
         return
     t0 = time.monotonic()
