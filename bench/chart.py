@@ -53,8 +53,20 @@ ROWS = [
         ("figures", "1000000", "dstl-lmdb-snap-daemon", "trigger_s"),
         ("figures", "1000000", "spark-snap", "trigger_s"), "RocksDB state store",
         ("figures", "1000000", "dstl-lmdb-snap-daemon", "ratio")),
-    Row("steady batch on a 2-executor cluster", "cluster",
-        ("dstl", "batch_s"), ("spark", "batch_s"), "RocksDB state store"),
+    Row("steady batch, 2-executor cluster, 500 keys per batch", "in_query",
+        ("figures", "steady", "dstl", "trigger_s"), ("figures", "steady", "tws", "trigger_s"),
+        "transformWithStateInPandas", ("figures", "steady", "dstl", "ratio_to_tws")),
+    Row("steady batch, 2-executor cluster, 10,000 keys per batch", "in_query",
+        ("figures", "steady_large", "dstl", "trigger_s"),
+        ("figures", "steady_large", "tws", "trigger_s"), "transformWithStateInPandas",
+        ("figures", "steady_large", "dstl", "ratio_to_tws")),
+    Row("steady batch, 2-executor cluster, 500 keys per batch", "in_query",
+        ("figures", "steady", "dstl", "trigger_s"), ("figures", "steady", "count", "trigger_s"),
+        "Spark's JVM-only count on RocksDB"),
+    Row("restart at 50,000 keys, from the query's start", "in_query",
+        ("figures", "restart", "dstl-same", "start_to_first_s"),
+        ("figures", "restart", "tws", "start_to_first_s"), "transformWithStateInPandas",
+        ("figures", "restart", "dstl-same", "ratio_to_tws")),
 ]
 
 
