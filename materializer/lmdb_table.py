@@ -29,7 +29,8 @@ ends (a random update changes a whole page), and LMDB then keeps those page buff
 until the environment closes — a table once written by a large batch would hold that batch's
 pages for its lifetime (measured: 49 MB kept after one transaction of 100 k puts of 300 bytes).
 So a batch counts its changes: after one that may have changed more than
-:data:`RELEASE_PAGES_BYTES` of pages the environment is reopened, which frees them (skipped while
+:data:`RELEASE_PAGES_BYTES` of pages the environment is reopened, which frees them, and the
+freed heap is returned to the system (:mod:`materializer.heap`; skipped while
 a snapshot or an ``entries()`` scan of this process is open), and a bulk load commits once its
 transaction may hold that many. ``writemap`` would avoid the buffers, but it writes through the
 map into a sparse file, where a full disk is a ``SIGBUS`` instead of an error.
@@ -87,6 +88,7 @@ from dstl.errors import (
     UsageError,
 )
 from dstl.keygroups import KeyGroupRange
+from materializer.heap import release_free_memory
 from materializer.options import MAX_LMDB_MAP_SIZE_BYTES, MIN_LMDB_MAP_SIZE_BYTES
 from materializer.snapshot_format import SnapshotEntry
 from materializer.state_tables import (
@@ -755,6 +757,8 @@ class LmdbStateTable:
             finally:
                 self._remapping = False
                 self._cv.notify_all()
+        # the page buffers went back to the heap, where glibc keeps them: give them back
+        release_free_memory()
         log.debug("LMDB state table %s reopened to free a large transaction's pages",
                   self.path)
 

@@ -59,6 +59,10 @@ per steady interval includes it.
 it. Nothing here deletes anything: the driver's coordinator deletes what no retained checkpoint
 references (a snapshot no checkpoint ever used is collected as an orphan).
 
+*Memory.* The loop wakes at least every 5 s; each wake returns the heap freed since the last one
+to the system (:mod:`materializer.heap`): the change sets of a large batch pass through the
+agent on their way to the store, and the agent lives as long as its executor.
+
 *Failures.* A failed materialization is retried at the next due time; after ``max_failures``
 consecutive failures of a partition, :meth:`latest` reports the failure and the task fails with
 :class:`~dstl.errors.BackendFailedError` (Flink's rule: too many failed materializations fail the
@@ -87,6 +91,7 @@ from materializer.external import (
     changed_entries,
     materialize_table_directory,
 )
+from materializer.heap import release_free_memory
 from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
 from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
 
@@ -422,6 +427,9 @@ class AgentMaterializer:
 
     def _loop(self) -> None:
         while True:
+            # the segments and snapshot objects that passed through since the last wake are
+            # free: back to the system, or the agent keeps its busiest moment's memory
+            release_free_memory()
             with self._cond:
                 if self._stop:
                     return
