@@ -14,6 +14,7 @@ Hierarchy::
     │   │   └── ConfigTypeError(TypeError) an option has the wrong type
     │   ├── KeyGroupError                  key group outside the owner's range
     │   ├── OutputSchemaError              a processor's output row does not fit output_schema
+    │   ├── StateTypeError(TypeError)      a value written does not fit its state's declared type
     │   └── UnsafePathError                an object key would escape the storage root
     ├── ClosedError(RuntimeError)          use after close
     ├── StorageError(OSError)              the environment failed (after retries, if any)
@@ -35,6 +36,7 @@ Hierarchy::
     ├── BatchInterruptedError              a Spark micro-batch cut short by its query's stop()
     ├── ProcessorError                     a user's stateful processor raised; names where
     ├── StateError                         state-table / backend misuse or failure
+    │   ├── StateSchemaError               a declared type cannot read the stored values
     │   ├── StateTableFullError            LMDB map full and not allowed to grow
     │   └── BackendFailedError             materialization failed too often
     └── CacheError                         restore cache
@@ -68,6 +70,8 @@ __all__ = [
     "OutputSchemaError",
     "ProcessorError",
     "StateError",
+    "StateSchemaError",
+    "StateTypeError",
     "StateTableFullError",
     "StorageError",
     "ThrottledError",
@@ -138,6 +142,30 @@ def _short_repr(value: Any, limit: int = 120) -> str:
 class OutputSchemaError(UsageError):
     """A stateful processor yielded a row that does not match the operator's output schema
     (the message names the processor, the key and the field)."""
+
+
+class StateTypeError(UsageError, TypeError):
+    """A value written to a state does not fit the state's declared type.
+
+    Attributes:
+        state: the state's name.
+        key: the current key.
+        value_type: the written value's Python type name.
+        declared: the declared type (Spark DDL).
+        detail: what does not fit.
+    """
+
+    def __init__(self, state: str, key: Any, value: Any, declared: str, detail: str):
+        self.state = state
+        self.key = key
+        self.value_type = type(value).__name__
+        self.declared = declared
+        self.detail = detail
+        super().__init__(
+            f"state {state!r}, key {_short_repr(key, 80)}: a value of type {self.value_type} "
+            f"does not fit the declared type {declared} ({detail}); write a value of that type, "
+            "or change the declared type (docs/guide.md, declared state types: the changes a "
+            "restore accepts)")
 
 
 class KeyGroupError(UsageError):
@@ -400,6 +428,38 @@ class BatchInterruptedError(DstlError):
 
 class StateError(DstlError):
     """A state table or keyed backend failed or was misused."""
+
+
+class StateSchemaError(StateError):
+    """A state's declared type cannot read the values stored under its recorded type (an
+    incompatible change), or a stored value does not fit the type declared for it.
+
+    Attributes:
+        state: the state's name.
+        recorded: the type recorded in the store (Spark DDL; ``None``: none was recorded).
+        declared: the type the processor declares now (Spark DDL).
+        problems: what does not fit, one phrase each.
+    """
+
+    def __init__(self, state: str, recorded: str | None, declared: str, problems: list[str],
+                 owner: str = ""):
+        self.state = state
+        self.recorded = recorded
+        self.declared = declared
+        self.problems = list(problems)
+        where = f" of {owner}" if owner else ""
+        if recorded is None:
+            what = (f"state {state!r}{where} is declared {declared} but holds values written "
+                     f"without a declared type that do not fit it: {'; '.join(problems)}")
+        else:
+            what = (f"state {state!r}{where} was written with the type {recorded} and is "
+                    f"declared {declared} now, which cannot read its values: "
+                    f"{'; '.join(problems)}")
+        super().__init__(
+            what + ". Declare a compatible type (fields may be added as nullable, removed or "
+            "moved; integral types widened, to double too), or keep the old declaration, or "
+            "give the new type a new state name (delete the old one with "
+            "handle.delete_if_exists)")
 
 
 class StateTableFullError(StateError):

@@ -70,6 +70,7 @@ from dstl.errors import (
     DstlError,
     KeyGroupError,
     StateError,
+    StateSchemaError,
     TransientStorageError,
     UsageError,
     located,
@@ -120,6 +121,14 @@ from materializer.manager import MaterializationManager, MaterializedBase
 from materializer.options import BackendOptions
 from materializer.policy import MaterializationRules
 from materializer.replay import load_block
+from materializer.schema import (
+    compatibility_problems,
+    compile_checker,
+    conform,
+    read_recorded,
+    type_string,
+)
+from materializer.schema import record as record_schema
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
 from materializer.ttl import TTL_INDEX_STATE, TTL_STATE_CLASSES, TtlService
@@ -712,6 +721,10 @@ class ChangelogKeyedStateBackend:
         shape = StateShape(descriptor.kind, codec, key_codec)
         meta = {"name": descriptor.name, "kind": descriptor.kind, "value_codec": codec.name,
                 "key_codec": key_codec.name if key_codec is not None else None}
+        if descriptor.schema is not None:
+            meta["schema"] = record_schema(descriptor.schema)
+            if reg is not None:
+                self._adopt_declared_type(reg, shape, descriptor.schema, meta)
         if reg is None:
             if len(self._by_id) >= _MAX_STATES:
                 raise UsageError(f"backend {self.operator_id!r} has {_MAX_STATES} states; no "
@@ -721,9 +734,81 @@ class ChangelogKeyedStateBackend:
             self._states[descriptor.name] = reg
             self._by_id[sid] = reg
         else:
+            if reg.meta != meta:
+                self._meta_logged.discard(reg.state_id)  # the log must describe it anew
             reg.descriptor, reg.shape, reg.meta = descriptor, shape, meta
         reg.state = self._new_state(reg.state_id, descriptor, shape)
         return reg.state
+
+    def _adopt_declared_type(self, reg: _Registered, shape: StateShape, declared: Any,
+                             meta: dict[str, Any]) -> None:
+        """Open a restored state under the type now declared for it (rules 2 and 3 of
+        :mod:`materializer.schema`). Recorded and declared alike: nothing to do. Recorded
+        ``R`` and declared ``D`` compatible: every stored value is converted to ``D`` and
+        rewritten (logged, like any write) where the conversion changed it. Nothing recorded
+        (the state was undeclared): every stored value is checked against ``D``.
+
+        Raises:
+            StateSchemaError: ``D`` cannot read values of ``R``, or a stored value does not fit
+                ``D`` (names the state, both types, and the key).
+        """
+        name = str(reg.meta["name"])
+        raw = reg.meta.get("schema")
+        recorded = read_recorded(raw) if raw is not None else None
+        if recorded == declared:
+            return
+        shown = type_string(recorded) if recorded is not None else None
+        if recorded is not None:
+            problems = compatibility_problems(recorded, declared)
+            if problems:
+                raise StateSchemaError(name, shown, type_string(declared), problems,
+                                       f"backend {self.operator_id!r}")
+        reg.meta = meta  # the rewrites below are logged after the new description
+        self._meta_logged.discard(reg.state_id)
+        check = compile_checker(declared)
+        pair = shape.codec.name.startswith(TTL_CODEC_PREFIX)
+        kind = shape.kind
+        sid = reg.state_id
+        rewritten = 0
+
+        def fit(v: Any, key: Any) -> tuple[Any, bool]:
+            unit = v[1] if pair else v
+            new, changed = conform(unit, declared) if recorded is not None else (unit, False)
+            why = check(new) if new is not None else "null"
+            if why is not None:
+                if not self._heap:
+                    key = self._key_codec.decode(bytes(key))
+                raise StateSchemaError(name, shown, type_string(declared),
+                                       [f"key {key!r:.80}: a {type(unit).__name__} ({why})"],
+                                       f"backend {self.operator_id!r}")
+            return ((v[0], new) if pair else new), changed
+
+        for kg in range(self.key_groups.start, self.key_groups.end + 1):
+            for key, ns, stored in list(self._tables.entries(sid, kg)):
+                obj = stored if self._heap else shape.from_bytes(stored)
+                if kind == "list":
+                    units = [fit(u, key) for u in obj]
+                    new_obj: Any = [u for u, _ in units]
+                    changed = any(c for _, c in units)
+                elif kind == "map":
+                    entries = {k: fit(u, key) for k, u in obj.items()}
+                    new_obj = {k: u for k, (u, _) in entries.items()}
+                    changed = any(c for _, c in entries.values())
+                else:
+                    new_obj, changed = fit(obj, key)
+                if not changed:
+                    continue
+                encoded = shape.to_bytes(new_obj)
+                self._tables.put(sid, kg, key, ns, new_obj if self._heap else encoded)
+                if self._heap:
+                    kb, nb = self._key_codec.encode(key), self._ns_codec.encode(ns)
+                else:
+                    kb, nb = bytes(key), bytes(ns)
+                self._log_raw(SET if kind == "value" else SET_INTERNAL, sid, kg, kb, nb,
+                              encoded, key, ns)
+                rewritten += 1
+        logger.info("state %r of backend %r: declared type %s over recorded %s; %d values "
+                    "converted", name, self.operator_id, type_string(declared), shown, rewritten)
 
     def _new_state(self, sid: int, descriptor: StateDescriptor, shape: StateShape) -> KeyedState:
         """The state object of ``descriptor`` (a TTL state with ``ttl_s``)."""
@@ -1066,6 +1151,12 @@ class ChangelogKeyedStateBackend:
             if existing.meta["kind"] != kind:
                 raise StateError(f"state {name!r} is a {existing.meta['kind']} state here but a "
                                  f"{kind} state in the restored checkpoint")
+            if existing.descriptor is None and meta.get("schema") != existing.meta.get("schema"):
+                # a later description (the log after a snapshot): its declared type is the one
+                # the values after it were written with
+                existing.meta = {k: v for k, v in existing.meta.items() if k != "schema"}
+                if meta.get("schema") is not None:
+                    existing.meta["schema"] = meta["schema"]
             return existing.state_id
         limit = self.options.max_value_decoded_bytes
         vc, kc = meta.get("value_codec") or "safe", meta.get("key_codec")

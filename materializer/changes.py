@@ -49,6 +49,7 @@ from typing import Any, Final
 
 from dstl.errors import CorruptObjectError
 from dstl.untrusted import load_json
+from materializer.schema import read_recorded
 
 __all__ = [
     "MAX_METADATA_RECORD_BYTES",
@@ -239,8 +240,9 @@ def decode_metadata(data: bytes) -> tuple[int, dict[str, Any]]:
 
 def check_state_meta(meta: Any, *, key: str, offset: int, what: str) -> dict[str, Any]:
     """Return ``meta`` if it describes a state: an object with a ``name`` (a non-empty string of
-    at most 255 characters), a ``kind`` of :data:`STATE_KINDS`, and ``value_codec`` and
-    ``key_codec`` that are absent, null or strings.
+    at most 255 characters), a ``kind`` of :data:`STATE_KINDS`, ``value_codec`` and
+    ``key_codec`` that are absent, null or strings, and a ``schema`` (the declared type,
+    :mod:`materializer.schema`) that is absent or well formed.
 
     Raises:
         CorruptObjectError: it does not (names ``key``, ``offset`` and the field).
@@ -262,6 +264,11 @@ def check_state_meta(meta: Any, *, key: str, offset: int, what: str) -> dict[str
         if codec is not None and (not isinstance(codec, str)
                                   or not 0 < len(codec) <= _MAX_NAME_CHARS):
             raise bad(f"state {name!r} has {field}={codec!r:.80}, not a codec name")
+    if "schema" in meta:
+        try:
+            read_recorded(meta["schema"])
+        except ValueError as exc:
+            raise bad(f"state {name!r} has a malformed declared type: {exc}") from exc
     return meta
 
 

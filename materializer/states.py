@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from dstl.checks import check_callable, check_number, check_protocol, check_str
-from dstl.errors import UsageError
+from dstl.errors import StateTypeError, UsageError
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -48,7 +48,8 @@ from materializer.changes import (
     iter_framed,
     iter_pairs,
 )
-from materializer.codecs import Codec, SafeCodec, check_codec, decode_hashable
+from materializer.codecs import TTL_CODEC_PREFIX, Codec, SafeCodec, check_codec, decode_hashable
+from materializer.schema import compile_checker, normalize_schema, type_string
 
 __all__ = [
     "STATE_CLASSES",
@@ -123,9 +124,11 @@ MAX_STATE_NAME_CHARS: Final = 255
 
 @dataclass(frozen=True)
 class StateDescriptor:
-    """Base of all descriptors: a name, an optional value codec (default: the safe codec) and
-    an optional time to live ``ttl_s`` (seconds, keyword only; Spark's ``TTLConfig``:
-    :mod:`materializer.ttl`).
+    """Base of all descriptors: a name, an optional value codec (default: the safe codec), an
+    optional time to live ``ttl_s`` (seconds, keyword only; Spark's ``TTLConfig``:
+    :mod:`materializer.ttl`) and an optional declared type ``schema`` of the values (keyword
+    only; a Spark type name, DDL string, ``DataType`` or its JSON form: :mod:`materializer.schema`;
+    kept in Spark's JSON form). A state without one takes any value its codec encodes.
 
     Raises:
         ConfigError: a bad name, codec or ttl_s (ConfigTypeError: a wrong type), at
@@ -136,6 +139,7 @@ class StateDescriptor:
     serializer: Codec | None = None
     kind: str = field(default="", init=False)
     ttl_s: float | None = field(default=None, kw_only=True)
+    schema: Any = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self._check()
@@ -148,6 +152,8 @@ class StateDescriptor:
         check_codec(self.serializer, "serializer", owner)
         if self.ttl_s is not None:
             check_ttl_s(self.ttl_s, owner)
+        if self.schema is not None:
+            object.__setattr__(self, "schema", normalize_schema(self.schema, owner))
 
     def codec(self) -> Codec:
         return self.serializer if self.serializer is not None else SafeCodec()
@@ -184,11 +190,13 @@ class ReducingStateDescriptor(StateDescriptor):
     kind: str = field(default="reducing", init=False)
 
     def __init__(self, name: str, reduce_fn: Callable[[Any, Any], Any],
-                 serializer: Codec | None = None, *, ttl_s: float | None = None) -> None:
+                 serializer: Codec | None = None, *, ttl_s: float | None = None,
+                 schema: Any = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "reduce_fn", reduce_fn)
         object.__setattr__(self, "ttl_s", ttl_s)
+        object.__setattr__(self, "schema", schema)
         self._check()
 
     def _check(self) -> None:
@@ -203,11 +211,13 @@ class AggregatingStateDescriptor(StateDescriptor):
     kind: str = field(default="aggregating", init=False)
 
     def __init__(self, name: str, agg: AggregateFunction,
-                 serializer: Codec | None = None, *, ttl_s: float | None = None) -> None:
+                 serializer: Codec | None = None, *, ttl_s: float | None = None,
+                 schema: Any = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "serializer", serializer)
         object.__setattr__(self, "agg", agg)
         object.__setattr__(self, "ttl_s", ttl_s)
+        object.__setattr__(self, "schema", schema)
         self._check()
 
     def _check(self) -> None:
@@ -287,6 +297,30 @@ class _NamingCodec:
             raise UsageError(f"state {self._state!r}: {exc}") from exc
 
 
+class _TypedCodec(_NamingCodec):
+    """A declared state's codec: each value is checked against the declared type before it is
+    encoded (a TTL state's values arrive as ``(expiry, value)`` pairs). Undeclared states keep
+    :class:`_NamingCodec`, so their writes cost what they did."""
+
+    __slots__ = ("_check", "_declared", "_key_of", "_pair")
+
+    def __init__(self, inner: Codec, state: str, declared: Any, pair: bool,
+                 key_of: Callable[[], Any]) -> None:
+        super().__init__(inner, state)
+        self._check = compile_checker(declared)
+        self._declared = declared
+        self._pair = pair
+        self._key_of = key_of
+
+    def encode(self, value: Any) -> bytes:
+        v = value[1] if self._pair else value
+        why = self._check(v) if v is not None else "null is not a value of a state"
+        if why is not None:
+            raise StateTypeError(self._state, self._key_of(), v, type_string(self._declared),
+                                 why)
+        return super().encode(value)
+
+
 class StateAccess(Protocol):
     """What a state needs from its keyed backend: the state table's slot of the current key and
     namespace, and the log. Implemented by
@@ -296,6 +330,9 @@ class StateAccess(Protocol):
     itself in a heap table, bytes (``shape.to_bytes``) in LMDB; :meth:`read_state` and
     :meth:`write_state_object` convert with ``shape``.
     """
+
+    def get_current_key(self) -> Any:
+        """The key state calls refer to (named in errors)."""
 
     @property
     def table_kind(self) -> str:
@@ -343,7 +380,11 @@ class KeyedState:
         self._sid = state_id
         self.descriptor = descriptor
         self._shape = shape
-        self._codec: Any = _NamingCodec(shape.codec, descriptor.name)
+        declared = descriptor.schema
+        self._codec: Any = _NamingCodec(shape.codec, descriptor.name) if declared is None \
+            else _TypedCodec(shape.codec, descriptor.name, declared,
+                             shape.codec.name.startswith(TTL_CODEC_PREFIX),
+                             backend.get_current_key)
         self._heap = backend.table_kind == "heap"  # read once: every mutation branches on it
 
     @property

@@ -84,44 +84,51 @@ class StatefulProcessorHandle:
 
     def get_value_state(self, name: str, serializer: Codec | None = None,
                         ttl_s: float | None = None, *,
-                        ttl_duration_ms: int | None = None) -> ValueState:
+                        ttl_duration_ms: int | None = None, schema: Any = None) -> ValueState:
         """The value state ``name``; with ``ttl_s`` (or Spark's ``ttl_duration_ms``) its value
-        expires that long after its last update (:mod:`materializer.ttl`)."""
+        expires that long after its last update (:mod:`materializer.ttl`). ``schema`` declares
+        the value's type (a Spark type name, DDL string or ``DataType``; every ``get_*_state``
+        takes it: :mod:`materializer.schema`): writes are checked against it, and a restore
+        compares it with the type the state was written with."""
         return self._backend.get_state(  # type: ignore[no-any-return]
             ValueStateDescriptor(_state_name(name), serializer,
-                                 ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
+                                 ttl_s=_ttl_s(ttl_s, ttl_duration_ms), schema=schema))
 
     def get_list_state(self, name: str, serializer: Codec | None = None,
-                       ttl_s: float | None = None, *, ttl_duration_ms: int | None = None) -> Any:
+                       ttl_s: float | None = None, *, ttl_duration_ms: int | None = None,
+                       schema: Any = None) -> Any:
         """The list state ``name``; with a TTL each element expires that long after it was
-        written."""
+        written; ``schema``: the elements' declared type."""
         return self._backend.get_state(ListStateDescriptor(
-            _state_name(name), serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
+            _state_name(name), serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms), schema=schema))
 
     def get_map_state(self, name: str, serializer: Codec | None = None,
                       key_serializer: Codec | None = None, ttl_s: float | None = None, *,
-                      ttl_duration_ms: int | None = None) -> Any:
+                      ttl_duration_ms: int | None = None, schema: Any = None) -> Any:
         """The map state ``name``; with a TTL each entry expires that long after it was
-        last written."""
+        last written; ``schema``: the map values' declared type."""
         return self._backend.get_state(MapStateDescriptor(
             _state_name(name), serializer, key_serializer=key_serializer,
-            ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
+            ttl_s=_ttl_s(ttl_s, ttl_duration_ms), schema=schema))
 
     def get_reducing_state(self, name: str, reduce_fn: Any, serializer: Codec | None = None,
                            ttl_s: float | None = None, *,
-                           ttl_duration_ms: int | None = None) -> Any:
+                           ttl_duration_ms: int | None = None, schema: Any = None) -> Any:
         """The reducing state ``name``; with a TTL its value expires that long after its last
         ``add`` (an ``add`` after that starts from the new value alone)."""
         return self._backend.get_state(ReducingStateDescriptor(
-            _state_name(name), reduce_fn, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
+            _state_name(name), reduce_fn, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms),
+            schema=schema))
 
     def get_aggregating_state(self, name: str, agg: AggregateFunction,
                               serializer: Codec | None = None, ttl_s: float | None = None, *,
-                              ttl_duration_ms: int | None = None) -> Any:
+                              ttl_duration_ms: int | None = None, schema: Any = None) -> Any:
         """The aggregating state ``name``; with a TTL its accumulator expires that long after
-        its last ``add`` (an ``add`` after that starts from a new accumulator)."""
+        its last ``add`` (an ``add`` after that starts from a new accumulator); ``schema``:
+        the accumulator's declared type."""
         return self._backend.get_state(AggregatingStateDescriptor(
-            _state_name(name), agg, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms)))
+            _state_name(name), agg, serializer, ttl_s=_ttl_s(ttl_s, ttl_duration_ms),
+            schema=schema))
 
     def delete_if_exists(self, name: str) -> None:
         """Delete state ``name`` for every key of this partition (Spark's ``deleteIfExists``;

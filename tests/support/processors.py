@@ -43,3 +43,38 @@ class CrashOnce(Count):
             Path(self.flag).write_text("killed")
             os._exit(137)
         yield from super().handle_input_rows(key, rows)
+
+
+class TypedTotal(StatefulProcessor):
+    """A running count per key in a value state of declared type ``schema`` (a struct with
+    ``n``; with a ``last`` field it also keeps the key's previous batch number): emits
+    ``{"key", "count", "last"}`` with the ``last`` stored before this batch (``None`` for a
+    value converted from a type without ``last``). Subclasses set ``schema``."""
+
+    schema = "n int"
+
+    def init(self, handle: Any) -> None:
+        self.total = handle.get_value_state("total", schema=self.schema)
+        self.has_last = "last" in self.schema
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        old = self.total.get() or {"n": 0}
+        c = old["n"] + sum(1 for _ in rows)
+        new: dict[str, Any] = {"n": c}
+        if self.has_last:
+            new["last"] = f"seen {c}"
+        self.total.update(new)
+        yield {"key": key, "count": c, "last": old.get("last")}
+
+
+class TypedTotalWider(TypedTotal):
+    """:class:`TypedTotal` after a compatible change: ``n`` widened to long, ``last`` added."""
+
+    schema = "n long, last string"
+
+
+class TypedTotalAsString(TypedTotal):
+    """:class:`TypedTotal` after an incompatible change: ``n`` became a string."""
+
+    schema = "n string"

@@ -329,7 +329,9 @@ def test_ttl_is_keyword_only_and_checked_through_the_handle(storage: ChangelogSt
         ReducingStateDescriptor("r", lambda a, c: a + c, None, 5)  # type: ignore[misc]
     assert AggregatingStateDescriptor.__init__.__code__.co_varnames[:4] == \
         ("self", "name", "agg", "serializer")
-    assert AggregatingStateDescriptor.__init__.__code__.co_kwonlyargcount == 1
+    code = AggregatingStateDescriptor.__init__.__code__
+    assert code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount] == \
+        ("ttl_s", "schema")
     b = _backend(storage, "heap", "op/h", tmp_path)
     h = StatefulProcessorHandle(b)
     with pytest.raises(ConfigError, match="ttl_s"):
