@@ -101,6 +101,7 @@ class TimeSettings:
     delay_ms: int  # 0 without a watermark
     late_rows: str
     late_sink: Callable[[Any, int], None] | None
+    late_column: str = "late_row"
 
 
 def _without_heartbeat(df: Any) -> Any:
@@ -176,13 +177,20 @@ class DstlStatefulOperator:
             decreasing, stored in each checkpoint's manifest.
         watermark_delay: how late rows may be (seconds, a ``timedelta`` or ``"10 seconds"``).
         late_rows: rows at or below the batch's watermark: ``"drop"`` them, or
-            ``"side_output"``: hand them to ``late_sink``.
-        late_sink: ``late_sink(late_df, batch_id)`` (with ``late_rows="side_output"``), after
-            the batch's checkpoint and sink.
+            ``"side_output"``: inside the query (:meth:`transform`) each late row is a row of
+            the output DataFrame in the struct column ``late_column`` (the output columns
+            null; output rows have it null); with :meth:`foreach_batch`, ``late_sink`` gets
+            them.
+        late_sink: ``late_sink(late_df, batch_id)`` (``foreach_batch`` with
+            ``late_rows="side_output"``), after the batch's checkpoint and sink.
+        late_column: the name of the late rows' struct column of :meth:`transform`'s output
+            (``late_rows="side_output"``).
         initial_state: a (batch) DataFrame with the key column: in the first batch of a query
             without a checkpoint, each of its rows goes to the processor's
             ``handle_initial_state(key, initial_state, timer_values)`` (a dict of the row)
             before the batch's input; never again (a restart starts from its checkpoint).
+            :meth:`transform` stages it in the store before the query starts
+            (:mod:`dstl.spark.initial`).
         metrics_port: serve Prometheus metrics on this driver port (``0``: any free port;
             :attr:`metrics_port` then holds it); ``None`` (default): Spark conf
             ``spark.dstl.metrics.port``, else no endpoint. Needs ``prometheus_client``
@@ -200,7 +208,7 @@ class DstlStatefulOperator:
                  event_time_column: str | None = None, watermark_delay: Any = None,
                  late_rows: str = "drop",
                  late_sink: Callable[[Any, int], None] | None = None,
-                 initial_state: Any = None,
+                 late_column: str = "late_row", initial_state: Any = None,
                  metrics_port: int | None = None, tasks: int | None = None) -> None:
         _check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
@@ -210,7 +218,7 @@ class DstlStatefulOperator:
                          materialization_interval_s=materialization_interval_s,
                          local_dir=local_dir, agent=agent, tasks=tasks)
         self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
-                                late_sink, key_column)
+                                late_sink, key_column, sink, late_column, output_schema)
         self.initial_state = _check_initial_state(initial_state, processor, key_column)
         if metrics_port is not None:
             check_int(metrics_port, "metrics_port", _OWNER, lo=0, hi=65535,
@@ -445,16 +453,20 @@ class DstlStatefulOperator:
         the driver. State is exactly-once with Spark's commit: the tasks of a batch agree on
         its base and times through write-once objects in the store, and a batch's checkpoint
         is taken from the results of the attempt Spark committed (:mod:`dstl.spark.query`;
-        docs/spark.md, "Inside the query"). The driver writes the checkpoint's manifest when
+        docs/spark.md, "Inside the query"). With an ``initial_state`` and no state yet, this
+        call first stages it in the store (one batch job; :mod:`dstl.spark.initial`), and the
+        query's first batch applies it. With ``late_rows="side_output"`` the late rows are
+        rows of the returned DataFrame too, in the struct column ``late_column`` (null on the
+        processor's rows, whose columns are null on late rows): split them with a filter, e.g.
+        in ``foreachBatch``. The driver writes the checkpoint's manifest when
         Spark reports the batch (a ``StreamingQueryListener`` this call adds to the session),
         or, after a driver crash, when the operator starts again. Each batch's figures are in
         the query's observed metrics, ``lastProgress["observedMetrics"]["dstl.<name>"]``
         (:data:`dstl.spark.query.METRICS`). Works from a Spark Connect client too.
 
         Raises:
-            UsageError: ``df`` is not a streaming DataFrame, or the operator has a ``sink``,
-                an ``initial_state`` or ``late_rows="side_output"`` (those belong to
-                :meth:`foreach_batch`).
+            UsageError: ``df`` is not a streaming DataFrame, or the operator has a ``sink`` or
+                a ``late_sink`` (those belong to :meth:`foreach_batch`).
         """
         from pyspark.sql import functions as F
 
@@ -466,6 +478,12 @@ class DstlStatefulOperator:
         self._commit_pending(ready)
         df = _without_heartbeat(df)
         key_type = self._key_type(df)
+        with_initial = self.initial_state is not None
+        if with_initial:
+            self._stage_initial_state(ready, df)
+        late_field, out_schema = None, ready.out_schema
+        if self.time.late_rows == "side_output":
+            late_field, out_schema = self._late_field(df, out_schema)
         event_column = self.time.event_time_column
         if event_column is not None:
             df = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_column))
@@ -477,7 +495,8 @@ class DstlStatefulOperator:
         event_time, version = event_column is not None, _driver_version()
 
         def task(batches: Any) -> Any:
-            return run_in_query(cfg, tasks, delay_ms, event_time, version, batches)
+            return run_in_query(cfg, tasks, delay_ms, event_time, version, batches, late_field,
+                                with_initial)
 
         # the name Spark's plan (SQL tab, explain) shows for the state tasks' node
         task.__name__ = task.__qualname__ = plan_name(self.name)
@@ -485,7 +504,75 @@ class DstlStatefulOperator:
         self._listen(spark)
         return _with_observed_metrics(
             df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid"), task,
-            ready.out_schema, f"dstl.{self.name}")
+            out_schema, f"dstl.{self.name}")
+
+    def _late_field(self, df: Any, out_schema: Any) -> tuple[Any, Any]:
+        """The late rows' column (``late_rows="side_output"``): a struct of ``df``'s columns,
+        as the Arrow field the state tasks write and the output schema with it appended."""
+        import pyarrow as pa
+        from pyspark.sql.pandas.types import to_arrow_type
+        from pyspark.sql.types import StructField, StructType
+
+        struct = StructType(list(df.schema.fields))
+        late = StructField(self.time.late_column, struct, True)
+        arrow = pa.field(late.name, to_arrow_type(struct, timezone="UTC"), True)
+        return arrow, StructType([*out_schema.fields, late])
+
+    def _stage_initial_state(self, ready: _Ready, df: Any) -> None:
+        """Stage the ``initial_state`` in the store for the query's first batch
+        (:mod:`dstl.spark.initial`) unless the state exists (a checkpoint, or results of a
+        batch: the initial state was applied) or a staging finished before (a driver that
+        stopped before the first batch committed): one batch job, rows routed by key group in
+        the JVM as the input is, written by the executors; then the marker, last."""
+        from pyspark.sql import functions as F
+
+        from dstl.spark.initial import (
+            KEY_GROUP_COLUMN,
+            STAGED_SCHEMA,
+            StagedInitialState,
+            StagedObject,
+            attempt_prefix,
+            forget,
+            read_marker,
+            stage_rows,
+            write_marker,
+        )
+        from dstl.spark.query import has_batches
+
+        store = ready.store
+        if has_batches(store):
+            forget(store)  # left by a driver that stopped before deleting it
+            return
+        if read_marker(store) is not None:
+            return  # staged by an earlier driver: the first batch's plan may name it
+        started = time.monotonic()
+        forget(store)  # objects of a staging that did not finish
+        init = self.initial_state
+        key_type = df.schema[self.key_column].dataType
+        key = F.col(f"`{self.key_column}`").cast(key_type)
+        hashed = key if key_type.typeName() == "binary" else key.cast("string")
+        kg = F.pmod(F.xxhash64(hashed), F.lit(self.max_parallelism)).cast("int")
+        packed = init.select(key.alias(self.key_column),
+                             F.struct(*[F.col(f"`{c}`") for c in init.columns]).alias(
+                                 INITIAL_STATE_COLUMN),
+                             kg.alias(KEY_GROUP_COLUMN))
+        pid = F.expr(f"cast(({KEY_GROUP_COLUMN} * {self.partitions}) div "
+                     f"{self.max_parallelism} as int)")
+        cfg, prefix = ready.task_config, attempt_prefix()
+        maxp, partitions = self.max_parallelism, self.partitions
+
+        def task(batches: Any) -> Any:
+            from dstl.spark.runtime import runtime_for
+
+            return stage_rows(runtime_for(cfg).storage.store, prefix, batches, maxp, partitions)
+
+        task.__name__ = task.__qualname__ = plan_name(self.name) + "_initial_state"
+        rows = (packed.withColumn("_dstl_pid", pid).repartitionById(partitions, "_dstl_pid")
+                .mapInArrow(task, STAGED_SCHEMA).collect())
+        staged = write_marker(store, StagedInitialState(tuple(
+            StagedObject(r["object"], int(r["kg_start"]), int(r["kg_end"])) for r in rows)))
+        logger.info("operator %s: initial state staged for the first batch in %d objects "
+                    "(%.2fs)", self.name, len(staged.objects), time.monotonic() - started)
 
     def _check_transform(self, df: Any) -> None:
         """Refuse what :meth:`transform` cannot do (see its ``Raises``)."""
@@ -493,14 +580,15 @@ class DstlStatefulOperator:
             raise UsageError(f"operator {self.name!r}: transform takes a streaming DataFrame "
                              "(spark.readStream...); for a batch DataFrame call "
                              "op.foreach_batch(df, batch_id)")
-        for given, what in ((self.sink is not None, "a sink"),
-                            (self.initial_state is not None, "an initial_state"),
-                            (self.time.late_rows == "side_output",
-                             'late_rows="side_output"')):
+        for given, what, instead in (
+                (self.sink is not None, "a sink", "the output DataFrame is the sink's input"),
+                (self.time.late_sink is not None, "a late_sink",
+                 f"late rows are rows of the output DataFrame, in its "
+                 f"{self.time.late_column!r} column")):
             if given:
                 raise UsageError(f"operator {self.name!r} has {what}, which only "
-                                 "foreach_batch supports; inside the query the output "
-                                 "DataFrame is the sink's input (drop the argument)")
+                                 f"foreach_batch supports; inside the query {instead} (drop "
+                                 "the argument)")
 
     def wait_for_checkpoint(self, batch_id: int, timeout_s: float = 60.0) -> bool:
         """Wait until the checkpoint of batch ``batch_id`` (or a later one) is written: inside
@@ -589,7 +677,15 @@ class DstlStatefulOperator:
             BatchInterruptedError: the query is stopping (``query.stop()`` during the batch);
                 Spark ends the query as stopped and runs the batch again at the next start
                 (:mod:`dstl.spark.stopping`).
+            UsageError: ``late_rows="side_output"`` without a ``late_sink`` (its late rows
+                have nowhere to go here; :meth:`transform` puts them in its output).
         """
+        if self.time.late_rows == "side_output" and self.time.late_sink is None:
+            raise UsageError(f"operator {self.name!r} has late_rows='side_output' and no "
+                             "late_sink: foreach_batch hands late rows to "
+                             "late_sink(late_df, batch_id); pass one, or run the operator "
+                             "inside the query (op.transform), whose output carries them in "
+                             f"its {self.time.late_column!r} column")
         if is_connect(df.sparkSession):
             raise UsageError(f"operator {self.name!r}: foreach_batch runs its state job from "
                              "the driver's SparkContext, which a Spark Connect client does "
@@ -1360,9 +1456,12 @@ def _check_output_schema(output_schema: Any) -> None:
 
 
 def _check_time(time_mode: Any, event_time_column: Any, watermark_delay: Any, late_rows: Any,
-                late_sink: Any, key_column: str) -> TimeSettings:
+                late_sink: Any, key_column: str, sink: Any = None, late_column: Any = "late_row",
+                output_schema: Any = "") -> TimeSettings:
     """The time settings: a known mode; a watermark is a column and a delay, both or neither;
-    event-time timers need one; late rows go to a sink only when there is one and a watermark.
+    event-time timers need one; late rows are kept only with a watermark, and go to a
+    ``late_sink`` when the operator has a ``sink`` (``foreach_batch``), else to the output's
+    ``late_column``.
 
     Raises:
         ConfigError: naming the argument and the fix (ConfigTypeError: a wrong type).
@@ -1391,15 +1490,32 @@ def _check_time(time_mode: Any, event_time_column: Any, watermark_delay: Any, la
             raise ConfigError("late_rows", late_rows, "'drop' without a watermark",
                               owner=_OWNER, fix="late rows exist only with event_time_column "
                                                 "and watermark_delay")
-        if late_sink is None:
+        if late_sink is None and sink is not None:
             raise ConfigError("late_sink", None, "a callable late_sink(late_df, batch_id) with "
-                              "late_rows='side_output'", owner=_OWNER)
+                              "late_rows='side_output' and a sink", owner=_OWNER,
+                              fix="foreach_batch hands late rows to late_sink; inside the query "
+                                  "(op.transform, no sink) they arrive in the output's "
+                                  "late_column")
+        check_str(late_column, "late_column", _OWNER, forbidden="`",
+                  fix="the name of the output's column of late rows")
+        names = (ddl_column_names(output_schema) if isinstance(output_schema, str)
+                 else [f.name for f in getattr(output_schema, "fields", ())])
+        if late_column.lower() in {n.lower() for n in names} \
+                or late_column.lower() in _RESERVED_COLUMNS:
+            raise ConfigError("late_column", late_column, "a name that is not an output "
+                              f"column nor one of {_RESERVED_COLUMNS}", owner=_OWNER,
+                              fix="pass late_column='<another name>'")
+    elif late_column != "late_row":
+        raise ConfigError("late_column", late_column, "left out unless "
+                          "late_rows='side_output'", owner=_OWNER,
+                          fix="pass late_rows='side_output' to keep late rows")
     if late_sink is not None:
         check_callable(late_sink, "late_sink", _OWNER, args=2, fix="late_sink(late_df, batch_id)")
         if late_rows != "side_output":
             raise ConfigError("late_sink", late_sink, "None unless late_rows='side_output'",
                               owner=_OWNER, fix="pass late_rows='side_output' to use it")
-    return TimeSettings(mode, event_time_column, delay_ms, late_rows, late_sink)
+    return TimeSettings(mode, event_time_column, delay_ms, late_rows, late_sink,
+                        str(late_column))
 
 
 def _check_interval(interval: Any, backend_options: BackendOptions | None) -> None:

@@ -20,6 +20,8 @@ everyone reads what it wrote):
   first of the driver (when Spark reports batch N done) and the tasks of a later batch (when
   they plan): either is proof that Spark committed batch N, since Spark reports a batch after
   its commit log entry and starts batch N+1 only after committing N.
+- ``query/initial/`` — the operator's ``initial_state``, staged by ``op.transform`` before
+  the query's first batch, and named in that batch's plan (:mod:`dstl.spark.initial`).
 - ``checkpoints/<N>-<attempt>.manifest`` — DSTL's checkpoint, written by the driver's
   :class:`~dstl.checkpoint.CheckpointCoordinator` from the choice (never by a task), with the
   watermark after N and N's processing time as properties; the reader and the CLI see it.
@@ -37,6 +39,7 @@ the results behind; the next batch's tasks choose them and the next driver write
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -47,6 +50,14 @@ from typing import Any, TypeVar
 from dstl.checkpoint.manifest import Manifest, decode_manifest
 from dstl.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, UsageError
 from dstl.layout import MANIFEST_PREFIX, parse_manifest_key
+from dstl.spark.initial import (
+    INITIAL_PREFIX,
+    StagedInitialState,
+    initial_batches,
+    not_staged,
+    read_marker,
+)
+from dstl.spark.initial import MARKER_KEY as INITIAL_MARKER_KEY
 from dstl.spark.report import TaskReport, TaskReportError
 from dstl.spark.timing import next_watermark
 from dstl.stores.base import BlobStore
@@ -99,22 +110,31 @@ class BatchPlan:
     processing_time_ms: int
     watermark_ms: int
     query_id: str = ""  # Spark's id of the query whose task wrote the plan
+    #: the staged initial state the batch applies (only a first batch: no base), or None
+    initial: StagedInitialState | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps({"batch": self.batch, "base": self.base, "query_id": self.query_id,
-                           "handles": {str(p): h for p, h in self.handles.items()},
-                           "retained": list(self.retained),
-                           "processing_time_ms": self.processing_time_ms,
-                           "watermark_ms": self.watermark_ms}).encode()
+        obj: dict[str, Any] = {"batch": self.batch, "base": self.base,
+                               "query_id": self.query_id,
+                               "handles": {str(p): h for p, h in self.handles.items()},
+                               "retained": list(self.retained),
+                               "processing_time_ms": self.processing_time_ms,
+                               "watermark_ms": self.watermark_ms}
+        if self.initial is not None:
+            obj["initial"] = self.initial.to_obj()
+        return json.dumps(obj).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str) -> BatchPlan:
         obj = _json_object(data, key)
+        initial = obj.get("initial")
         return cls(batch=_int(obj, "batch", key), base=_int(obj, "base", key, lo=-1),
                    handles=_handles(obj, key), retained=_ints(obj, "retained", key),
                    processing_time_ms=_int(obj, "processing_time_ms", key, lo=-1),
                    watermark_ms=_int(obj, "watermark_ms", key, lo=-1),
-                   query_id=str(obj.get("query_id", "")))
+                   query_id=str(obj.get("query_id", "")),
+                   initial=(None if initial is None
+                            else StagedInitialState.from_obj(initial, key)))
 
 
 @dataclass(frozen=True)
@@ -193,13 +213,17 @@ def state_of_another_query(batch: int, location: str, checkpoints: Iterable[int]
 
 
 def plan_batch(store: BlobStore, batch: int, partitions: int, *, delay_ms: int,
-               event_time: bool, now_ms: int, query_id: str = "") -> BatchPlan:
+               event_time: bool, now_ms: int, query_id: str = "", operator: str = "",
+               with_initial: bool = False) -> BatchPlan:
     """The plan of ``batch``: the stored one, else one made now and stored (first writer
-    wins; see the module docstring).
+    wins; see the module docstring). With ``with_initial`` (the operator has an
+    ``initial_state``), a plan without a base takes the staged initial state
+    (:mod:`dstl.spark.initial`).
 
     Raises:
         UsageError: every checkpoint of the store is at or after ``batch`` (the state belongs
-            to another query), or the newest batch ran only some partitions.
+            to another query), the newest batch ran only some partitions, or the operator has
+            an initial state that is not staged.
     """
     stored = _read(store, plan_key(batch), BatchPlan.from_json)
     if stored is not None:
@@ -225,10 +249,15 @@ def plan_batch(store: BlobStore, batch: int, partitions: int, *, delay_ms: int,
             base_wm = _int_property(m, WATERMARK_PROPERTY, 0)
     elif manifests:
         raise state_of_another_query(batch, store.location, manifests)
+    initial = None
+    if with_initial and base < 0:
+        initial = read_marker(store)
+        if initial is None:
+            raise not_staged(operator, batch, store.location)
     plan = BatchPlan(batch=batch, base=base, handles=handles,
                      retained=tuple(sorted(set(manifests) | ({base} if base >= 0 else set()))),
                      processing_time_ms=max(now_ms, base_time), watermark_ms=base_wm,
-                     query_id=query_id)
+                     query_id=query_id, initial=initial)
     return _write_once(store, plan_key(batch), plan.to_json(), BatchPlan.from_json)
 
 
@@ -312,11 +341,21 @@ def pending_choices(store: BlobStore, after: int) -> list[int]:
 
 def forget_before(store: BlobStore, batch: int) -> int:
     """Delete the protocol's objects of batches below ``batch`` (their checkpoints are
-    written); how many."""
+    written) and the staged initial state (a checkpoint exists: no batch starts without a
+    base again); how many."""
     doomed = [info.key for info in store.list(QUERY_PREFIX)
-              if (b := _batch_of(info.key)) is not None and b < batch]
+              if ((b := _batch_of(info.key)) is not None and b < batch)
+              or info.key.startswith(INITIAL_PREFIX)]
+    # the staged initial state's marker last: a staging is never seen half deleted
+    doomed.sort(key=lambda k: k == INITIAL_MARKER_KEY)
     store.delete(doomed)
     return len(doomed)
+
+
+def has_batches(store: BlobStore) -> bool:
+    """Whether any batch has results, a choice or a checkpoint: the query's state exists (an
+    initial state is not applied again)."""
+    return bool(_manifest_ids(store)) or bool(_pending_batches(store))
 
 
 # ---------------------------------------------------------------------------- store access
@@ -481,11 +520,16 @@ def _metric_values(report: TaskReport, received: int, late: int) -> dict[str, in
 
 
 def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_version: str,
-                 batches: Iterator[Any]) -> Iterator[Any]:
+                 batches: Iterator[Any], late_field: Any = None,
+                 with_initial: bool = False) -> Iterator[Any]:
     """The body of one state task inside the user's query (``op.transform``): plan the batch
     (:func:`plan_batch`), run and commit its partitions as a ``foreach_batch`` task does
-    (:func:`dstl.spark.task.run_group`), store each partition's result, then yield its output
-    rows (the metric columns null) and one metrics row (the output columns null)."""
+    (:func:`dstl.spark.task.run_group`) — a first batch with the staged initial state
+    (``with_initial``: :mod:`dstl.spark.initial`) — store each partition's result, then yield
+    its output rows (the metric columns null) and one metrics row (the output columns null).
+    With ``late_field`` (an Arrow field of a struct of the input's columns:
+    ``late_rows="side_output"``) the rows at or below the watermark follow, each in that struct
+    column (the output columns null)."""
     import pyarrow as pa
 
     from dstl.spark.config import TaskInput
@@ -497,33 +541,70 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
     batch, query_id = batch_id_of_task()
     store = runtime_for(cfg).storage.store
     plan = plan_batch(store, batch, cfg.partitions, delay_ms=delay_ms, event_time=event_time,
-                      now_ms=int(time.time() * 1000), query_id=query_id)
+                      now_ms=int(time.time() * 1000), query_id=query_id, operator=cfg.name,
+                      with_initial=with_initial)
     check_same_query(plan, query_id, cfg.name, store.location)
     task_input = TaskInput(batch_id=batch, base_checkpoint=plan.base,
                            base_handles=plan.handles, retained=plan.retained,
                            processing_time_ms=plan.processing_time_ms,
                            watermark_ms=plan.watermark_ms, driver_version=driver_version)
     counts = {"received": 0, "late": 0}
-    rows = drop_late(iter(batches), EVENT_TIME_COLUMN if event_time else None,
-                        plan.watermark_ms, counts)
-    rt, attempt, done = run_group(cfg, task_input, rows, tasks)
+    late_type = late_field.type if late_field is not None else None
+    late: list[Any] | None = [] if late_field is not None else None
+    rows: Iterator[Any] = drop_late(iter(batches), EVENT_TIME_COLUMN if event_time else None,
+                                    plan.watermark_ms, counts, late)
+    task = _task_partition()
+    if plan.initial is not None:
+        mine = [task] if tasks == cfg.partitions else list(range(task, cfg.partitions, tasks))
+        seeds = initial_batches(store, plan.initial, cfg.key_column,
+                                {p: cfg.key_groups(p) for p in mine})
+        rows = itertools.chain(seeds, rows)
+    rt, attempt, done = run_group(cfg, task_input, rows, tasks, task)
     names = list(cfg.output_columns)
     metric_cols = [metric_column(m) for m in METRICS]
-    schema = pa.schema([*[cfg.arrow_schema.field(n) for n in names],
+    late_fields = [late_field] if late_field is not None else []
+    schema = pa.schema([*[cfg.arrow_schema.field(n) for n in names], *late_fields,
                         pa.field(METRICS_MARK, pa.int32()),
                         *[pa.field(c, pa.int64()) for c in metric_cols]])
+    no_late = [pa.nulls(1, late_type)] if late_type is not None else []
     for i, (outputs, report) in enumerate(committed_reports(rt, cfg, attempt, done)):
         write_result(store, batch, cfg.partitions, report)
         if outputs is not None and outputs.num_rows:
             n = outputs.num_rows
             yield pa.RecordBatch.from_arrays(
                 [outputs.column(c) for c in names]
+                + ([pa.nulls(n, late_type)] if late_type is not None else [])
                 + [pa.nulls(n, pa.int32())] + [pa.nulls(n, pa.int64())] * len(metric_cols),
                 schema=schema)
         # the task's rows received and dropped late are counted once, with its first partition
         values = _metric_values(report, counts["received"] if i == 0 else 0,
                                 counts["late"] if i == 0 else 0)
         yield pa.RecordBatch.from_arrays(
-            [pa.nulls(1, schema.field(c).type) for c in names]
+            [pa.nulls(1, schema.field(c).type) for c in names] + no_late
             + [pa.array([report.partition], pa.int32())]
             + [pa.array([values[m]], pa.int64()) for m in METRICS], schema=schema)
+    for part in late or ():
+        # after every result is stored, as the output rows: they leave with the batch's commit
+        n = part.num_rows
+        yield pa.RecordBatch.from_arrays(
+            [pa.nulls(n, schema.field(c).type) for c in names]
+            + [late_struct(part, late_type)]
+            + [pa.nulls(n, pa.int32())] + [pa.nulls(n, pa.int64())] * len(metric_cols),
+            schema=schema)
+
+
+def late_struct(batch: Any, late_type: Any) -> Any:
+    """The rows of ``batch`` (input columns and DSTL's own) as ``late_type``, a struct of the
+    input's columns (each cast to the type Spark expects back: e.g. timestamps as UTC)."""
+    import pyarrow as pa
+
+    arrays = [batch.column(f.name).cast(f.type) for f in late_type]
+    return pa.StructArray.from_arrays(arrays, fields=list(late_type))
+
+
+def _task_partition() -> int:
+    """The running Spark task's partition id (0 outside Spark)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.partitionId() if ctx is not None else 0

@@ -59,6 +59,7 @@ from dstl.handle import ChangeSetRef
 from dstl.spark.agent import AgentClient, PartitionSpec, StoreRef
 from dstl.spark.agent.protocol import CommittedRequest, MaterializationRequest
 from dstl.spark.config import OperatorConfig, TaskInput
+from dstl.spark.grouping import RowsByKey
 from dstl.spark.outputs import OutputRows
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, SlotAccess, TaskReport
 from dstl.spark.runtime import Slot, WorkerRuntime, runtime_for
@@ -66,6 +67,7 @@ from dstl.spark.slots import acquire
 from dstl.spark.timing import EVENT_TIME_COLUMN, ExpiredTimerInfo, TimerValues
 from materializer.backend import ChangelogKeyedStateBackend
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
+from materializer.heap import release_free_memory
 
 __all__ = ["committed_reports", "run_group", "run_partition", "run_partitions"]
 
@@ -111,11 +113,12 @@ def run_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable[
 
 
 def drop_late(batches: Iterable[Any], event_column: str | None, watermark_ms: int,
-              counts: dict[str, int]) -> Iterator[Any]:
+              counts: dict[str, int], late: list[Any] | None = None) -> Iterator[Any]:
     """The task's record batches without the rows at or below the watermark (event time in
     ``event_column``; a row without one is kept; none without a watermark or the column); the
-    rows received and dropped are added to ``counts["received"]`` and ``counts["late"]``. The
-    tasks drop late rows themselves so that a batch's figures count every row received."""
+    rows received and dropped are added to ``counts["received"]`` and ``counts["late"]``, and
+    the dropped rows to ``late`` (record batches) when it is given. The tasks drop late rows
+    themselves so that a batch's figures count every row received."""
     import pyarrow.compute as pc
 
     for b in batches:
@@ -124,8 +127,11 @@ def drop_late(batches: Iterable[Any], event_column: str | None, watermark_ms: in
             yield b
             continue
         col = b.column(event_column)
-        kept = b.filter(pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms)))
+        on_time = pc.or_kleene(pc.is_null(col), pc.greater(col, watermark_ms))
+        kept = b.filter(on_time)
         counts["late"] += b.num_rows - kept.num_rows
+        if late is not None and kept.num_rows < b.num_rows:
+            late.append(b.filter(pc.invert(on_time)))
         yield kept
 
 
@@ -157,6 +163,7 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
             if rt.cfg.table == "lmdb":
                 rt.write_table_batch_id(s.partition, task_input.batch_id)
             done.append(_Committed(s, run, time.monotonic(), _table_stats(s.slot.backend)))
+            s.rows.groups.clear()
     except BaseException as exc:
         failed = started[len(done):]
         try:
@@ -168,6 +175,9 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
                 rt.drop(partition)
                 rt.write_table_batch_id(partition, None)
         raise
+    # the batch's rows, change records and LMDB pages are free now: back to the system, or
+    # the worker keeps its largest batch's memory for its lifetime (materializer.heap)
+    release_free_memory()
     return done
 
 
@@ -405,7 +415,7 @@ def _finish_batch(s: _Started) -> _BatchRun:
 class _Rows:
     """The task's input: rows by key in arrival order, how many, the largest event time."""
 
-    groups: dict[Any, list[dict[str, Any]]]
+    groups: RowsByKey
     count: int
     max_event_time_ms: int | None
     #: the ``initial_state`` rows by key (only in a query's first batch)
@@ -419,7 +429,8 @@ _INTERNAL_COLUMNS = ("_dstl_pid", EVENT_TIME_COLUMN, INITIAL_STATE_COLUMN)
 def _group_rows(batches: Iterable[Any], key_column: str) -> _Rows:
     import pyarrow.compute as pc
 
-    out = _Rows({}, 0, None)
+    out = _Rows(RowsByKey((), key_column), 0, None)
+    kept: list[Any] = []
     for batch in batches:
         internal = [c for c in _INTERNAL_COLUMNS if c in batch.schema.names]
         if EVENT_TIME_COLUMN in internal and batch.num_rows:
@@ -428,9 +439,9 @@ def _group_rows(batches: Iterable[Any], key_column: str) -> _Rows:
                 out.max_event_time_ms = int(m)
         if INITIAL_STATE_COLUMN in internal:
             batch = _take_initial_state(batch, key_column, out.initial)
-        for row in batch.drop_columns(internal).to_pylist() if internal else batch.to_pylist():
-            out.groups.setdefault(row[key_column], []).append(row)
-            out.count += 1
+        kept.append(batch.drop_columns(internal) if internal else batch)
+        out.count += batch.num_rows
+    out.groups = RowsByKey(kept, key_column)
     return out
 
 
@@ -477,7 +488,15 @@ def _apply_initial_state(slot: Slot, initial: dict[Any, list[dict[str, Any]]],
             handle.set_key(key)
         try:
             for state in states:
-                slot.processor.handle_initial_state(key, state, times)
+                emitted: object = slot.processor.handle_initial_state(  # type: ignore[func-returns-value]
+                    key, state, times)
+                if emitted is not None:
+                    # e.g. a generator: its body would never run, the seeding silently lost
+                    raise UsageError(f"{call.processor}.handle_initial_state returned "
+                                     f"{type(emitted).__name__} for key {key!r} (operator "
+                                     f"{call.operator!r}): it sets the key's state and returns "
+                                     "None, as Spark's handleInitialState does; emit rows from "
+                                     "handle_input_rows or a timer")
         except DstlError:
             raise
         except Exception as exc:
@@ -528,7 +547,7 @@ def _fire_timers(slot: Slot, time_mode: str, times: TimerValues, outputs: Output
     return fired
 
 
-def _process(slot: Slot, groups: dict[Any, list[dict[str, Any]]], times: TimerValues,
+def _process(slot: Slot, groups: RowsByKey, times: TimerValues,
              outputs: OutputRows, call: ProcessorCall) -> None:
     """Call the processor once per key, with the backend's current key set to it; its rows go
     to ``outputs``. An exception the processor raises (DSTL's own errors aside) becomes a

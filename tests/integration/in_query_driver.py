@@ -12,6 +12,11 @@ The state goes to ``WORK/state`` unless ``DSTL_TEST_STATE_URI`` names another st
 result of batch 1 is stored, Spark has not committed), ``committed``
 (a listener added before DSTL's kills it when Spark reports batch 1: after Spark's commit, before
 DSTL's manifest) or ``manifest`` (a listener added after DSTL's: after both).
+``DSTL_TEST_KILL_BATCH`` names another batch than 1.
+
+With ``DSTL_TEST_INITIAL=1`` the operator has an ``initial_state`` (:data:`SEEDS`, each row's
+``start`` added to its key's count), and ``KILL_AT`` may also be ``staging`` (a task of the job
+that stages the initial state kills the driver: before the marker).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
-KILL_BATCH = 1
+KILL_BATCH = int(os.environ.get("DSTL_TEST_KILL_BATCH", "1"))
+#: the initial state of DSTL_TEST_INITIAL=1: (key, start); k21 twice, k25..k29 never in the input
+SEEDS = [(f"k{i:02d}", 100 * i) for i in range(18, 30)] + [("k21", 7)]
 
 
 class Count(StatefulProcessor):
@@ -50,6 +57,19 @@ class Count(StatefulProcessor):
         c = (self.count.get() or 0) + sum(1 for _ in rows)
         self.count.update(c)
         yield {"key": key, "count": c}
+
+    def handle_initial_state(self, key: Any, initial_state: dict[str, Any],
+                             timer_values: Any) -> None:
+        self.count.update((self.count.get() or 0) + initial_state["start"])
+
+
+def kill_in_staging(batches: Iterator[Any]) -> Iterator[Any]:
+    """Passes the initial state's rows on; with ``DSTL_TEST_KILL_AT=staging`` kills the driver
+    (this runs in the staging job, before DSTL's staging tasks have written anything)."""
+    if os.environ.get("DSTL_TEST_KILL_AT") == "staging":
+        os.kill(int(os.environ["DSTL_TEST_KILL_DRIVER"]), signal.SIGKILL)
+        signal.pause()
+    yield from batches
 
 
 def kill_when_done(batches: Iterator[Any]) -> Iterator[Any]:
@@ -90,7 +110,7 @@ def main() -> None:
     sys.path.insert(0, here)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    if kill_at in ("task", "tasks-done"):
+    if kill_at in ("task", "tasks-done", "staging"):
         os.environ["DSTL_TEST_KILL_DRIVER"] = str(os.getpid())
         os.environ["DSTL_TEST_KILL_AT"] = kill_at
     from spark_support import new_session
@@ -103,6 +123,12 @@ def main() -> None:
     if kill_at == "committed":
         spark.streams.addListener(Killer())
     options = os.environ.get("DSTL_TEST_STORAGE_OPTIONS")
+    initial = None
+    if os.environ.get("DSTL_TEST_INITIAL") == "1":
+        from in_query_driver import kill_in_staging
+
+        initial = spark.createDataFrame(SEEDS, "key string, start long").mapInArrow(
+            kill_in_staging, "key string, start long")
     op = DstlStatefulOperator(name="counts", processor=Processor, key_column="key",
                               output_schema="key string, count bigint",
                               state_uri=os.environ.get("DSTL_TEST_STATE_URI",
@@ -111,7 +137,7 @@ def main() -> None:
                               table=os.environ.get("DSTL_TEST_TABLE", "lmdb"),
                               partitions=partitions,
                               local_dir=os.path.join(work, f"local-{os.getpid()}"),
-                              materialization_interval_s=0)
+                              materialization_interval_s=0, initial_state=initial)
     src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
            .json(os.path.join(work, "in")))
     from in_query_driver import kill_when_done

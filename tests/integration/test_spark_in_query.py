@@ -4,12 +4,16 @@ with a task whose worker is killed (Spark retries it), across a query restart wi
 partition count, with two DSTL operators chained in one query, and with the driver SIGKILLed
 after Spark's commit and before DSTL's manifest; ``DSTL_DEEP=1`` adds the heap table and
 SIGKILLs while the state tasks run, once they are done (before Spark's commit) and after DSTL's
-manifest."""
+manifest. An ``initial_state`` is applied exactly once (a restart before the first batch, with
+another partition count; a restart after; the driver SIGKILLed in the first batch, and with
+``DSTL_DEEP=1`` while staging it and around the first batch's commit), and late rows reach the
+sink in the output's ``late_row`` column, equal to a watermark model across a restart."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_query_driver import SEEDS
 from spark_support import spark  # noqa: F401
 from support import moto_server
 from support.processors import Count, CrashOnce
@@ -40,6 +45,12 @@ if DEEP:
     KILL_POINTS = [(store, table, kill) for store, table in
                    (("local", "lmdb"), ("local", "heap"), ("s3", "lmdb"))
                    for kill in ("task", "tasks-done", "committed", "manifest")]
+#: (store, kill point) of the driver-kill test with an initial state, all in the first batch
+#: (batch 0) but ``staging`` (the staging job, before the marker)
+INITIAL_KILL_POINTS = [("local", "task")]
+if DEEP:
+    INITIAL_KILL_POINTS = [("local", kill) for kill in ("staging", "tasks-done", "committed",
+                                                        "manifest")] + [("s3", "task")]
 
 
 class GroupTotal(StatefulProcessor):
@@ -83,6 +94,20 @@ def _counts_model(files: int) -> Counter[tuple[int, str, int]]:
     return out
 
 
+def _seeded_model(files: int) -> tuple[Counter[tuple[str, int]], Counter[str]]:
+    """The rows of a per-key running count that starts from the initial state (each seed row's
+    ``start`` added to its key), and the counts after ``files`` files."""
+    seen: Counter[str] = Counter()
+    for k, start in SEEDS:
+        seen[k] += start
+    out: Counter[tuple[str, int]] = Counter()
+    for i in range(files):
+        for k, n in Counter(_file_keys(i)).items():
+            seen[k] += n
+            out[(k, seen[k])] += 1
+    return out, seen
+
+
 def _without_batch(model: Counter[tuple[int, str, int]]) -> Counter[tuple[str, int]]:
     return Counter({(k, c): n for (_, k, c), n in model.items()})
 
@@ -95,7 +120,11 @@ def _read_rows(spark: Any, path: Path, *cols: str) -> Counter[tuple[Any, ...]]: 
 def _run(spark: Any, op: Any, work: Path, out: Any = None) -> Any:  # noqa: F811
     src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
            .json(str(work / "in")))
-    df = (out or (lambda d: d.transform(op)))(src)
+    return _run_df(spark, op, (out or (lambda d: d.transform(op)))(src), work)
+
+
+def _run_df(spark: Any, op: Any, df: Any, work: Path) -> Any:  # noqa: F811
+    """``df`` to a Parquet file sink until its input is all read; the query."""
     q = (df.writeStream.format("parquet").option("path", str(work / "out"))
          .option("checkpointLocation", str(work / "cp")).trigger(availableNow=True).start())
     q.awaitTermination()
@@ -219,6 +248,19 @@ def test_transform_refuses_what_it_cannot_do(spark: Any, tmp_path: Path) -> None
     with pytest.raises(UsageError, match="takes a streaming DataFrame"):
         op.transform(spark.range(3).selectExpr("cast(id as string) as key"))
     op.close()
+    late = {"event_time_column": "ts", "watermark_delay": 5, "late_rows": "side_output"}
+    op = DstlStatefulOperator(name="c", processor=Count, key_column="key",
+                              output_schema="key string, count bigint",
+                              state_uri=str(tmp_path / "s"), late_sink=lambda df, b: None,
+                              **late)
+    with pytest.raises(UsageError, match="late_sink, which only foreach_batch supports; "
+                                         "inside the query late rows are rows of the output"):
+        op.transform(stream)
+    op = DstlStatefulOperator(name="c", processor=Count, key_column="key",
+                              output_schema="key string, count bigint",
+                              state_uri=str(tmp_path / "s"), **late)
+    with pytest.raises(UsageError, match="no late_sink: foreach_batch hands late rows"):
+        op.foreach_batch(stream, 0)
 
 
 @pytest.mark.timeout(900)  # two Spark drivers in turn, each in a process of its own
@@ -226,23 +268,7 @@ def test_transform_refuses_what_it_cannot_do(spark: Any, tmp_path: Path) -> None
 def test_a_driver_killed_at_each_step_loses_nothing_and_repeats_nothing(
         spark: Any, tmp_path: Path, request: pytest.FixtureRequest, store: str, table: str,  # noqa: F811
         kill_at: str) -> None:
-    _write_files(tmp_path, 0, 3)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "DSTL_TEST_TABLE": table}
-    if store == "s3":
-        from support.moto_server import s3_storage_options
-
-        endpoint = request.getfixturevalue("moto_endpoint")
-        bucket = request.getfixturevalue("s3_bucket")
-        env["DSTL_TEST_STATE_URI"] = f"s3://{bucket}/state"
-        env["DSTL_TEST_STORAGE_OPTIONS"] = json.dumps(s3_storage_options(endpoint))
-    driver = [sys.executable, str(HERE / "in_query_driver.py"), str(tmp_path)]
-    first = subprocess.run([*driver, "3", kill_at], env=env, capture_output=True, text=True,
-                           timeout=600)
-    assert first.returncode == -9, first.stderr[-3000:]
-    _write_files(tmp_path, 3, 5)
-    second = subprocess.run([*driver, "3"], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
+    env = _kill_and_restart(tmp_path, request, store, table, kill_at, {})
     assert _read_rows(spark, tmp_path / "out", "key", "count") == _without_batch(
         _counts_model(5))
     # every batch has its checkpoint: the newest is the last batch's
@@ -259,3 +285,186 @@ def test_a_driver_killed_at_each_step_loses_nothing_and_repeats_nothing(
     finally:
         state.close()
     assert latest is not None and latest.checkpoint_id == 4
+
+
+def _kill_and_restart(tmp_path: Path, request: pytest.FixtureRequest, store: str, table: str,
+                      kill_at: str, extra: dict[str, str]) -> dict[str, str]:
+    """Run in_query_driver.py over files 0-2, SIGKILLed at ``kill_at``, then again over files
+    0-4 to the end; the environment of the runs."""
+    _write_files(tmp_path, 0, 3)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "DSTL_TEST_TABLE": table, **extra}
+    if store == "s3":
+        from support.moto_server import s3_storage_options
+
+        endpoint = request.getfixturevalue("moto_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        env["DSTL_TEST_STATE_URI"] = f"s3://{bucket}/state"
+        env["DSTL_TEST_STORAGE_OPTIONS"] = json.dumps(s3_storage_options(endpoint))
+    driver = [sys.executable, str(HERE / "in_query_driver.py"), str(tmp_path)]
+    first = subprocess.run([*driver, "3", kill_at], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == -9, first.stderr[-3000:]
+    _write_files(tmp_path, 3, 5)
+    second = subprocess.run([*driver, "3"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return env
+
+
+class SeededCount(Count):
+    """:class:`Count` that starts each key from its initial state rows' ``start``."""
+
+    def handle_initial_state(self, key: Any, initial_state: dict[str, Any],
+                             timer_values: Any) -> None:
+        self.count.update((self.count.get() or 0) + initial_state["start"])
+
+
+def _state_counts(spark: Any, state: Path) -> dict[str, int]:  # noqa: F811
+    """The operator's newest checkpoint read back: key -> count."""
+    rows = (spark.read.format("dstl").option("operator", "counts").option("state", "count")
+            .load(str(state)).collect())
+    return {r["key"]: json.loads(r["value"]) for r in rows}
+
+
+def test_the_initial_state_is_applied_once_inside_the_query(
+        spark: Any, tmp_path: Path) -> None:  # noqa: F811
+    _write_files(tmp_path, 0, 2)
+    init = spark.createDataFrame(SEEDS, "key string, start long")
+    state = tmp_path / "state"
+
+    def op_of(partitions: int, run: int) -> DstlStatefulOperator:
+        return DstlStatefulOperator(name="counts", processor=SeededCount, key_column="key",
+                                    output_schema="key string, count bigint",
+                                    state_uri=str(state), partitions=partitions,
+                                    local_dir=str(tmp_path / f"local-{run}"),
+                                    materialization_interval_s=None, initial_state=init)
+
+    src = (spark.readStream.schema("key string").option("maxFilesPerTrigger", 1)
+           .json(str(tmp_path / "in")))
+    # a staging that stopped before its marker left an object: the next staging deletes it
+    staged = state / "query" / "initial"
+    leftover = staged / "s-0-dead" / "p00000-0.arrow"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half")
+    op = op_of(4, 0)
+    op.transform(src)  # stages the initial state; the query never starts (its driver stops)
+    op.close()
+    marker = (staged / "staged.json").read_text()
+    assert not leftover.exists() and json.loads(marker), marker
+    # the next driver, with 3 partitions, applies what the first one staged for 4
+    op = op_of(3, 1)
+    try:
+        op.transform(src)
+        assert (staged / "staged.json").read_text() == marker  # not staged again
+        _run(spark, op, tmp_path)
+    finally:
+        op.close()
+    want, seen = _seeded_model(2)
+    assert _read_rows(spark, tmp_path / "out", "key", "count") == want
+    assert not [p for p in staged.rglob("*") if p.is_file()]  # gone with the first checkpoint
+    # a restart with its checkpoint: the initial state is not applied again
+    _write_files(tmp_path, 2, 3)
+    op = op_of(2, 2)
+    try:
+        _run(spark, op, tmp_path)
+    finally:
+        op.close()
+    want, seen = _seeded_model(3)
+    assert _read_rows(spark, tmp_path / "out", "key", "count") == want
+    # seeded keys the input never had are in the state too
+    assert _state_counts(spark, state) == dict(seen)
+
+
+@pytest.mark.timeout(900)  # two Spark drivers in turn, each in a process of its own
+@pytest.mark.parametrize(("store", "kill_at"), INITIAL_KILL_POINTS)
+def test_a_driver_killed_while_the_initial_state_is_applied_applies_it_once(
+        spark: Any, tmp_path: Path, request: pytest.FixtureRequest, store: str,  # noqa: F811
+        kill_at: str) -> None:
+    _kill_and_restart(tmp_path, request, store, "lmdb", kill_at,
+                      {"DSTL_TEST_INITIAL": "1", "DSTL_TEST_KILL_BATCH": "0"})
+    want, seen = _seeded_model(5)
+    assert _read_rows(spark, tmp_path / "out", "key", "count") == want
+    if store == "local":
+        assert _state_counts(spark, tmp_path / "state") == dict(seen)
+
+
+DELAY_MS = 1_500
+
+
+def _event_rows(i: int) -> list[tuple[str, int]]:
+    """File ``i`` of the late-rows test: 30 rows (key, event time ms), some far behind."""
+    rng = random.Random(i)
+    return [(f"u{rng.randrange(6)}", rng.randrange(max(0, i - 2) * 1_000, (i + 1) * 1_000))
+            for _ in range(30)]
+
+
+def _write_event_files(work: Path, lo: int, hi: int) -> None:
+    (work / "in").mkdir(parents=True, exist_ok=True)
+    for i in range(lo, hi):
+        tmp = work / f"f{i:03d}.tmp"
+        tmp.write_text("".join(json.dumps({"key": k, "et": et}) + "\n"
+                               for k, et in _event_rows(i)))
+        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
+        tmp.rename(work / "in" / f"f{i:03d}.json")
+
+
+def _late_model(files: int) -> tuple[Counter[tuple[str, int]], Counter[tuple[str, int]],
+                                     list[int]]:
+    """Spark's watermark rule, written out: a batch's watermark is the largest on-time event
+    time of the batches before it minus the delay (0 at first, never decreasing); a row at or
+    below it is late. The count rows of the on-time rows, the late rows, late rows per batch."""
+    wm, counts = 0, Counter[str]()
+    out: Counter[tuple[str, int]] = Counter()
+    late: Counter[tuple[str, int]] = Counter()
+    per_batch = []
+    for i in range(files):
+        rows = _event_rows(i)
+        on_time = [r for r in rows if r[1] > wm]
+        late.update(r for r in rows if r[1] <= wm)
+        per_batch.append(len(rows) - len(on_time))
+        for k, n in Counter(k for k, _ in on_time).items():
+            counts[k] += n
+            out[(k, counts[k])] += 1
+        if on_time:
+            wm = max(wm, max(et for _, et in on_time) - DELAY_MS)
+    return out, late, per_batch
+
+
+def test_late_rows_reach_the_sink_in_the_late_column(spark: Any, tmp_path: Path  # noqa: F811
+                                                     ) -> None:
+    _write_event_files(tmp_path, 0, 4)
+
+    def op_of(partitions: int, run: int) -> DstlStatefulOperator:
+        return DstlStatefulOperator(name="counts", processor=Count, key_column="key",
+                                    output_schema="key string, count bigint",
+                                    state_uri=str(tmp_path / "state"), partitions=partitions,
+                                    local_dir=str(tmp_path / f"local-{run}"),
+                                    materialization_interval_s=None, event_time_column="et",
+                                    watermark_delay=f"{DELAY_MS} ms", late_rows="side_output")
+
+    def run(op: DstlStatefulOperator) -> Any:
+        src = (spark.readStream.schema("key string, et long").option("maxFilesPerTrigger", 1)
+               .json(str(tmp_path / "in")))
+        return _run_df(spark, op, op.transform(src), tmp_path)
+
+    op = op_of(3, 0)
+    try:
+        q = run(op)
+        # late rows are counted where Spark users look
+        assert [m["numLateRows"] for m in _observed(q, "counts")] == _late_model(4)[2]
+    finally:
+        op.close()
+    _write_event_files(tmp_path, 4, 7)
+    op = op_of(2, 1)  # a restart with another partition count: the watermark continues
+    try:
+        q = run(op)
+        assert [m["numLateRows"] for m in _observed(q, "counts")] == _late_model(7)[2][4:]
+    finally:
+        op.close()
+    want, late, per_batch = _late_model(7)
+    assert sum(per_batch) > 10 and len(late) < sum(len(_event_rows(i)) for i in range(7))
+    rows = spark.read.parquet(str(tmp_path / "out")).collect()
+    assert Counter((r["key"], r["count"]) for r in rows if r["late_row"] is None) == want
+    assert Counter((r["late_row"]["key"], r["late_row"]["et"]) for r in rows
+                   if r["late_row"] is not None) == late
+    assert all(r["key"] is None and r["count"] is None for r in rows if r["late_row"] is not None)
