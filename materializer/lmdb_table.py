@@ -22,6 +22,8 @@ Writes: every write outside a batch is its own write transaction (~40k/s); ``wri
 writes of the calling thread into one transaction (~10x faster). A batch keeps a journal of its
 operations, so when LMDB reports a full map the transaction is aborted, the map grown (doubled, up
 to ``max_map_size_bytes``) and the journal replayed: a batch is atomic and never half-applied.
+The journal holds :data:`JOURNAL_MEMORY_BYTES` in memory and the rest in an unnamed temporary
+file beside the table, so a batch writing much of the table does not hold it twice in memory.
 Beyond the maximum a :class:`~dstl.errors.StateTableFullError` names the setting.
 
 Memory: without ``writemap`` a write transaction keeps every page it changes in memory until it
@@ -56,9 +58,11 @@ single cost of a restore's ``put`` once measured), while a fork is what changes 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
+import tempfile
 import threading
 import time
 import weakref
@@ -80,6 +84,7 @@ from dstl.errors import (
     ClosedError,
     ConfigError,
     ConfigTypeError,
+    DstlError,
     KeyGroupError,
     LocalDiskFullError,
     StateError,
@@ -101,6 +106,7 @@ from materializer.state_tables import (
 
 __all__ = [
     "RELEASE_PAGES_BYTES",
+    "JOURNAL_MEMORY_BYTES",
     "DEFAULT_GROW_WAIT_S",
     "DEFAULT_MAP_SIZE_BYTES",
     "DEFAULT_MAX_MAP_SIZE_BYTES",
@@ -127,6 +133,9 @@ DEFAULT_GROW_WAIT_S: Final = 60.0
 #: Pages a write transaction may change (changes x page size, an upper bound) before the
 #: environment is reopened after it, and before a bulk load commits (module docstring).
 RELEASE_PAGES_BYTES: Final = 16 << 20
+#: A write batch's journal in memory at most (keys, values and a per-operation allowance);
+#: beyond it, in a temporary file (:class:`_Journal`).
+JOURNAL_MEMORY_BYTES: Final = 16 << 20
 
 _PREFIX: Final = struct.Struct(">HHI")   # key group, state id, key length
 _KG_SID: Final = struct.Struct(">HH")
@@ -179,6 +188,116 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _Journal:
+    """A write batch's operations since its transaction began, for replay into a new one after
+    the map grew (see ``_grow_and_replay``): the first :data:`JOURNAL_MEMORY_BYTES` of keys and
+    values in memory, the rest appended to an unnamed temporary file in ``directory`` (the
+    table's parent: the local disk), which only a replay reads back. So a batch that writes a
+    large part of the table keeps a bounded journal in memory (measured: 102 MB of journal for
+    250 k puts of 256-byte values, before the bound)."""
+
+    __slots__ = ("_directory", "file", "ops", "room")
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self.ops: list[tuple[Any, ...]] = []
+        self.room = JOURNAL_MEMORY_BYTES   # bytes left in memory (the writer's hot path: inline)
+        self.file: Any = None
+
+    def append(self, op: tuple[Any, ...]) -> None:
+        """Journal ``op`` (the inline fast path of ``_write`` does the same while there is
+        room in memory)."""
+        if self.file is None and self.room > 0:
+            self.ops.append(op)
+            self.room -= _op_bytes(op)
+            return
+        if self.file is None:
+            try:
+                self.file = tempfile.TemporaryFile(  # noqa: SIM115 (closed by clear())
+                    dir=self._directory, prefix=".dstl-journal-")
+            except OSError as exc:
+                raise _journal_error(self._directory, exc) from exc
+        try:
+            self.file.write(_encode_op(op))
+        except OSError as exc:
+            raise _journal_error(self._directory, exc) from exc
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        yield from self.ops
+        f = self.file
+        if f is None:
+            return
+        try:
+            f.flush()
+            end = f.tell()
+            f.seek(0)
+            while f.tell() < end:
+                yield _decode_op(f)
+            f.seek(end)
+        except OSError as exc:
+            raise _journal_error(self._directory, exc) from exc
+
+    def clear(self) -> None:
+        """Forget every operation (the transaction committed or ended); removes the file."""
+        self.ops = []
+        self.room = JOURNAL_MEMORY_BYTES
+        if self.file is not None:
+            f, self.file = self.file, None
+            f.close()
+
+
+_OP_HEAD: Final = struct.Struct(">cII")   # kind, key (or count) length, value length
+
+
+def _op_bytes(op: tuple[Any, ...]) -> int:
+    """What a journaled operation holds in memory: its keys and values, 64 bytes each besides."""
+    kind = op[0]
+    if kind == "put":
+        return 64 + len(op[1]) + len(op[2])
+    if kind == "putmulti":
+        return sum(64 + len(k) + len(v) for k, v in op[1])
+    return 64 + (len(op[1]) if kind == "del" else 0)
+
+
+def _encode_op(op: tuple[Any, ...]) -> bytes:
+    kind = op[0]
+    if kind == "put":
+        k, v = op[1], bytes(op[2])
+        return _OP_HEAD.pack(b"P", len(k), len(v)) + k + v
+    if kind == "del":
+        return _OP_HEAD.pack(b"D", len(op[1]), 0) + op[1]
+    if kind == "clear":
+        return _OP_HEAD.pack(b"C", op[1], 0)
+    records = op[1]
+    parts = [_OP_HEAD.pack(b"M", len(records), 0)]
+    for k, v in records:
+        parts += (_OP_HEAD.pack(b"R", len(k), len(v)), k, bytes(v))
+    return b"".join(parts)
+
+
+def _decode_op(f: Any) -> tuple[Any, ...]:
+    """One operation :func:`_encode_op` wrote (this process's own file: not untrusted)."""
+    kind, a, b = _OP_HEAD.unpack(f.read(_OP_HEAD.size))
+    if kind == b"P":
+        return ("put", f.read(a), f.read(b))
+    if kind == b"D":
+        return ("del", f.read(a))
+    if kind == b"C":
+        return ("clear", a)
+    records = []
+    for _ in range(a):
+        _, kl, vl = _OP_HEAD.unpack(f.read(_OP_HEAD.size))
+        records.append((f.read(kl), f.read(vl)))
+    return ("putmulti", records)
+
+
+def _journal_error(directory: str, exc: OSError) -> DstlError:
+    if exc.errno == errno.ENOSPC:
+        return LocalDiskFullError(f"writing an LMDB write batch's journal in {directory}: "
+                                  f"{exc} (free local disk space)", path=directory)
+    return StateError(f"writing an LMDB write batch's journal in {directory} failed: {exc}")
+
+
 class LmdbWriteBatch:
     """Groups the calling thread's writes into one LMDB transaction (see ``write_batch``).
 
@@ -190,7 +309,7 @@ class LmdbWriteBatch:
         self._table = table
         self._outer = False
         self.txn: Any = None
-        self.journal: list[tuple[Any, ...]] = []
+        self.journal = _Journal(os.path.dirname(os.path.abspath(table.path)))
         self.thread = 0
         self.changes = 0        # records written or deleted by the open transaction
         self.most_changes = 0   # ... by the largest of the batch's committed transactions
@@ -672,7 +791,7 @@ class LmdbStateTable:
                 and batch.changes * self._psize < RELEASE_PAGES_BYTES:
             return
         self._commit_batch_txn(batch)
-        batch.journal = []
+        batch.journal.clear()
         batch.pending = 0
         batch.most_changes = max(batch.most_changes, batch.changes)
         batch.changes = 0
@@ -730,7 +849,7 @@ class LmdbStateTable:
         finally:
             self._batch = None
             batch.txn = None
-            batch.journal = []
+            batch.journal.clear()
             self._write_lock.release()
 
     def _release_pages(self) -> None:
@@ -775,7 +894,13 @@ class LmdbStateTable:
             raise UsageError(f"LMDB state table {self.path} was opened read-only")
         batch = self._batch
         if batch is not None and batch.thread == threading.get_ident():
-            batch.journal.append(op)
+            journal = batch.journal
+            if journal.room > 0 and journal.file is None:   # _Journal.append, inline
+                journal.ops.append(op)
+                journal.room -= 64 + len(op[1]) + len(op[2]) if op[0] == "put" \
+                    else _op_bytes(op)
+            else:
+                journal.append(op)
             batch.changes += len(op[1]) if op[0] == "putmulti" else 1
             try:
                 return self._apply(batch.txn, op)

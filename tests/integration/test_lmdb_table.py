@@ -262,3 +262,40 @@ def test_count_state_counts_one_states_records_in_every_key_group(tmp_path: Path
         assert t.fixed_records() >= 2  # the layout and the marker record
     finally:
         t.close()
+
+
+def test_a_batch_larger_than_the_journal_memory_survives_map_growth(tmp_path: Path) -> None:
+    """A write batch whose journal passed JOURNAL_MEMORY_BYTES (the rest in a temporary file)
+    hits a full map several times: every put replayed, a remove's result kept; an aborted one
+    leaves nothing."""
+    from materializer.lmdb_table import JOURNAL_MEMORY_BYTES
+
+    t = _table(tmp_path / "env", map_size_bytes=JOURNAL_MEMORY_BYTES, max_map_size_bytes=1 << 28)
+    value = bytes(range(200)) * 9
+    n = 2 * JOURNAL_MEMORY_BYTES // len(value)
+    try:
+        with t.write_batch():
+            t.put(1, 0, b"gone", b"", b"x")
+            for i in range(n):
+                t.put(1, i % 4, b"k%08d" % i, b"", value + b"%08d" % i)
+            assert t.remove(1, 0, b"gone", b"") is True
+            t.put_many([(2, 1, b"m%05d" % i, b"", b"v") for i in range(1000)])
+        # its pages outgrew the journal's memory: the map grew after the file took over
+        assert os.path.getsize(tmp_path / "env" / "data.mdb") > 2 * JOURNAL_MEMORY_BYTES
+        assert t.get(1, 0, b"gone", b"") is None
+        for i in range(0, n, 997):
+            assert t.get(1, i % 4, b"k%08d" % i, b"") == value + b"%08d" % i
+        assert t.get(1, (n - 1) % 4, b"k%08d" % (n - 1), b"") == value + b"%08d" % (n - 1)
+        assert t.get(2, 1, b"m00999", b"") == b"v"
+
+        class Boom(Exception):
+            pass
+
+        with pytest.raises(Boom), t.write_batch():
+            for i in range(n):
+                t.put(3, i % 4, b"a%08d" % i, b"", value)
+            raise Boom
+        assert t.get(3, 0, b"a%08d" % 0, b"") is None
+        assert sorted(os.listdir(tmp_path)) == ["env"]  # no journal file left
+    finally:
+        t.close()
