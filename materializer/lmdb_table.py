@@ -262,10 +262,11 @@ def _op_bytes(op: tuple[Any, ...]) -> int:
 def _encode_op(op: tuple[Any, ...]) -> bytes:
     kind = op[0]
     if kind == "put":
-        k, v = op[1], bytes(op[2])
+        k, v = bytes(op[1]), bytes(op[2])
         return _OP_HEAD.pack(b"P", len(k), len(v)) + k + v
     if kind == "del":
-        return _OP_HEAD.pack(b"D", len(op[1]), 0) + op[1]
+        k = bytes(op[1])
+        return _OP_HEAD.pack(b"D", len(k), 0) + k
     if kind == "clear":
         return _OP_HEAD.pack(b"C", op[1], 0)
     records = op[1]
