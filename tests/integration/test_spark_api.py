@@ -218,6 +218,14 @@ class Seeded(StatefulProcessor):
         yield {"key": key, "count": n}
 
 
+class SeededYields(Seeded):
+    """Emits from ``handle_initial_state``, which Spark's ``handleInitialState`` does not."""
+
+    def handle_initial_state(self, key: Any, initial_state: dict[str, Any],  # type: ignore[override]
+                             timer_values: Any) -> Iterator[dict[str, Any]]:
+        yield {"key": key, "count": initial_state["start"]}
+
+
 def test_initial_state_applied_in_the_first_batch_only(spark: Any, tmp_path: Path  # noqa: F811
                                                        ) -> None:
     got: dict[int, dict[str, int]] = {}
@@ -249,6 +257,16 @@ def test_initial_state_applied_in_the_first_batch_only(spark: Any, tmp_path: Pat
     op = new_op()  # a restart of the query (its checkpoint exists): never applied again
     run(op, 2, ["a", "b", "c"])
     assert got[2] == {"a": 12, "b": 123, "c": 2}
+    op.close()
+    # a handle_initial_state that yields would never run its body: refused, nothing committed
+    op = DstlStatefulOperator(
+        name="yields", processor=SeededYields, key_column="key", output_schema="key string, "
+        "count long", state_uri=str(tmp_path / "yields"), partitions=1, table="heap",
+        sink=sink, local_dir=str(tmp_path / "local-yields"), materialization_interval_s=None,
+        initial_state=init)
+    with pytest.raises(Exception, match=r"SeededYields.handle_initial_state returned generator"):
+        run(op, 0, ["a"])
+    assert op.coordinator is not None and op.coordinator.latest() is None
     op.close()
     with pytest.raises(ConfigError, match="handle_initial_state"):
         DstlStatefulOperator(name="x", processor=Typed, key_column="key",
