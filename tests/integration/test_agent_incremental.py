@@ -240,6 +240,35 @@ def test_agent_deltas_restore_to_the_model_with_rescaling(storage: ChangelogStor
     ex.close()
 
 
+def test_change_sets_no_delta_needs_are_not_kept(storage: ChangelogStorage,
+                                                 tmp_path: Path) -> None:
+    """While the next materialization is full, a registration drops the change sets up to its
+    boundary; once a full snapshot is taken, the change sets after it are kept for the delta."""
+    rng = random.Random(5)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    for _ in range(3):  # registered, nothing materialized yet: nothing kept
+        ex.batch(model, rng, 40)
+        assert ex.agent.metrics()["materializer.pendingBytes"] == 0
+    assert not ex.materialize().ref.delta
+    ex.batch(model, rng)
+    ex.batch(model, rng)
+    assert ex.agent.metrics()["materializer.pendingBytes"] > 0
+    assert ex.materialize().ref.delta
+    assert ex.agent.metrics()["materializer.pendingBytes"] == 0
+    ex.batch(model, rng, note=False)  # a change set the agent did not see: the next is full
+    assert not ex.materialize().ref.delta
+    ex.batch(model, rng)  # ... and the one after it (the change sets since were not all seen)
+    assert ex.agent.metrics()["materializer.pendingBytes"] == 0
+    assert not ex.materialize().ref.delta
+    ex.batch(model, rng)  # kept again after that full snapshot
+    assert ex.agent.metrics()["materializer.pendingBytes"] > 0
+    assert ex.materialize().ref.delta
+    h = ex.batch(model, rng)
+    assert _read(storage, [h], KGS, tmp_path / "final") == _expected(model, KGS)
+    ex.close()
+
+
 def test_full_when_the_table_was_loaded_compaction_or_changes_unknown(
         storage: ChangelogStorage, tmp_path: Path) -> None:
     rng = random.Random(7)

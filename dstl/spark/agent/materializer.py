@@ -26,7 +26,10 @@ partition. :meth:`run_due` is the loop's body, callable on its own.
 set of the executor's writers passes through the agent on its way to the store, so the agent
 knows which entries changed without the writers remembering anything: :meth:`note_persisted`
 keeps each registered partition's change-set bodies, in the order they became durable, with their
-``(segment key, offset)``. A materialization at the marker's boundary ``B`` takes the bodies up to
+``(segment key, offset)`` (``materializer.pendingBytes`` in the metrics); while the next
+materialization is full anyway (none yet, or the bodies since the last one are not all known),
+a registration at boundary ``R`` drops the bodies up to ``R``, which no delta will need (a full
+cut is at ``R`` or later). A materialization at the marker's boundary ``B`` takes the bodies up to
 and including ``B``'s change set, reads the ``(key group, state, key, namespace)`` of their changes
 (:func:`~materializer.external.changed_entries`) and writes a delta of those entries' values from
 the same read transaction as the marker (:func:`~materializer.external.materialize_table_directory`
@@ -294,6 +297,10 @@ class AgentMaterializer:
             else:
                 p.spec, p.store, p.last_seen = spec, store, now
                 p.policy.rules = spec.rules
+                if not p.chainable and spec.boundary is not None:
+                    # the next materialization is full and cuts at this boundary or later: no
+                    # delta will ever need the change sets up to it
+                    p.pending.consume(spec.boundary)
             self._cond.notify_all()
 
     def note_persisted(self, store_key: str, sets: list[tuple[str, str, int, int, bytes]]
@@ -337,6 +344,8 @@ class AgentMaterializer:
         with self._cond:
             out = {f"materializer.{k}": float(v) for k, v in self._m.items()}
             out["materializer.partitions"] = float(len(self._parts))
+            out["materializer.pendingBytes"] = float(sum(p.pending.nbytes
+                                                         for p in self._parts.values()))
             out["materializer.lastDurationMs"] = self._last_duration_ms
             return out
 
