@@ -23,6 +23,7 @@ Hierarchy::
     │   ├── ObjectNotFoundError(FileNotFoundError)
     │   ├── ObjectExistsError(FileExistsError)
     │   ├── AccessDeniedError(PermissionError)   missing or wrong credentials, missing bucket
+    │   ├── StoreUnreachableError(ConnectionError)  opening: the endpoint cannot be reached at all
     │   ├── LocalDiskFullError             ENOSPC / EFBIG on local disk
     │   ├── UploadFailedError              all attempts of an upload failed
     │   └── UploadTimeoutError             back-pressure or a persist wait exceeded its deadline
@@ -74,6 +75,7 @@ __all__ = [
     "StateTypeError",
     "StateTableFullError",
     "StorageError",
+    "StoreUnreachableError",
     "ThrottledError",
     "TransientStorageError",
     "TruncatedObjectError",
@@ -239,6 +241,24 @@ class AccessDeniedError(StorageError, PermissionError):
     """Credentials are missing or wrong, or the bucket/container does not exist."""
 
 
+class StoreUnreachableError(StorageError, ConnectionError):
+    """Opening a store, no connection to its endpoint could be made at all: the host name does
+    not resolve, the port refuses connections, or nothing answers within the connect timeout.
+    Nothing has worked yet, so this is the configuration (URI, ``endpoint_url``, network), not
+    a passing fault, and it is not retried; the same failure while a store is in use is a
+    :class:`TransientStorageError`.
+
+    Attributes:
+        location: the store's URI.
+        endpoint: the endpoint that was tried (``host:port``).
+    """
+
+    def __init__(self, message: str, *, location: str, endpoint: str):
+        super().__init__(message)
+        self.location = location
+        self.endpoint = endpoint
+
+
 class LocalDiskFullError(StorageError):
     """Local disk is full (ENOSPC) or a file-size limit was hit (EFBIG)."""
 
@@ -336,13 +356,19 @@ class ChecksumMismatchError(CorruptObjectError):
 
 
 class TruncatedObjectError(CorruptObjectError):
-    """The object ended early."""
+    """The object ended early: it is shorter than what it holds says (``offset``: where its
+    bytes ran out, or where the short part starts)."""
 
     def __init__(self, key: str, offset: int, expected_len: int, got_len: int, what: str = "data"):
         self.expected_len = expected_len
         self.got_len = got_len
-        super().__init__(key, offset, f"truncated {what}: needed {expected_len} bytes, "
-                                      f"got {got_len}")
+        super().__init__(
+            key, offset, f"the object ends early: its {what} needed {expected_len} bytes, "
+                         f"{got_len} were there",
+            hint="it is shorter than when it was written: an interrupted copy or upload, or a "
+                 "damaged store. Copy it again from where it came from, or restore from an "
+                 "earlier checkpoint that does not use it (`dstl verify <state_uri> "
+                 "--checkpoint N` says whether one restores)")
 
 
 class UnsupportedFormatError(CorruptObjectError):

@@ -75,7 +75,7 @@ class _DirectSource:
         blob = self._store.get_range(key, start, end - start)
         if len(blob) < end - start:
             raise TruncatedObjectError(key, start + len(blob), end - start, len(blob),
-                                       "ranged read of change-set records")
+                                       f"change-set records at bytes [{start}, {end})")
         return [blob[r.offset - start:r.offset - start + r.length] for r in refs]
 
 

@@ -64,7 +64,7 @@ from dstl.stores.base import (
     is_retryable,
     translate_error,
 )
-from dstl.stores.fsspec_store import FsspecBlobStore, write_once_primitive
+from dstl.stores.fsspec_store import FsspecBlobStore, probe_endpoint, write_once_primitive
 from dstl.stores.hdfs import HdfsBlobStore, open_hdfs
 from dstl.stores.local import LocalBlobStore
 from dstl.stores.memory import MemoryBlobStore
@@ -135,6 +135,10 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
             or together with ``filesystem``; ConfigTypeError: an argument of the wrong type.
         AccessDeniedError: (with ``validate``) missing or wrong credentials, no such bucket, or
             a directory that cannot be written. The message names the bucket/path and the fix.
+        StoreUnreachableError: (with ``validate``) the endpoint cannot be reached at all: an
+            S3 ``endpoint_url`` or GCS's endpoint refuses a TCP connection, does not resolve or
+            does not answer (probed before the filesystem is built), or the first request
+            cannot connect. Not retried; a 503 or a reset after connecting is.
     """
     owner = "open_store"
     storage_options = check_mapping(storage_options, "storage_options", owner)
@@ -291,9 +295,9 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
         store = FsspecBlobStore(fsspec.filesystem("memory"), base_uri,
                                 location=base_uri.rstrip("/"), retry=retry)
     elif scheme in ("s3", "s3a"):
-        store = _open_s3(scheme, parts, storage_options, retry)
+        store = _open_s3(scheme, parts, storage_options, retry, probe=validate)
     elif scheme in ("gs", "gcs"):
-        store = _open_gcs(scheme, parts, storage_options, retry)
+        store = _open_gcs(scheme, parts, storage_options, retry, probe=validate)
     elif scheme in _AZURE_SCHEMES:
         store = _open_azure(scheme, parts, storage_options, retry)
     else:
@@ -310,8 +314,10 @@ def _open_local(path: str, validate: bool) -> LocalBlobStore:
 
 
 def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
-             storage_options: dict[str, Any] | None, retry: RetryPolicy | None
-             ) -> FsspecBlobStore:
+             storage_options: dict[str, Any] | None, retry: RetryPolicy | None, *,
+             probe: bool = False) -> FsspecBlobStore:
+    """S3 through s3fs; with ``probe``, a given ``endpoint_url`` must accept a connection
+    (:func:`~dstl.stores.fsspec_store.probe_endpoint`)."""
     import s3fs  # imported lazily: only S3 users pay for aiobotocore
 
     bucket = parts.netloc
@@ -332,9 +338,14 @@ def _open_s3(scheme: str, parts: urllib.parse.SplitResult,
     opts["config_kwargs"] = config_kwargs
     opts.setdefault("use_listings_cache", False)
     opts["skip_instance_cache"] = True  # never share an instance (and its credentials) by token
+    endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+    endpoint = endpoint if isinstance(endpoint, str) else None
+    if probe and endpoint is not None:
+        probe_endpoint(endpoint, f"{scheme}://{root}")
     fs = s3fs.S3FileSystem(**opts)
     fs.retries = retries
-    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket, retry=retry)
+    return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=bucket, retry=retry,
+                           endpoint=endpoint)
 
 
 def _import_filesystem(module: str, scheme: str, uri: str, package: str) -> Any:
@@ -351,11 +362,19 @@ def _import_filesystem(module: str, scheme: str, uri: str, package: str) -> Any:
 
 
 def _open_gcs(scheme: str, parts: urllib.parse.SplitResult,
-              storage_options: dict[str, Any] | None, retry: RetryPolicy | None
-              ) -> FsspecBlobStore:
-    """GCS through gcsfs, refused unless its ``pipe_file`` creates objects only if absent."""
+              storage_options: dict[str, Any] | None, retry: RetryPolicy | None, *,
+              probe: bool = False) -> FsspecBlobStore:
+    """GCS through gcsfs, refused unless its ``pipe_file`` creates objects only if absent;
+    with ``probe``, its endpoint must accept a connection first."""
     uri = parts.geturl()
     gcsfs = _import_filesystem("gcsfs", scheme, uri, f"gcsfs>={GCSFS_MIN_VERSION}")
+    prefix = parts.path.strip("/")
+    root = f"{parts.netloc}/{prefix}" if prefix else parts.netloc
+    endpoint = _gcs_endpoint(storage_options)
+    if probe:
+        # before the filesystem: building it looks for credentials (the GCE metadata server,
+        # retried for about 15 s without a network), and each call retries for about 30 s
+        probe_endpoint(endpoint, f"{scheme}://{root}")
     fs = gcsfs.GCSFileSystem(**{**(storage_options or {}), "skip_instance_cache": True})
     if write_once_primitive(fs) != "mode":
         raise ConfigError("base_uri", _redact(uri), f"{scheme}:// with a gcsfs that writes "
@@ -364,10 +383,20 @@ def _open_gcs(scheme: str, parts: urllib.parse.SplitResult,
                           fix=f"pip install 'gcsfs>={GCSFS_MIN_VERSION}' (installed: "
                               f"{getattr(gcsfs, '__version__', 'unknown')}); DSTL's objects "
                               "are write-once")
-    prefix = parts.path.strip("/")
-    root = f"{parts.netloc}/{prefix}" if prefix else parts.netloc
     return FsspecBlobStore(fs, root, location=f"{scheme}://{root}", bucket=parts.netloc,
-                           retry=retry)
+                           retry=retry, endpoint=endpoint)
+
+
+def _gcs_endpoint(storage_options: Mapping[str, Any] | None) -> str:
+    """The endpoint gcsfs talks to: ``endpoint_url``, else ``STORAGE_EMULATOR_HOST``, else
+    Google's (gcsfs's own order)."""
+    given = (storage_options or {}).get("endpoint_url")
+    if isinstance(given, str) and given:
+        return given
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if emulator not in ("", "default"):
+        return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+    return "https://storage.googleapis.com"
 
 
 def _open_azure(scheme: str, parts: urllib.parse.SplitResult,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import posixpath
 import re
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
@@ -53,6 +54,7 @@ __all__ = [
     "ObjectInfo",
     "check_key",
     "check_store",
+    "connect_failure",
     "is_retryable",
     "translate_error",
 ]
@@ -450,6 +452,21 @@ def translate_error(exc: BaseException, *, op: str, key: str | None, location: s
         return TransientStorageError(f"{op} {where}: I/O error ({type(exc).__name__}: {exc})",
                                      key=key)
     return StorageError(f"{op} {where}: {type(exc).__name__}: {exc}", key=key)
+
+
+def connect_failure(exc: BaseException) -> str | None:
+    """Why no connection could be made at all, if that is what ``exc`` (or its chain) says: the
+    host name does not resolve, or the endpoint refused the connection; ``None`` for anything
+    else (a reset, a timeout or an error status after connecting, which may pass). Opening a
+    store turns it into a :class:`~dstl.errors.StoreUnreachableError`; in use it stays
+    transient."""
+    for cur in _chain_names(exc):
+        if isinstance(cur, socket.gaierror) or type(cur).__name__ == "ClientConnectorDNSError":
+            return f"the host name does not resolve ({cur})"
+        if isinstance(cur, ConnectionRefusedError) or (
+                isinstance(cur, OSError) and cur.errno == errno.ECONNREFUSED):
+            return f"the endpoint refused the connection ({cur})"
+    return None
 
 
 def is_retryable(exc: BaseException) -> bool:

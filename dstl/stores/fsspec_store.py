@@ -36,8 +36,11 @@ from __future__ import annotations
 import inspect
 import logging
 import random
+import socket
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
@@ -47,19 +50,32 @@ from dstl.errors import (
     AccessDeniedError,
     ClosedError,
     ConfigError,
+    DstlError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    StoreUnreachableError,
     TransientStorageError,
 )
 from dstl.retry import RetryPolicy, call_with_retries
-from dstl.stores.base import ObjectInfo, check_key, check_range, translate_error
+from dstl.stores.base import (
+    ObjectInfo,
+    check_key,
+    check_range,
+    connect_failure,
+    translate_error,
+)
 
 __all__ = ["FsspecBlobStore"]
 
 _log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: How long opening a store waits for a TCP connection to its endpoint: far above a healthy
+#: handshake (milliseconds, a second across continents), far below a client library's retry
+#: loop (gcsfs: about 30 s per call), so an endpoint that never answers fails in seconds.
+PROBE_TIMEOUT_S = 10.0
 
 #: Keys per ``rm`` call: S3's DeleteObjects limit.
 _DELETE_BATCH = 1000
@@ -106,6 +122,7 @@ class FsspecBlobStore:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, location: str | None = None,
                  retry: RetryPolicy | None = None, bucket: str | None = None,
+                 endpoint: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  draw: Callable[[], float] = random.random) -> None:
@@ -121,6 +138,7 @@ class FsspecBlobStore:
         self._sleep = sleep
         self._draw = draw
         self._bucket = bucket
+        self._endpoint = endpoint
         self._create = write_once_primitive(fs)
         self._lock = threading.Lock()
         _log.info("opened fsspec blob store %s (%s, write-once via %s)", self.location,
@@ -325,12 +343,30 @@ class FsspecBlobStore:
 
         An empty or not yet existing root is fine (object stores have no directories).
 
+        A store whose endpoint cannot be reached at all fails at once: a host name that does
+        not resolve or a refused connection in this first request is not retried (nothing has
+        worked yet: it is the configuration). :func:`dstl.stores.open_store` also probes a
+        known endpoint (:func:`probe_endpoint`) before it builds the filesystem, whose client
+        library may retry by itself for long. A failure after connecting (an error status, a
+        reset) is retried as before.
+
         Raises:
+            StoreUnreachableError: the endpoint's name does not resolve or it refuses
+                connections.
             AccessDeniedError: missing credentials, no permission, or (S3) no such bucket.
             TransientStorageError: the store did not answer (retried like a read).
         """
         fs = self._open_fs()
-        self._retrying("open", None, lambda: self._check_root(fs))
+
+        def translate(exc: BaseException) -> DstlError:
+            why = connect_failure(exc)
+            if why is None:
+                return translate_error(exc, op="open", key=None, location=self.location)
+            return _unreachable(self.location, self._endpoint or "its endpoint", why)
+
+        call_with_retries(lambda: self._check_root(fs), self.retry, translate=translate,
+                          what=f"open {self.location}", clock=self._clock, sleep=self._sleep,
+                          draw=self._draw)
 
     def _check_root(self, fs: fsspec.AbstractFileSystem) -> None:
         if self._bucket is not None:
@@ -398,3 +434,43 @@ class FsspecBlobStore:
             what=f"{op} {self.location}/{key or ''}", clock=self._clock, sleep=self._sleep,
             draw=self._draw)
 
+
+
+def probe_endpoint(endpoint: str, location: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Open (and close) one TCP connection to ``endpoint`` (a URL), unless a proxy carries the
+    traffic to it (``HTTPS_PROXY`` and the like: the client connects to the proxy instead).
+
+    Raises:
+        StoreUnreachableError: the host name does not resolve, the port refuses connections,
+            the network has no route to it, or nothing answers within ``timeout_s``.
+    """
+    parts = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    host = parts.hostname
+    if not host:
+        return
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    proxies = urllib.request.getproxies()
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
+        return
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except socket.gaierror as exc:
+        why = f"the host name does not resolve ({exc})"
+    except ConnectionRefusedError as exc:
+        why = f"the endpoint refused the connection ({exc})"
+    except TimeoutError as exc:
+        why = f"no answer within {timeout_s:g} s ({exc or 'timed out'})"
+    except OSError as exc:
+        why = f"no connection ({type(exc).__name__}: {exc})"
+    raise _unreachable(location, where, why)
+
+
+def _unreachable(location: str, endpoint: str, why: str) -> StoreUnreachableError:
+    return StoreUnreachableError(
+        f"open {location}: no connection to {endpoint} could be made: {why}. Nothing has "
+        "worked yet, so nothing is retried: check the URI, the endpoint (storage_options' "
+        "endpoint_url), that the service runs there, and that this machine reaches it "
+        "(network, DNS, firewall; HTTPS_PROXY when a proxy is required)",
+        location=location, endpoint=endpoint)

@@ -2,7 +2,9 @@
 
 A missing bucket or missing credentials must fail at open (before anything is written), an
 unknown scheme must list the supported ones, and a secret must never appear in any message,
-``repr``, ``location`` or log line.
+``repr``, ``location`` or log line. An endpoint that cannot be reached at all (a closed port, a
+name that does not resolve) fails at open without retries, while a 503 or a reset after
+connecting is still retried (through the S3 fault proxy in front of moto).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -24,8 +27,16 @@ from support.moto_server import (
     s3_storage_options,
     unique_bucket_name,
 )
+from support.s3_fault_proxy import FaultProxy, Rule
 
-from dstl.errors import AccessDeniedError, ClosedError, ConfigError
+from dstl import ChangelogStorage
+from dstl.errors import (
+    AccessDeniedError,
+    ClosedError,
+    ConfigError,
+    StoreUnreachableError,
+    TransientStorageError,
+)
 from dstl.stores import SUPPORTED_SCHEMES, FsspecBlobStore, LocalBlobStore, open_store
 
 # Fixtures of support.moto_server (one server per xdist worker), bound by assignment so that test
@@ -162,3 +173,49 @@ def test_use_after_close_is_refused() -> None:
         store.put("k", b"v")
     with pytest.raises(ClosedError):
         store.list()
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_endpoint_that_refuses_connections_fails_at_open_without_retries() -> None:
+    port = _closed_port()
+    with pytest.raises(StoreUnreachableError) as e:
+        ChangelogStorage("s3://bucket/app",
+                         storage_options=s3_storage_options(f"http://127.0.0.1:{port}"))
+    err = e.value
+    assert isinstance(err, ConnectionError) and not isinstance(err, TransientStorageError)
+    assert (err.location, err.endpoint) == ("s3://bucket/app", f"127.0.0.1:{port}")
+    assert str(err).startswith(f"open s3://bucket/app: no connection to 127.0.0.1:{port} could "
+                               "be made: the endpoint refused the connection")
+    assert "nothing is retried: check the URI, the endpoint (storage_options' endpoint_url)" \
+        in str(err)
+
+
+def test_a_gcs_endpoint_whose_name_does_not_resolve_fails_at_open() -> None:
+    """The probe runs before gcsfs is built: gcsfs's own retries (about 30 s per call, and
+    about 15 s of credential lookups without a network) never start."""
+    with pytest.raises(StoreUnreachableError) as e:
+        open_store("gs://bucket/app", {"endpoint_url": "https://storage.invalid",
+                                       "token": "anon"})
+    assert e.value.endpoint == "storage.invalid:443"
+    assert "open gs://bucket/app: no connection to storage.invalid:443 could be made: the host " \
+        "name does not resolve" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "reset"])
+def test_a_fault_after_connecting_is_still_retried_at_open(moto_endpoint: str, s3_bucket: str,
+                                                           kind: str) -> None:
+    proxy = FaultProxy.start(moto_endpoint)
+    try:
+        proxy.set_rules(Rule("head", kind, count=2))       # the HeadBucket of the open, twice
+        store = open_store(f"s3://{s3_bucket}/app", s3_storage_options(proxy.endpoint))
+        store.close()
+        assert proxy.injected("head", kind) == 2
+        assert proxy.stats()["requests"]["head"] == 3      # two faults, then the one that passed
+    finally:
+        proxy.stop()

@@ -16,7 +16,12 @@ import pytest
 from support.faulty_fs import FaultyFileSystem
 
 from dstl import ChangelogHandle, ChangelogStorage, DstlOptions, KeyGroupRange
-from dstl.errors import CorruptObjectError, ObjectNotFoundError, UsageError
+from dstl.errors import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    TruncatedObjectError,
+    UsageError,
+)
 from dstl.timer import ManualTimer
 from restore import ChangelogReader, LocalFileCache, SegmentCache
 
@@ -158,6 +163,28 @@ def test_a_corrupt_segment_is_detected_whole_and_never_cached(written: Written,
     assert ei.value.key == key
     st = cache.stats()
     assert (st["files"], st["leases_open"], st["download_failures"]) == (0, 0, 1)
+
+
+def test_a_truncated_segment_says_what_is_short_and_what_to_do(written: Written) -> None:
+    """A segment cut short (an interrupted copy): the ranged read of a writer's change sets
+    comes back short, and the message names the object, where it ends, what was needed and
+    how to get out of it."""
+    key = written.segments[0]
+    data = written.ffs.inner.cat_file(written.path(key))
+    written.ffs.inner.pipe_file(written.path(key), data[:40])
+    refs = [r for r in written.handles["op/0"].change_sets if r.key == key]
+    start, end = refs[0].offset, max(r.offset + r.length for r in refs)
+    with pytest.raises(TruncatedObjectError) as ei:
+        list(ChangelogReader(written.storage).read(written.handles["op/0"]))
+    err = ei.value
+    assert (err.key, err.offset, err.expected_len, err.got_len) == (key, 40, end - start,
+                                                                    40 - start)
+    assert str(err) == (
+        f"{key} at offset 40: the object ends early: its change-set records at bytes "
+        f"[{start}, {end}) needed {end - start} bytes, {40 - start} were there (it is shorter "
+        "than when it was written: an interrupted copy or upload, or a damaged store. Copy it "
+        "again from where it came from, or restore from an earlier checkpoint that does not "
+        "use it (`dstl verify <state_uri> --checkpoint N` says whether one restores))")
 
 
 def test_reader_accepts_a_record_source_and_rejects_anything_else(written: Written,
