@@ -283,20 +283,24 @@ def test_a_compatible_change_restores_and_converts_the_stored_values(
     b = _backend(storage, table)
     s = b.get_state(ValueStateDescriptor("s", schema="count int, gone string"))
     lst = b.get_state(ListStateDescriptor("l", schema="int"))
+    ttl = b.get_state(MapStateDescriptor("m", schema="a int", ttl_s=3600.0))
     for i in range(20):
         b.set_current_key(f"k{i}")
         s.update({"count": i, "gone": "x"})
         lst.add_all([i, i + 1])
+        ttl.put("x", {"a": i})
     h = _checkpoint(b, materialize=materialize)
 
     r = _restore(storage, h, table)
     s2 = r.get_state(ValueStateDescriptor("s", schema="count long, last string"))
     l2 = r.get_state(ListStateDescriptor("l", schema="double"))
+    m2 = r.get_state(MapStateDescriptor("m", schema="a long, b string", ttl_s=3600.0))
     for i in range(20):
         r.set_current_key(f"k{i}")
         assert s2.value() == {"count": i, "last": None}
         assert l2.get() == [float(i), float(i + 1)]
         assert all(type(x) is float for x in l2.get())
+        assert m2.get("x") == {"a": i, "b": None}      # a TTL state's values convert too
     r.set_current_key("k0")
     s2.update({"count": 1 << 40, "last": "y"})            # a long fits now
     h2 = _checkpoint(r, materialize=False)
