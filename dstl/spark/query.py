@@ -480,7 +480,8 @@ def _handles(obj: dict[str, Any], key: str) -> dict[int, str]:
 #: "observedMetrics"]["dstl.<operator>"]`` and every ``StreamingQueryListener``.
 METRICS: dict[str, tuple[str, str]] = {
     "numInputRows": ("sum", "rows the state tasks received, late rows included"),
-    "numLateRows": ("sum", "rows at or below the watermark, dropped"),
+    "numLateRows": ("sum", "rows at or below the watermark (kept from the processor; with "
+                           "late_rows='side_output' in the output's late column)"),
     "numOutputRows": ("sum", "rows the processor emitted"),
     "numUpdatedKeys": ("sum", "keys the processor was called for"),
     "numRowsTotal": ("sum", "rows of the user's states after the batch (as Spark's "
