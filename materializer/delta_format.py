@@ -43,6 +43,8 @@ from dstl.untrusted import load_json
 from materializer.changes import check_state_meta
 from materializer.snapshot_format import (
     BLOCK_ENTRIES_OFFSET,
+    ENTRY_HEAD,
+    ENTRY_MIN_BYTES,
     FOOTER_SIZE,
     HEADER_SIZE,
     TAIL_READ_BYTES,
@@ -80,7 +82,6 @@ DELTA_FORMAT: Final = snapshot_format(None, DELTA_VERSION)
 #: One entry: ``(state id, key, namespace, value)``; ``value`` ``None`` is a tombstone.
 DeltaEntry = tuple[int, bytes, bytes, bytes | None]
 
-_HEAD: Final = struct.Struct(">HI")
 _U32: Final = struct.Struct(">I")
 _META_FIELDS: Final = frozenset({"format", "key_groups", "max_parallelism", "operator_id",
                                  "materialization_id", "follows", "up_to", "states"})
@@ -205,11 +206,12 @@ def _entries(content: bytes, entry: IndexEntry, key: str, meta: DeltaMeta,
     mp = meta.max_parallelism
     states = meta.states
     previous: tuple[int, bytes, bytes] | None = None
+    least, hsize = ENTRY_MIN_BYTES, ENTRY_HEAD.size
     for _ in range(entry.entry_count):
-        if end - pos < 14:
+        if end - pos < least:
             break
-        sid, klen = _HEAD.unpack_from(content, pos)
-        pos += 6
+        sid, klen = ENTRY_HEAD.unpack_from(content, pos)
+        pos += hsize
         if end - pos < klen + 8:
             break
         k = content[pos:pos + klen]

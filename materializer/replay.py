@@ -50,17 +50,24 @@ from typing import Any, Final
 
 from dstl.errors import CorruptObjectError, TruncatedObjectError
 from dstl.keygroups import META_KEY_GROUP
-from materializer.snapshot_format import BLOCK_ENTRIES_OFFSET, BlockEntries, block_framing_error
+from materializer.changes import OP_SID
+from materializer.changes import SET as _SET
+from materializer.changes import SET_INTERNAL as _SET_INTERNAL
+from materializer.snapshot_format import (
+    BLOCK_ENTRIES_OFFSET,
+    ENTRY_HEAD,
+    ENTRY_MIN_BYTES,
+    BlockEntries,
+    block_framing_error,
+)
 
 __all__ = ["BlockReplayer", "load_block"]
 
-#: Change length, op, state id, key length: the first 11 bytes of a ``u32 len | change`` record.
-_HEAD: Final = struct.Struct(">IBHI")
+#: Change length, op, state id, key length: the first 11 bytes of a ``u32 len | change`` record
+#: (the segment's length prefix, then the change's own head: :mod:`materializer.changes`).
+_HEAD: Final = struct.Struct(">I" + OP_SID.format.lstrip(">") + "I")
 _U32: Final = struct.Struct(">I")
-#: A snapshot entry's state id and key length.
-_SNAP_HEAD: Final = struct.Struct(">HI")
-_SET: Final = 1            # materializer.changes.SET; SET_INTERNAL is 2: both "store this value"
-_SET_INTERNAL: Final = 2
+# SET and SET_INTERNAL are adjacent codes: ``_SET <= op <= _SET_INTERNAL`` is "store this value"
 #: Below this many changes a block goes through the loop (the uniform check would not pay).
 _MIN_UNIFORM: Final = 8
 
@@ -376,18 +383,19 @@ def _load_lmdb_content(bulk: Any, key_group: int, blk: BlockEntries,
     content, count = blk.content, blk.entry.entry_count
     end = len(content)
     pos = BLOCK_ENTRIES_OFFSET
-    head = _SNAP_HEAD.unpack_from
+    head = ENTRY_HEAD.unpack_from
+    least, hsize = ENTRY_MIN_BYTES, ENTRY_HEAD.size
     u32 = _U32.unpack_from
     prefixes: dict[int, bytes] = {}
     records: list[tuple[bytes, bytes]] = []
     append = records.append
     for i in range(count):
-        if end - pos < 14:
+        if end - pos < least:
             break
         sid, klen = head(content, pos)
-        kend = pos + 6 + klen
+        kend = pos + hsize + klen
         if end - kend < 8:
-            pos += 6
+            pos += hsize
             break
         (nlen,) = u32(content, kend)
         nend = kend + 4 + nlen
@@ -425,18 +433,19 @@ def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
     no_ns: Any = None
     end = len(content)
     pos = BLOCK_ENTRIES_OFFSET
-    head = _SNAP_HEAD.unpack_from
+    head = ENTRY_HEAD.unpack_from
+    least, hsize = ENTRY_MIN_BYTES, ENTRY_HEAD.size
     u32 = _U32.unpack_from
     run: list[tuple[Any, Any, Any]] = []
     run_sid = new = -1
     vdec: Any = None
     for i in range(count):
-        if end - pos < 14:
+        if end - pos < least:
             break
         sid, klen = head(content, pos)
-        kend = pos + 6 + klen
+        kend = pos + hsize + klen
         if end - kend < 8:
-            pos += 6
+            pos += hsize
             break
         (nlen,) = u32(content, kend)
         nend = kend + 4 + nlen
@@ -457,7 +466,7 @@ def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
                 raise _unknown_state(key_group, i, sid)
             run_sid, new = sid, got
             kdec, nsdec, vdec, no_ns = heap_decoders(backend, new)
-        run.append((kdec(content[pos + 6:kend]), nsdec(content[kend + 4:nend]) if nlen else no_ns,
+        run.append((kdec(content[pos + hsize:kend]), nsdec(content[kend + 4:nend]) if nlen else no_ns,
                     vdec(content[nend + 4:vend])))
         pos = vend
     else:

@@ -115,6 +115,8 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "BLOCK_ENTRIES_OFFSET",
+    "ENTRY_HEAD",
+    "ENTRY_MIN_BYTES",
     "BlockEntries",
     "block_framing_error",
     "iter_block",
@@ -142,7 +144,12 @@ SNAPSHOT_FORMAT: Final = ObjectFormat(
     "BackendOptions.max_snapshot_block_bytes", limit_option="BackendOptions.max_snapshot_block_bytes")
 
 _BLOCK_PREFIX: Final = struct.Struct(">HI")        # key group, entry count
-_ENTRY_HEAD: Final = struct.Struct(">HI")          # state id, key length
+#: An entry's head (state id, key length); then the key, ``u32`` namespace length, namespace,
+#: ``u32`` value length, value. Defined here only: the delta format and the bulk restore
+#: (:mod:`materializer.replay`) parse entries with it.
+ENTRY_HEAD: Final = struct.Struct(">HI")
+#: The fewest bytes an entry takes: its head and its two length fields.
+ENTRY_MIN_BYTES: Final = ENTRY_HEAD.size + 2 * 4
 _U32: Final = struct.Struct(">I")
 _INDEX_HEAD: Final = struct.Struct(">HHI")         # range start, range length, block count
 _INDEX_ENTRY: Final = struct.Struct(">HQII")       # key group, offset, record length, entries
@@ -302,7 +309,7 @@ class SnapshotEncoder:
         self._last_key_group = key_group
         parts: list[bytes] = [b""]
         append = parts.append
-        head = _ENTRY_HEAD.pack
+        head = ENTRY_HEAD.pack
         u32 = _U32.pack
         count = 0
         tombstones = self._fmt.version != FORMAT_VERSION
@@ -567,14 +574,15 @@ def block_framing_error(key: str, entry: IndexEntry, end: int, pos: int) -> Corr
 def _entries(content: bytes, entry: IndexEntry, key: str) -> Iterator[SnapshotEntry]:
     end = len(content)
     pos = _BLOCK_PREFIX.size
-    head = _ENTRY_HEAD.unpack_from
+    head = ENTRY_HEAD.unpack_from
     u32 = _U32.unpack_from
+    least, hsize = ENTRY_MIN_BYTES, ENTRY_HEAD.size
     for _ in range(entry.entry_count):
-        # 14 bytes of lengths at least; each length is checked before its bytes are sliced.
-        if end - pos < 14:
+        # the lengths at least; each length is checked before its bytes are sliced.
+        if end - pos < least:
             break
         state_id, klen = head(content, pos)
-        pos += 6
+        pos += hsize
         if end - pos < klen + 8:
             break
         k = content[pos:pos + klen]
