@@ -1606,8 +1606,20 @@ def _task_output_error(exc: BaseException) -> OutputSchemaError | None:
 
 
 def _spark_schema(spark: Any, output_schema: Any) -> Any:
-    """The Spark schema of the output rows; a schema Spark cannot parse is a ConfigError."""
+    """The Spark schema of the output rows; a schema Spark cannot parse is a ConfigError.
+
+    A ``StructType`` is taken as is and a DDL string of columns is parsed alone (one call to
+    Spark's parser); anything else is what ``createDataFrame`` makes of it, which builds an empty
+    DataFrame (about 0.4 s more in a fresh session, on the start of every query)."""
+    from pyspark.sql.types import StructType
+
     try:
+        if isinstance(output_schema, StructType):
+            return output_schema
+        if isinstance(output_schema, str):
+            parsed = StructType.fromDDL(output_schema)
+            if isinstance(parsed, StructType):
+                return parsed
         return spark.createDataFrame([], output_schema).schema
     except Exception as exc:
         raise ConfigError("output_schema", output_schema, "a DDL string or StructType that "
