@@ -6,6 +6,13 @@ file per run, never overwritten) and replaces its one section of ``docs/benchmar
 ``<!-- bench:<name> -->`` markers, so scripts never overwrite each other's tables and a bench
 has one section: its latest run. ``latest_result(name)`` finds the newest results file of a
 bench.
+
+A section is short: the measured-at line (reproduce command, link to the results file), a
+headline table (figure, DSTL, the peer measured in the same run, ratio, goal), a plot where the
+bench draws one and the few lines of method a reader needs; the detail tables stay in the
+results file. A script's renderer reads only the stored figures (``publish`` renders from the
+file it has just written), so ``--render RESULTS.json`` (``add_render``, ``render_stored``)
+rebuilds the section of any stored run without measuring.
 """
 
 from __future__ import annotations
@@ -223,6 +230,66 @@ def replace_section(text: str, name: str, section: str) -> str:
             "states it. **Latest:** the run below.\n\n" + section + "\n")
 
 
+def load_brief(load: dict[str, Any] | None) -> str:
+    """The load of a run in a few words (``LoadSampler.stop()``'s summary), for a method line."""
+    if not load:
+        return "load not recorded"
+    return (f"load {load['median']:.1f} (max {load['max']:.1f}) on {load['cores']} cores, "
+            + ("noisy: absolute figures pessimistic, same-run ratios hold better"
+               if load.get("noisy") else "quiet"))
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def section(name: str, markdown: str, record: dict[str, Any], results_file: Path) -> str:
+    """The docs section of a run: measured-at line, ``markdown``, link to its results file."""
+    info = record["machine"]
+    return (f"<!-- bench:{name} -->\n"
+            f"_Measured {info['time']} at git {info['git_sha']} on {info['cores']} cores "
+            f"({info['cpu']}), Python {info['python']}; "
+            f"{'quick mode; ' if record['quick'] else ''}reproduce with `{record['command']}`; "
+            f"every figure: [{results_file.name}](../bench/results/{results_file.name})._\n\n"
+            f"{markdown.strip()}\n<!-- /bench:{name} -->")
+
+
+def write_section(name: str, markdown: str, record: dict[str, Any], results_file: Path) -> None:
+    """Replace the section of bench ``name`` in docs/benchmarks.md."""
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    DOC.write_text(replace_section(text, name, section(name, markdown, record, results_file)))
+
+
+def add_render(p: argparse.ArgumentParser) -> None:
+    """``--render RESULTS.json``: rebuild the docs section of a stored run, measuring nothing."""
+    p.add_argument("--render", default=None, metavar="RESULTS.json",
+                   help="rebuild the docs/benchmarks.md section from a stored results file "
+                        "(e.g. the newest of bench/results/), measuring nothing")
+
+
+def render_stored(name: str, path: Path, render: Callable[[dict[str, Any]], str]) -> int:
+    """Rebuild bench ``name``'s section from the stored results file ``path`` (not rewritten):
+    ``render`` maps the file's ``figures`` to the section's Markdown."""
+    record = json.loads(path.read_text())
+    md = render(record["figures"])
+    write_section(name, md, record, path)
+    print(md)
+    return 0
+
+
+def publish(name: str, figures: dict[str, Any], render: Callable[[dict[str, Any]], str], *,
+            quick: bool, command: str, no_doc: bool = False, tag: str | None = None) -> Path:
+    """``write_results`` with the section rendered from the file just written, so a run and a
+    later ``--render`` of its file produce the same section."""
+    out = write_results(name, figures, "", quick=quick, command=command, no_doc=True, tag=tag)
+    if not no_doc:
+        render_stored(name, out, render)
+    return out
+
+
 def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: bool,
                   command: str, no_doc: bool = False, tag: str | None = None,
                   machine: dict[str, Any] | None = None) -> Path:
@@ -243,12 +310,6 @@ def write_results(name: str, figures: dict[str, Any], markdown: str, *, quick: b
         record["label"] = tag
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     if not no_doc:
-        section = (f"<!-- bench:{name} -->\n"
-                   f"_Measured {info['time']} at git {info['git_sha']} on {info['cores']} cores "
-                   f"({info['cpu']}), Python {info['python']}; "
-                   f"{'quick mode; ' if quick else ''}reproduce with `{command}`._\n\n"
-                   f"{markdown.strip()}\n<!-- /bench:{name} -->")
-        text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-        DOC.write_text(replace_section(text, name, section))
+        write_section(name, markdown, record, out)
     print(f"wrote {out}")
     return out

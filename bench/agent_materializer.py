@@ -29,7 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import fmt, parser, percentile, summary, write_results
+from bench._common import (
+    add_render,
+    fmt,
+    parser,
+    percentile,
+    publish,
+    render_stored,
+    summary,
+    table,
+)
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from materializer import (
     BackendOptions,
@@ -62,7 +71,11 @@ for line in sys.stdin:
 
 
 def main() -> int:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    add_render(p)
+    args = p.parse_args()
+    if args.render:
+        return render_stored("agent_materializer", Path(args.render), markdown)
     n = 100_000 if args.quick else 1_000_000
     repeats = max(args.repeats, 5)
     tmp = tempfile.mkdtemp(prefix="dstl-bench-agentmat-")
@@ -162,36 +175,36 @@ def main() -> int:
         f["p50_ratio"] = summary(ratios50)
         f["goal_met"] = f["p99_ratio"]["median"] <= GOAL_P99_RATIO
         figures[mode] = f
-    w, a = figures["worker"], figures["agent"]
-    md = "\n".join([
-        f"Update latency of the writing worker while its LMDB table of {n:,} entries is "
-        f"materialized; batches of {BATCH} updates, each one LMDB write batch; median (min..max) "
-        f"of {repeats} repeats, both modes alternating in one run.",
-        "",
-        "| figure | in the worker (backend thread) | in the executor agent (other process) |",
-        "|---|---|---|",
-        f"| update p50 while materializing (µs) | {fmt(w['p50_with'])} | {fmt(a['p50_with'])} |",
-        f"| update p50 not materializing (µs) | {fmt(w['p50_without'])} | "
-        f"{fmt(a['p50_without'])} |",
-        f"| update p99 while materializing (µs) | {fmt(w['p99_with'])} | {fmt(a['p99_with'])} |",
-        f"| update p99 not materializing (µs) | {fmt(w['p99_without'])} | "
-        f"{fmt(a['p99_without'])} |",
-        f"| **p99 ratio with / without** (goal <= {GOAL_P99_RATIO:g}x) | "
-        f"{fmt(w['p99_ratio'])}x {'met' if w['goal_met'] else 'missed'} | "
-        f"{fmt(a['p99_ratio'])}x {'met' if a['goal_met'] else 'missed'} |",
-        f"| p50 ratio with / without | {fmt(w['p50_ratio'])}x | {fmt(a['p50_ratio'])}x |",
-        f"| materialization time (s) | {fmt(w['mat_s'])} | {fmt(a['mat_s'])} |",
-        f"| writer batches during it | {fmt(w['batches'], digits=0)} | "
-        f"{fmt(a['batches'], digits=0)} |",
-        "",
-        "In the worker, the snapshot's encoding runs on a thread of the writer's process and "
-        "shares its GIL; in the agent it runs in another process, so the writer only shares the "
-        "machine's cores (2 here) and LMDB (a read transaction never blocks the writer).",
-    ])
-    write_results("agent_materializer", figures, md, quick=args.quick,
-                  command=".venv/bin/python bench/agent_materializer.py"
-                  + (" --quick" if args.quick else ""), no_doc=args.no_doc)
+    publish("agent_materializer", figures, markdown, quick=args.quick,
+            command=".venv/bin/python bench/agent_materializer.py"
+            + (" --quick" if args.quick else ""), no_doc=args.no_doc)
     return 0
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
+    w, a = figures["worker"], figures["agent"]
+
+    def met(f: dict[str, Any]) -> str:
+        return "met" if f["goal_met"] else "**missed**"
+
+    rows = [
+        ["update p99 while materializing (µs)", fmt(a["p99_with"]), fmt(w["p99_with"])],
+        ["update p99 not materializing (µs)", fmt(a["p99_without"]), fmt(w["p99_without"])],
+        [f"**p99 ratio with / without** (goal <= {GOAL_P99_RATIO:g}x)",
+         f"{fmt(a['p99_ratio'])}x: {met(a)}", f"{fmt(w['p99_ratio'])}x: {met(w)}"],
+        ["p50 ratio with / without", f"{fmt(a['p50_ratio'])}x", f"{fmt(w['p50_ratio'])}x"],
+        ["materialization time (s)", fmt(a["mat_s"]), fmt(w["mat_s"])],
+    ]
+    return "\n".join([
+        table(["figure", "in the executor agent (other process)",
+               "in the worker (backend thread, same run)"], rows), "",
+        f"The writing worker's update latency while its LMDB table of {figures['entries']:,} "
+        f"entries is materialized; batches of {figures['batch']} updates, each one LMDB write "
+        f"batch; median (min..max) of {a['p99_with']['n']} repeats, both modes alternating. In "
+        "the worker the snapshot's encoding shares the writer's GIL; in the agent only the "
+        "cores and LMDB (a read transaction never blocks the writer).",
+    ])
 
 
 if __name__ == "__main__":

@@ -54,7 +54,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, percentile, summary, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    add_render,
+    fmt,
+    parser,
+    percentile,
+    publish,
+    render_stored,
+    summary,
+    table,
+)
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for  # noqa: E402
 from dstl.errors import UsageError  # noqa: E402
 from materializer.backend import ChangelogKeyedStateBackend  # noqa: E402
@@ -571,129 +580,61 @@ def bench_codecs(n: int, repeats: int) -> dict[str, Any]:
 
 
 def _met(ok: bool) -> str:
-    return "yes" if ok else "**no**"
+    return "met" if ok else "**missed**"
 
 
-def markdown(f: dict[str, Any], quick: bool, total_s: float) -> str:
+def markdown(f: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
     r, c, lat, sp, cod = f["rate"], f["checkpoint"], f["latency"], f["space"], f["codec"]
 
     def kps(x: dict[str, Any]) -> str:
-        return f"{fmt(x['per_s'], scale=1e-3, digits=0)} ({x['ns_per_update']:,.0f} ns)"
+        return fmt(x["per_s"], scale=1e-3, digits=0)
 
     bk, wr = c["backend"], c["writers"]
-    quick_note = (f"Quick mode: {lat['entries']:,} entries (not 1,000,000) in the "
-                  "materialization figure, fewer updates, ticks and values elsewhere. "
-                  if quick else "")
-    safe_over_json = (cod["safe"]["round_trips_per_s"]["median"]
-                      / cod["json_tagged"]["round_trips_per_s"]["median"])
     end_w, end_wo = sp["with"][-1], sp["without"][-1]
-    lines = [
-        "### Keyed state backend (`bench/backend.py`)",
-        "",
-        "| figure | DSTL | baseline (same run) | ratio | goal | met |",
-        "|---|---|---|---|---|---|",
-        f"| ValueState.update, heap, {r['keys']:,} keys (k updates/s; ns/update) | "
-        f"{kps(r['heap_backend'])} | HeapStateTables.put {kps(r['heap_table'])} | "
-        f"{r['heap_backend_ratio']:.1f}x time | | |",
-        f"| ValueState.update, LMDB, one txn per update (k/s; ns) | {kps(r['lmdb_backend'])} | "
-        f"LmdbStateTable.put in one write_batch {kps(r['lmdb_table'])} | "
-        f"{r['lmdb_backend_ratio']:.1f}x time | | |",
-        f"| ValueState.update, LMDB, inside tables.write_batch() (k/s; ns) | "
-        f"{kps(r['lmdb_backend_batched'])} | same | {r['lmdb_backend_batched_ratio']:.1f}x time "
-        "| | |",
-        f"| checkpoint latency p50, {c['backends']} backends, 1 local-fs storage (ms) | "
-        f"{fmt(bk['p50_ms'], digits=1)} | 8 bare writers {fmt(wr['p50_ms'], digits=1)} | "
-        f"{c['p50_ratio']:.2f}x | | |",
-        f"| checkpoint latency p99 (ms) | {fmt(bk['p99_ms'], digits=1)} | "
-        f"{fmt(wr['p99_ms'], digits=1)} | {c['p99_ratio']:.2f}x | <= {GOAL_CP_P99_MS:.0f} ms | "
-        f"{_met(c['goal_met'])} |",
-        f"| segments per checkpoint | {fmt(bk['objects'])} | {fmt(wr['objects'])} | | | |",
-        f"| update p99 while materializing {lat['entries']:,} entries (µs/update) | "
-        f"{fmt(lat['with_p99_us'], digits=1)} | not materializing "
-        f"{fmt(lat['without_p99_us'], digits=1)} | {lat['p99_ratio']:.2f}x | "
-        f"<= {GOAL_UPDATE_P99_RATIO:.0f}x | {_met(lat['goal_met'])} |",
-        f"| update p50 while materializing (µs/update) | {fmt(lat['with_p50_us'], digits=2)} | "
-        f"{fmt(lat['without_p50_us'], digits=2)} | {lat['p50_ratio']:.2f}x | | |",
-        f"| (snapshot + log) / table bytes after {sp['ticks']} ticks, sliding windows | "
-        f"size trigger {fmt(end_w['ratio'], digits=1)} | time trigger only "
-        f"{fmt(end_wo['ratio'], digits=1)} | {sp['end_ratio']:.1f}x less | | |",
-        f"| value codec round trips, {cod['values']:,} mixed values (k/s) | SafeCodec "
-        f"{fmt(cod['safe']['round_trips_per_s'], scale=1e-3, digits=0)} | pickle "
-        f"{fmt(cod['pickle']['round_trips_per_s'], scale=1e-3, digits=0)} | "
-        f"{cod['safe_over_pickle']:.2f}x | | |",
-        f"| value codec, candidate (k/s) | JSON with tags "
-        f"{fmt(cod['json_tagged']['round_trips_per_s'], scale=1e-3, digits=0)} | pickle (same) "
-        f"| {cod['json_over_pickle']:.2f}x | | |",
-        "",
-        f"Median (min..max) of {f['repeats']} repeats, variants interleaved within each repeat. "
-        f"{quick_note}"
-        f"Update rate: {r['updates_per_repeat']:,} updates of small ints over "
-        f"{r['keys']:,} existing keys `user-%08d`, random order; materialization off; "
-        "local-fs storage with default pre-emptive persist. Checkpoints: "
-        f"{c['updates_per_tick']:,} updates per backend per {c['tick_ms']:.0f} ms tick, "
-        f"{c['ticks']} ticks, latency from `snapshot()` to its future resolving (default 10 ms "
-        "persist delay); the baseline writers append the identical change records. "
-        f"Materialization latency: per-update time measured in batches of {lat['batch']} "
-        f"updates (random existing keys), {fmt(lat['batches_per_materialization'], digits=0)} "
-        f"batches per materialization of {fmt(lat['materialization_ms'], digits=0)} ms; the "
-        f"synchronous part on the owner thread took {fmt(lat['sync_part_ms'], digits=1)} ms; "
-        f"worst batch {fmt(lat['with_max_us'], digits=0)} µs/update vs "
-        f"{fmt(lat['without_max_us'], digits=0)} without.",
-        "",
-        f"Space over time ({sp['keys']:,} keys, {sp['events_per_tick']} events per tick, each "
-        f"added to {sp['window']} overlapping windows of a ReducingState, window purged after "
-        f"{sp['window']} ticks, checkpoint + subsume every tick; ratio = checkpoint full size "
-        "(materialized snapshot, zstd, + log since it, raw payload bytes as Flink counts them) "
-        "/ the current table encoded as a snapshot object; size trigger: "
-        f"`materialize_log_ratio=2.0`, `materialize_min_log_bytes={sp['min_log_bytes']:,}`):",
-        "",
-        "| tick | table KB | ratio, size trigger | materializations | checkpoints failed | "
-        "ratio, time trigger only |",
-        "|---|---|---|---|---|---|",
+    rows = [
+        [f"`ValueState.update`, heap, {r['keys']:,} keys (k/s)", kps(r["heap_backend"]),
+         f"`HeapStateTables.put` {kps(r['heap_table'])}", f"{r['heap_backend_ratio']:.1f}x time",
+         "—"],
+        ["`ValueState.update`, LMDB, in `write_batch()` (k/s)", kps(r["lmdb_backend_batched"]),
+         f"`LmdbStateTable.put` {kps(r['lmdb_table'])}",
+         f"{r['lmdb_backend_batched_ratio']:.1f}x time (one txn per update "
+         f"{r['lmdb_backend_ratio']:.1f}x)", "—"],
+        [f"checkpoint latency p99, {c['backends']} backends (ms)", fmt(bk["p99_ms"], digits=1),
+         f"{c['backends']} bare writers {fmt(wr['p99_ms'], digits=1)}", f"{c['p99_ratio']:.2f}x",
+         f"<= {GOAL_CP_P99_MS:.0f} ms: {_met(c['goal_met'])}"],
+        [f"update p99 while materializing {lat['entries']:,} entries (µs)",
+         fmt(lat["with_p99_us"], digits=1),
+         f"not materializing {fmt(lat['without_p99_us'], digits=1)}", f"{lat['p99_ratio']:.2f}x "
+         f"(p50 {lat['p50_ratio']:.2f}x)",
+         f"<= {GOAL_UPDATE_P99_RATIO:.0f}x: {_met(lat['goal_met'])}"],
+        [f"(snapshot + log) / table after {sp['ticks']} ticks", f"size trigger "
+         f"{fmt(end_w['ratio'], digits=1)}", f"time trigger only {fmt(end_wo['ratio'], digits=1)}",
+         f"{sp['end_ratio']:.1f}x less", "—"],
+        [f"value codec, {cod['values']:,} mixed values (k round trips/s)", "`SafeCodec` "
+         f"{fmt(cod['safe']['round_trips_per_s'], scale=1e-3, digits=0)}", "pickle "
+         f"{fmt(cod['pickle']['round_trips_per_s'], scale=1e-3, digits=0)}",
+         f"{cod['safe_over_pickle']:.2f}x", "—"],
     ]
-    for w, wo in zip(sp["with"], sp["without"]):
-        lines.append(f"| {w['tick']['median']:.0f} | {w['table_bytes']['median'] / 1e3:,.0f} | "
-                     f"{fmt(w['ratio'], digits=1)} | {w['materializations']['median']:.0f} | "
-                     f"{w['failed_checkpoints']['median']:.0f} | {fmt(wo['ratio'], digits=1)} |")
-    failed = end_w["failed_checkpoints"]["median"]
-    lines += [
-        "",
-        f"With the size trigger {failed:.0f} checkpoints failed (time trigger only: "
-        f"{end_wo['failed_checkpoints']['median']:.0f}). A failed checkpoint would be one whose "
-        "log range a materialization truncated while its persist was in flight; the truncation "
-        "rule is bounded by in-flight checkpoints, so there should be none (before that fix, "
-        "99 of ~400 failed in this run). The trigger compares raw log bytes with the "
-        "zstd-compressed snapshot size, so it fires earlier than the ratio suggests.",
-    ]
-    lines += [
-        "",
-        f"Codec: `SafeCodec` is the default. It runs at {cod['safe_over_pickle']:.2f}x the speed "
-        f"of plain pickle ({cod['safe']['bytes_per_value']:.1f} vs "
-        f"{cod['pickle']['bytes_per_value']:.1f} bytes per value) and "
-        f"{safe_over_json:.1f}x the speed of the tagged-JSON candidate ({cod['json_tagged']['bytes_per_value']:.1f} "
-        "bytes per value), and never executes code on load (its unpickler refuses every global), "
-        "which plain pickle cannot promise.",
-        "",
-        f"Missed goal, update p99 while materializing ({lat['p99_ratio']:.1f}x; p50 only "
-        f"{lat['p50_ratio']:.2f}x): the write-out runs on the `dstl-materializer` thread but is "
-        "pure-Python work per entry (cProfile: `SnapshotEncoder.add_key_group`, the backend's "
-        "`_encode_entry`, `SafeCodec.encode`, map iteration; zstd is negligible), so it holds the "
-        "GIL in 5 ms switch-interval slices and the batches that wait for one slice make the "
-        "p99, while most batches run undisturbed. Cyclic GC is not the p99 "
-        "but the worst batch: gen-2 collections over the >1 M-object heap (a side run at 200 k "
-        "entries with `gc.disable()` left the p99 unchanged and cut the worst batch from ~1.4 ms "
-        "to ~51 µs per update); a 0.5 ms switch interval brought the ratio to ~4.6x at 3x the "
-        "p50. Meeting 2x needs the per-entry encoding out of the GIL (a C encoder or a separate "
-        f"process). The LMDB backend's {r['lmdb_backend_ratio']:.1f}x is mostly one LMDB "
-        "transaction per update unless the caller groups writes with `backend.write_batch()` "
-        "(inside one it is "
-        f"{r['lmdb_backend_batched_ratio']:.1f}x). Total {total_s:.0f} s.",
-    ]
-    return "\n".join(lines)
+    return "\n".join([
+        table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
+        f"Median (min..max) of {f['repeats']} repeats, variants interleaved; local-fs storage. "
+        f"Checkpoints: {c['updates_per_tick']:,} updates per backend per {c['tick_ms']:.0f} ms "
+        "tick, latency from `snapshot()` to its future resolving. The update p99 while "
+        "materializing is the GIL: the write-out encodes entry by entry in Python on a thread of "
+        "the writer's process (the executor agent moves it out: next section). Space: "
+        f"{sp['keys']:,} keys in sliding windows, checkpoint every tick, "
+        f"{end_w['failed_checkpoints']['median']:.0f} checkpoints failed.",
+    ])
 
 
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    add_render(p)
+    args = p.parse_args()
+    if args.render:
+        render_stored("backend", Path(args.render), markdown)
+        return
     q, reps = args.quick, args.repeats
     t_start = pc()
     tmp = Tmp()
@@ -715,11 +656,8 @@ def main() -> None:
         tmp.cleanup()
     total = pc() - t_start
     figures["total_s"] = total
-    md = markdown(figures, q, total)
-    write_results("backend", figures, md, quick=q,
-                  command=f"python bench/backend.py{' --quick' if q else ''}",
-                  no_doc=args.no_doc)
-    print(md)
+    publish("backend", figures, markdown, quick=q,
+            command=f"python bench/backend.py{' --quick' if q else ''}", no_doc=args.no_doc)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Figures, each against its baseline in the same run:
 3. Persist latency p50/p99 and objects per checkpoint with 1, 8, 32 writers of one storage, on
    the local filesystem and on a moto S3 server behind a 20 ms-per-request latency wrapper.
 
-Run: ``.venv/bin/python bench/write_path.py [--quick]``.
+Run: ``.venv/bin/python bench/write_path.py [--quick]``; ``--render RESULTS.json`` rebuilds the
+docs section of a stored run.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ import zstandard  # noqa: E402
 
 from bench._common import (  # noqa: E402
     LoadSampler,
+    add_render,
     fmt,
+    load_brief,
     parser,
     percentile,
+    publish,
+    render_stored,
     repeat,
     summary,
-    write_results,
+    table,
 )
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange  # noqa: E402
 from dstl.segment import CHANGE_LEN, build_change_set, encode_segment  # noqa: E402
@@ -203,7 +208,12 @@ def persist_matrix(stores: dict[str, Callable[[], Any]], writer_counts: list[int
 
 
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
+    p = parser(__doc__ or "")
+    add_render(p)
+    args = p.parse_args()
+    if args.render:
+        render_stored("write_path", Path(args.render), markdown)
+        return
     q = args.quick
     reps = args.repeats
     n = 200_000 if q else 1_000_000
@@ -241,60 +251,50 @@ def main() -> None:
         if server is not None:
             server.stop()
 
+    publish("write_path", figures, markdown, quick=q,
+            command=f"python bench/write_path.py{' --quick' if q else ''}", no_doc=args.no_doc)
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
     a64, a1k, enc, enc3 = (figures["append_64"], figures["append_1k"], figures["encode"],
                            figures["encode_l3"])
-    def met(ok: bool) -> str:
-        return "yes" if ok else "**no**"
 
-    md = [
-        "### Write path (`bench/write_path.py`)",
-        "",
-        "| figure | DSTL | baseline (same run) | ratio | goal | met |",
-        "|---|---|---|---|---|---|",
-        f"| append, 64 B payloads (changes/s) | {fmt(a64['append_per_s'], digits=0)} | "
-        f"bare struct+bytearray loop: {fmt(a64['bare_per_s'], digits=0)} | "
-        f"{a64['ratio']:.2f} | >= 1 M/s and >= 0.5 | "
-        f"{met(a64['append_per_s']['median'] >= 1e6 and a64['ratio'] >= 0.5)} |",
-        f"| append, 1 KiB payloads (changes/s) | {fmt(a1k['append_per_s'], digits=0)} | "
-        f"bare loop: {fmt(a1k['bare_per_s'], digits=0)} | {a1k['ratio']:.2f} | >= 0.5 | "
-        f"{met(a1k['ratio'] >= 0.5)} |",
-        f"| segment encoding, zstd 1 (MB/s of input) | {fmt(enc['segment_mb_per_s'], digits=0)} | "
-        f"raw zstd 1: {fmt(enc['raw_zstd_mb_per_s'], digits=0)} | {enc['ratio']:.2f} | >= 0.7 | "
-        f"{met(enc['ratio'] >= 0.7)} |",
-        f"| segment encoding, zstd 3 (MB/s of input) | {fmt(enc3['segment_mb_per_s'], digits=0)} "
-        f"| raw zstd 3: {fmt(enc3['raw_zstd_mb_per_s'], digits=0)} | {enc3['ratio']:.2f} | "
-        f">= 0.7 | {met(enc3['ratio'] >= 0.7)} |",
-        "",
-        f"Append costs {a64['ns_per_change']:.0f} ns per 64 B change (the bare loop "
-        f"{a64['bare_ns_per_change']:.0f} ns) and {a1k['ns_per_change']:.0f} ns per 1 KiB change "
-        f"(bare {a1k['bare_ns_per_change']:.0f} ns); median of {a64['append_per_s']['n']} "
-        "repeats, the bare loop and DSTL interleaved; ratio of single repeats: "
-        f"{fmt(a64['ratio_per_repeat'])} (64 B), {fmt(a1k['ratio_per_repeat'])} (1 KiB). "
-        "By the CPU time of the appending thread, which waiting for a core does not inflate: "
-        f"{a64['cpu_ns_per_change']:.0f} ns vs {a64['bare_cpu_ns_per_change']:.0f} ns "
-        f"(ratio {a64['cpu_ratio']:.2f}) at 64 B, {a1k['cpu_ns_per_change']:.0f} ns vs "
-        f"{a1k['bare_cpu_ns_per_change']:.0f} ns (ratio {a1k['cpu_ratio']:.2f}) at 1 KiB. "
-        f"{load.note()}.",
-        "",
-        f"Compression ratio of the "
-        f"segment: {enc['compression_ratio']:.2f} (zstd 1) vs {enc3['compression_ratio']:.2f} "
-        f"(zstd 3) on {enc['input_mb']:.1f} MB of changelog-like data; CRC-32 runs at "
-        f"{enc['crc32_mb_per_s']:,.0f} MB/s.",
-        "",
-        "Persist latency (from `persist()` to the future resolving, all writers persisting one "
-        "checkpoint together; 200 changes of 64 B per writer per checkpoint; default options: "
-        "10 ms persist delay). Median over repeats, spread in brackets:",
-        "",
-        "| store | writers | p50 ms | p99 ms | objects per checkpoint |",
-        "|---|---|---|---|---|",
+    def met(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    rows = [
+        ["append, 64 B payloads (changes/s)", fmt(a64["append_per_s"], digits=0),
+         f"bare `struct` + `bytearray` loop: {fmt(a64['bare_per_s'], digits=0)}",
+         f"{a64['ratio']:.2f}x (per repeat {fmt(a64['ratio_per_repeat'])})",
+         ">= 1 M/s and >= 0.5x: "
+         + met(a64["append_per_s"]["median"] >= 1e6 and a64["ratio"] >= 0.5)],
+        ["append, 1 KiB payloads (changes/s)", fmt(a1k["append_per_s"], digits=0),
+         f"bare loop: {fmt(a1k['bare_per_s'], digits=0)}",
+         f"{a1k['ratio']:.2f}x (per repeat {fmt(a1k['ratio_per_repeat'])})",
+         ">= 0.5x: " + met(a1k["ratio"] >= 0.5)],
+        ["segment encoding, zstd 1 (MB/s of input)", fmt(enc["segment_mb_per_s"], digits=0),
+         f"raw zstd 1: {fmt(enc['raw_zstd_mb_per_s'], digits=0)}", f"{enc['ratio']:.2f}x",
+         ">= 0.7x: " + met(enc["ratio"] >= 0.7)],
+        ["segment encoding, zstd 3 (MB/s of input)", fmt(enc3["segment_mb_per_s"], digits=0),
+         f"raw zstd 3: {fmt(enc3['raw_zstd_mb_per_s'], digits=0)}", f"{enc3['ratio']:.2f}x",
+         ">= 0.7x: " + met(enc3["ratio"] >= 0.7)],
     ]
+    persist: dict[str, list[str]] = {}
     for r in figures.get("persist", {}).values():
-        md.append(f"| {r['store']} | {r['writers']} | {fmt(r['p50_ms'], digits=1)} | "
-                  f"{fmt(r['p99_ms'], digits=1)} | {fmt(r['objects_per_checkpoint'])} |")
-    write_results("write_path", figures, "\n".join(md), quick=q,
-                  command=f"python bench/write_path.py{' --quick' if q else ''}",
-                  no_doc=args.no_doc)
-    print("\n".join(md))
+        persist.setdefault(r["store"], []).append(
+            f"{r['p50_ms']['median']:.0f} ms at {r['writers']}")
+    objects = max((r["objects_per_checkpoint"]["median"]
+                   for r in figures.get("persist", {}).values()), default=float("nan"))
+    return "\n".join([
+        table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
+        f"Median (min..max) of {a64['append_per_s']['n']} repeats, DSTL and the baseline "
+        f"interleaved; {load_brief(figures.get('append_load'))}. By the appending thread's CPU "
+        f"time the 64 B ratio is {a64['cpu_ratio']:.2f}x. Persist p50 (from `persist()` to the "
+        "future resolving, every writer persisting one checkpoint of 200 changes of 64 B): "
+        + "; ".join(f"{store} {', '.join(v)} writers" for store, v in persist.items())
+        + f"; at most {objects:.2f} objects per checkpoint.",
+    ])
 
 
 if __name__ == "__main__":

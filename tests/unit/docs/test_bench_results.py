@@ -21,13 +21,13 @@ RESULT_NAME = re.compile(r"^(?P<bench>[a-z_]+(-[a-z]+)?)(-quick)?-\d{8}T\d{6}Z-(
 
 
 def _section_names_written_by_scripts() -> set[str]:
-    """Every first argument of ``write_results(...)`` in bench/*.py (literal or a NAME
-    constant)."""
+    """Every first argument of ``write_results(...)``, ``publish(...)`` or
+    ``render_stored(...)`` in bench/*.py (literal or a NAME constant)."""
     names = set()
     for script in (ROOT / "bench").glob("*.py"):
         text = script.read_text()
         consts = dict(re.findall(r'^([A-Z_]+) = "([a-z_-]+)"', text, re.M))
-        for arg in re.findall(r"write_results\(\s*([^,\s]+)", text):
+        for arg in re.findall(r"(?:write_results|publish|render_stored)\(\s*([^,\s]+)", text):
             if arg.startswith('"'):
                 names.add(arg.strip('"'))
             elif arg in consts:
@@ -63,6 +63,26 @@ def test_a_second_run_replaces_the_section_and_a_tag_names_nothing(
         assert "before" not in p.name
     assert json.loads(second.read_text())["label"] == "before"
     assert _common.latest_result("demo_bench") == second
+
+
+def test_a_published_run_and_a_render_of_its_file_write_the_same_section(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(_common, "DOC", tmp_path / "benchmarks.md")
+
+    def render(figures: dict[str, object]) -> str:
+        return f"| x |\n|---|\n| {figures['x']} |"
+
+    out = _common.publish("demo_bench", {"x": 7}, render, quick=False,
+                          command="python bench/demo_bench.py")
+    first = (tmp_path / "benchmarks.md").read_text()
+    stored = out.read_bytes()
+    assert "| 7 |" in first
+    assert f"[{out.name}](../bench/results/{out.name})" in first  # the section links its file
+    (tmp_path / "benchmarks.md").write_text(first.replace("| 7 |", "| stale |"))
+    assert _common.render_stored("demo_bench", out, render) == 0
+    assert (tmp_path / "benchmarks.md").read_text() == first
+    assert out.read_bytes() == stored  # a render rewrites the section only
 
 
 def test_a_doc_with_a_duplicated_section_is_refused() -> None:
