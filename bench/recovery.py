@@ -49,7 +49,8 @@ restore is profiled with cProfile and the top functions are reported.
 
 Plots: ``docs/img/recovery_backends.png``, ``recovery_state_size.png``, ``recovery_log_length.png``.
 
-Run: ``.venv/bin/python bench/recovery.py [--quick]`` (quick < 2 min, full < 8 min on 2 cores).
+Run: ``.venv/bin/python bench/recovery.py [--quick]`` (quick < 2 min, full < 8 min on 2 cores);
+``--render RESULTS.json`` rebuilds the docs section of a stored run of any part.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import io
 import json
 import os
 import pstats
+import re
 import shutil
 import struct
 import sys
@@ -87,12 +89,16 @@ import zstandard  # noqa: E402
 
 from bench._common import (  # noqa: E402
     LoadSampler,
+    add_render,
     fmt,
+    load_brief,
     machine_info,
     parser,
+    publish,
+    render_stored,
     summary,
-    write_results,
 )
+from bench._common import table as md_table  # noqa: E402
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange, key_group_for  # noqa: E402
 from dstl.stores import BlobStore, FsspecBlobStore, LocalBlobStore, ObjectInfo  # noqa: E402  # noqa: E402
 from dstl.timer import ManualTimer  # noqa: E402
@@ -642,53 +648,32 @@ def bench_file_snapshots(stores: Stores, sizes: list[int], repeats: int,
     return out
 
 
-def markdown_file_snapshots(fd: dict[str, Any], before: dict[str, Any] | None = None
-                            ) -> list[str]:
-    md = ["#### (d) LMDB file-level snapshots (format v2)", "",
-          "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
-          "materialized as a v2 snapshot (the environment file copied from a read transaction, "
-          "zstd level 1) with no log after it. Materialize = `materialize_now` (copy, compress, "
-          "upload) of the same table, once per repeat. Restored into LMDB with the cache "
-          "(download + verify the object crc, staged decompress + validation of the whole LMDB "
-          "file + rename: **install**) "
-          "and without it (one GET), into LMDB owning half the key groups (**range copy**: "
-          "append-mode `putmulti` of 64 of the 128 key groups) and into the heap (entry by "
-          "entry). Load = the snapshot phase of `RestoreStats`; total = the whole "
-          "`restore_backend` call (backend construction, replay of an empty log included). "
-          "Floor (same run) = one whole-object GET + zstd-decompress of the data into memory. "
-          "Goal: load within 2x of the floor."
-          + (" *Before*: the same bench on earlier code "
-             f"({(before or {}).get('git') or 'see the command'}), run right before this one; "
-             "goal: the validated restore within 2x of it." if before else ""), "",
-          "Same run, same data materialized as v1 (`lmdb_snapshot_format=\"entries\"`) and "
-          "restored into LMDB with the cache: the v1 columns.", "",
-          "| store | keys | object MB (file MB) | materialize s | GET ms | floor ms | "
-          "install load s | load / floor | total s | no cache load s | range copy (half) s | "
-          "heap load s | v1 MB | v1 materialize s | v1 load s into LMDB |"
-          + (" install load before s | **install / before** | range copy before s | "
-             "range copy / before |" if before else ""),
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-          + ("---|---|---|---|" if before else "")]
+def markdown_file_snapshots(figs: dict[str, Any], before: dict[str, Any] | None = None
+                            ) -> str:
+    """Section ``recovery-filesnap``: an LMDB file-level (v2) snapshot's validated restore
+    against GET + zstd-decompress (and against ``before``, a run on earlier code)."""
+    fd = figs["file_snapshots"]
     old = (before or {}).get("file_snapshots", {})
+    rows = []
     for name, r in sorted(fd.items(), key=lambda kv: (kv[1]["store"], kv[1]["keys"])):
-        fl, lm = r["floor"], r["lmdb"]
+        lm, vs = r["lmdb"], r["lmdb_vs_floor"]
+        rows.append([f"install (validated), {r['keys']:,} keys, {r['store']} (s)",
+                     _s(lm["snapshot_s"]), f"GET + zstd-decompress {_ms(r['floor']['floor_s'])}",
+                     f"{vs:.1f}x", f"<= {FLOOR_GOAL:.0f}x: {_met(vs <= FLOOR_GOAL)}"])
         was = old.get(name)
-        then = "" if not before else " n/a | n/a | n/a | n/a |" if was is None else (
-            f" {_s(was['lmdb']['snapshot_s'])} | **"
-            f"{lm['snapshot_s']['median'] / was['lmdb']['snapshot_s']['median']:.2f}x** | "
-            f"{_s(was['lmdb_half']['snapshot_s'])} | "
-            f"{r['lmdb_half']['snapshot_s']['median'] / was['lmdb_half']['snapshot_s']['median']:.2f}x |")
-        md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
-                  f"({fl['raw_mb']:.1f}) | {_s(r['materialize_s'])} | {_ms(fl['get_s'])} | "
-                  f"{_ms(fl['floor_s'])} | {_s(lm['snapshot_s'])} | "
-                  f"**{r['lmdb_vs_floor']:.1f}x** | {_s(lm['seconds'])} | "
-                  f"{_s(r['lmdb_no_cache']['snapshot_s'])} | "
-                  f"{_s(r['lmdb_half']['snapshot_s'])} | "
-                  f"{_s(r['heap']['snapshot_s']) if r['heap'] else 'not run'} | "
-                  f"{r['entries_data']['snapshot_mb']:.2f} | {_s(r['entries_materialize_s'])} | "
-                  f"{_s(r['entries_lmdb']['snapshot_s'])} |{then}")
-    md.append("")
-    return md
+        if was is not None:
+            x = lm["snapshot_s"]["median"] / was["lmdb"]["snapshot_s"]["median"]
+            rows.append([f"the same against the code before ({(before or {}).get('git', '?')})",
+                         _s(lm["snapshot_s"]), f"before {_s(was['lmdb']['snapshot_s'])}",
+                         f"{x:.2f}x", f"<= {FLOOR_GOAL:.0f}x: {_met(x <= FLOOR_GOAL)}"])
+    return "\n".join([
+        md_table(["figure", "DSTL", "floor or before (same run)", "ratio", "goal"], rows), "",
+        "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
+        "materialized as a v2 snapshot (the LMDB file, zstd 1), restored into LMDB with the "
+        "cache: download, crc check, staged decompress, validation of the whole file, rename. "
+        f"Median (min..max) of {figs['repeats']} repeats; {load_brief(figs.get('load'))}. "
+        "Range copy, heap and v1 restores: the results file.",
+    ])
 
 
 def bare_replay(n: int, repeats: int) -> dict[str, Any]:
@@ -1051,151 +1036,85 @@ def floor_goals(fig_b: dict[str, Any], fig_c: dict[str, Any]) -> dict[str, Any]:
             "lmdb_floor_met": big_b["lmdb_vs_floor"] <= FLOOR_GOAL}
 
 
-def markdown(figs: dict[str, Any], imgs: dict[str, str]) -> str:
-    fa, fb, fc = figs["backends"], figs["state_size"], figs["log_length"]
-    bare = figs["bare_replay"]
-    title = "### Recovery time (`bench/recovery.py`)"
-    if figs.get("tag") == "before":
-        title += " — before: a baseline run of earlier code"
-    md: list[str] = [title, ""]
+def _met(ok: bool | None) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _largest(part: dict[str, Any], store: str, **match: Any) -> dict[str, Any] | None:
+    rows = [r for r in part.values()
+            if r["store"] == store and all(r.get(k) == v for k, v in match.items())]
+    return max(rows, key=lambda r: r.get("changes", r.get("keys", 0))) if rows else None
+
+
+def markdown(figs: dict[str, Any]) -> str:
+    """Section ``recovery``: the goals of a full run, its plots and the interval advice."""
+    fa, fb, fc, fd = (figs["backends"], figs["state_size"], figs["log_length"],
+                      figs.get("file_snapshots") or {})
+    g, bare = figs["goals"], figs["bare_replay"]
+    rows = []
+    for mode in ("sequential", "parallel"):
+        r = fa.get(f"{MOTO}/{mode}/8")
+        if r:
+            rows.append([f"restore 8 backends sharing segments, {mode}, moto + 20 ms (s)",
+                         _s(r["cache"]["seconds"]), f"no cache {_s(r['no_cache']['seconds'])}",
+                         f"{r['speedup']:.2f}x faster",
+                         f">= {SPEEDUP_GOAL:.0f}x: {_met(r['speedup'] >= SPEEDUP_GOAL)}"])
+    rows.append(["fetches of any object, with the cache",
+                 _n(g["max_fetches_per_object_cache"], 0),
+                 f"no cache, 8 backends: {_n(g['no_cache_gets_8'], 0)}", "—",
+                 f"once: {_met(g['fetch_once'])}"])
+    for table_ in ("heap", "lmdb"):
+        r = _largest(fc, LOCAL, table=table_)
+        if r:
+            rate = r["cache"]["replay_per_s"]
+            base = bare["dict_per_s" if table_ == "heap" else "lmdb_per_s"]
+            goal = REPLAY_GOALS[table_]
+            rows.append([f"replay {r['changes']:,} changes into {table_}, local fs (changes/s)",
+                         _rate(rate), f"bare replay loop {_rate(base)}",
+                         f"{rate['median'] / base['median']:.2f}x",
+                         f">= {goal / 1e3:,.0f} k/s: {_met(rate['median'] >= goal)}"])
+    big = _largest(fb, LOCAL)
+    if big:
+        for label, key, vs in (("heap", "cache", big["heap_vs_floor"]),
+                               ("LMDB from v1 (entries)", "lmdb", big["lmdb_vs_floor"])):
+            rows.append([f"snapshot load, {big['keys']:,} keys, {label}, local fs (s)",
+                         _s(big[key]["snapshot_s"]),
+                         f"GET + zstd-decompress {_ms(big['floor']['floor_s'])}", f"{vs:.1f}x",
+                         f"<= {FLOOR_GOAL:.0f}x: {_met(vs <= FLOOR_GOAL)}"])
+    d = _largest(fd, LOCAL)
+    if d:
+        rows.append([f"snapshot load, {d['keys']:,} keys, LMDB from v2 (file-level), local fs "
+                     "(s)", _s(d["lmdb"]["snapshot_s"]),
+                     f"GET + zstd-decompress {_ms(d['floor']['floor_s'])}",
+                     f"{d['lmdb_vs_floor']:.1f}x",
+                     f"<= {FLOOR_GOAL:.0f}x: {_met(d['lmdb_vs_floor'] <= FLOOR_GOAL)}"])
+    md = [md_table(["figure", "DSTL", "peer (same run)", "ratio", "goal"], rows), "",
+          "Restore time against backends per process, state size and log length (moto + 20 ms "
+          "and local fs, with and without the cache):", "",
+          "![restore time vs backends](img/recovery_backends.png) "
+          "![restore time vs state size](img/recovery_state_size.png) "
+          "![restore time vs log length](img/recovery_log_length.png)", "",
+          f"Median (min..max) of {figs['repeats']} repeats, each restore with a fresh storage and "
+          "an empty cache; moto + 20 ms = a moto S3 server on loopback with 20 ms added to every "
+          f"request; {load_brief(figs.get('load'))}."]
     if figs.get("moto_error"):
-        md += [f"_moto figures missing: {figs['moto_error']}_", ""]
-    md += ["Stores: local fs = `LocalBlobStore` in a temp dir; moto-loopback + 20 ms = moto S3 "
-           "server on 127.0.0.1 via s3fs, with 20 ms added to every request by "
-           "`FaultyFileSystem` (moto understates real S3 costs for big objects and overstates "
-           "nothing else). Each restore starts with a fresh storage and an empty cache; times "
-           "are from the first `restore_backend` call to the last return. Median (min..max) of "
-           f"{figs['repeats']} repeats. {figs['load_note']}. Total "
-           f"{figs['wall_seconds'] / 60:.0f} min.", ""]
-    # goals
-    g = figs["goals"]
-    md += ["| goal | measured | |", "|---|---|---|",
-           f"| each object fetched once per process with the cache | max "
-           f"{_n(g['max_fetches_per_object_cache'], 0)} fetch(es) of any object, any "
-           f"configuration (no cache at 8 backends: {_n(g['no_cache_gets_8'], 0)} GETs per "
-           f"segment) | {'met' if g['fetch_once'] else 'MISSED'} |",
-           f"| >= 3x faster with the cache at 8 backends, moto + 20 ms | sequential "
-           f"{_n(g['speedup_8_seq'])}x, parallel {_n(g['speedup_8_par'])}x | "
-           f"{'met' if g['speedup_met'] else 'MISSED'} (sequential) / "
-           f"{'met' if g['speedup_par_met'] else 'missed'} (parallel) |",
-           f"| replay >= 500 k changes/s into the heap table | {_n(g['replay_heap'] / 1e3, 0)} k/s "
-           f"(local fs, {g['replay_changes']:,} changes; bare loop "
-           f"{_n(bare['dict_per_s']['median'] / 1e3, 0)} k/s) | "
-           f"{'met' if g['replay_met'] else 'MISSED'} |",
-           f"| replay >= 1 M changes/s into LMDB | "
-           f"{_n(g['replay_lmdb'] / 1e3, 0)} k/s (local fs, {g['replay_changes']:,} changes; "
-           f"bare loop {_n(bare['lmdb_per_s']['median'] / 1e3, 0)} k/s) | "
-           f"{'met' if g['replay_lmdb_met'] else 'MISSED'} |",
-           f"| snapshot restore within 2x of GET + zstd-decompress, heap | "
-           f"{_n(g['heap_vs_floor'], 1)}x (local fs, {g['floor_keys']:,} keys) | "
-           f"{'met' if g['heap_floor_met'] else 'MISSED'} |",
-           f"| same, LMDB, from that v1 (entries) snapshot | {_n(g['lmdb_vs_floor'], 1)}x | "
-           f"{'met' if g['lmdb_floor_met'] else 'MISSED'} |",
-           f"| same, LMDB, from a v2 (file-level) snapshot, (d) | "
-           f"{_n(g.get('lmdb_file_vs_floor'), 1)}x (local fs, {g.get('file_keys', 0):,} keys) | "
-           f"{'met' if g.get('lmdb_file_floor_met') else 'MISSED'} |", ""]
-    # (a)
-    any_a = next(iter(fa.values()))["data"]
-    md += [f"#### (a) Backends per process sharing segments (restore time vs backends: "
-           f"![]({imgs['backends']}))", "",
-           f"Each backend writes {any_a['changes_per_backend_per_checkpoint']:,} changes of "
-           f"64 B values per checkpoint for {any_a['rounds']} checkpoints, all backends "
-           "snapshotting together (one segment per checkpoint holding a change set of each); "
-           "no materialization. All backends are restored in one process, one after another "
-           "(sequential) or in one thread each (parallel), through one `LocalFileCache` vs "
-           "`cache=None` (one ranged read per run of change sets). Fetches per object: reads "
-           "counted at the store (moto: `cat_file` calls of `FaultyFileSystem`), worst object "
-           "of the worst repeat.", "",
-           "| store | mode | backends | segments | no cache s | cache s | speedup | "
-           "fetches/object no cache | with cache | MB downloaded no cache / cache |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(fa.values(),
-                    key=lambda r: (r["store"], r["mode"] != "sequential", r["backends"])):
-        nc, wc = r["no_cache"], r["cache"]
-        f_nc = nc["gets_per_object_max"] if nc["gets_per_object_max"] is not None \
-            else nc["reads_per_object_max"]
-        f_wc = wc["gets_per_object_max"] if wc["gets_per_object_max"] is not None \
-            else wc["reads_per_object_max"]
-        md.append(f"| {r['store']} | {r['mode']} | {r['backends']} | {r['data']['segments']} | "
-                  f"{_s(nc['seconds'])} | {_s(wc['seconds'])} | **{r['speedup']:.2f}x** | "
-                  f"{f_nc} | {f_wc} | {nc['mb_downloaded']['median']:.2f} / "
-                  f"{wc['mb_downloaded']['median']:.2f} |")
-    md.append("")
-    # (b)
-    md += [f"#### (b) State size (restore time vs state size: ![]({imgs['state_size']}))", "",
-           "One heap backend owning all 128 key groups, restored from its materialized snapshot "
-           "+ a log tail of 1 % of the keys (at least 1,000 changes). Baseline: one whole-object "
-           "GET of the snapshot (`store.get`, the download floor). Requests/object without the "
-           "cache = tail + metadata + one ranged read per key-group block.", "",
-           "| store | keys | snapshot MB | no cache s | cache s | speedup | 1 GET of snapshot "
-           "| cache / GET | load rate (cache) | requests/object no cache / cache |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(fb.values(), key=lambda r: (r["store"], r["keys"])):
-        nc, wc = r["no_cache"], r["cache"]
-        md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} | "
-                  f"{_s(nc['seconds']) if nc else 'not run'} | {_s(wc['seconds'])} | "
-                  f"{_n(r['speedup']) + 'x' if r['speedup'] else 'n/a'} | "
-                  f"{_ms(r['download_floor_s'])} | "
-                  f"{r['cache_vs_floor']:.1f}x | {_rate(wc['load_entries_per_s'])} entries | "
-                  f"{nc['reads_per_object_max'] if nc else 'n/a'} / "
-                  f"{wc['reads_per_object_max']} |")
-    md += ["", "Snapshot load (the load phase of `RestoreStats`: cache lease, download, verify, "
-           "decode, table puts) against the **download-and-decompress floor** (same run: one "
-           "whole-object GET, then zstd-decompress every block; no parsing, no table), heap and "
-           "LMDB tables, with the cache (goal: within 2x of the floor):", "",
-           "| store | keys | snapshot MB (raw) | GET ms | floor ms | heap load s | heap / floor | "
-           "heap entries/s | LMDB load s | LMDB / floor | LMDB entries/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(fb.values(), key=lambda r: (r["store"], r["keys"])):
-        fl, wc, lm = r["floor"], r["cache"], r["lmdb"]
-        md.append(f"| {r['store']} | {r['keys']:,} | {r['data']['snapshot_mb']:.2f} "
-                  f"({fl['raw_mb']:.1f}) | {_ms(fl['get_s'])} | {_ms(fl['floor_s'])} | "
-                  f"{_s(wc['snapshot_s'])} | **{r['heap_vs_floor']:.1f}x** | "
-                  f"{_rate(wc['load_entries_per_s'])} | {_s(lm['snapshot_s'])} | "
-                  f"**{r['lmdb_vs_floor']:.1f}x** | {_rate(lm['load_entries_per_s'])} |")
-    md.append("")
-    # (c)
-    md += [f"#### (c) Log length since the last materialization (restore time vs log length: "
-           f"![]({imgs['log_length']}))", "",
-           "One backend owning all key groups: a 1,000-key snapshot, then N updates of 64 B "
-           "values over 100,000 keys (default safe codec), one checkpoint per 100,000 changes; "
-           "restored with the cache. Replay rate = changes / replay seconds of `RestoreStats` "
-           "(download and decompression of the segments included). Baseline (same run): the "
-           "bare replay loop of reference B.4 (zstd-1 decompress -> `struct` decode -> dict set, "
-           "or LMDB put in one write transaction, `sync=False`) over "
-           f"{bare['records']:,} records of the same shape: dict "
-           f"{_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])}. Floor (same run): "
-           "GET every segment whole and zstd-decompress the change-set records the handle "
-           "names (no parsing, no table); replay / floor compares it with the replay phase. "
-           f"Goals: >= {REPLAY_GOAL_LMDB / 1e6:.0f} M changes/s into LMDB, >= "
-           f"{REPLAY_GOAL / 1e3:.0f} k changes/s into the heap.", "",
-           "| store | table | changes | log MB | restore s | replay rate | vs bare loop | "
-           "floor s | floor rate | replay / floor | MB downloaded |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(fc.values(), key=lambda r: (r["store"], r["table"], r["changes"])):
-        wc = r["cache"]
-        rate = wc.get("replay_per_s")
-        base = bare["dict_per_s" if r["table"] == "heap" else "lmdb_per_s"]["median"]
-        fl = r["floor_s"]
-        frate = f"{r['changes'] / fl['median'] / 1e3:,.0f} k/s" if r["changes"] else "n/a"
-        vs = f"**{r['replay_vs_floor']:.1f}x**" if r["replay_vs_floor"] else "n/a"
-        md.append(f"| {r['store']} | {r['table']} | {r['changes']:,} | "
-                  f"{r['data']['log_mb']:.2f} | {_s(wc['seconds'])} | "
-                  f"{_rate(rate) if rate else 'n/a'} | "
-                  f"{_n(rate['median'] / base) if rate else 'n/a'} | {_s(fl)} | {frate} | "
-                  f"{vs} | {wc['mb_downloaded']['median']:.2f} |")
-    md.append("")
-    if figs.get("profile"):
-        p = figs["profile"]
-        md += [f"Heap replay is below 500 k/s; cProfile of one local heap restore of "
-               f"{p['changes']:,} changes (share of total self time):", ""]
-        md += [f"- {t['function']}: {t['share'] * 100:.0f} % ({t['calls']:,} calls)"
-               for t in p["top"][:8]]
-        md += ["", "By layer: " + "; ".join(f"{g} {share * 100:.0f} %"
-                                           for g, share in p["groups"].items()) + ".", ""]
-    if figs.get("file_snapshots"):
-        md += markdown_file_snapshots(figs["file_snapshots"])
-    md += [figs["advice_text"], ""]
+        md += ["", f"_moto figures missing: {figs['moto_error']}_"]
+    a = figs.get("advice")
+    if a:
+        per = a["max_interval_min"]
+        md += ["", "**Choosing the materialization interval.** A restore takes about "
+               "`T0 + S / r_snap + w * I / r_replay` (`S` keys, `w` changes/s, `I` the "
+               f"interval); measured on {a['target']}: `T0` {a['T0_s']:.2f} s, `r_snap` "
+               f"{a['r_snap_keys_per_s'] / 1e3:,.0f} k keys/s (heap) and "
+               f"{a['r_snap_lmdb_keys_per_s'] / 1e3:,.0f} k (LMDB), `r_replay` "
+               f"{a['r_replay_heap_per_s'] / 1e3:,.0f} k changes/s (heap) and "
+               f"{a['r_replay_lmdb_per_s'] / 1e3:,.0f} k (LMDB). To restore a "
+               f"{a['keys']:,}-key backend within {a['budget_s']:.0f} s, materialize at least "
+               "every " + ", ".join(f"{v['heap']:,.1f} min (heap) / {v['lmdb']:,.1f} min (LMDB) "
+                                    f"at {int(w):,} changes/s" for w, v in per.items())
+               + "; the size trigger (`materialize_log_ratio`, default 2) caps the log near "
+               f"{a['size_trigger_cap_changes'] / 1e6:.1f} M changes. Recompute with your "
+               "store's numbers."]
     return "\n".join(md)
 
 
@@ -1213,97 +1132,71 @@ def main_file_snapshots(args: Any) -> None:
     figures = {"repeats": reps, "file_snapshots": fd, "moto_error": stores.error,
                "wall_seconds": time.perf_counter() - t0, "load": load.stop(),
                "load_note": load.note(), "git": machine_info()["git_sha"]}
-    before = json.loads(Path(args.before).read_text())["figures"] if args.before else None
-    md = "\n".join([f"Median (min..max) of {reps} repeats. {figures['load_note']}. Total "
-                     f"{figures['wall_seconds'] / 60:.0f} min."
-                     + (f" _moto figures missing: {stores.error}_" if stores.error else ""),
-                     "", *markdown_file_snapshots(fd, before)])
+    before = _before(args.before)
     cmd = (f"python bench/recovery.py --only-file{' --quick' if q else ''}"
            + (f" --file-keys {args.file_keys}" if not q else "")
            + (f" --before {args.before}" if args.before else ""))
-    write_results("recovery-filesnap", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
-                  tag=args.tag)
-    print(md)
+    publish("recovery-filesnap", figures, lambda f: markdown_file_snapshots(f, before), quick=q,
+            command=cmd, no_doc=args.no_doc, tag=args.tag)
+
+
+def _before(path: str | None) -> dict[str, Any] | None:
+    """The figures of the run on earlier code a run was compared with (``--before``)."""
+    if not path:
+        return None
+    record = json.loads(Path(path).read_text())
+    figures: dict[str, Any] = record["figures"]
+    figures.setdefault("git", record.get("machine", {}).get("git_sha"))
+    return figures
+
+
+def _before_of(command: str) -> dict[str, Any] | None:
+    """The ``--before`` figures named in a stored run's command, when that file is kept."""
+    m = re.search(r"--before (\S+)", command)
+    return _before(m.group(1)) if m and (ROOT / m.group(1)).exists() else None
 
 
 # ----------------------------------------------------------------- (e) replay rates
 
 
-def markdown_replay(fig: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
-    """Section (e): replay rates into heap and LMDB against the download+decompress floor and
-    the bare loop (the same run), with a previous run's rates (``--before``) beside them."""
-    bare = fig["bare_replay"]
+def markdown_replay(figs: dict[str, Any], before: dict[str, Any] | None) -> str:
+    """Section ``recovery-replay``: replay rates into heap and LMDB against their goals and
+    the bare loop, and what prefetch does on moto + 20 ms (both in the same run)."""
+    bare, fc = figs["bare_replay"], figs["log_length"]
     old = (before or {}).get("log_length", {})
-    md = ["### (e) Log replay rates", "",
-          f"Replay of a log of N value changes (64 B values over 100 k keys, one value state, "
-          f"`SafeCodec`) on top of a 1,000-key snapshot, through a fresh `LocalFileCache`; median (min..max) of "
-          f"{fig['repeats']} repeats. *floor* = GET every segment + zstd-decompress every change "
-          f"set the handles name; *bare loop* = the reference replay loop (decompress, `struct` "
-          f"decode, dict set / LMDB put in one transaction) over {bare['records']:,} records in "
-          f"the same run: dict {_rate(bare['dict_per_s'])}, LMDB {_rate(bare['lmdb_per_s'])} "
-          "(its ratio to DSTL's rate does not depend on the machine's load)."
-          + (" *before*: the same bench on earlier code "
-             f"({before.get('git') or 'see the command'}), run right before this one."
-             if before else ""), "",
-          "| store | table | changes | replay s | changes/s | floor s | replay / floor "
-          "| rate / bare loop | goal | changes per CPU s (whole restore) |"
-          + (" before changes/s | speed-up | before per CPU s | CPU speed-up |" if before else ""),
-          "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if before else "")]
-    for key, r in fig["log_length"].items():
-        if not r["changes"]:
+    rows = []
+    for store in (LOCAL, MOTO):
+        for table_ in ("heap", "lmdb"):
+            r = _largest(fc, store, table=table_)
+            if not r or not r["changes"]:
+                continue
+            rate, goal = r["cache"]["replay_per_s"], REPLAY_GOALS[table_]
+            base = bare["dict_per_s" if table_ == "heap" else "lmdb_per_s"]
+            was = old.get(f"{store}/{table_}/{r['changes']}", {}).get("cache", {})
+            rows.append([f"replay {r['changes']:,} changes, {table_}, {store} (changes/s)",
+                         _rate(rate), f"bare loop {_rate(base)}",
+                         f"{rate['median'] / base['median']:.2f}x"
+                         + (f" ({rate['median'] / was['replay_per_s']['median']:.1f}x the code "
+                            f"before, {(before or {}).get('git', '?')})"
+                            if was.get("replay_per_s") else ""),
+                         f">= {goal / 1e3:,.0f} k/s: {_met(rate['median'] >= goal)}"])
+    for table_ in ("heap", "lmdb"):
+        r = _largest(fc, MOTO, table=table_)
+        if not r or not r["changes"] or not r.get("no_prefetch"):
             continue
-        rate = r["cache"]["replay_per_s"]
-        goal = REPLAY_GOALS[r["table"]]
-        bare_rate = bare["dict_per_s" if r["table"] == "heap" else "lmdb_per_s"]["median"]
-        row = (f"| {r['store']} | {r['table']} | {r['changes']:,} | "
-               f"{_s(r['cache']['replay_s'])} | {_rate(rate)} | {_s(r['floor_s'])} | "
-               f"{_n(r['replay_vs_floor'], 1)}x | {rate['median'] / bare_rate:.2f} | "
-               f">= {goal / 1e3:,.0f} k/s: {'met' if rate['median'] >= goal else 'not met'} | "
-               f"{_rate(r['cache'].get('changes_per_cpu_s'))} |")
-        if before:
-            b = old.get(key, {}).get("cache", {}).get("replay_per_s")
-            row += (f" {_rate(b)} | {rate['median'] / b['median']:.1f}x |" if b else " - | - |")
-            bc = old.get(key, {}).get("cache", {}).get("changes_per_cpu_s")
-            mine = r["cache"].get("changes_per_cpu_s")
-            row += (f" {_rate(bc)} | {mine['median'] / bc['median']:.1f}x |" if bc and mine
-                    else " - | - |")
-        md.append(row)
-    return [*md, ""]
-
-
-def markdown_prefetch(fig: dict[str, Any]) -> list[str]:
-    """(e) The overlap: each restore with prefetch (the default) and without (the control, the
-    path of the rows measured before prefetch existed), interleaved in one run, against the
-    serial GETs of its objects and the loading alone (the same restore from local fs)."""
-    md = ["#### Prefetch: downloads overlapping the loading", "",
-          "The same restores as above, each also run with `restore_backend(..., "
-          "prefetch=False)` (every object downloaded when its lease reaches it, as before "
-          "prefetch existed), the two variants' repeats interleaved. *restore s* = the whole "
-          "`restore_backend` call (snapshot load + replay); *GETs s* = GET of every object the "
-          "restore reads, one after another (the downloads a restore without prefetch waits "
-          "for); *loading alone* = the same restore from local fs (no download cost to speak "
-          "of), without prefetch; *hidden* = (off - on) / GETs s, the share of the serial "
-          "download time prefetch took off the restore.", "",
-          "| store | table | changes | objects | restore s, prefetch off | restore s, prefetch on "
-          "| on / off | replay changes/s off → on | GETs s | loading alone s | hidden |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in fig.values():
-        off, on = r.get("no_prefetch"), r["cache"]
-        if not r["changes"] or off is None:
-            continue
-        local = fig.get(f"{LOCAL}/{r['table']}/{r['changes']}", {}).get("no_prefetch")
-        gets = r["gets_s"]["median"] if r.get("gets_s") else None
-        hidden = ((off["seconds"]["median"] - on["seconds"]["median"]) / gets
-                  if gets and r["store"] != LOCAL else None)  # local fs: nothing to hide
-        md.append(f"| {r['store']} | {r['table']} | {r['changes']:,} | "
-                  f"{r['data']['segments'] + 1} | "
-                  f"{_s(off['seconds'])} | {_s(on['seconds'])} | "
-                  f"{on['seconds']['median'] / off['seconds']['median']:.2f} | "
-                  f"{_rate(off['replay_per_s'])} → {_rate(on['replay_per_s'])} | "
-                  f"{_s(r['gets_s']) if r.get('gets_s') else '-'} | "
-                  f"{_s(local['seconds']) if local else '-'} | "
-                  f"{'-' if hidden is None else f'{hidden * 100:.0f} %'} |")
-    return [*md, ""]
+        on, off = r["cache"]["seconds"], r["no_prefetch"]["seconds"]
+        rows.append([f"restore with prefetch, {r['changes']:,} changes, {table_}, moto + 20 ms "
+                     "(s)", _s(on), f"prefetch off {_s(off)}",
+                     f"{on['median'] / off['median']:.2f}x", "—"])
+    return "\n".join([
+        md_table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
+        "A log of N changes (64 B values over 100 k keys, one value state) on top of a "
+        "1,000-key snapshot, restored through a fresh `LocalFileCache`; the bare loop "
+        "decompresses, `struct`-decodes and sets a dict / puts into LMDB in one transaction "
+        f"({bare['records']:,} records). Median (min..max) of {figs['repeats']} repeats; "
+        f"{load_brief(figs.get('load'))}. The count job's restore and partitions sharing "
+        "segments: the results file.",
+    ])
 
 
 def bench_partitions(stores: Stores, n: int, rounds: int, per_round: int,
@@ -1328,26 +1221,6 @@ def bench_partitions(stores: Stores, n: int, rounds: int, per_round: int,
             print(f"(e) {n} partitions {mode}: prefetch off {rs['off']['seconds']['median']:.3f}s,"
                   f" on {rs['on']['seconds']['median']:.3f}s", flush=True)
     return out
-
-
-def markdown_partitions(fig: dict[str, Any]) -> list[str]:
-    if not fig:
-        return []
-    any_r = next(iter(fig.values()))
-    d = any_r["data"]
-    md = [f"{any_r['partitions']} partitions (backends) of one storage, each writing "
-          f"{d['changes_per_backend_per_checkpoint']:,} changes of 64 B values per checkpoint for "
-          f"{d['rounds']} checkpoints (every segment holds a change set of each partition: "
-          f"{d['segments']} segments, {d['stored_mb']:.1f} MB), no snapshot; restored in one "
-          "process through one fresh `LocalFileCache`, one partition after another or one "
-          "thread each; moto + 20 ms; prefetch on / off interleaved.", "",
-          "| mode | restore s, prefetch off | restore s, prefetch on | on / off | GETs s |",
-          "|---|---|---|---|---|"]
-    for r in fig.values():
-        md.append(f"| {r['mode']} | {_s(r['off']['seconds'])} | {_s(r['on']['seconds'])} | "
-                  f"{r['on']['seconds']['median'] / r['off']['seconds']['median']:.2f} | "
-                  f"{_s(r['gets_s'])} |")
-    return [*md, ""]
 
 
 def gen_counts(root: str, state_keys: int, log_changes: int) -> DataSet:
@@ -1411,37 +1284,6 @@ def bench_count_job(stores: Stores, n: int, repeats: int) -> dict[str, Any]:
     return out
 
 
-def markdown_count_job(fig: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
-    old = (before or {}).get("count_job", {})
-    md = ["The count job (keys `k%08d`, one value state holding a small int, what "
-          "`groupBy(key).count()` keeps; local fs, through a fresh `LocalFileCache`): replay of "
-          "N changes on top of a 1,000-key snapshot, and load of a v1 snapshot of N keys "
-          "(written by a heap backend; LMDB-made snapshots are file-level, section (d)). *floor*: "
-          "GET + zstd-decompress of the change sets / of every snapshot block.", "",
-          "| what | table | N | seconds | rate | floor s | / floor | goal | changes per CPU s "
-          "(whole restore) |" + (" before rate | speed-up | before per CPU s | CPU speed-up |"
-                                 if before else ""),
-          "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if before else "")]
-    for key, r in fig.items():
-        goal = (f">= {REPLAY_GOALS[r['table']] / 1e3:,.0f} k/s: "
-                f"{'met' if r['rate']['median'] >= REPLAY_GOALS[r['table']] else 'not met'}"
-                if r["what"] == "replay" else f"<= {FLOOR_GOAL:.0f}x floor: "
-                f"{'met' if r['vs_floor'] <= FLOOR_GOAL else 'not met'}")
-        cpu = r["cache"].get("changes_per_cpu_s")
-        row = (f"| {r['what']} | {r['table']} | {r['n']:,} | {_s(r['phase_s'])} | "
-               f"{_rate(r['rate'])} | {_s(r['floor_s'])} | {r['vs_floor']:.1f}x | {goal} | "
-               f"{_rate(cpu) if cpu else '-'} |")
-        if before:
-            b = old.get(key, {}).get("rate")
-            row += (f" {_rate(b)} | {r['rate']['median'] / b['median']:.1f}x |" if b
-                    else " - | - |")
-            bc = old.get(key, {}).get("cache", {}).get("changes_per_cpu_s")
-            row += (f" {_rate(bc)} | {cpu['median'] / bc['median']:.1f}x |" if bc and cpu
-                    else " - | - |")
-        md.append(row)
-    return [*md, ""]
-
-
 def main_replay(args: Any) -> None:
     """``--only-replay``: section (e) alone (bare loop + log replay rates, heap and LMDB)."""
     q, reps = args.quick, args.repeats
@@ -1463,19 +1305,12 @@ def main_replay(args: Any) -> None:
     figures.update({"moto_error": stores.error, "wall_seconds": time.perf_counter() - t0,
                     "load": load.stop(), "load_note": load.note(),
                     "git": machine_info()["git_sha"]})
-    before = json.loads(Path(args.before).read_text())["figures"] if args.before else None
-    md = "\n".join([f"{figures['load_note']}. Total {figures['wall_seconds'] / 60:.0f} min."
-                    + (f" _moto figures missing: {stores.error}_" if stores.error else ""), "",
-                    *markdown_replay(figures, before),
-                    *markdown_prefetch(figures["log_length"]),
-                    *markdown_partitions(figures["partitions"]),
-                    *markdown_count_job(figures["count_job"], before)])
+    before = _before(args.before)
     cmd = (f"python bench/recovery.py --only-replay{' --quick' if q else ''}"
            + (f" --replay-lengths {args.replay_lengths}" if not q else "")
            + (f" --before {args.before}" if args.before else ""))
-    write_results("recovery-replay", figures, md, quick=q, command=cmd, no_doc=args.no_doc,
-                  tag=args.tag)
-    print(md)
+    publish("recovery-replay", figures, lambda f: markdown_replay(f, before), quick=q,
+            command=cmd, no_doc=args.no_doc, tag=args.tag)
 
 
 # ----------------------------------------------------------------- (f) materialization
@@ -1566,34 +1401,27 @@ def bench_log_tail(root: str, keys: int, per_checkpoint: int, checkpoints: int,
             "materializations": sum(1 for r in rows if r["materialize_s"] is not None)}
 
 
-def markdown_materialize(fig: dict[str, Any]) -> list[str]:
-    md = ["#### (f) Materialization at scale and the bounded log tail", "",
-          "One LMDB backend owning all 128 key groups, keys `user-%08d` with 64 B values, local "
-          "fs. *Materialization* = a file-level snapshot (compacting copy from a read "
-          "transaction, zstd, upload), median (min..max) of the repeats, one changed key "
-          "between them.", "",
-          "| keys | fill s | materialize s | object MB | table on disk MB |",
-          "|---|---|---|---|---|"]
-    for m in fig["materialize"]:
-        md.append(f"| {m['keys']:,} | {m['fill_s']:.1f} | {_s(m['materialize_s'])} | "
-                  f"{m['object_bytes']['median'] / 1e6:,.1f} | {m['table_disk_bytes'] / 1e6:,.1f} |")
-    t = fig["log_tail"]
-    md += ["", f"The log tail after each checkpoint with the size trigger alone (no interval; "
-               f"ratio {t['ratio']:g}, min {t['min_log_bytes'] / 2**20:g} MiB; "
-               f"{t['keys']:,} keys, {t['per_checkpoint']:,} updates per checkpoint; after each "
-               f"checkpoint the backend's policy decides, as the Spark task does). The trigger "
-               "compares the log as written (uncompressed change bytes) with the snapshot "
-               "object; the tail column is what the checkpoint's handle names (compressed, what "
-               f"a restore downloads and replays). Largest tail: "
-               f"{t['max_tail_bytes'] / 1e6:.2f} MB, at most {t['max_tail_vs_snapshot']:.2f}x "
-               f"the snapshot it follows ({t['materializations']} materializations):", "",
-           "| checkpoint | log tail MB | snapshot MB | materialized after it (s) |",
-           "|---|---|---|---|"]
-    for r in t["rows"]:
-        mat = "-" if r["materialize_s"] is None else f"{r['materialize_s']:.2f}"
-        md.append(f"| {r['checkpoint']} | {r['tail_bytes'] / 1e6:.2f} | "
-                  f"{r['snapshot_bytes'] / 1e6:.2f} | {mat} |")
-    return [*md, ""]
+def markdown_materialize(figs: dict[str, Any]) -> str:
+    """Section ``recovery-materialize``: a file-level materialization at scale and the log
+    tail under the size trigger alone."""
+    t = figs["log_tail"]
+    rows = [[f"materialize {m['keys']:,} keys (s)", _s(m["materialize_s"]),
+             f"{m['object_bytes']['median'] / 1e6:,.1f} MB object, "
+             f"{m['table_disk_bytes'] / 1e6:,.1f} MB table", "—", "—"]
+            for m in figs["materialize"]]
+    rows.append([f"largest log tail over {len(t['rows'])} checkpoints (MB)",
+                 f"{t['max_tail_bytes'] / 1e6:.2f}", "the snapshot it follows",
+                 f"{t['max_tail_vs_snapshot']:.2f}x",
+                 f"bounded: {_met(t['max_tail_vs_snapshot'] <= t['ratio'])}"])
+    return "\n".join([
+        md_table(["figure", "DSTL", "context", "ratio", "goal"], rows), "",
+        "One LMDB backend owning all 128 key groups, keys `user-%08d`, 64 B values, local fs; "
+        "materialization = a file-level snapshot (compacting copy, zstd, upload). Log tail: "
+        f"size trigger alone (ratio {t['ratio']:g}, min {t['min_log_bytes'] / 2**20:g} MiB), "
+        f"{t['keys']:,} keys, {t['per_checkpoint']:,} updates per checkpoint, "
+        f"{t['materializations']} materializations. {figs['repeats']} repeats; "
+        f"{load_brief(figs.get('load'))}.",
+    ])
 
 
 def main_materialize(args: Any) -> None:
@@ -1616,13 +1444,10 @@ def main_materialize(args: Any) -> None:
     figures = {"repeats": reps, "materialize": mats, "log_tail": tail,
                "wall_seconds": time.perf_counter() - t0, "load": load.stop(),
                "load_note": load.note()}
-    md = "\n".join([f"{figures['load_note']}. Total {figures['wall_seconds'] / 60:.0f} min.", "",
-                    *markdown_materialize(figures)])
     cmd = (f"python bench/recovery.py --only-materialize{' --quick' if q else ''}"
            + (f" --mat-keys {args.mat_keys}" if not q else "") + f" --repeats {reps}")
-    write_results("recovery-materialize", figures, md, quick=q, command=cmd,
-                  no_doc=args.no_doc, tag=args.tag)
-    print(md)
+    publish("recovery-materialize", figures, markdown_materialize, quick=q, command=cmd,
+            no_doc=args.no_doc, tag=args.tag)
 
 
 def main() -> None:
@@ -1643,7 +1468,10 @@ def main() -> None:
                         "the log tail under the size trigger (own docs section)")
     p.add_argument("--mat-keys", default="1000000,4000000",
                    help="state sizes of (f) without --quick (comma-separated)")
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        sys.exit(render(Path(args.render)))
     if args.only_materialize:
         main_materialize(args)
         return
@@ -1732,12 +1560,21 @@ def main() -> None:
     figures["tag"] = args.tag
     figures["load"] = load.stop()
     figures["load_note"] = load.note()
-    md = markdown(figures, imgs)
-    write_results("recovery", figures, md, quick=q,
-                  command=f"python bench/recovery.py{' --quick' if q else ''}",
-                  no_doc=args.no_doc, tag=args.tag)
-    print(md)
+    publish("recovery", figures, markdown, quick=q,
+            command=f"python bench/recovery.py{' --quick' if q else ''}", no_doc=args.no_doc,
+            tag=args.tag)
     print(f"wall: {figures['wall_seconds']:.0f} s {wall}")
+
+
+def render(path: Path) -> int:
+    """``--render RESULTS.json``: the section of a stored run of any of the four parts (by the
+    file's name), measuring nothing."""
+    record = json.loads(path.read_text())
+    name, before = record["name"], _before_of(record["command"])
+    renderers = {"recovery": markdown, "recovery-materialize": markdown_materialize,
+                 "recovery-filesnap": lambda f: markdown_file_snapshots(f, before),
+                 "recovery-replay": lambda f: markdown_replay(f, before)}
+    return render_stored(name, path, renderers[name])
 
 
 if __name__ == "__main__":
