@@ -54,12 +54,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import (  # noqa: E402
+    add_render,
     fmt,
     other_jvms,
     parser,
     percentile,
+    publish,
+    render_stored,
     summary,
-    write_results,
+    table,
 )
 from dstl import DstlOptions  # noqa: E402
 from dstl.spark.demo import ClickStats  # noqa: E402
@@ -235,7 +238,10 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=None, help="micro-batches per run")
     p.add_argument("--events", type=int, default=None, help="events per micro-batch")
     p.add_argument("--users", type=int, default=2000)
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        return render_stored("agent", Path(args.render), markdown)
     repeats = 2 if args.quick and args.repeats == 5 else args.repeats
     batches = args.batches or (5 if args.quick else 7)
     args.events = args.events or (1500 if args.quick else 2000)
@@ -357,90 +363,9 @@ def main() -> int:
               "dstl_agent_segments": agent_est, "dstl_agent_segments_range": [agent_lo, agent_hi],
               "dstl_agent_segments_worst": agent_worst, "totals": totals}
 
-    # ---------------------------------------------------------------- markdown
     # this script alone keeps ~2 runnable (JVM + workers + agent); more means someone else
     high = jvms > 0 or max(load_start[0], load_end[0], *(x["loadavg_1m"][1] for x in runs)) > (
         os.cpu_count() or 1) + 1
-    load_note = (f"Load average (1 min) at start {load_start[0]:.1f}, at end {load_end[0]:.1f}, "
-                 f"max after a run {max(x['loadavg_1m'][1] for x in runs):.1f} on "
-                 f"{os.cpu_count()} cores; other JVMs seen at the start or after a run: {jvms}"
-                 + (" — **high: another job shared the machine; absolute timings are "
-                    "pessimistic (agent/per-task ratios are same-run)**" if high else ""))
-    lines = [
-        f"Executor agent vs per-task segments, `local[2,2]` (one executor, 2 cores), "
-        f"demo click stream: {batches} micro-batches of {args.events} events ({args.users} "
-        f"users) per run, file source `maxFilesPerTrigger=1`, LMDB, no snapshots within a run. "
-        f"Steady state = batches 2..{batches}; cells are median (min..max) over {repeats} "
-        f"repeats{' (quick mode: fewer than 5)' if repeats < 5 else ''} of the per-run figure "
-        f"(a repeat = one whole run); every variant in the same session, order rotated per "
-        f"repeat. {load_note}. Total {elapsed:.0f} s.",
-        "",
-        "| P | W | mode | segments / batch | objects / batch | writers / segment | "
-        "batch s (median) | batch s (p90) | commit ms | of which task durable wait ms | "
-        "of which manifest ms | triggerExecution s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for t in table:
-        lines.append(
-            f"| {t['partitions']} | {t['persist_delay_ms']:.0f} ms | {t['mode']} | "
-            f"{fmt(t['segments_per_batch'])} | {fmt(t['objects_per_batch'])} | "
-            f"{fmt(t['writers_per_segment'])} | {fmt(t['batch_s_median'], digits=3)} | "
-            f"{fmt(t['batch_s_p90'], digits=3)} | {fmt(t['commit_s_median'], scale=1e3, digits=1)}"
-            f" | {fmt(t['task_commit_s_median'], scale=1e3, digits=1)} | "
-            f"{fmt(t['manifest_s_median'], scale=1e3, digits=1)} | "
-            f"{fmt(t['trigger_s_median'], digits=3)} |")
-    lines += ["", "Agent / per-task, same P and W (medians):", "",
-              "| P | W | segments | batch s median | batch s p90 | min gap between agent "
-              "segments | agent metrics = batch stats |", "|---|---|---|---|---|---|---|"]
-    for pp in parts:
-        for w in delays:
-            rr = ratios[f"P{pp}_W{w * 1e3:.0f}ms"]
-            a = get(pp, w, "agent")
-            lines.append(f"| {pp} | {w * 1e3:.0f} ms | {rr['segments']:.2f}x | "
-                         f"{rr['batch_median']:.2f}x | {rr['batch_p90']:.2f}x | "
-                         f"{a['segment_min_gap_ms']:.0f} ms | "
-                         f"{'yes' if a['agent_segments_match'] else 'NO'} |")
-    lines += [
-        "",
-        f"Goal (at most one object per executor per flush window, vs one per partition): "
-        f"**{'met' if goal_met else 'NOT met'}** — consecutive agent segments are at least W "
-        "apart (creation times in the segment keys), so each window wrote one object; "
-        "per-task mode writes P segments per batch. Objects = segments + snapshots + 1 "
-        "manifest. Commit = the slowest task's durable wait (it includes the flush window W in "
-        "both modes) + the driver's acknowledgements and manifest put. Writers / segment: agent runs from the agent's "
-        "`agent.ChangelogStorage.writersPerSegment.mean` (all batches of the run); per-task: 1.",
-        "",
-        f"**Extrapolation: objects per day, {X_PARTITIONS} partitions on {X_EXECUTORS} executors,"
-        f" {X_TRIGGER_S:.0f} s trigger** ({bpd:,} batches/day, each assumed to finish within "
-        "the trigger):",
-        "",
-        f"- Spark RocksDB + changelog: 1 changelog per partition per batch = {X_PARTITIONS} x "
-        f"{bpd:,} = **{spark_logs:,}**; on HDFS/local Hadoop FS + 1 `.crc` each = "
-        f"{2 * spark_logs:,}. Periodic: zip + >= 1 SST per partition per maintenance pass "
-        f"({SPARK_MAINTENANCE_S:.0f} s) = {X_PARTITIONS} x {int(DAY_S / SPARK_MAINTENANCE_S):,} "
-        f"x 2 >= {spark_periodic:,}. Total >= {totals['spark_rocksdb_changelog_s3']:,} "
-        f"(S3), >= {totals['spark_rocksdb_changelog_hdfs_crc']:,} (with .crc).",
-        f"- DSTL per-task mode: {X_PARTITIONS} segments per batch = {X_PARTITIONS} x {bpd:,} = "
-        f"{per_task:,}; + manifests 1 x {bpd:,}; + snapshots {X_PARTITIONS} x {DAY_S:,} / "
-        f"{MATERIALIZATION_S:.0f} s = {dstl_snaps:,}. Total **{totals['dstl_per_task']:,}**.",
-        f"- DSTL with the agent: {X_EXECUTORS} executors x w windows per batch x {bpd:,}. "
-        f"Assumption: w = the measured segments per batch of the agent at P={p_ref}, "
-        f"W={w_ref * 1e3:.0f} ms on one 2-core executor = {w_med:.2f} "
-        f"({windows['min']:.2f}..{windows['max']:.2f}), i.e. an executor's tasks finish over "
-        f"about as many flush windows as here: {X_EXECUTORS} x {w_med:.2f} x {bpd:,} = "
-        f"{agent_est:,} ({agent_lo:,}..{agent_hi:,}); + manifests {bpd:,} + snapshots "
-        f"{dstl_snaps:,}. Total **{totals['dstl_agent_estimate']:,}**. Worst case with "
-        f"W = {w_ref * 1e3:.0f} ms: w <= min({tasks_per_exec} tasks per executor, "
-        f"ceil({X_TRIGGER_S:.0f} s / {w_ref * 1e3:.0f} ms)) = {w_bound} -> "
-        f"{X_EXECUTORS} x {w_bound} x {bpd:,} = {agent_worst:,}; total "
-        f"{totals['dstl_agent_worst_case']:,}.",
-        f"- Ratios, changelog objects only: Spark / DSTL agent (estimate) = "
-        f"{spark_logs / max(1, agent_est):.0f}x ({2 * spark_logs / max(1, agent_est):.0f}x "
-        f"with .crc); DSTL per-task / agent = {per_task / max(1, agent_est):.0f}x; "
-        f"all objects: Spark (S3) / DSTL agent = "
-        f"{totals['spark_rocksdb_changelog_s3'] / totals['dstl_agent_estimate']:.1f}x. Driver "
-        f"`offsets/N` + `commits/N` ({2 * bpd:,}/day, + .crc) are the same for all and left out.",
-    ]
     figures = {"config": {"batches": batches, "events": args.events, "users": args.users,
                           "repeats": repeats, "partitions": parts,
                           "persist_delay_ms": [w * 1e3 for w in delays],
@@ -451,10 +376,41 @@ def main() -> int:
                "table": table, "ratios": ratios, "goal_met": goal_met,
                "extrapolation": extrap, "runs": runs}
     command = ".venv/bin/python bench/agent.py" + (" --quick" if args.quick else "")
-    write_results("agent", figures, "\n".join(lines), quick=args.quick, command=command,
-                  no_doc=args.no_doc)
-    print("\n".join(lines))
+    publish("agent", figures, markdown, quick=args.quick, command=command, no_doc=args.no_doc)
     return 0
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
+    c, x = figures["config"], figures["extrapolation"]
+    rows = []
+    for pp in c["partitions"]:
+        for w in c["persist_delay_ms"]:
+            a, b = (next(t for t in figures["table"] if t["partitions"] == pp
+                         and t["persist_delay_ms"] == w and t["mode"] == m)
+                    for m in ("agent", "per-task"))
+            r = figures["ratios"][f"P{pp}_W{w:.0f}ms"]
+            one = a["segment_min_gap_ms"] >= w - 1 and a["segments_per_batch"]["median"] <= pp
+            rows.append([f"P = {pp}, W = {w:.0f} ms", fmt(a["segments_per_batch"]),
+                         fmt(b["segments_per_batch"]), f"{r['segments']:.2f}x",
+                         f"{r['batch_median']:.2f}x",
+                         "one per window: " + ("met" if one else "**missed**")])
+    t = x["totals"]
+    return "\n".join([
+        table(["partitions, flush window", "agent: segments / batch",
+               "per-task (same run)", "ratio", "batch time ratio", "goal"], rows), "",
+        f"`{c['master']}` (one executor, 2 cores), {c['batches']} micro-batches of "
+        f"{c['events']:,} clicks per run, LMDB; median (min..max) over {c['repeats']} whole "
+        "runs, variants in rotated order"
+        + (", another job shared the machine (timings pessimistic, ratios same-run)"
+           if c.get("high_load") else "") + ". Objects per day extrapolated to "
+        f"{x['partitions']} partitions on {x['executors']} executors at a "
+        f"{x['trigger_s']:.0f} s trigger (the agent's windows per batch as measured at "
+        f"P = {x['measured_at']['partitions']}): Spark's RocksDB changelog >= "
+        f"{t['spark_rocksdb_changelog_s3'] / 1e6:.1f} M, DSTL per-task "
+        f"{t['dstl_per_task'] / 1e6:.1f} M, DSTL with the agent {t['dstl_agent_estimate'] / 1e6:.1f} M "
+        f"(worst case {t['dstl_agent_worst_case'] / 1e6:.1f} M).",
+    ])
 
 
 if __name__ == "__main__":

@@ -76,12 +76,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import (  # noqa: E402
     LoadSampler,
+    add_render,
     fmt,
     other_jvms,
     parser,
+    render_stored,
     summary,
-    write_results,
+    table,
 )
+from bench._common import publish as publish_results  # noqa: E402
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle  # noqa: E402
 
 PARTITIONS = 4
@@ -803,119 +806,6 @@ def _mb(x: float | None) -> str:
     return "-" if x is None or x != x else f"{x / 1e6:,.1f}"
 
 
-def start_table(figs: dict[int, dict[str, Any]]) -> list[str]:
-    """The restart batch next to the time from the query's start (DSTL with a warm-up: from
-    the warm-up's start) to the end of the first batch, so work moved before the query is
-    counted."""
-    lines = ["| keys | variant | restart batch s | DSTL / Spark | warm-up s | query start (or "
-             "warm-up start) to first batch done s | DSTL / Spark |", "|---|---|---|---|---|---|---|"]
-    for n, per in sorted(figs.items()):
-        for name, f in per.items():
-            v = VARIANTS[name]
-            r = f"**{_c(f.get('ratio'))}x**" if f.get("ratio") else "-"
-            sr = f"**{_c(f.get('start_ratio'))}x**" if f.get("start_ratio") else "-"
-            lines.append(f"| {n:,} | {v.label} | {_c(f['trigger_s'])} | {r} | "
-                         f"{_c(f.get('warm_up_s')) if v.warm else '-'} | "
-                         f"{_c(f.get('start_to_first_s'))} | {sr} |")
-    return lines
-
-
-def restart_table(figs: dict[int, dict[str, Any]]) -> list[str]:
-    lines = ["| keys | variant | restart batch s | DSTL / Spark (same round) | state load s | "
-             "snapshot load s / replay s (sum of tasks) | entries / changes loaded | "
-             "GC s in restore | MB downloaded | objects read | 2nd batch s | cold process: "
-             "restart batch s | cold: DSTL / Spark |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, per in sorted(figs.items()):
-        for name, f in per.items():
-            v = VARIANTS[name]
-            if v.engine == "spark":
-                rr = f["build"]["restore_reads"]
-                snaps = sorted(set(rr["snapshot_versions"]))
-                cells = ["-", _c(f.get("load_s")),
-                         f"snapshot of version {'/'.join(map(str, snaps))} + "
-                         f"{rr['changelogs']} changelogs", "-", "-", _mb(rr["bytes"]),
-                         f"{rr['objects']}"]
-            else:
-                cells = [f"**{_c(f.get('ratio'))}x**", _c(f.get("load_s")),
-                         f"{_c(f.get('snapshot_s'))} / {_c(f.get('replay_s'))}",
-                         f"{f['entries']['median']:,.0f} / {f['changes']['median']:,.0f}",
-                         _c(f.get("gc_s")), _mb(f["bytes_downloaded"]["median"]),
-                         f"{f['objects_read']['median']:,.0f}"]
-            cold = f"{_c(f.get('cold_ratio'))}x" if f.get("cold_ratio") else "-"
-            lines.append(f"| {n:,} | {v.label} | {_c(f['trigger_s'])} | " + " | ".join(cells)
-                         + f" | {_c(f['second_trigger_s'])} | {_c(f['cold_trigger_s'])} | "
-                         f"{cold} |")
-    return lines
-
-
-def spark_breakdown_table(figs: dict[int, dict[str, Any]]) -> list[str]:
-    """Where Spark's restart batch goes (medians; state operator metrics summed over the 4
-    partitions, so they can exceed the batch on 2 cores)."""
-    lines = ["| keys | variant | triggerExecution | outside `addBatch` | state operator "
-             "`allUpdatesTimeMs` | `commitTimeMs` | `rocksdbLoadLatencyMs` | "
-             "`rocksdbFilesCopied` / MB |", "|---|---|---|---|---|---|---|---|"]
-    for n, per in sorted(figs.items()):
-        for name, f in per.items():
-            if VARIANTS[name].engine != "spark":
-                continue
-            outside = f["trigger_s"]["median"] - f["add_batch_s"]["median"]
-            lines.append(f"| {n:,} | {VARIANTS[name].label} | {f['trigger_s']['median']:.2f} | "
-                         f"{outside:.2f} | {f['updates_s']['median']:.2f} | "
-                         f"{f['commit_s']['median']:.2f} | {f['load_s']['median']:.2f} | "
-                         f"{f['files_copied']['median']:.0f} / "
-                         f"{f['bytes_copied']['median'] / 1e6:.1f} |")
-    return lines
-
-
-def breakdown_table(figs: dict[int, dict[str, Any]]) -> list[str]:
-    """Where the DSTL restart batch goes (medians, seconds)."""
-    lines = ["| keys | variant | triggerExecution | of which outside `addBatch` (planning, "
-             "offsets, commits) | DSTL job (`mapInArrow` + collect) | Python daemon started "
-             "after | first worker forked after | bench module imported in a worker after "
-             "(task unpickling) | first task body starts after | worker runtime + agent start "
-             "| slowest restore | manifest commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, per in sorted(figs.items()):
-        for name, f in per.items():
-            if VARIANTS[name].engine != "dstl":
-                continue
-            # negative: it happened before the trigger, during the warm-up
-            cells = [("-" if k not in f else "in the warm-up" if f[k]["median"] < 0
-                      else f"{f[k]['median']:.2f}")
-                     for k in ("job_s", "daemon_start_after_s", "worker_start_after_s",
-                               "worker_imported_after_s", "first_task_after_s",
-                               "runtime_init_s", "load_s", "manifest_s")]
-            outside = f["trigger_s"]["median"] - f["add_batch_s"]["median"]
-            lines.append(f"| {n:,} | {VARIANTS[name].label} | {f['trigger_s']['median']:.2f} | "
-                         f"{outside:.2f} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def build_table(figs: dict[int, dict[str, Any]]) -> list[str]:
-    lines = ["| keys | variant | build wall s | steady batch s | materializations | "
-             "last full materialization: s (sum of partitions) / MB | snapshot MB at restart | "
-             "log tail MB at restart |", "|---|---|---|---|---|---|---|---|"]
-    for n, per in sorted(figs.items()):
-        for name, f in per.items():
-            v, b = VARIANTS[name], f["build"]
-            if v.engine == "spark":
-                rr = b["restore_reads"]
-                mat = (f"zip per partition per version; wait for the last: "
-                       f"{b['snapshot_wait_s']:.1f} s" if v.snapshots else "none")
-                cells = [mat, "-", f"{_mb(rr['bytes'])} read ({rr['changelogs']} changelogs)",
-                         "-"]
-            else:
-                mat = (f"{b['last_round_s']:.2f} / {_mb(b['last_round_bytes'])} "
-                       f"({b['last_round_partitions']} partitions)"
-                       if b["last_round_partitions"] else "-")
-                cells = [f"{b['materializations']}", mat, _mb(b["snapshot_bytes"]),
-                         _mb(b["tail_bytes"])]
-            lines.append(f"| {n:,} | {v.label} | {b['wall_s']:.0f} | "
-                         f"{_c(b['steady_trigger_s'])} | " + " | ".join(cells) + " |")
-    return lines
-
-
 def load_note(raw: dict[int, Any], info0: dict[str, Any]) -> tuple[str, bool]:
     """How busy the machine was: 1-min load average around every child run, other JVMs."""
     runs = [r for x in raw.values() for r in [
@@ -937,160 +827,40 @@ def load_note(raw: dict[int, Any], info0: dict[str, Any]) -> tuple[str, bool]:
     return text, noisy
 
 
-def goals(figs: dict[int, dict[str, Any]]) -> list[str]:
-    lines = ["| keys | snapshots | DSTL LMDB / Spark | DSTL heap / Spark | goal <= 0.5x |",
-             "|---|---|---|---|---|"]
+def markdown(results: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored results: per size and variant the restart
+    batch and the time from the query's start (DSTL with a warm-up: from the warm-up's start)
+    to the first batch done, each with its same-round ratio to Spark's."""
+    figs, raw = _int_keys(results["figures"]), _int_keys(results["raw"])
+    reps = _int_keys(results["repeats"])
+    rows = []
     for n, per in sorted(figs.items()):
-        for snap, warm, daemon in ((s, w, d) for d in (False, True) for w in (False, True)
-                                   for s in (False, True)):
-            sfx = ("-snap" if snap else "") + ("-warm" if warm else "") + \
-                ("-daemon" if daemon else "")
-            if not any(f"dstl-{t}{sfx}" in per for t in ("lmdb", "heap")):
-                continue
-            cells, met = [], []
-            for t in ("lmdb", "heap"):
-                f = per.get(f"dstl-{t}{sfx}", {})
-                r = f.get("ratio")
-                cells.append(f"{_c(r)}x" if r else "-")
-                if r:
-                    met.append(r["median"] <= 0.5)
-            verdict = ("met" if met and all(met) else "**missed**") if met else "-"
-            lines.append(f"| {n:,} | {'yes' if snap else 'no'}"
-                         f"{' (warm-up before the query)' if warm else ''}"
-                         f"{' (DSTL daemon)' if daemon else ''} | " + " | ".join(cells)
-                         + f" | {verdict} |")
-    return lines
-
-
-def markdown(figs: dict[int, dict[str, Any]], raw: dict[int, Any], sizes: list[int],
-             reps: dict[int, int], quick: bool, info0: dict[str, Any], total_s: float,
-             tag: str | None) -> str:
-    note, _ = load_note(raw, info0)
-    title = "### Restart after a stop (`bench/restart.py`)"
-    if tag == "before":
-        title += " — before: a baseline run of earlier code"
-    batches = ", ".join(f"{n:,} keys in {raw[n]['meta']['batches']} batches of "
-                        f"{raw[n]['meta']['keys_per_batch']:,}" for n in sizes)
-    repeats = ", ".join(f"{reps[n]} at {n:,} keys" for n in sizes)
-    lines = [title, "",
-             f"Count per key, keys `k%08d` each written once ({batches}), `local[2]`, 4 "
-             f"partitions; stop, then a fresh SparkSession processes 2 batches of "
-             f"{RESTART_KEYS:,} existing keys (every one must come out with count 2); restart "
-             f"batch = `triggerExecution` of the first. Each variant's state is built once per "
-             f"size. Each restart repeat ({repeats}) is a new process that restarts from one "
-             f"fresh copy of the state (the *cold process* columns: new driver JVM), stops, and "
-             f"restarts from a second copy in a fresh SparkSession of the same driver (the main "
-             f"figure, the issue's restart: warm driver JVM; new SparkContext, executor, Python "
-             f"workers and DSTL agent; empty executor-local directory, so all state comes from "
-             f"the store). Variants interleaved per round, order rotated; median (min..max) "
-             f"over repeats; DSTL / Spark = median of the per-round ratios. "
-             f"{note}. Total {total_s / 60:.0f} min.", ""]
-    lines += [*goals(figs), ""]
-    if not quick:
-        lines += ["Restart time vs keys: ![](IMG)", ""]
-    lines += ["#### The restart batch", "", *restart_table(figs), ""]
-    lines += ["What the warm-up moves (`op.warm_up(spark)` before `start()`: workers, agent and "
-              "each partition's restore run before the query; the second clock counts them):",
-              "", *start_table(figs), ""]
-    lines += ["Where the DSTL restart batch goes (medians, s; the first task starts after the "
-              "job is planned and a Python worker is up; times after the trigger started):",
-              "", *breakdown_table(figs), "",
-              "Where Spark's restart batch goes (medians, s):", "", *spark_breakdown_table(figs),
-              ""]
-    lines += ["#### The build (what the restart starts from)", "", *build_table(figs), ""]
-    reading = interpretation(figs)
-    if reading:
-        lines += ["#### Reading it", "", *reading]
-    return "\n".join(lines)
-
-
-def _m(f: dict[str, Any], k: str) -> float:
-    v = f.get(k)
-    return float(v["median"]) if v else float("nan")
-
-
-def interpretation(figs: dict[int, dict[str, Any]]) -> list[str]:
-    """What the tables say, from the figures (one bullet per finding)."""
-    out = []
-    for n, per in sorted(figs.items()):
-        sp = per.get("spark-snap") or per.get("spark")
-        lm = per.get("dstl-lmdb-snap") or per.get("dstl-lmdb")
-        if not sp or not lm:
-            continue
-        before = _m(lm, "first_task_after_s")
-        out.append(
-            f"- **{n:,} keys.** Spark's restart batch with snapshots took "
-            f"{_m(sp, 'trigger_s'):.1f} s, of which the RocksDB load (summed over its 4 "
-            f"partitions) was {_m(sp, 'load_s'):.2f} s; Spark's count runs in the JVM and needs "
-            f"no Python worker. DSTL LMDB ({'snapshots' if lm is per.get('dstl-lmdb-snap') else 'log only'}) "
-            f"took {_m(lm, 'trigger_s'):.1f} s: its first task started {before:.1f} s after the "
-            f"trigger (Python daemon up after {_m(lm, 'daemon_start_after_s'):.1f} s, first "
-            f"worker forked after {_m(lm, 'worker_start_after_s'):.1f} s, task code unpickled "
-            f"and imported after {_m(lm, 'worker_imported_after_s'):.1f} s), then the worker "
-            f"runtime and agent start took {_m(lm, 'runtime_init_s'):.2f} s and the slowest "
-            f"restore {_m(lm, 'load_s'):.2f} s ({_m(lm, 'entries'):,.0f} entries + "
-            f"{_m(lm, 'changes'):,.0f} changes over 4 partitions, "
-            f"{_m(lm, 'snapshot_s') + _m(lm, 'replay_s'):.1f} s summed over tasks). "
-            + ("Before any state is read, the Python side alone took longer than Spark's whole "
-               "restart batch." if before > _m(sp, "trigger_s") else
-               f"The Python start-up before the first task is {before / _m(lm, 'trigger_s'):.0%}"
-               " of the DSTL batch."))
-        out += _daemon_findings(n, per)
-        for name in ("dstl-lmdb-snap-warm", "dstl-lmdb-warm", "dstl-heap-snap-warm"):
-            w, cold = per.get(name), per.get(VARIANTS[name].build_name)
-            twin = per.get(spark_twin(VARIANTS[name]).name)
-            if not w or not twin:
-                continue
-            out.append(
-                f"- **Warm-up, {VARIANTS[name].label} ({n:,} keys).** `op.warm_up(spark)` took "
-                f"{_m(w, 'warm_up_s'):.1f} s before the query started; the first batch then "
-                f"restored {_m(w, 'entries'):,.0f} entries and {_m(w, 'changes'):,.0f} changes "
-                f"(slowest state access {_m(w, 'load_s'):.2f} s) and took "
-                f"{_m(w, 'trigger_s'):.1f} s"
-                + (f" (without the warm-up: {_m(cold, 'trigger_s'):.1f} s)" if cold else "")
-                + f" against Spark's {_m(twin, 'trigger_s'):.1f} s. Counted from the warm-up's "
-                f"start, the first batch was done after {_m(w, 'start_to_first_s'):.1f} s; "
-                f"Spark's, from its query's start, after {_m(twin, 'start_to_first_s'):.1f} s: "
-                "the warm-up moves the Python start-up and the restores out of the batch, it "
-                "does not make them cheaper.")
-        snap = per.get("dstl-lmdb-snap")
-        if snap and snap["build"]["last_round_partitions"]:
-            b = snap["build"]
-            out.append(
-                f"- **Snapshots lag one batch ({n:,} keys).** With a 1 s interval the agent "
-                f"materialized {b['materializations']} times during the build (the last full "
-                f"round: {b['last_round_s']:.1f} s summed over partitions, "
-                f"{b['last_round_bytes'] / 1e6:.1f} MB), but a snapshot is only used once the "
-                "next task of its partition installs it, so the checkpoint the restart reads "
-                f"still had {b['tail_bytes'] / 1e6:.1f} MB of log after "
-                f"{b['snapshot_bytes'] / 1e6:.1f} MB of snapshots: the restart replayed "
-                f"{_m(snap, 'changes'):,.0f} changes on top of {_m(snap, 'entries'):,.0f} "
-                "snapshot entries. Spark uploads its snapshot of the last version in the "
-                "background and restores from it with no changelog to replay.")
-    return out
-
-
-def _daemon_findings(n: int, per: dict[str, Any]) -> list[str]:
-    """One bullet per DSTL-daemon variant against the same variant with pyspark's daemon."""
-    out = []
-    for name, f in per.items():
-        v = VARIANTS[name]
-        twin = per.get(name.removesuffix("-daemon"))
-        if not v.daemon or twin is None:
-            continue
-        out.append(
-            f"- **{v.label} ({n:,} keys), against pyspark's daemon.** Restart batch {_m(f, 'trigger_s'):.1f} s "
-            f"against {_m(twin, 'trigger_s'):.1f} s with pyspark's daemon in the same rounds; "
-            f"Python daemon up after {_m(f, 'daemon_start_after_s'):.1f} s "
-            f"({_m(twin, 'daemon_start_after_s'):.1f}), first worker forked after "
-            f"{_m(f, 'worker_start_after_s'):.1f} s ({_m(twin, 'worker_start_after_s'):.1f}), "
-            f"task code imported after {_m(f, 'worker_imported_after_s'):.1f} s "
-            f"({_m(twin, 'worker_imported_after_s'):.1f}), first task body after "
-            f"{_m(f, 'first_task_after_s'):.1f} s ({_m(twin, 'first_task_after_s'):.1f})"
-            + (f"; warm-up {_m(f, 'warm_up_s'):.1f} s ({_m(twin, 'warm_up_s'):.1f}), warm-up "
-               f"start to first batch done {_m(f, 'start_to_first_s'):.1f} s "
-               f"({_m(twin, 'start_to_first_s'):.1f})" if v.warm else "") + ".")
-    return out
+        for name, f in per.items():
+            v = VARIANTS[name]
+            r = f.get("ratio")
+            goal = ("-" if not r else "<= 0.5x: "
+                    + ("met" if r["median"] <= 0.5 else "**missed**"))
+            rows.append([f"{n:,}", v.label, _c(f["trigger_s"]),
+                         f"**{_c(r)}x**" if r else "-", _c(f.get("start_to_first_s")),
+                         f"{_c(f.get('start_ratio'))}x" if f.get("start_ratio") else "-", goal])
+    _, noisy = load_note(raw, results["machine_start"])
+    sizes = ", ".join(f"{reps[n]} at {n:,} keys" for n in sorted(figs))
+    md = [table(["keys", "variant", "restart batch s", "DSTL / Spark (same round)",
+                 "query start to first batch done s", "DSTL / Spark", "goal"], rows), ""]
+    if not results["quick"]:
+        md += ["Restart time vs keys: ![restart time vs keys](img/restart_keys.png)", ""]
+    md.append(
+        f"Count per key, keys `k%08d` each written once, `local[2]`, 4 partitions; stop, then a "
+        f"fresh SparkSession processes {RESTART_KEYS:,} existing keys; restart batch = "
+        "`triggerExecution` of the first batch, with an empty executor-local directory (all "
+        "state from the store). Variants interleaved per round; median (min..max) over the "
+        f"repeats ({sizes}); ratio = median of the per-round ratios"
+        + ("; other jobs shared the machine (absolute times pessimistic)" if noisy else "")
+        + ". Per-phase breakdowns, cold-process figures and the build: the results file.")
+    if results.get("failed"):
+        md += ["", *(f"**Failed at {n:,} keys** (not in the table): `{e}`"
+                     for n, e in _int_keys(results["failed"]).items())]
+    return "\n".join(md)
 
 
 def plot(figs: dict[int, dict[str, Any]], path: Path) -> None:
@@ -1145,8 +915,7 @@ def main() -> int:
     p.add_argument("--repeats-large", type=int, default=None,
                    help="restart repeats for sizes above 1 M keys (default: --repeats; at 4 M "
                         "keys each round of 6 variants takes about 15 min on 2 cores)")
-    p.add_argument("--render", default=None, metavar="JSON",
-                   help="re-render the docs section and plot of a stored run, measuring nothing")
+    add_render(p)
     p.add_argument("--child", choices=("build", "restart"), help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -1160,7 +929,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(res, default=str))
         return 0
     if args.render:
-        return render(Path(args.render), args.tag, args.no_doc)
+        return render_stored("restart", Path(args.render), markdown)
     q = args.quick
     sizes = [int(x) for x in (args.keys or ("200000" if q else "1000000,4000000")).split(",")]
     repeats = 1 if q and "--repeats" not in sys.argv else args.repeats
@@ -1202,35 +971,12 @@ def _int_keys(d: dict[str, Any]) -> dict[int, Any]:
     return {int(k): v for k, v in d.items()}
 
 
-def publish(results: dict[str, Any], tag: str | None, no_doc: bool,
-            machine: dict[str, Any] | None = None) -> None:
-    """JSON, plot and docs section of a run (``machine``: re-rendering a stored run)."""
-    figs, raw, q = results["figures"], results["raw"], results["quick"]
-    done = [n for n in results["sizes"] if n in figs]
-    md = markdown(figs, raw, done, results["repeats"], q, results["machine_start"],
-                  results["total_s"], tag)
-    if results["failed"]:
-        md += "\n\n" + "\n".join(f"**Failed at {n:,} keys** (not in the tables): `{e}`"
-                                  for n, e in results["failed"].items())
-    img = "img/restart_keys.png"
-    if not no_doc and not q:
-        plot(figs, ROOT / "docs" / img)
-        md = md.replace("IMG", img)
-    write_results("restart", results, md, quick=q, command=results["command"], no_doc=no_doc,
-                  tag=tag, machine=machine)
-    print(md)
-
-
-def render(path: Path, tag: str | None, no_doc: bool) -> int:
-    """Re-render the docs section and plot of a stored run (``--render``), no measuring."""
-    doc = json.loads(path.read_text())
-    r = doc["figures"]
-    r["figures"], r["raw"] = _int_keys(r["figures"]), _int_keys(r["raw"])
-    r["repeats"], r["failed"] = _int_keys(r["repeats"]), _int_keys(r["failed"])
-    r.setdefault("quick", doc["quick"])
-    r.setdefault("command", doc["command"].split(" --tag ")[0])
-    publish(r, tag, no_doc, machine=doc["machine"])
-    return 0
+def publish(results: dict[str, Any], tag: str | None, no_doc: bool) -> None:
+    """JSON, plot and docs section of a run."""
+    if not no_doc and not results["quick"]:
+        plot(results["figures"], ROOT / "docs" / "img" / "restart_keys.png")
+    publish_results("restart", results, markdown, quick=results["quick"],
+                    command=results["command"], no_doc=no_doc, tag=tag)
 
 
 if __name__ == "__main__":
