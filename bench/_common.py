@@ -281,10 +281,12 @@ def render_stored(name: str, path: Path, render: Callable[[dict[str, Any]], str]
 
 
 def publish(name: str, figures: dict[str, Any], render: Callable[[dict[str, Any]], str], *,
-            quick: bool, command: str, no_doc: bool = False, tag: str | None = None) -> Path:
+            quick: bool, command: str, no_doc: bool = False, tag: str | None = None,
+            machine: dict[str, Any] | None = None) -> Path:
     """``write_results`` with the section rendered from the file just written, so a run and a
     later ``--render`` of its file produce the same section."""
-    out = write_results(name, figures, "", quick=quick, command=command, no_doc=True, tag=tag)
+    out = write_results(name, figures, "", quick=quick, command=command, no_doc=True, tag=tag,
+                        machine=machine)
     if not no_doc:
         render_stored(name, out, render)
     return out

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fmt, latest_result, machine_info, parser, percentile, write_results
+from _common import add_render, fmt, parser, percentile, publish, render_stored, table
 from support.minidfs import MiniDfs
 
 MIB = 1024 * 1024
@@ -141,65 +141,48 @@ def _pyarrow(cluster: MiniDfs) -> str | None:
     return None
 
 
+def _write_once_brief(primitive: str) -> str:
+    """A client's write-once primitive (as the run found it) in a table cell."""
+    if primitive.startswith("none"):
+        return "no: overwrites"
+    if "no create-only mode" in primitive:
+        return "not `pipe_file`; `open(..., overwrite=False)`"
+    return "yes"
+
+
 def _markdown(figures: dict[str, Any]) -> str:
-    """The benchmarks.md section of a run's figures (which it completes with the ratios)."""
-    big_n, small_n = figures["big_repeats"], figures["small_repeats"]
-    rows = ["| client | 8 MiB put MB/s | 8 MiB get MB/s | 1 KiB put ms (p90) | "
-            "1 KiB get ms (p90) | write-once primitive |", "|---|---|---|---|---|---|"]
-    for name in ("hdfs-native", "dstl HdfsBlobStore", "hdfs-native fsspec", "fsspec webhdfs"):
+    """The benchmarks.md section of a run, from its stored figures."""
+    rows = []
+    for name in ("dstl HdfsBlobStore", "hdfs-native", "hdfs-native fsspec", "fsspec webhdfs"):
         f = figures[name]
-        rows.append(
-            f"| {name} | {f['put_8mib_MBps']['median']:.0f} "
-            f"({f['put_8mib_MBps']['min']:.0f}..{f['put_8mib_MBps']['max']:.0f}) | "
-            f"{f['get_8mib_MBps']['median']:.0f} "
-            f"({f['get_8mib_MBps']['min']:.0f}..{f['get_8mib_MBps']['max']:.0f}) | "
-            f"{f['put_1kib_ms']['median']:.1f} ({f['put_1kib_ms']['p90']:.1f}) | "
-            f"{f['get_1kib_ms']['median']:.1f} ({f['get_1kib_ms']['p90']:.1f}) | "
-            f"{f['write_once']} |")
-    unavailable = figures["pyarrow HadoopFileSystem"]["unavailable"]
+        rows.append([name, fmt(f["put_8mib_MBps"], digits=0), fmt(f["get_8mib_MBps"], digits=0),
+                     f"{f['put_1kib_ms']['median']:.1f} ({f['put_1kib_ms']['p90']:.1f})",
+                     f"{f['get_1kib_ms']['median']:.1f} ({f['get_1kib_ms']['p90']:.1f})",
+                     _write_once_brief(f["write_once"])])
     native, web = figures["hdfs-native"], figures["fsspec webhdfs"]
-    ratio_put = native["put_8mib_MBps"]["median"] / web["put_8mib_MBps"]["median"]
-    ratio_get = native["get_8mib_MBps"]["median"] / web["get_8mib_MBps"]["median"]
-    figures["native_over_webhdfs"] = {"put_8mib": ratio_put, "get_8mib": ratio_get}
-    markdown = "\n".join([
-        "## HDFS clients (`bench/hdfs_clients.py`)",
-        "",
-        "One MiniDFSCluster (a NameNode and one DataNode in one JVM, loopback), the same run for "
-        f"every client; {big_n} puts and gets of 8 MiB and {small_n} of 1 KiB per client "
-        "(median, min..max or p90).",
-        "",
-        *rows,
-        "",
-        f"hdfs-native over fsspec webhdfs: {ratio_put:.2f}x the 8 MiB put throughput, "
-        f"{ratio_get:.2f}x the get. pyarrow's HadoopFileSystem: "
-        + (f"unavailable here ({unavailable})." if unavailable else "works here.")
-        + " The 8 MiB put figures spread widely (min..max): the machine ran other jobs (its "
-        "load is in the JSON's machine info), and hdfs-native, its fsspec filesystem and DSTL's "
-        "store use the same client, so their differences are that noise.",
-        "A 1 KiB put through hdfs-native costs about half a second: its first `complete` of the "
-        "file comes before the DataNode's block report reached the NameNode, which answers "
-        "\"not yet\", and the client waits 500 ms before asking again. WebHDFS's writes (made "
-        "by the DataNode's own Java client, inside the cluster's JVM) mostly complete at once "
-        f"(median {web['put_1kib_ms']['median']:.0f} ms, p90 {web['put_1kib_ms']['p90']:.0f} "
-        "ms). DSTL still uses hdfs-native: fsspec's webhdfs overwrites existing files (no "
-        "write-once), needs the NameNode's and every DataNode's HTTP ports, and reads small "
-        "objects several times slower; a checkpoint's segment puts run in parallel and batch "
-        "many writers, so the half second is paid per upload, not per change.",
-    ])
+    md = [table(["client", "8 MiB put MB/s", "8 MiB get MB/s", "1 KiB put ms (p90)",
+                 "1 KiB get ms (p90)", "write-once"], rows), "",
+          "One MiniDFSCluster (a NameNode and one DataNode in one JVM, loopback), every client "
+          f"in the same run; {figures['big_repeats']} puts and gets of 8 MiB and "
+          f"{figures['small_repeats']} of 1 KiB each (median, min..max or p90). hdfs-native "
+          f"over webhdfs: {native['put_8mib_MBps']['median'] / web['put_8mib_MBps']['median']:.2f}x"
+          f" the 8 MiB put, {native['get_8mib_MBps']['median'] / web['get_8mib_MBps']['median']:.2f}x"
+          " the get. A 1 KiB put through hdfs-native waits about 500 ms for the NameNode to "
+          "accept the file's `complete` (the DataNode's block report comes after it); DSTL uses "
+          "hdfs-native all the same (write-once, RPC port only), and a checkpoint pays it once "
+          "per upload, not per change."]
     persist = figures.get("persist")
     if persist:
-        lines = ["", "Persist latency (from `persist()` to the future resolving; all writers "
-                 "persist one checkpoint together, 200 changes of 64 B each; default options) "
-                 "and objects per checkpoint, the three stores in this run (median over "
-                 "repeats, spread in brackets):", "",
-                 "| store | writers | p50 ms | p99 ms | objects per checkpoint |",
-                 "|---|---|---|---|---|"]
+        by_store: dict[str, list[str]] = {}
         for r in persist.values():
-            lines.append(f"| {r['store']} | {r['writers']} | {fmt(r['p50_ms'], digits=1)} | "
-                         f"{fmt(r['p99_ms'], digits=1)} | "
-                         f"{fmt(r['objects_per_checkpoint'])} |")
-        markdown += "\n" + "\n".join(lines)
-    return markdown
+            by_store.setdefault(r["store"], []).append(
+                f"{fmt(r['p50_ms'], digits=0)} ms at {r['writers']}")
+        md += ["", "Persist p50 (from `persist()` to the future resolving, every writer "
+               "persisting one checkpoint of 200 changes of 64 B), same run: "
+               + "; ".join(f"{k} {', '.join(v)} writers" for k, v in by_store.items())
+               + "; at most " + f"{max(r['objects_per_checkpoint']['median'] for r in persist.values()):.2f}"
+               + " objects per checkpoint."]
+    return "\n".join(md)
 
 
 def _persist(cluster: MiniDfs, quick: bool, repeats: int) -> dict[str, Any]:
@@ -236,16 +219,10 @@ def _persist(cluster: MiniDfs, quick: bool, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     p = parser(__doc__ or "")
-    p.add_argument("--render", action="store_true",
-                   help="rewrite the benchmarks.md section from the latest full run in "
-                        "bench/results/")
+    add_render(p)
     args = p.parse_args()
     if args.render:
-        import json
-
-        saved = json.loads(latest_result("hdfs_clients").read_text())
-        write_results("hdfs_clients", saved["figures"], _markdown(saved["figures"]),
-                      quick=saved["quick"], command=saved["command"], machine=saved["machine"])
+        render_stored("hdfs_clients", Path(args.render), _markdown)
         return
     big_n = 3 if args.quick else max(args.repeats, 5)
     small_n = 20 if args.quick else 100
@@ -285,10 +262,13 @@ def main() -> None:
     finally:
         cluster.close()
 
-    markdown = _markdown(figures)
-    write_results("hdfs_clients", figures, markdown, quick=args.quick,
-                  command="python bench/hdfs_clients.py" + (" --quick" if args.quick else ""),
-                  no_doc=args.no_doc, machine=machine_info())
+    native, web = figures["hdfs-native"], figures["fsspec webhdfs"]
+    figures["native_over_webhdfs"] = {
+        "put_8mib": native["put_8mib_MBps"]["median"] / web["put_8mib_MBps"]["median"],
+        "get_8mib": native["get_8mib_MBps"]["median"] / web["get_8mib_MBps"]["median"]}
+    publish("hdfs_clients", figures, _markdown, quick=args.quick,
+            command="python bench/hdfs_clients.py" + (" --quick" if args.quick else ""),
+            no_doc=args.no_doc)
 
 
 if __name__ == "__main__":

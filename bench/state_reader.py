@@ -55,7 +55,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, summary, tree_cpu_s, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    add_render,
+    fmt,
+    parser,
+    publish,
+    render_stored,
+    summary,
+    table,
+    tree_cpu_s,
+)
 from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle  # noqa: E402
 
 PARTITIONS = 4
@@ -494,43 +503,28 @@ def run_size(keys: int, snapshots: bool, repeats: int, quick: bool,
         shutil.rmtree(work, ignore_errors=True)
 
 
-_ANALYSIS = (
-    "Two reads of the same state: the three columns Spark's `statestore` reader gives (the "
-    'key, the count as a bigint, the partition), asked for with a user-specified schema '
-    '(`.schema("key string, typed_value bigint, partition string")`, docs/spark.md: only '
-    "the columns named are built and handed over), and all ten columns of the source's own "
-    "schema. The goal — reading state at least as fast as Spark's reader of "
-    'its own store — is the bold column: Spark / DSTL >= 1 for the same columns meets it. '
-    '"DSTL daemon": the session runs `spark.python.daemon.module=dstl.spark.daemon` '
-    "preloading the reader's modules (`--daemon`; docs/configuration.md): its workers use "
-    "the installed pyspark, whose bytecode is cached, not Spark's `pyspark.zip`, and start "
-    'with their imports frozen for the collector; it serves the floor source too, and not '
-    "Spark's reader, which runs in the JVM. Without it a worker's first DSTL task freezes "
-    'its imports itself (`dstl/spark/worker_gc.py`). On this shared machine the CPU column '
-    'is the steadier figure: CPU seconds of the whole session per read (driver JVM with '
-    'the executors, Python workers; `/proc`); a read is CPU-bound on two cores (wall ≈ CPU '
-    "/ 2). DSTL's read is the floor plus the split reads. The floor — a Python data source "
-    'that reads nothing and yields prebuilt Arrow batches of the same columns — is what '
-    'any Python source pays to hand the rows to the JVM (Python workers, Arrow hand-over, '
-    "the JVM's row conversion): for the ten columns about as much CPU as Spark's whole "
-    '`statestore` read, for the three about 60% of it. The split reads are column-wise '
-    "(`dstl/reader/columns.py`): a v2 snapshot's LMDB file decompressed into memory and "
-    'parsed page-wise with numpy (`materializer/lmdb_pages.py`), entries of one key and value '
-    'size gathered from it as one item each, the log cut into columns per change set and '
-    'replayed column-wise, ints decoded as a matrix of bytes (to JSON text or to the typed '
-    'column in one cast) — about 0.14 µs of CPU per entry in one process (a 1 M-entry split '
-    'of this state); they are the rest. Batches of 16 k rows (the floor of the three columns at 4 '
-    'M rows, interleaved in one session: 16 k 0.71 s, 64 k 0.79 s; 256 k and more cost '
-    'more). The fixed per-read cost is not the gap: a warm read of a 100-key state costs '
-    "DSTL about 0.3 s of CPU and Spark's reader about 0.2 s "
-    "(`bench/state_reader_fixed.py`, section `state_reader_fixed`); what a session's first "
-    'read, or a read after a minute without one, pays for starting Python workers '
-    '(seconds) is not in these repeats, which follow a warm-up read. The reads ran in '
-    'rotation in the same session, so their ratios are fairer than either time.')
-
-
-def _cpu_cell(cpu: dict[str, dict[str, float]], names: tuple[str, ...]) -> str:
-    return " / ".join(f"{cpu[name]['median']:.2f}" for name in names)
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
+    rows = []
+    for r in figures["results"]:
+        ratio = r["ratio_spark_over_dstl_cols"]
+        rows.append([f"{r['keys']:,}" + (" (DSTL daemon)" if r.get("daemon") else ""),
+                     fmt(r["dstl_cols_read_s"], "s"), fmt(r["spark_read_s"], "s"),
+                     f"**{ratio:.2f}x**", fmt(r["floor_cols_read_s"], "s"),
+                     f"{fmt(r['dstl_read_s'], 's')} ({r['ratio_spark_over_dstl']:.2f}x)",
+                     ">= 1x: " + ("met" if ratio >= 1 else "**missed**")])
+    lags = "; ".join(f"{r['keys']:,} keys {fmt(r['feed']['lag_s'], 's')}, "
+                     f"{r['feed']['rows_per_s']:,.0f} rows/s" for r in figures["results"])
+    return "\n".join([
+        table(["keys", "DSTL read, Spark's 3 columns", "Spark `format(\"statestore\")` (same run)",
+               "Spark / DSTL", "floor, 3 columns", "DSTL, all 10 columns (Spark / DSTL)", "goal"],
+              rows), "",
+        "A whole-state read into the `noop` sink of the same state written by both engines "
+        "(count per key, 4 partitions, `local[2]`); DSTL asked for Spark's three columns with "
+        f"`.schema(\"{SPARK_COLUMNS}\")`; floor = a Python data source yielding the same "
+        "rows prebuilt (Spark's Python data source plumbing alone). Median (min..max) of {figures['repeats']} reads. Change feed "
+        f"(`dstl_changes` while the job writes new keys), lag: {lags}.",
+    ])
 
 
 def main() -> None:
@@ -547,7 +541,11 @@ def main() -> None:
     p.add_argument("--daemon", action="store_true",
                    help="run the session with DSTL's Python daemon (spark.python.daemon.module="
                         "dstl.spark.daemon), preloading the reader's modules")
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        render_stored("state_reader", Path(args.render), markdown)
+        return
     sizes = [int(k) for k in args.keys.split(",")] if args.keys else (
         [200_000] if args.quick else [1_000_000, 4_000_000])
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.snapshots]
@@ -568,56 +566,14 @@ def main() -> None:
                   f"{fmt(r['feed']['lag_s'], 's')}, {r['feed']['rows_per_s']:,.0f} rows/s",
                   flush=True)
             results.append(r)
-    rows = ["| keys | snapshots | Spark `format(\"statestore\")` read (3 columns) | DSTL read "
-            f"of those columns (`.schema(\"{SPARK_COLUMNS}\")`) | **Spark / DSTL, same columns** "
-            "| floor, same columns | DSTL read of all 10 columns | Spark / DSTL, all columns | "
-            "floor, all columns | load avg (1 min) | CPU s per read: Spark / DSTL same columns "
-            "/ floor same columns / DSTL all / floor all | change feed lag | feed throughput |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        daemon = " (DSTL daemon)" if r.get("daemon") else ""
-        rows.append(f"| {r['keys']:,}{daemon} | {'on' if r['snapshots'] else 'off'} | "
-                    f"{fmt(r['spark_read_s'], 's')} | {fmt(r['dstl_cols_read_s'], 's')} | "
-                    f"**{r['ratio_spark_over_dstl_cols']:.2f}** | "
-                    f"{fmt(r['floor_cols_read_s'], 's')} | {fmt(r['dstl_read_s'], 's')} | "
-                    f"{r['ratio_spark_over_dstl']:.2f} | {fmt(r['floor_read_s'], 's')} | "
-                    f"{fmt(r['loadavg_1m'], digits=1)} | "
-                    f"{_cpu_cell(r['cpu_s'], ('spark', 'dstl_cols', 'floor_cols', 'dstl', 'floor'))} | "
-                    f"{fmt(r['feed']['lag_s'], 's')} | {r['feed']['rows_per_s']:,.0f} rows/s |")
-    dumps = [r for r in results if "dump_cpu_s" in r]
-    if dumps:
-        rows += ["", "`dstl state dump` of the whole state (no Spark; CPU s, median (min..max) "
-                 f"of {args.dump}, in the bench process; the row path = `read_state` on the "
-                 "heap table, what the command ran before; the outputs compared equal):", "",
-                 "| keys | JSON lines: row path | JSON lines: column path | Parquet: row path "
-                 "| Parquet: column path |", "|---|---|---|---|---|"]
-        for r in dumps:
-            d = r["dump_cpu_s"]
-            rows.append(f"| {r['keys']:,} | " + " | ".join(
-                fmt(d[k], "s") for k in ("jsonl rows", "jsonl columns", "parquet rows",
-                                         "parquet columns")) + " |")
-    splits = [r for r in results if "split_cpu" in r]
-    if splits:
-        rows += ["", "One split read column-wise in the bench process (no Spark; Spark's three "
-                 f"columns; CPU, median (min..max) of {args.split_cpu}, the splits in turn):", "",
-                 "| keys | splits | CPU per split | CPU per entry |", "|---|---|---|---|"]
-        for r in splits:
-            c = r["split_cpu"]
-            rows.append(f"| {r['keys']:,} | {c['splits']} | {fmt(c['cpu_s'], 's', digits=3)} "
-                        f"| {fmt(c['ns_per_entry'], 'ns', digits=0)} |")
-    md = ("### State reader vs Spark's state reader\n\n"
-          "Whole-state read into the `noop` sink, medians of the repeats (min..max); the same "
-          "state written by both engines from the same input in the same run (count per key, "
-          "4 partitions, `local[2]`). Change feed: a `dstl_changes` stream while the job "
-          "writes new keys.\n\n" + "\n".join(rows) + "\n\n" + _ANALYSIS)
     cmd = "nice -n 10 python bench/state_reader.py" + (" --quick" if args.quick else "") + (
         f" --keys {args.keys}" if args.keys else "") + (
         f" --snapshots {args.snapshots}" if args.snapshots != "both" else "") + (
         f" --dump {args.dump}" if args.dump else "") + (
         f" --split-cpu {args.split_cpu}" if args.split_cpu else "") + (
         " --daemon" if args.daemon else "")
-    write_results("state_reader", {"results": results, "repeats": repeats}, md, quick=args.quick,
-                  command=cmd, no_doc=args.no_doc, tag=args.tag)
+    publish("state_reader", {"results": results, "repeats": repeats}, markdown,
+            quick=args.quick, command=cmd, no_doc=args.no_doc, tag=args.tag)
 
 
 if __name__ == "__main__":

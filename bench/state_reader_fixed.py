@@ -56,7 +56,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import fmt, parser, summary, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    add_render,
+    fmt,
+    parser,
+    publish,
+    render_stored,
+    summary,
+    table,
+)
 from bench.state_reader import (  # noqa: E402
     _build,
     _floor_source,
@@ -321,56 +329,54 @@ def _summarise(xs: list[dict[str, Any]]) -> dict[str, Any]:
                       for k in sorted({k for x in xs for k in x["forks"]})}}
 
 
-def _table(res: dict[str, Any]) -> str:
-    s = res["summary"]
-    kinds = sorted({k for v in s.values() for k, c in v["cpu_s"].items() if c["median"] >= 0.005},
-                   key=lambda k: (not k.startswith("jvm"), k.startswith("other"), k))
-    head = ("| Python workers | reader | read | wall s | CPU s (all) | "
-            + " | ".join(f"CPU s: {k}" for k in kinds) + " | processes started |")
-    rows = [head, "|" + "---|" * (6 + len(kinds))]
-    labels = [c[0] for c in CONFIGS]
-    for key in sorted(s, key=lambda k: (labels.index(k.split("/")[0]), k.split("/")[2],
-                                        READERS.index(k.split("/")[1]))):
-        dname, reader, phase = key.split("/")
-        v = s[key]
-        cells = [f"{v['cpu_s'][k]['median']:.2f}" if k in v["cpu_s"] else "-" for k in kinds]
-        forks = ", ".join(f"{k} {n:g}" for k, n in v["forks"].items() if n) or "none"
-        rows.append(f"| {dname} | {reader} | {phase} ({v['wall_s']['n']}) | "
-                    f"{fmt(v['wall_s'])} | {fmt(v['cpu_total_s'])} | " + " | ".join(cells)
-                    + f" | {forks} |")
-    return "\n".join(rows)
+def markdown(res: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures: per Python-worker setting, DSTL's
+    cold and warm read against Spark's reader and the floor in the same sessions."""
+    sm = res["summary"]
 
+    def cell(key: str) -> str:
+        return fmt(sm[key]["wall_s"]) if key in sm else "-"
 
-def _probe_note(res: dict[str, Any]) -> str:
-    p = res["dstl_python"]
-    c = p["cpu_s"]
-    return ("DSTL's own Python of one such read, called in the driver process the way the "
-            "workers call it (no Spark; process CPU, median of "
-            f"{c['create']['n']}): source + schema {c['create']['median'] * 1e3:.1f} ms, reader "
-            f"+ `partitions()` + pickling {c['plan']['median'] * 1e3:.1f} ms, reading the "
-            f"{p['splits']} splits ({p['rows']} rows) {c['read']['median'] * 1e3:.1f} ms; "
-            "pickles: " + ", ".join(f"{k} {v:,} B" for k, v in p["pickle_bytes"].items()) + ".")
+    rows = []
+    for name, *_ in CONFIGS:
+        d, sp = sm.get(f"{name}/dstl/warm"), sm.get(f"{name}/spark/warm")
+        ratio = (f"{d['wall_s']['median'] / sp['wall_s']['median']:.2f}x" if d and sp else "-")
+        rows.append([name, cell(f"{name}/dstl/cold"), cell(f"{name}/dstl/warm"),
+                     cell(f"{name}/spark/warm"), ratio, cell(f"{name}/floor/warm")])
+    spark_cold = sm.get(f"{CONFIGS[0][0]}/spark/cold")
+    c = res["dstl_python"]["cpu_s"]
+    return "\n".join([
+        table(["Python workers", "DSTL cold read s", "DSTL warm read s",
+               "Spark `statestore` warm (same run)", "DSTL / Spark, warm",
+               "floor (Python data source), warm"], rows), "",
+        f"A whole read of a {res['keys']}-key state into the `noop` sink: cold = the first read "
+        "of a fresh SparkSession (Python workers start), warm = the next reads of the same "
+        "session; readers interleaved; wall seconds, median (min..max); "
+        + (f"Spark's cold read {fmt(spark_cold['wall_s'])} s (its reader runs in the JVM). "
+           if spark_cold else "")
+        + "DSTL's own Python per read (no Spark): "
+        f"{(c['create']['median'] + c['plan']['median'] + c['read']['median']) * 1e3:.1f} ms; "
+        "the rest is Spark's Python data source plumbing. CPU by process kind: the results "
+        "file.",
+    ])
 
 
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--keys", type=int, default=100, help="keys in the tiny state (default 100)")
     p.add_argument("--warm", type=int, default=2, help="warm reads of each reader per session")
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        render_stored("state_reader_fixed", Path(args.render), markdown)
+        return
     if args.repeats < 5 and not args.quick:
         p.error("--repeats must be >= 5 (medians of at least five reads)")
     res = run(args.keys, args.repeats, args.warm)
-    md = ("### The fixed cost of a state read\n\n"
-          f"A whole read of a {res['keys']}-key state into the `noop` sink; cold = the first read "
-          "of a fresh SparkSession (one per reader and round), warm = the next reads of the same "
-          "session, readers interleaved. CPU by process kind from `/proc` (median per read; "
-          "min..max in the JSON). Load avg (1 min) over the run: "
-          f"{fmt(res['loadavg_1m'], digits=1)}.\n\n" + _table(res) + "\n\n" + _probe_note(res))
-    print(md, flush=True)
     cmd = (f"nice -n 10 python bench/state_reader_fixed.py --keys {args.keys} --repeats "
            f"{args.repeats} --warm {args.warm}" + (" --quick" if args.quick else ""))
-    write_results("state_reader_fixed", {k: v for k, v in res.items()}, md, quick=args.quick,
-                  command=cmd, no_doc=args.no_doc, tag=args.tag)
+    publish("state_reader_fixed", dict(res), markdown, quick=args.quick, command=cmd,
+            no_doc=args.no_doc, tag=args.tag)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import LoadSampler, machine_info, parser, write_results
+from bench._common import (
+    LoadSampler,
+    add_render,
+    load_brief,
+    machine_info,
+    parser,
+    publish,
+    render_stored,
+    table,
+)
 
 MP = 128
 VALUE_TEXT = "the quick brown fox jumps over the lazy dog; " * 4
@@ -556,64 +565,38 @@ def _figures(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def markdown(runs: list[dict[str, Any]], baseline_runs: list[dict[str, Any]],
-             params: dict[str, Any]) -> str:
-    lines = [
-        "### Local disk and memory of the LMDB state (`bench/table_footprint.py`)",
-        "",
-        f"Workload: N keys, one {params['value_bytes']}-byte value each (half random hex, half "
-        f"text), {params['partitions']} partitions, loaded in batches of {params['load_batch']:,} "
-        f"keys; {params['rounds']} steady batches updating {params['update_frac']:.0%} of the "
-        f"keys (read-modify-write), paced {params['pace_s']} s; the agent materializes every "
-        f"{params['mat_interval_s']} s in its own process; then the tables are removed and "
-        "restored in a fresh process through a restore cache in the local directory. Disk = "
-        "allocated blocks under the local directory, MB (x the raw data: key + stored value "
-        "bytes of every entry); temporary = a materialization's copy, packed environment and "
-        "spooled object; anonymous memory = `RssAnon` sampled every 20 ms, MB.",
-        "",
-        "Where the bytes come from: a table's leaf pages are as full as its inserts left them "
-        "(LMDB splits a page in the middle unless the new key goes last on it: keys ascending "
-        "in each of many key groups, or in random order, leave about two thirds); every write "
-        "transaction copies the pages it changes and LMDB reuses the freed ones two "
-        "transactions later (free pages: about twice a batch's pages); a snapshot of a table "
-        "far from full pages is packed first (temporary: the packed environment of one "
-        "partition, then its spooled object), so a restore installs full pages, plus the pages "
-        "its replay of the log tail copied; the restore cache keeps the compressed objects for "
-        "its idle TTL.",
-        "",
-        "| keys | code | raw | tables after the steady batches | leaf fill | free pages | peak "
-        "disk, load + steady | temporary, peak | peak disk, restore | restored tables | "
-        "restore cache after | anon worker / agent, peak | anon restoring process, peak | "
-        "snapshot bytes uploaded |",
-        "|" + "---|" * 14,
-    ]
-    pairs = list(zip(baseline_runs, runs)) if baseline_runs else [(None, r) for r in runs]
-    for base, r in pairs:
-        for run in ([base] if base is not None else []) + [r]:
-            f = _figures(run)
-            raw = f["raw"]
-            lines.append(
-                f"| {run['keys']:,} | {run['sha']} | {_mb(raw)} | {_x(f['table'], raw)} | "
-                f"{f['fill']:.0%} | {f['free']:.0%} | {_x(f['peak'], raw)} | "
-                f"{_mb(f['temp'])} | {_x(f['restore_peak'], raw)} | "
-                f"{_x(f['restored'], raw)} | {_mb(f['cache'])} | {_mb(f['worker'])} / "
-                f"{_mb(f['agent'])} | {_mb(f['restorer'])} | {_mb(f['objects'])} in "
-                f"{f['materializations']:.0f} |")
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
+    runs, baseline_runs, params = figures["runs"], figures["baseline_runs"], figures["params"]
+    base = {b["keys"]: b for b in baseline_runs}
+    rows = []
+    for r in runs:
+        f = _figures(r)
+        raw = f["raw"]
+        row = [f"{r['keys']:,}", _mb(raw), _x(f["table"], raw), f"{f['fill']:.0%}",
+               _x(f["peak"], raw), _x(f["restore_peak"], raw),
+               f"{_mb(f['worker'])} / {_mb(f['agent'])} / {_mb(f['restorer'])}"]
+        if baseline_runs:
+            b = base.get(r["keys"])
+            row.append(f"{f['restore_peak'] / max(1.0, _figures(b)['restore_peak']):.2f}x / "
+                       f"{f['worker'] / max(1.0, _figures(b)['worker']):.2f}x" if b else "-")
+        rows.append(row)
+    header = ["keys", "raw MB", "tables after the steady batches, MB (x raw)", "leaf fill",
+              "peak disk, load + steady", "peak disk, restore",
+              "anon memory peak MB: worker / agent / restoring process"]
     if baseline_runs:
-        lines += ["", f"{runs[0]['sha']} over {baseline_runs[0]['sha']}, same run: " + "; ".join(
-            f"{r['keys']:,} keys: " + ", ".join(
-                f"{name} {_figures(r)[k] / max(1.0, _figures(b)[k]):.2f}x" for name, k in (
-                    ("peak disk load + steady", "peak"), ("temporary", "temp"),
-                    ("peak disk restore", "restore_peak"), ("restored tables", "restored"),
-                    ("worker anon", "worker"), ("agent anon", "agent"),
-                    ("restoring process anon", "restorer"),
-                    ("snapshot bytes", "objects")))
-            for b, r in zip(baseline_runs, runs)) + "."]
-    lines += ["", "Anonymous memory at the start (after imports), MB: " + "; ".join(
-        f"{r['keys']:,} keys: worker {_mb(r['start_status']['worker']['RssAnon'])}, agent "
-        f"{_mb(r['start_status']['agent']['RssAnon'])}, restoring process "
-        f"{_mb(r['end_status']['restorer_start']['RssAnon'])}" for r in runs) + "."]
-    return "\n".join(lines)
+        header.append(f"restore peak / worker anon vs {baseline_runs[0]['sha']} (same run)")
+    return "\n".join([
+        table(header, rows), "",
+        f"N keys of one {params['value_bytes']}-byte value, {params['partitions']} partitions; "
+        f"{params['rounds']} steady batches updating {params['update_frac']:.0%} of the keys, "
+        f"the agent materializing every {params['mat_interval_s']} s; then the tables are "
+        "removed and restored in a fresh process. Disk = allocated blocks under the local "
+        "directory; anonymous memory = `RssAnon` sampled every 20 ms. LMDB leaves leaf pages "
+        "about two thirds full after inserts in key-group or random order and keeps freed "
+        "pages for reuse, hence about twice the raw bytes; a restore installs packed pages. "
+        f"One run per size; {load_brief(figures.get('load'))}.",
+    ])
 
 
 def _sha(code: str) -> str:
@@ -652,15 +635,14 @@ def main() -> int:
                         "both with their ratios")
     p.add_argument("--trace", action="store_true",
                    help="the restoring process also records tracemalloc's peak per partition")
-    p.add_argument("--render", default=None, metavar="JSON",
-                   help="re-render the docs section of a stored run, no measuring")
+    add_render(p)
     p.add_argument("--worker", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.worker is not None:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
     if args.render is not None:
-        return render(Path(args.render), args.no_doc)
+        return render_stored("table_footprint", Path(args.render), markdown)
     root = str(Path(__file__).resolve().parent.parent)
     code = os.path.abspath(args.code) if args.code else root
     baseline = os.path.abspath(args.baseline) if args.baseline else None
@@ -684,30 +666,13 @@ def main() -> int:
     load.stop()
     machine = machine_info()
     machine["git_sha"] = _sha(code)
-    md = markdown(runs, baseline_runs, params) + "\n\n" + load.note()
     command = "python bench/table_footprint.py" + (" --quick" if args.quick else "") + (
         " --deep" if args.deep else "") + (f" --code {args.code}" if args.code else "") + (
         f" --baseline {args.baseline}" if args.baseline else "")
-    write_results("table_footprint", {"params": params, "runs": runs,
-                                      "baseline_runs": baseline_runs, "load": load.summary,
-                                      "load_note": load.note()},
-                  md, quick=args.quick, command=command, no_doc=args.no_doc, tag=args.tag,
-                  machine=machine)
-    print(md)
-    return 0
-
-
-def render(path: Path, no_doc: bool) -> int:
-    """Re-render the docs section of a stored run (``--render``)."""
-    doc = json.loads(path.read_text())
-    f = doc["figures"]
-    note = f.get("load_note") or ""
-    md = markdown(f["runs"], f.get("baseline_runs", []), f["params"]) + (
-        "\n\n" + note if note else "")
-    command = doc["command"].split(" --tag ")[0]
-    write_results("table_footprint", f, md, quick=doc["quick"], command=command,
-                  no_doc=no_doc, tag=doc.get("label"), machine=doc["machine"])
-    print(md)
+    publish("table_footprint", {"params": params, "runs": runs, "baseline_runs": baseline_runs,
+                                "load": load.summary, "load_note": load.note()},
+            markdown, quick=args.quick, command=command, no_doc=args.no_doc, tag=args.tag,
+            machine=machine)
     return 0
 
 
