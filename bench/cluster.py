@@ -47,7 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench._common import LoadSampler, fmt, other_jvms, parser, summary, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    LoadSampler,
+    add_render,
+    fmt,
+    load_brief,
+    other_jvms,
+    parser,
+    publish,
+    render_stored,
+    summary,
+    table,
+)
 from bench.spark_job import ROCKSDB_PROVIDER, list_files, spark_objects, write_file  # noqa: E402
 
 VARIANTS = ("dstl", "dstl-s3", "spark")
@@ -150,57 +161,39 @@ def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             "exact": all(r["exact"] for r in results)}
 
 
-def _markdown(figs: dict[str, Any], args: Any, repeats: int, load: str) -> str:
+def _markdown(figs: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
     def cell(v: str, key: str, scale: float = 1.0, unit: str = "", digits: int = 2) -> str:
-        s = figs[v].get(key)
-        return fmt(s, unit, scale, digits) if s else "—"
+        f = figs[v].get(key)
+        return fmt(f, unit, scale, digits) if f else "—"
 
-    lines = [
-        f"{args.files} micro-batches of {args.events} clicks by {args.users} users (the demo "
-        f"job's stream), {PARTITIONS} partitions, `local-cluster[2,1,1024]` (two executor JVMs, "
-        f"one core each); {repeats} repeats, each one query per variant in the same cluster, "
-        "order rotated. Cell: median over repeats of the per-repeat median over the steady "
-        "batches (all but each query's first), (min..max over repeats). `dstl` = the demo job "
-        "(value, map and value state per user; LMDB; one agent per executor), store on the "
-        "local disk; `dstl-s3` = the same, store on moto S3 in the bench process; `spark` = "
-        "`groupBy(\"user\").count()` on RocksDB with changelog checkpointing (a JVM-only "
-        f"count: less state, no Python per row). {load}",
-        "",
-        "| figure | dstl | dstl-s3 | spark | dstl / spark |",
-        "|---|---|---|---|---|",
-    ]
-    ratio = "—"
-    d, s = figs["dstl"].get("batch_s"), figs["spark"].get("batch_s")
-    if d and s and s["median"] > 0:
-        ratio = f"{d['median'] / s['median']:.2f}x"
-    lines.append(f"| batch time (triggerExecution) | {cell('dstl', 'batch_s', 1e3, 'ms', 0)} "
-                 f"| {cell('dstl-s3', 'batch_s', 1e3, 'ms', 0)} | "
-                 f"{cell('spark', 'batch_s', 1e3, 'ms', 0)} | {ratio} |")
-    ratio_o = "—"
-    d, s = figs["dstl"].get("objects"), figs["spark"].get("objects")
-    if d and s and s["median"] > 0:
-        ratio_o = f"{d['median'] / s['median']:.2f}x"
-    lines.append(f"| objects per batch (Spark: without .crc) | {cell('dstl', 'objects', digits=1)}"
-                 f" | {cell('dstl-s3', 'objects', digits=1)} | "
-                 f"{cell('spark', 'objects', digits=1)} | {ratio_o} |")
-    lines.append(f"| of which DSTL log segments | {cell('dstl', 'segments', digits=1)} | "
-                 f"{cell('dstl-s3', 'segments', digits=1)} | — | |")
-    lines.append(f"| Spark .crc files per batch | — | — | {cell('spark', 'crc', digits=1)} | |")
-    lines.append(f"| first batch of a query | {cell('dstl', 'first_batch_s', 1e3, 'ms', 0)} | "
-                 f"{cell('dstl-s3', 'first_batch_s', 1e3, 'ms', 0)} | "
-                 f"{cell('spark', 'first_batch_s', 1e3, 'ms', 0)} | |")
-    lines.append(f"| executor agents that served tasks | {figs['dstl']['agents']} | "
-                 f"{figs['dstl-s3']['agents']} | — | |")
-    lines.append(f"| final counts exact | {figs['dstl']['exact']} | {figs['dstl-s3']['exact']} "
-                 f"| {figs['spark']['exact']} | |")
-    lines += ["", "DSTL's objects per batch = one segment per task (one core per executor: an "
-              "executor's tasks run one after another and fall into separate flush windows of its "
-              "agent) + snapshots installed (agents materialize every 10 s) + 1 manifest; "
-              "Spark's = one changelog per partition (plus its `.crc`; snapshots are uploaded by "
-              "the maintenance task, none appeared in these short runs). The first batch of "
-              "the first query in the fresh cluster pays the executors' Python worker and agent "
-              "start (the maximum of `first batch`)."]
-    return "\n".join(lines)
+    def ratio(key: str) -> str:
+        d, sp = figs["dstl"].get(key), figs["spark"].get(key)
+        return f"{d['median'] / sp['median']:.2f}x" if d and sp and sp["median"] > 0 else "—"
+
+    rows = [["steady batch `triggerExecution`", cell("dstl", "batch_s", 1e3, "ms", 0),
+             cell("dstl-s3", "batch_s", 1e3, "ms", 0), cell("spark", "batch_s", 1e3, "ms", 0),
+             ratio("batch_s")],
+            ["objects per batch (Spark: without `.crc`)", cell("dstl", "objects", digits=1),
+             cell("dstl-s3", "objects", digits=1), cell("spark", "objects", digits=1),
+             ratio("objects")],
+            ["first batch of a query", cell("dstl", "first_batch_s", 1e3, "ms", 0),
+             cell("dstl-s3", "first_batch_s", 1e3, "ms", 0),
+             cell("spark", "first_batch_s", 1e3, "ms", 0), ratio("first_batch_s")],
+            ["final counts exact", figs["dstl"]["exact"], figs["dstl-s3"]["exact"],
+             figs["spark"]["exact"], ""]]
+    runs = figs.get("runs", {}).get("dstl", [])
+    batches = len(runs[0]["batches"]) if runs else "?"
+    return "\n".join([
+        table(["figure", "dstl", "dstl-s3", "spark (same run)", "dstl / spark"], rows), "",
+        f"{batches} micro-batches of the demo job's click stream, {PARTITIONS} partitions, "
+        "`local-cluster[2,1,1024]` (two executor JVMs, one core each); median (min..max) over "
+        f"{len(runs)} repeats of each query's median steady batch, one query per variant per "
+        "repeat in the same cluster. `dstl` = the demo job (value, map and value state per "
+        "user; LMDB; an agent per executor), store on local disk; `dstl-s3` = the same on moto "
+        "S3; `spark` = `groupBy(\"user\").count()` on RocksDB with changelog checkpointing (a "
+        f"JVM-only count: less state, no Python per row); {load_brief(figs.get('load'))}.",
+    ])
 
 
 def main() -> None:
@@ -208,7 +201,11 @@ def main() -> None:
     p.add_argument("--files", type=int, default=None)
     p.add_argument("--events", type=int, default=None)
     p.add_argument("--users", type=int, default=500)
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        render_stored("cluster", Path(args.render), _markdown)
+        return
     args.files = args.files or (5 if args.quick else 10)
     args.events = args.events or (500 if args.quick else 3000)
     repeats = max(1, args.repeats)
@@ -255,14 +252,11 @@ def main() -> None:
     figs["other_jvms_at_start"] = jvms_before
     figs["total_s"] = time.monotonic() - t0
     figs["runs"] = results
-    note = (f"{sampler.note()}; other JVMs on the machine at start: {jvms_before}. Total "
-            f"{figs['total_s']:.0f} s.")
-    md = _markdown(figs, args, repeats, note)
-    print(md)
-    write_results("cluster", figs, md, quick=args.quick,
-                  command="nice -n 10 .venv/bin/python bench/cluster.py"
-                          + (" --quick" if args.quick else ""),
-                  no_doc=args.no_doc, tag=args.tag)
+    figs["config"] = {"files": args.files, "events": args.events, "users": args.users,
+                      "repeats": repeats}
+    publish("cluster", figs, _markdown, quick=args.quick,
+            command="nice -n 10 .venv/bin/python bench/cluster.py"
+            + (" --quick" if args.quick else ""), no_doc=args.no_doc, tag=args.tag)
     if not all(figs[v]["exact"] for v in VARIANTS):
         raise SystemExit("a variant's final counts differ from the independent computation")
 

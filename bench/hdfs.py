@@ -47,11 +47,15 @@ from support.minidfs import MiniDfs  # noqa: E402
 
 from bench._common import (  # noqa: E402
     LoadSampler,
+    add_render,
     fmt,
+    load_brief,
     parser,
     percentile,
+    publish,
+    render_stored,
     summary,
-    write_results,
+    table,
 )
 from bench.recovery import (  # noqa: E402
     Place,
@@ -147,43 +151,31 @@ def bench_small_puts(n: int, directory: Path) -> dict[str, Any]:
 
 
 def _markdown(figures: dict[str, Any]) -> str:
-    r = figures["restore"]
-    lines = [
-        f"**Restore at {r['keys']:,} keys** (64 B values; a materialized snapshot of "
-        f"{r['data']['snapshot_mb']:.1f} MB and a log tail of {r['tail_changes']:,} changes, "
-        f"{r['data']['segments']} segments), with a fresh restore cache; seconds, median "
-        f"(min..max) of {figures['repeats']}, the stores' repeats interleaved; ratio against "
-        "the local disk in the same run:",
-        "",
-        "| store | heap table | vs local | LMDB table | vs local | snapshot GET |",
-        "|---|---|---|---|---|---|",
-    ]
-    for target, s in r["stores"].items():
-        lines.append(f"| {target} | {fmt(s['heap']['seconds'], 's')} | "
-                     f"{s['heap_vs_local']:.2f}x | {fmt(s['lmdb']['seconds'], 's')} | "
-                     f"{s['lmdb_vs_local']:.2f}x | {fmt(s['floor']['get_s'], 's', digits=3)} |")
-    p = figures["small_puts"]
-    lines += [
-        "",
-        f"**A 1 KiB put on HDFS** (`HdfsBlobStore.put`, {p['0']['n']} in a row; milliseconds, "
-        "median (min..max), p90) by the NameNode's "
-        f"`{CLOSE_SETTING}`:",
-        "",
-        "| setting | put | put p90 | get |",
-        "|---|---|---|---|",
-    ]
-    for value in ("0", "1"):
-        s = p[value]
-        lines.append(f"| `{value}`{' (default)' if value == '0' else ''} | "
-                     f"{fmt(s['put_s'], 'ms', 1e3, 1)} | {s['put_p90_s'] * 1e3:.1f} ms | "
-                     f"{fmt(s['get_s'], 'ms', 1e3, 1)} |")
-    lines += ["", f"Put with `1` / with `0`: {p['ratio']:.2f}x.", "", figures["load_note"]]
-    return "\n".join(lines)
+    """The docs section of a run, from its stored figures."""
+    r, p = figures["restore"], figures["small_puts"]
+    rows = [[target, fmt(st["heap"]["seconds"]), f"{st['heap_vs_local']:.2f}x",
+             fmt(st["lmdb"]["seconds"]), f"{st['lmdb_vs_local']:.2f}x",
+             fmt(st["floor"]["get_s"], digits=3)] for target, st in r["stores"].items()]
+    return "\n".join([
+        table(["store", "restore into the heap table s", "vs local (same run)",
+               "into LMDB s", "vs local", "snapshot GET s"], rows), "",
+        f"Restore at {r['keys']:,} keys: a {r['data']['snapshot_mb']:.1f} MB snapshot and a log "
+        f"tail of {r['tail_changes']:,} changes, with a fresh restore cache; median (min..max) "
+        f"of {figures['repeats']}, the stores' repeats interleaved; HDFS = a MiniDFSCluster on "
+        "loopback. A 1 KiB `HdfsBlobStore.put` takes "
+        f"{p['0']['put_s']['median'] * 1e3:.0f} ms with the NameNode's default "
+        f"`{CLOSE_SETTING}=0` and {p['1']['put_s']['median'] * 1e3:.0f} ms with `1` "
+        f"({p['ratio']:.2f}x); {load_brief(figures.get('load'))}.",
+    ])
 
 
 def main() -> None:
     p = parser(__doc__ or "")
+    add_render(p)
     args = p.parse_args()
+    if args.render:
+        render_stored("hdfs", Path(args.render), _markdown)
+        return
     repeats = max(args.repeats, 5)
     keys = 50_000 if args.quick else 1_000_000
     tmp = Path(tempfile.mkdtemp(prefix="dstl-bench-hdfs-"))
@@ -200,9 +192,9 @@ def main() -> None:
         figures["load"] = load.stop()
         figures["load_note"] = load.note()
         shutil.rmtree(tmp, ignore_errors=True)
-    write_results("hdfs", figures, _markdown(figures), quick=args.quick,
-                  command="python bench/hdfs.py" + (" --quick" if args.quick else ""),
-                  no_doc=args.no_doc, tag=args.tag)
+    publish("hdfs", figures, _markdown, quick=args.quick,
+            command="python bench/hdfs.py" + (" --quick" if args.quick else ""),
+            no_doc=args.no_doc, tag=args.tag)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import LoadSampler, machine_info, parser, write_results
+from bench._common import (
+    LoadSampler,
+    add_render,
+    load_brief,
+    parser,
+    publish,
+    render_stored,
+    table,
+)
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
 from dstl.checkpoint import CheckpointCoordinator
 from dstl.stores import open_store
@@ -240,7 +248,11 @@ def main() -> None:
     p.add_argument("--intervals", type=int, default=12)
     p.add_argument("--update-frac", type=float, default=0.01)
     p.add_argument("--mat-every", type=int, default=2)
+    add_render(p)
     a = p.parse_args()
+    if a.render:
+        render_stored("incremental", Path(a.render), markdown)
+        return
     sizes = a.keys or ([20_000] if a.quick else [200_000, 1_000_000])
     sampler = LoadSampler()
     work = Path(tempfile.mkdtemp(prefix="dstl-bench-inc-"))
@@ -263,43 +275,44 @@ def main() -> None:
                   f"{res['restore_p0_s']:.2f} s {res['restore_stats']}", flush=True)
             results.append(res)
     load = sampler.stop()
+    command = "python bench/incremental.py" + (" --quick" if a.quick else "") + (
+        f" --keys {' '.join(map(str, a.keys))}" if a.keys else "")
+    publish("incremental", {"sizes": results, "write_cost": writes, "load": load,
+                            "config": {"intervals": a.intervals, "update_frac": a.update_frac,
+                                       "mat_every": a.mat_every}},
+            markdown, quick=a.quick, command=command, no_doc=a.no_doc, tag=a.tag)
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    """The docs section of a run, from its stored figures."""
+    results, writes = figures["sizes"], figures["write_cost"]
     rows = []
-    for n in sizes:
+    for n in sorted({r["keys"] for r in results}):
         full, inc = (next(r for r in results if r["keys"] == n and r["incremental"] is m)
                      for m in (False, True))
         fm, im = full["mean"], inc["mean"]
-        rows.append(
-            f"| {n:,} | {fm['store_bytes'] / 1e6:.2f} ({full['min_store_bytes'] / 1e6:.2f}-"
-            f"{full['max_store_bytes'] / 1e6:.2f}) | {im['store_bytes'] / 1e6:.2f} "
-            f"({inc['min_store_bytes'] / 1e6:.2f}-{inc['max_store_bytes'] / 1e6:.2f}) | "
-            f"**{fm['store_bytes'] / im['store_bytes']:.1f}x** | {im['log_bytes'] / 1e6:.2f} | "
-            f"{im['store_bytes'] / im['log_bytes']:.2f}x | {fm['cpu_s']:.2f} / {im['cpu_s']:.2f} | "
-            f"{full['store_size_end'] / 1e6:.1f} / {inc['store_size_end'] / 1e6:.1f} | "
-            f"{full['restore_p0_s']:.2f} / {inc['restore_p0_s']:.2f} |")
-    md = (
-        "### Incremental materialization (`bench/incremental.py`)\n\n"
-        f"Four LMDB partitions in one process, {a.intervals} steady intervals each updating "
-        f"{a.update_frac:.0%} of the keys (256-byte values), every partition materialized every "
-        f"{a.mat_every} intervals, 2 retained checkpoints; the same workload with "
-        "`incremental_snapshots` off (full) and on (incremental), one run. Store bytes per "
-        "interval: mean over the steady intervals (min-max of one interval), MB; CPU: mean per "
-        "interval, all threads of the process. "
-        f"{sampler.note()}.\n\n"
-        "| keys | full | incremental | full / incremental | log alone | incremental / log | "
-        "CPU s per interval, full / incremental | store size at the end, MB, full / "
-        "incremental | restore of partition 0, s, full / incremental |\n"
-        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        "The write path's cost of remembering changed entries: "
-        f"{20_000 if a.quick else 200_000:,} updates of a `ValueState` in one write batch, "
-        "median of 5 alternating repeats, off / on: " + "; ".join(
-            f"{t} {w['median_off_s']:.3f} ({min(w['off_s']):.3f}-{max(w['off_s']):.3f}) / "
-            f"{w['median_on_s']:.3f} ({min(w['on_s']):.3f}-{max(w['on_s']):.3f}) s "
-            f"(**{w['ratio']:.2f}x**)" for t, w in writes.items()) + ".\n")
-    command = "python bench/incremental.py" + (" --quick" if a.quick else "") + (
-        f" --keys {' '.join(map(str, a.keys))}" if a.keys else "")
-    write_results("incremental", {"sizes": results, "write_cost": writes, "load": load}, md,
-                  quick=a.quick,
-                  command=command, no_doc=a.no_doc, tag=a.tag, machine=machine_info())
+        rows.append([f"{n:,}", f"{im['store_bytes'] / 1e6:.2f} ({inc['min_store_bytes'] / 1e6:.2f}"
+                     f"..{inc['max_store_bytes'] / 1e6:.2f})",
+                     f"{fm['store_bytes'] / 1e6:.2f} ({full['min_store_bytes'] / 1e6:.2f}.."
+                     f"{full['max_store_bytes'] / 1e6:.2f})",
+                     f"**{fm['store_bytes'] / im['store_bytes']:.1f}x** less",
+                     f"{im['store_bytes'] / im['log_bytes']:.2f}x",
+                     f"{full['restore_p0_s']:.2f} / {inc['restore_p0_s']:.2f}"])
+    cost = "; ".join(f"{t} {w['ratio']:.2f}x ({w['median_on_s']:.2f} s vs "
+                     f"{w['median_off_s']:.2f} s)" for t, w in writes.items())
+    # runs stored before the config was recorded used the defaults (their commands set none)
+    c = {"intervals": 12, "update_frac": 0.01, "mat_every": 2, **figures.get("config", {})}
+    return "\n".join([
+        table(["keys", "incremental: store MB per interval", "full snapshots (same run)",
+               "ratio", "incremental / the log alone", "restore of one partition s, full / "
+               "incremental"], rows), "",
+        f"Four LMDB partitions in one process, {c['intervals']} steady intervals each updating "
+        f"{c['update_frac']:.0%} of the keys (256-byte values), every partition materialized "
+        f"every {c['mat_every']} intervals; the same workload with `incremental_snapshots` off and "
+        "on, one run; store MB per interval: mean (min..max of one interval). The write path's "
+        "cost of remembering changed entries (a `ValueState` update in a write batch, on / off, "
+        f"median of 5 alternating repeats): {cost}; {load_brief(figures.get('load'))}.",
+    ])
 
 
 if __name__ == "__main__":
