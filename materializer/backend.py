@@ -84,23 +84,18 @@ from dstl.retry import RetryBudget, RetryPolicy
 from dstl.stores.base import check_store, translate_error
 from dstl.timer import Timer, check_timer
 from materializer.changes import (
-    ADD,
-    ADD_ELEMENT,
-    ADD_OR_UPDATE_ELEMENT,
     CLEAR,
     OP_SID,
     OPS_BY_KIND,
-    REMOVE_ELEMENT,
+    READS_CURRENT,
     SET,
     SET_INTERNAL,
     Change,
+    apply_op,
     decode_change,
-    decode_map_entry,
     decode_metadata,
     encode_key_ns,
     encode_metadata,
-    iter_framed,
-    iter_pairs,
 )
 from materializer.codecs import (
     TTL_CODEC_PREFIX,
@@ -1348,36 +1343,13 @@ class ChangelogKeyedStateBackend:
         if self._heap:
             key = self._key_codec.decode(ch.key)
             ns = self._ns_codec.decode(ch.namespace)
-        op = ch.op
-        if op == CLEAR:
+        op = ch.op  # what it does: the op table (materializer.changes.apply_op)
+        cur = t.get(sid, kg, key, ns) if op in READS_CURRENT else None
+        new = apply_op(op, shape, cur, ch.payload, objects=self._heap)
+        if new is None:
             t.remove(sid, kg, key, ns)
-        elif op in (SET, SET_INTERNAL):
-            t.put(sid, kg, key, ns, shape.from_bytes(ch.payload) if self._heap else ch.payload)
         else:
-            cur = t.get(sid, kg, key, ns)
-            obj = (cur if self._heap else shape.from_bytes(cur)) if cur is not None else None
-            codec = shape.codec
-            if op == ADD_ELEMENT:
-                obj = [*(obj or []), codec.decode(ch.payload)]
-            elif op == ADD and shape.kind == "list":
-                obj = [*(obj or []), *(codec.decode(e) for e in iter_framed(ch.payload))]
-            elif op == ADD:
-                kd = shape.map_key
-                obj = dict(obj or {})
-                obj.update((kd(k), codec.decode(v)) for k, v in iter_pairs(ch.payload))
-            elif op == ADD_OR_UPDATE_ELEMENT:
-                kb, vb = decode_map_entry(ch.payload)
-                obj = dict(obj or {})
-                obj[shape.map_key(kb)] = codec.decode(vb)
-            elif op == REMOVE_ELEMENT:
-                obj = dict(obj or {})
-                obj.pop(shape.map_key(ch.payload), None)
-            else:
-                raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
-            if op == REMOVE_ELEMENT and not obj:
-                t.remove(sid, kg, key, ns)
-            else:
-                t.put(sid, kg, key, ns, obj if self._heap else shape.to_bytes(obj))
+            t.put(sid, kg, key, ns, new)
 
     def _apply_raw(self, kg: int, sid: int, ch: Change) -> None:
         """Replay one change of a raw state: bytes in, bytes stored, in either table."""

@@ -30,7 +30,9 @@ code  op                     payload
 Code 4 (Flink's MERGE_NS) is reserved: DSTL logs a namespace merge as its effects (CLEAR of each
 source, SET_INTERNAL of the target), so replay needs no merge function. :data:`OPS_BY_KIND` says
 which ops a state of each kind logs; replay refuses any other (a crafted log could otherwise make
-a list operation run on a value state).
+a list operation run on a value state). What each op does — to the entry it changes, and as rows
+of the change feed — is the op table below (:func:`apply_op`, :func:`op_rows`): restore, the
+state reader and the change feed all use it.
 
 Decoding is strict (the log is untrusted input): every decoder here raises only
 :class:`~dstl.errors.CorruptObjectError`, naming the placeholder ``<change>`` and the offset
@@ -55,6 +57,7 @@ __all__ = [
     "MAX_METADATA_RECORD_BYTES",
     "MAX_STATES_METADATA_BYTES",
     "OPS_BY_KIND",
+    "READS_CURRENT",
     "STATE_KINDS",
     "ADD",
     "ADD_ELEMENT",
@@ -62,6 +65,7 @@ __all__ = [
     "CLEAR",
     "METADATA",
     "append_framed",
+    "apply_op",
     "check_state_meta",
     "decode_snapshot_states",
     "REMOVE_ELEMENT",
@@ -77,6 +81,7 @@ __all__ = [
     "frame",
     "iter_framed",
     "iter_pairs",
+    "op_rows",
 ]
 
 CLEAR: Final = 0
@@ -181,6 +186,109 @@ def iter_pairs(data: bytes) -> Iterator[tuple[bytes, bytes]]:
             raise CorruptObjectError("<change>", 0, "map entries payload holds an odd number "
                                                     "of items (a key without its value)")
         yield k, v
+
+
+# --------------------------------------------------------------------------- the op table
+#
+# What each op does, for every reader of the log: restore (ChangelogKeyedStateBackend.
+# apply_change), the state reader (dstl/reader/image.py) and the change feed
+# (dstl/reader/changes.py) all go through the two functions below, so an op means one thing.
+#
+# ======================  =====================================  =================================
+# op                      the entry of its key and namespace     rows of the change feed
+# ======================  =====================================  =================================
+# CLEAR                   removed                                ("clear", None, None)
+# SET, SET_INTERNAL       replaced by the payload                ("set", None, the decoded value)
+# ADD_ELEMENT (list)      the element appended                   ("add", None, the element)
+# ADD (list)              the elements appended, in order        ("add", None, element) each
+# ADD (map)               the entries put                        ("put", map key, value) each
+# ADD_OR_UPDATE_ELEMENT   the entry put                          ("put", map key, value)
+# REMOVE_ELEMENT (map)    the entry removed; an emptied map      ("remove", map key, None)
+#                         is removed
+# ======================  =====================================  =================================
+
+#: The ops whose effect depends on the entry they change (the others replace or remove it).
+READS_CURRENT: Final = frozenset({ADD, ADD_ELEMENT, ADD_OR_UPDATE_ELEMENT, REMOVE_ELEMENT})
+
+
+def apply_op(op: int, shape: Any, current: Any, payload: bytes, *, objects: bool) -> Any:
+    """The entry after one change (the op table's middle column), or ``None`` when the change
+    removes it.
+
+    Args:
+        op: the change's op, already checked against :data:`OPS_BY_KIND` for ``shape.kind``.
+        shape: the state's :class:`~materializer.states.StateShape` (kind and codecs).
+        current: the entry before the change (``None``: absent); only read for the ops of
+            :data:`READS_CURRENT`.
+        payload: the change's payload.
+        objects: entries are heap objects (``True``) or their stored bytes (``False``).
+
+    Raises:
+        CorruptObjectError: the payload does not decode (named ``<change>``/``<state value>``),
+            a map key that is not hashable, or an op this table does not know.
+    """
+    if op == CLEAR:
+        return None
+    if op in (SET, SET_INTERNAL):
+        return shape.from_bytes(payload) if objects else payload
+    codec = shape.codec
+    if not objects and shape.kind == "list" and op in (ADD_ELEMENT, ADD):
+        # the stored list's bytes as the live write path makes them (append_framed); the new
+        # elements are decoded once, so a change that does not decode is refused here
+        items = [payload] if op == ADD_ELEMENT else list(iter_framed(payload))
+        for e in items:
+            codec.decode(e)
+        return append_framed(current, items)
+    obj = None if current is None else (current if objects else shape.from_bytes(current))
+    if op == ADD_ELEMENT:
+        obj = [*(obj or []), codec.decode(payload)]
+    elif op == ADD and shape.kind == "list":
+        obj = [*(obj or []), *(codec.decode(e) for e in iter_framed(payload))]
+    elif op == ADD:
+        kd = shape.map_key
+        obj = dict(obj or {})
+        obj.update((kd(k), codec.decode(v)) for k, v in iter_pairs(payload))
+    elif op == ADD_OR_UPDATE_ELEMENT:
+        kb, vb = decode_map_entry(payload)
+        obj = dict(obj or {})
+        obj[shape.map_key(kb)] = codec.decode(vb)
+    elif op == REMOVE_ELEMENT:
+        obj = dict(obj or {})
+        obj.pop(shape.map_key(payload), None)
+        if not obj:
+            return None
+    else:
+        raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
+    return obj if objects else shape.to_bytes(obj)
+
+
+def op_rows(op: int, shape: Any, payload: bytes) -> Iterator[tuple[str, Any, Any]]:
+    """``(change, map key, value)`` of one change (the op table's right column): what the
+    change feed shows.
+
+    Raises:
+        CorruptObjectError: the payload does not decode, or an op this table does not know.
+    """
+    if op == CLEAR:
+        yield "clear", None, None
+    elif op in (SET, SET_INTERNAL):  # a list's or a map's SET is its whole value, as restored
+        yield "set", None, shape.from_bytes(payload)
+    elif op == ADD_ELEMENT:
+        yield "add", None, shape.codec.decode(payload)
+    elif op == ADD and shape.kind == "list":
+        for e in iter_framed(payload):
+            yield "add", None, shape.codec.decode(e)
+    elif op == ADD:
+        kd = shape.key_codec.decode
+        for k, v in iter_pairs(payload):
+            yield "put", kd(k), shape.codec.decode(v)
+    elif op == ADD_OR_UPDATE_ELEMENT:
+        kb, vb = decode_map_entry(payload)
+        yield "put", shape.key_codec.decode(kb), shape.codec.decode(vb)
+    elif op == REMOVE_ELEMENT:
+        yield "remove", shape.key_codec.decode(payload), None
+    else:
+        raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,20 +43,7 @@ from dstl.reader.plan import ChangeSplit, CheckpointView, GapFill, LogRun, plan_
 from dstl.reader.rows import ChangeRow
 from dstl.reader.state import translate_missing
 from dstl.stores.base import BlobStore
-from materializer.changes import (
-    ADD,
-    ADD_ELEMENT,
-    ADD_OR_UPDATE_ELEMENT,
-    CLEAR,
-    REMOVE_ELEMENT,
-    SET,
-    SET_INTERNAL,
-    decode_change,
-    decode_map_entry,
-    decode_metadata,
-    iter_framed,
-    iter_pairs,
-)
+from materializer.changes import decode_change, decode_metadata, op_rows
 from materializer.codecs import SafeCodec, StrOrBytesKeyCodec, codec_by_name
 from materializer.delta_format import DELTA_VERSION
 from materializer.file_snapshot import read_file_snapshot_layout, snapshot_version
@@ -224,33 +211,6 @@ def _sub_handle(h: ChangelogHandle, start: int, end: int) -> ChangelogHandle:
                            restrict=h.restrict)
 
 
-def _elementary(op: int, kind: str, shape: StateShape, payload: bytes
-                ) -> Iterator[tuple[str, Any, Any]]:
-    """``(op, user_key, value)`` of one data record's payload."""
-    if op == CLEAR:
-        yield "clear", None, None
-    elif op == SET:
-        yield "set", None, shape.codec.decode(payload)
-    elif op == SET_INTERNAL:
-        yield "set", None, shape.from_bytes(payload)
-    elif op == ADD_ELEMENT:
-        yield "add", None, shape.codec.decode(payload)
-    elif op == ADD and kind == "list":
-        for e in iter_framed(payload):
-            yield "add", None, shape.codec.decode(e)
-    elif op == ADD:
-        kd = shape.key_codec.decode  # type: ignore[union-attr]
-        for k, v in iter_pairs(payload):
-            yield "put", kd(k), shape.codec.decode(v)
-    elif op == ADD_OR_UPDATE_ELEMENT:
-        kb, vb = decode_map_entry(payload)
-        yield "put", shape.key_codec.decode(kb), shape.codec.decode(vb)  # type: ignore[union-attr]
-    elif op == REMOVE_ELEMENT:
-        yield "remove", shape.key_codec.decode(payload), None  # type: ignore[union-attr]
-    else:
-        raise CorruptObjectError("<changelog>", 0, f"unknown op code {op}")
-
-
 class _SplitReader:
     """Reads one :class:`ChangeSplit` (see the module docstring)."""
 
@@ -304,7 +264,7 @@ class _SplitReader:
                 continue
             name, kind, shape = found
             ns = _ns(ch.namespace)
-            for op, uk, value in _elementary(ch.op, kind, shape, ch.payload):
+            for op, uk, value in op_rows(ch.op, shape, ch.payload):
                 yield self._row(kg, ch.key, name, kind, ns, op, uk, value, "log")
 
     def _learn_earlier(self, h: ChangelogHandle, upto: int, registry: _Registry) -> None:

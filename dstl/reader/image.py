@@ -9,11 +9,11 @@ split, the snapshot entries *are* the state: :func:`stream_snapshots` yields the
 decoded, block by block, and nothing is kept. Otherwise :class:`StateImage` holds every entry
 of the split as its **stored form** — the bytes a snapshot block or an LMDB table holds, keyed
 by ``(state name, key group, key bytes, namespace bytes)`` — loads the snapshots into it and
-replays the log on those bytes with the semantics of
-:meth:`~materializer.backend.ChangelogKeyedStateBackend.apply_change` on an LMDB table: ``CLEAR``
-removes, ``SET``/``SET_INTERNAL`` store the payload (already the stored form), list appends
-append framed element bytes, map operations decode the map, change it and encode it again (map
-keys compare as decoded values), and an emptied map is removed. Values are decoded once, when
+replays the log on those bytes through the op table a restore uses
+(:func:`materializer.changes.apply_op`, on stored bytes as an LMDB table does: ``CLEAR``
+removes, ``SET``/``SET_INTERNAL`` store the payload, list appends append framed element bytes,
+map operations decode the map, change it and encode it again, and an emptied map is removed).
+Values are decoded once, when
 the split's rows are produced. States are identified by name — state ids are per snapshot and
 per log (a handle's metadata records map its ids), exactly as a restore maps them.
 
@@ -42,19 +42,11 @@ from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.stores.base import BlobStore
 from materializer.changes import (
-    ADD,
-    ADD_ELEMENT,
-    ADD_OR_UPDATE_ELEMENT,
-    CLEAR,
-    REMOVE_ELEMENT,
-    SET,
-    SET_INTERNAL,
-    append_framed,
+    OPS_BY_KIND,
+    READS_CURRENT,
+    apply_op,
     decode_change,
-    decode_map_entry,
     decode_metadata,
-    iter_framed,
-    iter_pairs,
 )
 from materializer.codecs import codec_by_name
 from materializer.delta_format import DeltaReader
@@ -377,37 +369,23 @@ class StateImage:
             yield (info.name, kg, ch.key, ch.namespace), info, ch.op, ch.payload
 
     def apply(self, ident: Ident, info: StateInfo, op: int, payload: bytes) -> None:
-        """Apply one change to the entry ``ident`` (the LMDB table's semantics)."""
-        entries = self.entries
-        if op == CLEAR:
-            entries.pop(ident, None)
-        elif op in (SET, SET_INTERNAL):
-            entries[ident] = payload
-        elif info.kind == "list" and op == ADD_ELEMENT:
-            entries[ident] = append_framed(entries.get(ident), [payload])
-        elif info.kind == "list" and op == ADD:
-            entries[ident] = append_framed(entries.get(ident), list(iter_framed(payload)))
-        elif info.kind == "map" and op in (ADD, ADD_OR_UPDATE_ELEMENT, REMOVE_ELEMENT):
-            self._apply_map(ident, info.shape, op, payload)
-        else:
+        """Apply one change to the entry ``ident`` (the op table,
+        :func:`materializer.changes.apply_op`, on stored bytes: the LMDB table's semantics).
+
+        Raises:
+            CorruptObjectError: an op that is not one of the state's kind, or a payload that
+                does not decode.
+        """
+        if op not in OPS_BY_KIND[info.kind]:
             raise CorruptObjectError("<changelog>", 0, f"op code {op} on {info.kind} state "
                                                        f"{info.name!r}")
-
-    def _apply_map(self, ident: Ident, shape: StateShape, op: int, payload: bytes) -> None:
-        cur = self.entries.get(ident)
-        obj: dict[Any, Any] = dict(shape.from_bytes(cur)) if cur is not None else {}
-        kd, vd = shape.key_codec.decode, shape.codec.decode  # type: ignore[union-attr]
-        if op == ADD:
-            obj.update((kd(k), vd(v)) for k, v in iter_pairs(payload))
-        elif op == ADD_OR_UPDATE_ELEMENT:
-            kb, vb = decode_map_entry(payload)
-            obj[kd(kb)] = vd(vb)
+        entries = self.entries
+        new = apply_op(op, info.shape, entries.get(ident) if op in READS_CURRENT else None,
+                       payload, objects=False)
+        if new is None:
+            entries.pop(ident, None)
         else:
-            obj.pop(kd(payload), None)
-        if op == REMOVE_ELEMENT and not obj:
-            self.entries.pop(ident, None)
-        else:
-            self.entries[ident] = shape.to_bytes(obj)
+            entries[ident] = new
 
     def rows(self) -> Iterator[tuple[StateInfo, int, bytes, bytes, bytes]]:
         """``(state, key group, key bytes, namespace bytes, stored value)`` of every entry."""
