@@ -234,9 +234,8 @@ def load_brief(load: dict[str, Any] | None) -> str:
     """The load of a run in a few words (``LoadSampler.stop()``'s summary), for a method line."""
     if not load:
         return "load not recorded"
-    return (f"load {load['median']:.1f} (max {load['max']:.1f}) on {load['cores']} cores, "
-            + ("noisy: absolute figures pessimistic, same-run ratios hold better"
-               if load.get("noisy") else "quiet"))
+    return (f"load {load['median']:.1f} (max {load['max']:.1f}) on {load['cores']} cores: "
+            + ("noisy" if load.get("noisy") else "quiet"))
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -251,9 +250,8 @@ def section(name: str, markdown: str, record: dict[str, Any], results_file: Path
     info = record["machine"]
     return (f"<!-- bench:{name} -->\n"
             f"_Measured {info['time']} at git {info['git_sha']} on {info['cores']} cores "
-            f"({info['cpu']}), Python {info['python']}; "
-            f"{'quick mode; ' if record['quick'] else ''}reproduce with `{record['command']}`; "
-            f"every figure: [{results_file.name}](../bench/results/{results_file.name})._\n\n"
+            f"({info['cpu']}){', quick mode' if record['quick'] else ''}; reproduce: "
+            f"`{record['command']}`; [all figures](../bench/results/{results_file.name})._\n\n"
             f"{markdown.strip()}\n<!-- /bench:{name} -->")
 
 

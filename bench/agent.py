@@ -399,17 +399,12 @@ def markdown(figures: dict[str, Any]) -> str:
     return "\n".join([
         table(["partitions, flush window", "agent: segments / batch",
                "per-task (same run)", "ratio", "batch time ratio", "goal"], rows), "",
-        f"`{c['master']}` (one executor, 2 cores), {c['batches']} micro-batches of "
-        f"{c['events']:,} clicks per run, LMDB; median (min..max) over {c['repeats']} whole "
-        "runs, variants in rotated order"
-        + (", another job shared the machine (timings pessimistic, ratios same-run)"
-           if c.get("high_load") else "") + ". Objects per day extrapolated to "
-        f"{x['partitions']} partitions on {x['executors']} executors at a "
-        f"{x['trigger_s']:.0f} s trigger (the agent's windows per batch as measured at "
-        f"P = {x['measured_at']['partitions']}): Spark's RocksDB changelog >= "
-        f"{t['spark_rocksdb_changelog_s3'] / 1e6:.1f} M, DSTL per-task "
-        f"{t['dstl_per_task'] / 1e6:.1f} M, DSTL with the agent {t['dstl_agent_estimate'] / 1e6:.1f} M "
-        f"(worst case {t['dstl_agent_worst_case'] / 1e6:.1f} M).",
+        f"`{c['master']}`, {c['batches']} micro-batches of {c['events']:,} clicks per run; "
+        f"median (min..max) over {c['repeats']} runs" + ("; noisy" if c.get("high_load") else "")
+        + f". Objects per day at {x['partitions']} partitions, {x['executors']} executors, "
+        f"{x['trigger_s']:.0f} s trigger: Spark >= {t['spark_rocksdb_changelog_s3'] / 1e6:.1f} M, "
+        f"DSTL per-task {t['dstl_per_task'] / 1e6:.1f} M, with the agent "
+        f"{t['dstl_agent_estimate'] / 1e6:.1f} M (worst {t['dstl_agent_worst_case'] / 1e6:.1f} M).",
     ])
 
 

@@ -199,11 +199,9 @@ def markdown(figures: dict[str, Any]) -> str:
     return "\n".join([
         table(["figure", "in the executor agent (other process)",
                "in the worker (backend thread, same run)"], rows), "",
-        f"The writing worker's update latency while its LMDB table of {figures['entries']:,} "
-        f"entries is materialized; batches of {figures['batch']} updates, each one LMDB write "
-        f"batch; median (min..max) of {a['p99_with']['n']} repeats, both modes alternating. In "
-        "the worker the snapshot's encoding shares the writer's GIL; in the agent only the "
-        "cores and LMDB (a read transaction never blocks the writer).",
+        f"Update latency while an LMDB table of {figures['entries']:,} entries is materialized, "
+        f"batches of {figures['batch']} updates; median (min..max) of {a['p99_with']['n']} "
+        "repeats, modes alternating. In the worker the encoding shares the writer's GIL.",
     ])
 
 

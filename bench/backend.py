@@ -618,13 +618,10 @@ def markdown(f: dict[str, Any]) -> str:
     ]
     return "\n".join([
         table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
-        f"Median (min..max) of {f['repeats']} repeats, variants interleaved; local-fs storage. "
-        f"Checkpoints: {c['updates_per_tick']:,} updates per backend per {c['tick_ms']:.0f} ms "
-        "tick, latency from `snapshot()` to its future resolving. The update p99 while "
-        "materializing is the GIL: the write-out encodes entry by entry in Python on a thread of "
-        "the writer's process (the executor agent moves it out: next section). Space: "
-        f"{sp['keys']:,} keys in sliding windows, checkpoint every tick, "
-        f"{end_w['failed_checkpoints']['median']:.0f} checkpoints failed.",
+        f"Median (min..max) of {f['repeats']} repeats, interleaved; local fs; checkpoint "
+        "latency from `snapshot()` to its future resolving. The p99 while materializing is the "
+        "GIL: the write-out encodes in Python on a thread of the writer's process (the executor "
+        "agent moves it out: next section).",
     ])
 
 

@@ -186,13 +186,10 @@ def _markdown(figs: dict[str, Any]) -> str:
     batches = len(runs[0]["batches"]) if runs else "?"
     return "\n".join([
         table(["figure", "dstl", "dstl-s3", "spark (same run)", "dstl / spark"], rows), "",
-        f"{batches} micro-batches of the demo job's click stream, {PARTITIONS} partitions, "
-        "`local-cluster[2,1,1024]` (two executor JVMs, one core each); median (min..max) over "
-        f"{len(runs)} repeats of each query's median steady batch, one query per variant per "
-        "repeat in the same cluster. `dstl` = the demo job (value, map and value state per "
-        "user; LMDB; an agent per executor), store on local disk; `dstl-s3` = the same on moto "
-        "S3; `spark` = `groupBy(\"user\").count()` on RocksDB with changelog checkpointing (a "
-        f"JVM-only count: less state, no Python per row); {load_brief(figs.get('load'))}.",
+        f"{batches} micro-batches, {PARTITIONS} partitions, `local-cluster[2,1,1024]`; median "
+        f"(min..max) over {len(runs)} repeats. `dstl` = the demo job (three states per user), "
+        "store on local disk, `dstl-s3` on moto S3; `spark` = a JVM-only "
+        f"`groupBy(\"user\").count()` on RocksDB; {load_brief(figs.get('load'))}.",
     ])
 
 

@@ -159,13 +159,11 @@ def _markdown(figures: dict[str, Any]) -> str:
     return "\n".join([
         table(["store", "restore into the heap table s", "vs local (same run)",
                "into LMDB s", "vs local", "snapshot GET s"], rows), "",
-        f"Restore at {r['keys']:,} keys: a {r['data']['snapshot_mb']:.1f} MB snapshot and a log "
-        f"tail of {r['tail_changes']:,} changes, with a fresh restore cache; median (min..max) "
-        f"of {figures['repeats']}, the stores' repeats interleaved; HDFS = a MiniDFSCluster on "
-        "loopback. A 1 KiB `HdfsBlobStore.put` takes "
-        f"{p['0']['put_s']['median'] * 1e3:.0f} ms with the NameNode's default "
-        f"`{CLOSE_SETTING}=0` and {p['1']['put_s']['median'] * 1e3:.0f} ms with `1` "
-        f"({p['ratio']:.2f}x); {load_brief(figures.get('load'))}.",
+        f"Restore at {r['keys']:,} keys ({r['data']['snapshot_mb']:.1f} MB snapshot, "
+        f"{r['tail_changes']:,}-change tail), fresh cache; median (min..max) of "
+        f"{figures['repeats']}, stores interleaved; HDFS = a MiniDFSCluster. A 1 KiB put: "
+        f"{p['0']['put_s']['median'] * 1e3:.0f} ms with `{CLOSE_SETTING}=0`, "
+        f"{p['1']['put_s']['median'] * 1e3:.0f} ms with `1`; {load_brief(figures.get('load'))}.",
     ])
 
 

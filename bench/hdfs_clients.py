@@ -162,23 +162,20 @@ def _markdown(figures: dict[str, Any]) -> str:
     native, web = figures["hdfs-native"], figures["fsspec webhdfs"]
     md = [table(["client", "8 MiB put MB/s", "8 MiB get MB/s", "1 KiB put ms (p90)",
                  "1 KiB get ms (p90)", "write-once"], rows), "",
-          "One MiniDFSCluster (a NameNode and one DataNode in one JVM, loopback), every client "
-          f"in the same run; {figures['big_repeats']} puts and gets of 8 MiB and "
-          f"{figures['small_repeats']} of 1 KiB each (median, min..max or p90). hdfs-native "
-          f"over webhdfs: {native['put_8mib_MBps']['median'] / web['put_8mib_MBps']['median']:.2f}x"
-          f" the 8 MiB put, {native['get_8mib_MBps']['median'] / web['get_8mib_MBps']['median']:.2f}x"
-          " the get. A 1 KiB put through hdfs-native waits about 500 ms for the NameNode to "
-          "accept the file's `complete` (the DataNode's block report comes after it); DSTL uses "
-          "hdfs-native all the same (write-once, RPC port only), and a checkpoint pays it once "
-          "per upload, not per change."]
+          "One MiniDFSCluster on loopback, every client in the same run; "
+          f"{figures['big_repeats']} puts and gets of 8 MiB, {figures['small_repeats']} of 1 KiB "
+          "(median, min..max or p90). hdfs-native over webhdfs: "
+          f"{native['put_8mib_MBps']['median'] / web['put_8mib_MBps']['median']:.2f}x the put, "
+          f"{native['get_8mib_MBps']['median'] / web['get_8mib_MBps']['median']:.2f}x the get. A "
+          "1 KiB hdfs-native put waits ~500 ms for the NameNode's `complete`; a checkpoint pays "
+          "it once per upload."]
     persist = figures.get("persist")
     if persist:
         by_store: dict[str, list[str]] = {}
         for r in persist.values():
             by_store.setdefault(r["store"], []).append(
-                f"{fmt(r['p50_ms'], digits=0)} ms at {r['writers']}")
-        md += ["", "Persist p50 (from `persist()` to the future resolving, every writer "
-               "persisting one checkpoint of 200 changes of 64 B), same run: "
+                f"{r['p50_ms']['median']:.0f} ms at {r['writers']}")
+        md += ["", "Persist p50 (one checkpoint of 200 changes per writer), same run: "
                + "; ".join(f"{k} {', '.join(v)} writers" for k, v in by_store.items())
                + "; at most " + f"{max(r['objects_per_checkpoint']['median'] for r in persist.values()):.2f}"
                + " objects per checkpoint."]

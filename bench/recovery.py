@@ -668,11 +668,9 @@ def markdown_file_snapshots(figs: dict[str, Any], before: dict[str, Any] | None 
                          f"{x:.2f}x", f"<= {FLOOR_GOAL:.0f}x: {_met(x <= FLOOR_GOAL)}"])
     return "\n".join([
         md_table(["figure", "DSTL", "floor or before (same run)", "ratio", "goal"], rows), "",
-        "One LMDB backend owning all 128 key groups (keys `user-%08d`, 64 B values), "
-        "materialized as a v2 snapshot (the LMDB file, zstd 1), restored into LMDB with the "
-        "cache: download, crc check, staged decompress, validation of the whole file, rename. "
-        f"Median (min..max) of {figs['repeats']} repeats; {load_brief(figs.get('load'))}. "
-        "Range copy, heap and v1 restores: the results file.",
+        "An LMDB backend's v2 snapshot (the LMDB file, zstd 1) restored into LMDB with the "
+        "cache: download, crc check, decompress, validate the file, rename. Median (min..max) "
+        f"of {figs['repeats']} repeats; {load_brief(figs.get('load'))}.",
     ])
 
 
@@ -1089,32 +1087,26 @@ def markdown(figs: dict[str, Any]) -> str:
                      f"{d['lmdb_vs_floor']:.1f}x",
                      f"<= {FLOOR_GOAL:.0f}x: {_met(d['lmdb_vs_floor'] <= FLOOR_GOAL)}"])
     md = [md_table(["figure", "DSTL", "peer (same run)", "ratio", "goal"], rows), "",
-          "Restore time against backends per process, state size and log length (moto + 20 ms "
-          "and local fs, with and without the cache):", "",
           "![restore time vs backends](img/recovery_backends.png) "
           "![restore time vs state size](img/recovery_state_size.png) "
           "![restore time vs log length](img/recovery_log_length.png)", "",
           f"Median (min..max) of {figs['repeats']} repeats, each restore with a fresh storage and "
-          "an empty cache; moto + 20 ms = a moto S3 server on loopback with 20 ms added to every "
-          f"request; {load_brief(figs.get('load'))}."]
+          "cache; moto + 20 ms = moto S3 on loopback, 20 ms added per request; "
+          f"{load_brief(figs.get('load'))}."]
     if figs.get("moto_error"):
         md += ["", f"_moto figures missing: {figs['moto_error']}_"]
     a = figs.get("advice")
     if a:
         per = a["max_interval_min"]
-        md += ["", "**Choosing the materialization interval.** A restore takes about "
-               "`T0 + S / r_snap + w * I / r_replay` (`S` keys, `w` changes/s, `I` the "
-               f"interval); measured on {a['target']}: `T0` {a['T0_s']:.2f} s, `r_snap` "
-               f"{a['r_snap_keys_per_s'] / 1e3:,.0f} k keys/s (heap) and "
-               f"{a['r_snap_lmdb_keys_per_s'] / 1e3:,.0f} k (LMDB), `r_replay` "
-               f"{a['r_replay_heap_per_s'] / 1e3:,.0f} k changes/s (heap) and "
-               f"{a['r_replay_lmdb_per_s'] / 1e3:,.0f} k (LMDB). To restore a "
-               f"{a['keys']:,}-key backend within {a['budget_s']:.0f} s, materialize at least "
-               "every " + ", ".join(f"{v['heap']:,.1f} min (heap) / {v['lmdb']:,.1f} min (LMDB) "
-                                    f"at {int(w):,} changes/s" for w, v in per.items())
-               + "; the size trigger (`materialize_log_ratio`, default 2) caps the log near "
-               f"{a['size_trigger_cap_changes'] / 1e6:.1f} M changes. Recompute with your "
-               "store's numbers."]
+        md += ["", "**Materialization interval.** Restore time ~ "
+               "`T0 + S / r_snap + w * I / r_replay` (`S` keys, `w` changes/s, `I` the interval; "
+               f"{a['target']}: `T0` {a['T0_s']:.2f} s, `r_snap` "
+               f"{a['r_snap_keys_per_s'] / 1e3:,.0f} / {a['r_snap_lmdb_keys_per_s'] / 1e3:,.0f} k "
+               f"keys/s, `r_replay` {a['r_replay_heap_per_s'] / 1e3:,.0f} / "
+               f"{a['r_replay_lmdb_per_s'] / 1e3:,.0f} k changes/s, heap / LMDB). A "
+               f"{a['keys']:,}-key backend restored within {a['budget_s']:.0f} s needs "
+               "`I` <= " + ", ".join(f"{v['heap']:,.1f} / {v['lmdb']:,.1f} min at {int(w):,}"
+                                     for w, v in per.items()) + " changes/s."]
     return "\n".join(md)
 
 
@@ -1190,12 +1182,9 @@ def markdown_replay(figs: dict[str, Any], before: dict[str, Any] | None) -> str:
                      f"{on['median'] / off['median']:.2f}x", "—"])
     return "\n".join([
         md_table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
-        "A log of N changes (64 B values over 100 k keys, one value state) on top of a "
-        "1,000-key snapshot, restored through a fresh `LocalFileCache`; the bare loop "
-        "decompresses, `struct`-decodes and sets a dict / puts into LMDB in one transaction "
-        f"({bare['records']:,} records). Median (min..max) of {figs['repeats']} repeats; "
-        f"{load_brief(figs.get('load'))}. The count job's restore and partitions sharing "
-        "segments: the results file.",
+        "A log of 64 B value changes over 100 k keys on a 1,000-key snapshot, through a fresh "
+        "cache; the bare loop decompresses, decodes and sets a dict / puts into LMDB. Median "
+        f"(min..max) of {figs['repeats']} repeats; {load_brief(figs.get('load'))}.",
     ])
 
 
@@ -1415,11 +1404,9 @@ def markdown_materialize(figs: dict[str, Any]) -> str:
                  f"bounded: {_met(t['max_tail_vs_snapshot'] <= t['ratio'])}"])
     return "\n".join([
         md_table(["figure", "DSTL", "context", "ratio", "goal"], rows), "",
-        "One LMDB backend owning all 128 key groups, keys `user-%08d`, 64 B values, local fs; "
-        "materialization = a file-level snapshot (compacting copy, zstd, upload). Log tail: "
-        f"size trigger alone (ratio {t['ratio']:g}, min {t['min_log_bytes'] / 2**20:g} MiB), "
-        f"{t['keys']:,} keys, {t['per_checkpoint']:,} updates per checkpoint, "
-        f"{t['materializations']} materializations. {figs['repeats']} repeats; "
+        "One LMDB backend, 64 B values, local fs; a file-level snapshot (compacting copy, "
+        f"zstd, upload), {figs['repeats']} repeats. Log tail: size trigger alone (ratio "
+        f"{t['ratio']:g}), {t['keys']:,} keys, {t['per_checkpoint']:,} updates per checkpoint; "
         f"{load_brief(figs.get('load'))}.",
     ])
 

@@ -850,13 +850,10 @@ def markdown(results: dict[str, Any]) -> str:
     if not results["quick"]:
         md += ["Restart time vs keys: ![restart time vs keys](img/restart_keys.png)", ""]
     md.append(
-        f"Count per key, keys `k%08d` each written once, `local[2]`, 4 partitions; stop, then a "
-        f"fresh SparkSession processes {RESTART_KEYS:,} existing keys; restart batch = "
-        "`triggerExecution` of the first batch, with an empty executor-local directory (all "
-        "state from the store). Variants interleaved per round; median (min..max) over the "
-        f"repeats ({sizes}); ratio = median of the per-round ratios"
-        + ("; other jobs shared the machine (absolute times pessimistic)" if noisy else "")
-        + ". Per-phase breakdowns, cold-process figures and the build: the results file.")
+        f"Count per key, `local[2]`, 4 partitions; a fresh SparkSession with an empty local "
+        f"directory processes {RESTART_KEYS:,} existing keys; restart batch = its "
+        f"`triggerExecution`. Median (min..max) over {sizes}; ratio = median of the per-round "
+        "ratios" + ("; noisy" if noisy else "") + ".")
     if results.get("failed"):
         md += ["", *(f"**Failed at {n:,} keys** (not in the table): `{e}`"
                      for n, e in _int_keys(results["failed"]).items())]

@@ -395,11 +395,9 @@ def markdown(figures: dict[str, Any]) -> str:
         table(["figure", *(f"`{v}`" for v in dv), "Spark RocksDB + changelog",
                *(f"`{v}` / Spark" for v in dv)], rows), "",
         f"{c['batches']} + {c['restart_batches']} micro-batches (a restart between) of "
-        f"{c['events']:,} clicks by {c['users']} users, P = {c['partitions']}, `local[2]`; "
-        f"median (min..max) over {c['repeats']} repeats of each repeat's median steady batch, "
-        "variants in rotated order. `dstl` = per-task segments, `dstl+agent` = the default "
-        "(executor agent group commit). Results equal an independent computation: "
-        f"{exact}.{goal}",
+        f"{c['events']:,} clicks, P = {c['partitions']}, `local[2]`; median (min..max) over "
+        f"{c['repeats']} repeats of each run's median steady batch. `dstl` = per-task segments, "
+        f"`dstl+agent` = the default. Results exact: {exact}.{goal}",
     ])
 
 

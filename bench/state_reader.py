@@ -513,17 +513,16 @@ def markdown(figures: dict[str, Any]) -> str:
                      f"**{ratio:.2f}x**", fmt(r["floor_cols_read_s"], "s"),
                      f"{fmt(r['dstl_read_s'], 's')} ({r['ratio_spark_over_dstl']:.2f}x)",
                      ">= 1x: " + ("met" if ratio >= 1 else "**missed**")])
-    lags = "; ".join(f"{r['keys']:,} keys {fmt(r['feed']['lag_s'], 's')}, "
-                     f"{r['feed']['rows_per_s']:,.0f} rows/s" for r in figures["results"])
+    lags = "; ".join(f"{fmt(r['feed']['lag_s'], 's')} at {r['keys']:,} keys"
+                     for r in figures["results"])
     return "\n".join([
         table(["keys", "DSTL read, Spark's 3 columns", "Spark `format(\"statestore\")` (same run)",
                "Spark / DSTL", "floor, 3 columns", "DSTL, all 10 columns (Spark / DSTL)", "goal"],
               rows), "",
-        "A whole-state read into the `noop` sink of the same state written by both engines "
-        "(count per key, 4 partitions, `local[2]`); DSTL asked for Spark's three columns with "
-        f"`.schema(\"{SPARK_COLUMNS}\")`; floor = a Python data source yielding the same "
-        "rows prebuilt (Spark's Python data source plumbing alone). Median (min..max) of {figures['repeats']} reads. Change feed "
-        f"(`dstl_changes` while the job writes new keys), lag: {lags}.",
+        "A whole-state read into the `noop` sink, the same state written by both engines; "
+        "DSTL reads Spark's three columns via `.schema(...)`; floor = a Python data source of "
+        f"prebuilt rows. Median (min..max) of {figures['repeats']} reads. Change feed lag: "
+        f"{lags}.",
     ])
 
 

@@ -349,15 +349,12 @@ def markdown(res: dict[str, Any]) -> str:
         table(["Python workers", "DSTL cold read s", "DSTL warm read s",
                "Spark `statestore` warm (same run)", "DSTL / Spark, warm",
                "floor (Python data source), warm"], rows), "",
-        f"A whole read of a {res['keys']}-key state into the `noop` sink: cold = the first read "
-        "of a fresh SparkSession (Python workers start), warm = the next reads of the same "
-        "session; readers interleaved; wall seconds, median (min..max); "
-        + (f"Spark's cold read {fmt(spark_cold['wall_s'])} s (its reader runs in the JVM). "
-           if spark_cold else "")
-        + "DSTL's own Python per read (no Spark): "
+        f"A read of a {res['keys']}-key state into the `noop` sink: cold = a fresh "
+        "SparkSession's first, warm = the next; median (min..max) s"
+        + (f"; Spark's cold read {fmt(spark_cold['wall_s'])} s (JVM only)" if spark_cold else "")
+        + ". DSTL's own Python per read: "
         f"{(c['create']['median'] + c['plan']['median'] + c['read']['median']) * 1e3:.1f} ms; "
-        "the rest is Spark's Python data source plumbing. CPU by process kind: the results "
-        "file.",
+        "the rest is Spark's Python data source plumbing.",
     ])
 
 

@@ -588,14 +588,11 @@ def markdown(figures: dict[str, Any]) -> str:
         header.append(f"restore peak / worker anon vs {baseline_runs[0]['sha']} (same run)")
     return "\n".join([
         table(header, rows), "",
-        f"N keys of one {params['value_bytes']}-byte value, {params['partitions']} partitions; "
-        f"{params['rounds']} steady batches updating {params['update_frac']:.0%} of the keys, "
-        f"the agent materializing every {params['mat_interval_s']} s; then the tables are "
-        "removed and restored in a fresh process. Disk = allocated blocks under the local "
-        "directory; anonymous memory = `RssAnon` sampled every 20 ms. LMDB leaves leaf pages "
-        "about two thirds full after inserts in key-group or random order and keeps freed "
-        "pages for reuse, hence about twice the raw bytes; a restore installs packed pages. "
-        f"One run per size; {load_brief(figures.get('load'))}.",
+        f"N keys of {params['value_bytes']} B, {params['partitions']} partitions, "
+        f"{params['rounds']} batches updating {params['update_frac']:.0%}, then a restore in a "
+        "fresh process; disk = allocated blocks, memory = peak `RssAnon`. Leaf pages left two "
+        "thirds full and freed pages kept for reuse make about twice the raw bytes. "
+        f"{load_brief(figures.get('load'))}.",
     ])
 
 

@@ -304,11 +304,9 @@ def markdown(figures: dict[str, Any]) -> str:
                row("steady batch CPU, whole process tree (ms)", "cpu_s"),
                row("**restart**: first batch `triggerExecution` (ms)", "restart_trigger_s"),
                row("first batch of the query (ms)", "first_trigger_s")]), "",
-        f"Sessionization with event-time timers: {c['batches']} + {c['restart_batches']} "
-        f"micro-batches (a restart in a fresh SparkSession between) of {c['events']:,} clicks by "
-        f"{c['users']} users, P = {c['partitions']}, `local[2]`, median (min..max) over "
-        f"{c['repeats']} repeats; Spark on RocksDB with changelog checkpointing; "
-        f"{d['sessions']} sessions emitted, equal in both: "
+        f"Sessions with event-time timers: {c['batches']} + {c['restart_batches']} micro-batches "
+        f"(a restart between) of {c['events']:,} clicks, P = {c['partitions']}, `local[2]`, "
+        f"median (min..max) over {c['repeats']} repeats; sessions equal in both: "
         f"{'yes' if figures['equal'] else '**no**'}; {load_brief(figures.get('load'))}.",
     ])
 

@@ -281,19 +281,20 @@ def markdown(figures: dict[str, Any]) -> str:
          ">= 0.7x: " + met(enc3["ratio"] >= 0.7)],
     ]
     persist: dict[str, list[str]] = {}
+    writers: list[str] = []
     for r in figures.get("persist", {}).values():
-        persist.setdefault(r["store"], []).append(
-            f"{r['p50_ms']['median']:.0f} ms at {r['writers']}")
+        persist.setdefault(r["store"], []).append(f"{r['p50_ms']['median']:.0f}")
+        writers += [] if str(r["writers"]) in writers else [str(r["writers"])]
     objects = max((r["objects_per_checkpoint"]["median"]
                    for r in figures.get("persist", {}).values()), default=float("nan"))
     return "\n".join([
         table(["figure", "DSTL", "baseline (same run)", "ratio", "goal"], rows), "",
-        f"Median (min..max) of {a64['append_per_s']['n']} repeats, DSTL and the baseline "
-        f"interleaved; {load_brief(figures.get('append_load'))}. By the appending thread's CPU "
-        f"time the 64 B ratio is {a64['cpu_ratio']:.2f}x. Persist p50 (from `persist()` to the "
-        "future resolving, every writer persisting one checkpoint of 200 changes of 64 B): "
-        + "; ".join(f"{store} {', '.join(v)} writers" for store, v in persist.items())
-        + f"; at most {objects:.2f} objects per checkpoint.",
+        f"Median (min..max) of {a64['append_per_s']['n']} repeats, interleaved; "
+        f"{load_brief(figures.get('append_load'))}; by the thread's CPU time the 64 B ratio is "
+        f"{a64['cpu_ratio']:.2f}x. Persist p50 in ms at {' / '.join(writers)} writers (one "
+        "checkpoint of 200 changes each): "
+        + ", ".join(f"{store} {' / '.join(v)}" for store, v in persist.items())
+        + f"; <= {objects:.2f} objects per checkpoint.",
     ])
 
 
