@@ -31,10 +31,11 @@ the agent). Figures per steady batch (one batch = one ``--pace-s`` interval): ``
 appeared; a file written and deleted between two listings is missed, none lives that short),
 local disk after the steady batches (DSTL: its ``local_dir``; Spark: its RocksDB working
 directories under ``spark.local.dir``), peak anonymous RSS of the child's process tree (sampled
-by the parent every 0.5 s). Restart: a new child process (new driver JVM, empty executor-local
-directories) runs one more steady batch on the same checkpoint and store: seconds from the
-process start to that batch done, from the query's ``start()`` to it, and its
-``triggerExecution``.
+by the parent every 0.5 s; and at that peak, each kind of process: the JVM, the Python
+workers, the agent, the driver's Python). Restart: a new child process (new driver JVM, empty
+executor-local directories) runs one more steady batch on the same checkpoint and store:
+seconds from the process start to that batch done, from the query's ``start()`` to it, and
+its ``triggerExecution``.
 
 One run per variant and size (the steady figures are medians over the steady batches; a restart
 is one sample); sizes above 4 M keys only with ``--large`` (16 M).
@@ -269,22 +270,44 @@ def _anon_kb(pid: int) -> int:
     return 0
 
 
+def _kind(pid: int) -> str:
+    """The kind of a process of a child's tree, from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"  # ended meanwhile
+    if os.path.basename(argv[0]) == b"java":
+        return "JVM"
+    if b"dstl.spark.agent" in argv:
+        return "agent"
+    if b"pyspark.daemon" in argv or b"pyspark.worker" in argv:
+        return "python workers"
+    return "driver (Python)" if b"--child" in argv else "other"
+
+
 def run_child(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run :func:`child` in a new process; its result plus the tree's peak anonymous RSS and
-    the process start time."""
+    """Run :func:`child` in a new process; its result plus the tree's peak anonymous RSS (and
+    that of each kind of process at that moment) and the process start time."""
     out = Path(cfg["work"]) / f"result-{cfg['phase']}.json"
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(cfg), str(out)],
                             cwd=str(ROOT))
-    peak = 0
+    peak, at_peak = 0, {}
     while proc.poll() is None:
-        peak = max(peak, sum(_anon_kb(p) for p in _tree(proc.pid)))
+        kinds: dict[str, int] = {}
+        for p in _tree(proc.pid):
+            kb = _anon_kb(p)
+            if kb:
+                kinds[_kind(p)] = kinds.get(_kind(p), 0) + kb
+        if sum(kinds.values()) > peak:
+            peak, at_peak = sum(kinds.values()), kinds
         time.sleep(0.5)
     if proc.returncode != 0:
         raise RuntimeError(f"{cfg['variant']} {cfg['phase']} failed ({proc.returncode})")
     r: dict[str, Any] = json.loads(out.read_text())
     r["t_process"] = t0
     r["peak_anon_mb"] = peak / 1024
+    r["peak_anon_by_kind_mb"] = {k: v / 1024 for k, v in sorted(at_peak.items())}
     return r
 
 
@@ -338,6 +361,7 @@ def run_variant(variant: str, keys: int, args: Any, base: Path) -> dict[str, Any
         "store_bytes": run["store_bytes"], "store_objects": run["store_objects"],
         "peak_anon_mb": run["peak_anon_mb"],
         "restart_peak_anon_mb": restart["peak_anon_mb"],
+        "peak_anon_by_kind_mb": run["peak_anon_by_kind_mb"],
         "restart_process_s": first["done_at"] - restart["t_process"],
         "restart_query_s": first["done_at"] - restart["t_query"],
         "restart_trigger_s": first["trigger_s"],
@@ -390,6 +414,12 @@ def render(results: list[dict[str, Any]], args: Any, note: str) -> str:
             if (k, "dstl") in by and (k, "spark") in by and val(by[(k, "spark")], key):
                 ratio = f"{val(by[(k, 'dstl')], key) / val(by[(k, 'spark')], key):.2f}x"
             lines.append(f"| {label} | {k:,} | " + " | ".join(cells) + f" | {ratio} |")
+    for k in sizes:  # results kept before the kinds were sampled have none: "-"
+        cells = [" / ".join(f"{kind} {mb:.0f}" for kind, mb in
+                            by[(k, v)].get("peak_anon_by_kind_mb", {}).items()) or "-"
+                 if (k, v) in by else "-" for v in variants]
+        lines.append(f"| at that peak, by process (MB) | {k:,} | " + " | ".join(cells)
+                     + " | - |")
     for k in sizes:
         cells = [f"{by[(k, v)]['steady_full']} / {by[(k, v)]['steady_deltas']}"
                  if (k, v) in by and v != "spark" else "-" for v in variants]
