@@ -573,7 +573,7 @@ def markdown(figures: dict[str, Any]) -> str:
     for r in runs:
         f = _figures(r)
         raw = f["raw"]
-        row = [f"{r['keys']:,}", _mb(raw), _x(f["table"], raw), f"{f['fill']:.0%}",
+        row = [f"{r['keys']:,}", _mb(raw), _x(f["table"], raw), _x(f["restored"], raw),
                _x(f["peak"], raw), _x(f["restore_peak"], raw),
                f"{_mb(f['worker'])} / {_mb(f['agent'])} / {_mb(f['restorer'])}"]
         if baseline_runs:
@@ -581,7 +581,8 @@ def markdown(figures: dict[str, Any]) -> str:
             row.append(f"{f['restore_peak'] / max(1.0, _figures(b)['restore_peak']):.2f}x / "
                        f"{f['worker'] / max(1.0, _figures(b)['worker']):.2f}x" if b else "-")
         rows.append(row)
-    header = ["keys", "raw MB", "tables after the steady batches, MB (x raw)", "leaf fill",
+    header = ["keys", "raw MB", "tables after the steady batches, MB (x raw)",
+              "tables installed by a restore",
               "peak disk, load + steady", "peak disk, restore",
               "anon memory peak MB: worker / agent / restoring process"]
     if baseline_runs:
@@ -591,7 +592,7 @@ def markdown(figures: dict[str, Any]) -> str:
         f"N keys of {params['value_bytes']} B, {params['partitions']} partitions, "
         f"{params['rounds']} batches updating {params['update_frac']:.0%}, then a restore in a "
         "fresh process; disk = allocated blocks, memory = peak `RssAnon`. Leaf pages left two "
-        "thirds full and freed pages kept for reuse make about twice the raw bytes. "
+        "thirds full and freed pages kept for reuse make about twice the raw bytes; "
         f"{load_brief(figures.get('load'))}.",
     ])
 
