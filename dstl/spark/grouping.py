@@ -12,7 +12,9 @@ order of first appearance, one code for null), a stable ``argsort`` of the codes
 key in arrival order) and the count of each code. :meth:`RowsByKey.items` then takes the rows
 in that order :data:`SLICE_ROWS` at a time and converts only that slice to dicts; a key whose
 rows cross a slice's end collects them across slices. So at most one slice of rows, plus the
-rows of the key being called, exist as Python objects at once.
+rows of the key being called, exist as Python objects at once. An input of at most one slice
+is grouped as dicts at once (the columnar grouping costs ~2.5x the CPU of the plain one on
+2,500 to 10,000 rows, measured with process time, and saves nothing there).
 
 Key columns are strings, binaries or integers (the operator refuses other types), all of which
 Arrow dictionary-encodes.
@@ -45,12 +47,20 @@ class RowsByKey:
 
         self._key_column = key_column
         batches = [b for b in batches if b.num_rows]
-        self._table: Any = pa.Table.from_batches(batches) if batches else None
+        self._table: Any = None
         self._order: Any = None
         self._counts: Any = None
-        if self._table is None:
-            self._keys = 0
+        self._small: dict[Any, list[dict[str, Any]]] | None = None
+        if sum(b.num_rows for b in batches) <= SLICE_ROWS:
+            # no more rows than one slice: grouped as dicts at once (the columnar grouping
+            # costs more CPU than it saves memory here)
+            small: dict[Any, list[dict[str, Any]]] = {}
+            for b in batches:
+                for row in b.to_pylist():
+                    small.setdefault(row[key_column], []).append(row)
+            self._small, self._keys = small, len(small)
             return
+        self._table = pa.Table.from_batches(batches)
         encoded = pc.dictionary_encode(self._table.column(key_column), null_encoding="encode")
         codes = np.concatenate([np.asarray(c.indices, dtype=np.int64)
                                 for c in encoded.chunks])
@@ -64,11 +74,14 @@ class RowsByKey:
 
     def clear(self) -> None:
         """Drop the rows (their count stays): the task is done with them."""
-        self._table = self._order = self._counts = None
+        self._table = self._order = self._counts = self._small = None
 
     def items(self) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
         """``(key, rows)`` per key, keys in the order of their first row, rows in arrival
         order; each row a dict of every column."""
+        if self._small is not None:
+            yield from self._small.items()
+            return
         if self._table is None:
             return
         table, order, key_column = self._table, self._order, self._key_column

@@ -20,12 +20,14 @@ def _plain(batches: list[Any], key: str) -> list[tuple[Any, list[dict[str, Any]]
     return list(out.items())
 
 
+@pytest.mark.parametrize("slice_rows", [7, grouping.SLICE_ROWS])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_groups_equal_the_plain_grouping_across_batches_and_slices(
-        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, slice_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     print("seed", seed)
     rng = random.Random(seed)
-    monkeypatch.setattr(grouping, "SLICE_ROWS", 7)  # keys that cross slice ends
+    # 7: keys that cross slice ends; the default: inputs within one slice, grouped at once
+    monkeypatch.setattr(grouping, "SLICE_ROWS", slice_rows)
     keys = [None, *(f"k{i}" for i in range(40))]
     batches = []
     n = 0
@@ -51,6 +53,7 @@ def test_integer_and_binary_keys() -> None:
 def test_no_rows_and_clear() -> None:
     empty = RowsByKey([pa.record_batch({"key": pa.array([], pa.string())})], "key")
     assert len(empty) == 0 and list(empty.items()) == []
-    rows = RowsByKey([pa.record_batch({"key": ["a", "b"]})], "key")
-    rows.clear()
-    assert len(rows) == 2 and list(rows.items()) == []
+    for n in (1, grouping.SLICE_ROWS):  # within one slice, and beyond it
+        rows = RowsByKey([pa.record_batch({"key": ["a", "b"] * n})], "key")
+        rows.clear()
+        assert len(rows) == 2 and list(rows.items()) == []
