@@ -134,23 +134,18 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
     with pytest.raises(Exception, match="CheckpointNotFoundError") as err:
         _load(spark, root, checkpoint=42).collect()
     assert "checkpoints there: 0, 1, 2" in str(err.value)
-    with pytest.raises(Exception, match="ConfigError"):
-        _load(spark, root, table="rocks").collect()
-    # every option is named and range-checked (dstl/reader/checks.py): a misspelt one would
-    # otherwise read the newest checkpoint instead of the one asked for
+    # every option is named and range-checked (dstl/reader/checks.py; each option's refusal
+    # is a unit test in tests/unit/test_state_reader_edges.py): a misspelt one would otherwise
+    # read the newest checkpoint instead of the one asked for
     with pytest.raises(Exception, match=r"ConfigError.*checkpiont"):
         _load(spark, root, checkpiont=0).collect()
-    with pytest.raises(Exception, match=r"ConfigError.*startCheckpoint"):
-        _load(spark, root, startCheckpoint=0).collect()  # not a change feed
-    with pytest.raises(Exception, match=r"ConfigError.*keyGroupsPerSplit"):
-        _load(spark, root, keyGroupsPerSplit=0).collect()
     # a typed value the state's values do not convert to names the state, a key and the value
-    for reader in (_load(spark, root, state="count", valueType="boolean"),
-                   spark.read.format("dstl").schema("key string, typed_value array<int>")
-                   .option("operator", "job").option("state", "count").load(root)):
-        with pytest.raises(Exception, match=r"ValueTypeError: state 'count', key 'k\d+': "
-                                            r"value \d+ \(int\) does not convert"):
-            reader.collect()
+    # (through a user schema; valueType's path: tests/unit/test_state_reader_columns.py)
+    reader = (spark.read.format("dstl").schema("key string, typed_value array<int>")
+              .option("operator", "job").option("state", "count").load(root))
+    with pytest.raises(Exception, match=r"ValueTypeError: state 'count', key 'k\d+': "
+                                        r"value \d+ \(int\) does not convert"):
+        reader.collect()
     query = None
     with pytest.raises(Exception, match=r"ConfigError.*dstl_changes") as refused:
         query = (spark.readStream.format("dstl").load(root)  # the stream is dstl_changes
