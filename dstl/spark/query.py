@@ -353,9 +353,10 @@ def forget_before(store: BlobStore, batch: int) -> int:
 
 
 def has_batches(store: BlobStore) -> bool:
-    """Whether any batch has results, a choice or a checkpoint: the query's state exists (an
-    initial state is not applied again)."""
-    return bool(_manifest_ids(store)) or bool(_pending_batches(store))
+    """Whether a batch is committed (it has a choice or a checkpoint): the query's state exists
+    and an initial state is not applied again. Results alone are not: their batch may be run
+    again by Spark, from its plan, which may name the staged initial state."""
+    return bool(_manifest_ids(store)) or bool(_ids(store, _CHOICES))
 
 
 # ---------------------------------------------------------------------------- store access
