@@ -693,7 +693,7 @@ def figure_big(base: Path, sizes: dict[str, Any], repeats: int) -> list[dict[str
 def restart_variants(sizes: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """name -> the build it restarts from, its engine variant and whether it uses DSTL's
     daemon (the same-size DSTL variant only when the sizes differ)."""
-    n, m = sizes["restart_keys"], sizes["tws_keys"]
+    n, m = sizes["restart_keys"], tws_restart_keys(sizes)
     out = {"dstl": {"build": "dstl-big", "variant": "dstl", "daemon": False, "keys": n},
            "dstl-daemon": {"build": "dstl-big", "variant": "dstl", "daemon": True, "keys": n},
            "tws": {"build": "tws", "variant": "tws", "daemon": False, "keys": m}}
@@ -719,7 +719,8 @@ def figure_restart(base: Path, sizes: dict[str, Any], repeats: int) -> dict[str,
             range(n), sizes["touched"]))
         touched[b["name"]] = keys
     build = run_child("build", {"root": str(base / "restart" / "build-session"),
-                                "builds": list(builds.values())}, base, "build", 7200)
+                                "builds": list(builds.values())}, base, "build",
+                      max(7200.0, 0.01 * sum(b["keys"] for b in builds.values())))
     for b in builds.values():  # the restart batch: existing keys, each seen once before
         write_keys(Path(b["dir"]) / "src", b["batches"], touched[b["name"]])
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -861,6 +862,7 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
     st, bg, rs = figs["steady"], figs["big"], figs["restart"]
     sz, q, rep = meta["sizes"], meta["quick"], meta["repeats"]
     n_tws, n_big, n_rst = sz["tws_keys"], sz["big_keys"], sz["restart_keys"]
+    n_trs = tws_restart_keys(sz)
     d, t, c = st["dstl"], st["tws"], st["count"]
     r1 = _ratio(d["trigger_s"], t["trigger_s"])
     lines = ["| figure | DSTL | Spark TWS (same run) | ratio | goal |", "|---|---|---|---|---|",
@@ -888,7 +890,8 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
               f"{_mb(big_d and big_d['driver_delta_mb'])} | not run | — | {flat} |"]
     rd, rt, rdd = rs["dstl"], rs["tws"], rs["dstl-daemon"]
     r3 = _ratio(rd["start_to_first_s"], rt["start_to_first_s"])
-    lines += [f"| restart at {n_rst:,} keys (TWS at {n_tws:,}), query start to first batch "
+    at = f"{n_rst:,} keys" + (f" (TWS at {n_trs:,})" if n_trs != n_rst else ", both")
+    lines += [f"| restart at {at}, query start to first batch "
               f"done (s) | {_s(rd['start_to_first_s'])} | {_s(rt['start_to_first_s'])} | "
               f"{_x(r3)} | {_goal(r3)} |",
               f"| the same with `spark.python.daemon.module=dstl.spark.daemon` (s) | "
@@ -897,7 +900,7 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
     rsame = rs.get("dstl-same")
     if rsame:
         r3s = _ratio(rsame["start_to_first_s"], rt["start_to_first_s"])
-        lines.append(f"| restart, both at {n_tws:,} keys (s) | {_s(rsame['start_to_first_s'])} "
+        lines.append(f"| restart, both at {n_trs:,} keys (s) | {_s(rsame['start_to_first_s'])} "
                      f"| {_s(rt['start_to_first_s'])} | {_x(r3s)} | {_goal(r3s)} |")
     exact = all(f[v]["exact"] for f in (st, lg or {}, bg, rs) for v in f
                 if isinstance(f[v], dict) and "exact" in f[v])
@@ -912,13 +915,19 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
         "`transformWithStateInPandas` on RocksDB with changelog checkpointing) into the "
         "Parquet sink. Steady batches on `local-cluster[2,1,1024]`, restarts in `local[2]` "
         "(a new process, an empty executor-local directory, no warm-up). TWS was not run at "
-        f"{n_big:,} output rows or built at {n_rst:,} keys: one state round trip per key makes "
-        "that take about 42 min. Outputs checked against an independent computation: "
+        f"{n_big:,} output rows" + (f" or built at {n_rst:,} keys" if n_trs < n_rst else "")
+        + ": one state round trip per key makes that take about 42 min per million keys. "
+        "Outputs checked against an independent computation: "
         f"{'all exact' if exact else '**not all exact**'}. {origin}{meta['load_note']}."]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------- main
+
+
+def tws_restart_keys(sizes: dict[str, Any]) -> int:
+    """The keys of TWS's state in figure 3 (``tws_keys`` unless set apart)."""
+    return int(sizes.get("tws_restart_keys") or sizes["tws_keys"])
 
 
 def sizes_for(args: argparse.Namespace) -> dict[str, Any]:
@@ -929,6 +938,7 @@ def sizes_for(args: argparse.Namespace) -> dict[str, Any]:
             "tws_keys": args.tws_keys or (2_000 if q else 50_000),
             "big_keys": args.big_keys or (20_000 if q else 1_000_000),
             "restart_keys": args.restart_keys or (2_000 if q else 1_000_000),
+            "tws_restart_keys": args.tws_restart_keys,
             "touched": 500 if q else 2_000,
             # figure 1 again at thousands of keys per batch (per-key costs, not fixed ones)
             "large_batches": args.large_batches or (3 if q else 6),
@@ -943,7 +953,8 @@ def command_line(args: argparse.Namespace) -> str:
     if args.restart_from:
         parts.append(f"--restart-from {args.restart_from}")
     for flag in ("repeats", "big_repeats", "batches", "rows", "keys", "large_batches",
-                 "large_rows", "large_keys", "tws_keys", "big_keys", "restart_keys"):
+                 "large_rows", "large_keys", "tws_keys", "big_keys", "restart_keys",
+                 "tws_restart_keys"):
         v = getattr(args, flag)
         if v is not None and not (flag == "repeats" and v == 5):
             parts.append(f"--{flag.replace('_', '-')} {v}")
@@ -992,6 +1003,9 @@ def main() -> int:
                    help="the batch size both engines run in figure 2 and TWS's restart state")
     p.add_argument("--big-keys", type=int, default=None, help="figure 2: DSTL's big batch")
     p.add_argument("--restart-keys", type=int, default=None, help="figure 3: DSTL's state")
+    p.add_argument("--tws-restart-keys", type=int, default=None,
+                   help="figure 3: TWS's state (default: --tws-keys; building TWS's state "
+                        "takes about 2.5 ms per key)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="the work directory of an interrupted run of the same command: take "
                         "the results it has, measure the rest")
@@ -1031,7 +1045,9 @@ def main() -> int:
         earlier = json.loads(Path(args.restart_from).read_text())
         kept_raw = earlier["figures"]["raw"]
         raw.update({k: kept_raw[k] for k in ("steady", "steady_large", "big") if k in kept_raw})
-        sizes = earlier["figures"]["meta"]["sizes"]
+        sizes = earlier["figures"]["meta"]["sizes"] | {
+            k: getattr(args, k) for k in ("restart_keys", "tws_restart_keys")
+            if getattr(args, k) is not None}
     try:
         if earlier is None:
             raw["steady"] = figure_steady(base, sizes, repeats, with_big=q)
