@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
-
-import fsspec
+from typing import TYPE_CHECKING, Any
 
 from dstl.checks import check_mapping
 from dstl.errors import ConfigError, UsageError
@@ -24,6 +22,9 @@ from dstl.reader.errors import NoStoreError
 from dstl.retry import RetryPolicy
 from dstl.stores import LocalBlobStore, check_store_uri, open_store
 from dstl.stores.base import BlobStore, ObjectInfo
+
+if TYPE_CHECKING:
+    import fsspec
 
 __all__ = ["ReadOnlyBlobStore", "open_read_only", "require_store"]
 

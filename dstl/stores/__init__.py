@@ -49,9 +49,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
-
-import fsspec
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dstl.checks import check_bool, check_instance, check_int, check_mapping
 from dstl.errors import ConfigError, ConfigTypeError
@@ -68,6 +66,9 @@ from dstl.stores.fsspec_store import FsspecBlobStore, probe_endpoint, write_once
 from dstl.stores.hdfs import HdfsBlobStore, open_hdfs
 from dstl.stores.local import LocalBlobStore
 from dstl.stores.memory import MemoryBlobStore
+
+if TYPE_CHECKING:  # imported where a filesystem is built: workers of a local store never pay for it
+    import fsspec
 
 __all__ = ["SUPPORTED_SCHEMES", "BlobStore", "FsspecBlobStore", "HdfsBlobStore", "LocalBlobStore",
            "MemoryBlobStore", "ObjectInfo", "check_key", "check_store", "check_store_uri",
@@ -147,6 +148,8 @@ def open_store(base_uri: str | os.PathLike[str], storage_options: Mapping[str, A
         check_instance(retry, "retry", owner, RetryPolicy,
                        fix="pass dstl.retry.RetryPolicy.for_store(options), or None")
     if filesystem is not None:
+        import fsspec
+
         check_instance(filesystem, "filesystem", owner, fsspec.AbstractFileSystem,
                        fix="pass an fsspec filesystem instance, or None to build one from "
                            "the URI")
@@ -292,6 +295,8 @@ def _open_url(base_uri: str, storage_options: dict[str, Any] | None,
         return _open_local(urllib.parse.unquote(parts.path), validate)
     store: FsspecBlobStore
     if scheme == "memory":
+        import fsspec
+
         store = FsspecBlobStore(fsspec.filesystem("memory"), base_uri,
                                 location=base_uri.rstrip("/"), retry=retry)
     elif scheme in ("s3", "s3a"):

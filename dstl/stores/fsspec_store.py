@@ -42,9 +42,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
-
-import fsspec
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from dstl.errors import (
     AccessDeniedError,
@@ -65,6 +63,9 @@ from dstl.stores.base import (
     connect_failure,
     translate_error,
 )
+
+if TYPE_CHECKING:  # imported where a filesystem is built: workers of a local store never pay for it
+    import fsspec
 
 __all__ = ["FsspecBlobStore"]
 
