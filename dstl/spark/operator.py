@@ -270,7 +270,7 @@ class DstlStatefulOperator:
         from dstl.stores import open_store
 
         static = _static_conf(spark)
-        conf = {**static, **_runtime_conf(spark)}
+        conf = {**static, **_dstl_runtime_conf(spark)}
         from dstl.spark.registration import enable_filter_pushdown
 
         # spark.read.format("dstl") is known to every session (pyspark_dstl); its filters
@@ -1008,21 +1008,22 @@ class DstlStatefulOperator:
 def _with_observed_metrics(routed: Any, task: Any, out_schema: Any, observation: str) -> Any:
     """``routed`` through the state tasks (``mapInArrow``: the output rows, then one metrics
     row per partition), each task's metrics rows feeding the query's observed metrics
-    ``observation`` (:data:`dstl.spark.query.METRICS`), then left out: the output rows."""
+    ``observation`` (:data:`dstl.spark.query.METRICS`), then left out: the output rows.
+    The aggregates are SQL text, parsed in one py4j call each (a Column built in Python costs
+    a dozen): the plan is built at every query start."""
     from pyspark.sql import functions as F
-    from pyspark.sql.types import IntegerType, LongType, StructField, StructType
+    from pyspark.sql.types import ArrayType, LongType, StructField, StructType
 
-    from dstl.spark.query import METRICS, METRICS_MARK, metric_column
+    from dstl.spark.query import METRICS, METRICS_COLUMN
 
-    metrics = [metric_column(m) for m in METRICS]
-    schema = StructType([*out_schema.fields, StructField(METRICS_MARK, IntegerType(), True),
-                         *[StructField(c, LongType(), True) for c in metrics]])
-    aggregates = [(F.max if agg == "max" else F.sum)(metric_column(m)).alias(m)
-                  for m, (agg, _) in METRICS.items()]
+    schema = StructType([*out_schema.fields,
+                         StructField(METRICS_COLUMN, ArrayType(LongType(), True), True)])
+    aggregates = [F.expr(f"{agg}({METRICS_COLUMN}[{i}]) AS {m}")
+                  for i, (m, (agg, _)) in enumerate(METRICS.items())]
     return (routed.mapInArrow(task, schema)
             .observe(observation, *aggregates)
-            .where(F.col(METRICS_MARK).isNull())
-            .drop(METRICS_MARK, *metrics))
+            .where(F.col(METRICS_COLUMN).isNull())
+            .drop(METRICS_COLUMN))
 
 
 def plan_name(name: str) -> str:
@@ -1204,12 +1205,24 @@ def is_connect(spark: Any) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+#: the SparkContext settings DSTL reads besides ``spark.dstl.*``
+_STATIC_KEYS = ("spark.python.daemon.module",)
+
+
 def _static_conf(spark: Any) -> dict[str, str]:
-    """The SparkContext's conf; a Spark Connect client reads what the server's session shows
-    of it (``spark.conf``)."""
+    """The SparkContext's ``spark.dstl.*`` settings and :data:`_STATIC_KEYS`; a Spark Connect
+    client reads what the server's session shows of them (``spark.conf``). Read by name: the
+    whole conf costs two or three py4j round trips per key, at every query start."""
     if is_connect(spark):
-        return {str(k): str(v) for k, v in spark.conf.getAll.items()}
-    return dict(spark.sparkContext.getConf().getAll())
+        return {str(k): str(v) for k, v in spark.conf.getAll.items()
+                if str(k).startswith("spark.dstl.") or str(k) in _STATIC_KEYS}
+    jconf = spark.sparkContext._jsc.sc().conf()
+    out = {f"spark.dstl.{t._1()}": str(t._2()) for t in jconf.getAllWithPrefix("spark.dstl.")}
+    for k in _STATIC_KEYS:
+        v = jconf.get(k, None)
+        if v is not None:
+            out[k] = str(v)
+    return out
 
 
 def _runtime_conf(spark: Any) -> dict[str, str]:

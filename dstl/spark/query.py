@@ -499,12 +499,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "numTimersFired": ("sum", "timers delivered to handle_expired_timer"),
     "numTtlPurged": ("sum", "values expired by TTL"),
 }
-#: the column of the metrics rows (null on output rows); every metric is a column of its own
-METRICS_MARK = "_dstl_metrics_partition"
-
-
-def metric_column(name: str) -> str:
-    return f"_dstl_m_{name}"
+#: the one column of the metrics rows: a list of int64, the :data:`METRICS` in their order (null
+#: on output rows, where it costs a validity bit and a list offset, not a column per metric)
+METRICS_COLUMN = "_dstl_metrics"
 
 
 def _metric_values(report: TaskReport, received: int, late: int) -> dict[str, int]:
@@ -563,11 +560,10 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
         rows = itertools.chain(seeds, rows)
     rt, attempt, done = run_group(cfg, task_input, rows, tasks, task)
     names = list(cfg.output_columns)
-    metric_cols = [metric_column(m) for m in METRICS]
     late_fields = [late_field] if late_field is not None else []
+    metrics_type = pa.list_(pa.int64())
     schema = pa.schema([*[cfg.arrow_schema.field(n) for n in names], *late_fields,
-                        pa.field(METRICS_MARK, pa.int32()),
-                        *[pa.field(c, pa.int64()) for c in metric_cols]])
+                        pa.field(METRICS_COLUMN, metrics_type)])
     no_late = [pa.nulls(1, late_type)] if late_type is not None else []
     for i, (outputs, report) in enumerate(committed_reports(rt, cfg, attempt, done)):
         write_result(store, batch, cfg.partitions, report)
@@ -576,23 +572,19 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
             yield pa.RecordBatch.from_arrays(
                 [outputs.column(c) for c in names]
                 + ([pa.nulls(n, late_type)] if late_type is not None else [])
-                + [pa.nulls(n, pa.int32())] + [pa.nulls(n, pa.int64())] * len(metric_cols),
-                schema=schema)
+                + [pa.nulls(n, metrics_type)], schema=schema)
         # the task's rows received and dropped late are counted once, with its first partition
         values = _metric_values(report, counts["received"] if i == 0 else 0,
                                 counts["late"] if i == 0 else 0)
         yield pa.RecordBatch.from_arrays(
             [pa.nulls(1, schema.field(c).type) for c in names] + no_late
-            + [pa.array([report.partition], pa.int32())]
-            + [pa.array([values[m]], pa.int64()) for m in METRICS], schema=schema)
+            + [pa.array([[values[m] for m in METRICS]], metrics_type)], schema=schema)
     for part in late or ():
         # after every result is stored, as the output rows: they leave with the batch's commit
         n = part.num_rows
         yield pa.RecordBatch.from_arrays(
             [pa.nulls(n, schema.field(c).type) for c in names]
-            + [late_struct(part, late_type)]
-            + [pa.nulls(n, pa.int32())] + [pa.nulls(n, pa.int64())] * len(metric_cols),
-            schema=schema)
+            + [late_struct(part, late_type)] + [pa.nulls(n, metrics_type)], schema=schema)
 
 
 def late_struct(batch: Any, late_type: Any) -> Any:
