@@ -302,6 +302,10 @@ class DeltaReader:
     def key_groups(self) -> KeyGroupRange:
         return self.meta.key_groups
 
+    def block_key_groups(self) -> list[int]:
+        """The key groups that have a block (entries), ascending."""
+        return [b.key_group for b in self._index.blocks_for(None)]
+
     def read(self, key_groups: KeyGroupRange | None = None
              ) -> Iterator[tuple[int, int, Iterator[DeltaEntry]]]:
         """``(key group, block offset, entries)`` of the non-empty key groups in

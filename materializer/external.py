@@ -34,14 +34,19 @@ snapshot:
 
 1. the marker's ``table_id`` is the one of the previous cut (no snapshot was loaded into the table
    since: every change in between was logged, and the caller saw it);
-2. the checkpoint the table is at names a prefix of the previous pieces, with the same ids (the
-   chain the delta extends is the one the checkpoints use, or its continuation not installed
-   yet), and its materialization id is that of the prefix's last piece or less;
+2. the checkpoint the table is at names the previous pieces' full snapshot first, then only
+   pieces this chain holds or held (``DeltaBase.lineage``: deltas a merge replaced included),
+   with the same ids — the chain the delta extends is the one the checkpoints use, or its
+   continuation not installed yet — and its materialization id is that of its last piece;
 3. the caller knows the entries changed up to the marker's boundary (``changed`` returns them)
    and they are at most ``max_entries``;
-4. the compaction rule: fewer than ``max_deltas`` deltas follow the full snapshot and their sizes
-   add up to at most ``max_ratio`` of its size (the same rule as an in-process backend's,
-   docs/format.md).
+4. the compaction rule (:func:`materializer.compaction.next_piece`) does not ask for a full
+   snapshot: the deltas after the full one add up to at most ``max_ratio`` of its size.
+
+When ``max_deltas`` deltas follow the full snapshot, the delta is a **merged** one: it follows
+the full snapshot directly and holds every entry changed since it — the entries of the chain's
+deltas (read back from the store, one key group at a time) and those changed since the last cut —
+with their values at this cut; the chain becomes the full snapshot and that delta.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Final
 
@@ -64,7 +69,8 @@ from dstl.retry import RetryPolicy
 from dstl.segment import iter_body_changes
 from materializer.backend import upload_snapshot
 from materializer.changes import OP_SID
-from materializer.delta_format import DeltaEntry, DeltaMeta, encode_delta
+from materializer.compaction import FULL, MERGE, next_piece
+from materializer.delta_format import DeltaEntry, DeltaMeta, DeltaReader, encode_delta
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import SnapshotRef
 from materializer.lmdb_files import spool_table_snapshot
@@ -90,6 +96,9 @@ class ExternalMaterialization:
         marker: the table marker the snapshot was taken at.
         entries: entries written.
         duration_s: snapshot + upload time.
+        chain: a delta: the pieces it follows (a full snapshot, then deltas).
+        merged: a delta that follows the full snapshot directly and holds every entry changed
+            since it (it replaces the deltas of the chain it was taken on).
     """
 
     ref: SnapshotRef
@@ -98,6 +107,7 @@ class ExternalMaterialization:
     entries: int
     duration_s: float
     chain: tuple[SnapshotRef, ...] = ()
+    merged: bool = False  # a delta that replaces the deltas of the chain it was taken on
 
     @property
     def pieces(self) -> tuple[SnapshotRef, ...]:
@@ -131,6 +141,8 @@ class DeltaBase:
             known (a full snapshot is written then).
         max_deltas, max_ratio, max_entries: the compaction rule
             (``BackendOptions.max_snapshot_deltas``, ``max_delta_ratio``, ``max_delta_entries``).
+        lineage: ``(object key, materialization id)`` of every piece written in this chain since
+            its full snapshot, the deltas a merge replaced included (empty: ``pieces``'s own).
     """
 
     pieces: tuple[SnapshotRef, ...]
@@ -139,6 +151,11 @@ class DeltaBase:
     max_deltas: int
     max_ratio: float
     max_entries: int
+    lineage: frozenset[tuple[str, int]] = frozenset()
+
+    def known(self) -> frozenset[tuple[str, int]]:
+        """The pieces a checkpoint of this chain may name."""
+        return self.lineage | {(p.key, p.materialization_id) for p in self.pieces}
 
 
 def changed_entries(bodies: Iterable[bytes], into: set[tuple[int, int, bytes, bytes]]) -> None:
@@ -172,7 +189,8 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
                                 max_block_bytes: int | None = None,
                                 retry: RetryPolicy | None = None,
                                 snapshot_format: str = "file",
-                                delta_base: DeltaBase | None = None
+                                delta_base: DeltaBase | None = None,
+                                previous_id: int = 0
                                 ) -> ExternalMaterialization | None:
     """Snapshot the LMDB table in ``directory`` (written by another process) and upload it.
 
@@ -189,6 +207,9 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
         snapshot_format: ``"file"`` (format v2, the environment file) or ``"entries"`` (v1).
         delta_base: what a delta would follow (``None``: always a full snapshot); a delta is
             written only under the rules of the module docstring.
+        previous_id: the materialization id of the caller's previous snapshot of this table: a
+            full snapshot's id is above it and above the marker's (a task may have installed
+            that snapshot after this cut, raising its base's id to it).
 
     Returns:
         The materialization, or ``None`` when there is nothing to materialize (no marker yet,
@@ -203,7 +224,7 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     check_choice(snapshot_format, "snapshot_format", "materialize_table_directory",
                  LMDB_SNAPSHOT_FORMATS)
     taken = _take_snapshot(directory, key_groups, zstd_level, skip_boundary, max_block_bytes,
-                           snapshot_format, delta_base)
+                           snapshot_format, delta_base, store, previous_id)
     if taken is None:
         return None
     marker, mat_id = taken.marker, taken.materialization_id
@@ -212,13 +233,14 @@ def materialize_table_directory(directory: str, key_groups: KeyGroupRange, store
     key = upload_snapshot(store, marker.operator_id, mat_id, data,
                           retry or RetryPolicy.for_uploads(DstlOptions()))
     duration = time.monotonic() - t0
-    kind = "delta" if taken.chain else "snapshot"
+    kind = ("merged delta" if taken.merged else "delta") if taken.chain else "snapshot"
     logger.info("materialized %s (%s, checkpoint %d) from outside its writer: %s of %d entries, "
                 "%d bytes to %s in %.1f ms", directory, marker.operator_id,
                 marker.checkpoint_id, kind, taken.entries, len(data), key, duration * 1e3)
     return ExternalMaterialization(SnapshotRef(key, len(data), key_groups, mat_id,
                                                delta=bool(taken.chain)),
-                                   taken.boundary, marker, taken.entries, duration, taken.chain)
+                                   taken.boundary, marker, taken.entries, duration, taken.chain,
+                                   taken.merged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,13 +254,15 @@ class _TakenSnapshot:
     materialization_id: int
     entries: int
     chain: tuple[SnapshotRef, ...] = ()  # a delta: the pieces it follows
+    merged: bool = False  # a delta that replaces the deltas of its chain
 
 
 def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
                    skip_boundary: tuple[str, int] | None,
                    max_block_bytes: int | None,
                    snapshot_format: str = "file",
-                   delta_base: DeltaBase | None = None) -> _TakenSnapshot | None:
+                   delta_base: DeltaBase | None = None, store: Any = None,
+                   previous_id: int = 0) -> _TakenSnapshot | None:
     """Open the table read-only, read its marker and write its snapshot from one read
     transaction; ``None`` when there is nothing to materialize."""
     table = LmdbStateTable(directory, key_groups, readonly=True)
@@ -255,10 +279,10 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
             boundary = marker.boundary
             if boundary is None or boundary == skip_boundary:
                 return None
-            mat_id = marker.materialization_id + 1
+            mat_id = max(marker.materialization_id, previous_id) + 1
             if delta_base is not None:
                 delta = _take_delta(snap, marker, boundary, delta_base, zstd_level,
-                                    max_block_bytes)
+                                    max_block_bytes, store)
                 if delta is not None:
                     return delta
             data: BinaryIO
@@ -296,43 +320,72 @@ def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, ma
 
 
 def _delta_chain(marker: TableMarker, base: DeltaBase, key_groups: KeyGroupRange
-                 ) -> tuple[SnapshotRef, ...] | None:
-    """The pieces a delta at ``marker`` follows (rules 1, 2 and 4 of the module docstring), or
-    ``None`` when the next materialization must be a full snapshot."""
+                 ) -> tuple[tuple[SnapshotRef, ...], bool] | None:
+    """The pieces a delta at ``marker`` follows and whether it is a merged one (rules 1, 2 and 4
+    of the module docstring), or ``None`` when the next materialization must be a full
+    snapshot."""
     pieces = base.pieces
     named = marker.snapshots
     if (not base.table_id or marker.table_id != base.table_id or not pieces or not named
             or pieces[0].delta or any(p.key_groups != key_groups for p in pieces)
-            or len(named) > len(pieces)
-            or named != tuple((p.key, p.materialization_id) for p in pieces[:len(named)])
+            or named[0] != (pieces[0].key, pieces[0].materialization_id)
+            or not set(named) <= base.known()
             or marker.materialization_id != named[-1][1]):
         return None
-    deltas = pieces[1:]
-    if (len(deltas) >= base.max_deltas
-            or sum(d.size for d in deltas) > base.max_ratio * pieces[0].size):
+    kind = next_piece(pieces[0].size, [d.size for d in pieces[1:]], base.max_deltas,
+                      base.max_ratio)
+    if kind == FULL:
         return None
-    return pieces
+    return pieces, kind == MERGE
 
 
 def _take_delta(snap: LmdbTableSnapshot, marker: TableMarker, boundary: tuple[str, int],
-                base: DeltaBase, zstd_level: int, max_block_bytes: int | None
-                ) -> _TakenSnapshot | None:
-    """A delta of the entries changed since ``base``'s cut, read from ``snap``; ``None`` when
-    a full snapshot must be written instead."""
-    chain = _delta_chain(marker, base, marker.key_groups)
-    if chain is None:
+                base: DeltaBase, zstd_level: int, max_block_bytes: int | None,
+                store: Any = None) -> _TakenSnapshot | None:
+    """A delta of the entries changed since ``base``'s cut (a merged one: since its full
+    snapshot), read from ``snap``; ``None`` when a full snapshot must be written instead."""
+    decided = _delta_chain(marker, base, marker.key_groups)
+    if decided is None:
         return None
+    chain, merge = decided
     changed = base.changed(boundary)
     if changed is None or len(changed.entries) > base.max_entries:
         return None
-    keys = sorted((sid, kg, k, ns) for kg, sid, k, ns in changed.entries)
-    values = snap.get_many(keys)
-    blocks: dict[int, list[DeltaEntry]] = {}
-    for (sid, kg, k, ns), v in zip(keys, values, strict=True):
-        blocks.setdefault(kg, []).append((sid, k, ns, v))
+    by_kg: dict[int, set[tuple[int, bytes, bytes]]] = {}
+    for kg, sid, k, ns in changed.entries:
+        by_kg.setdefault(kg, set()).add((sid, k, ns))
+    states = dict(marker.states)
+    readers: list[DeltaReader] = []
+    if merge:
+        if store is None:
+            return None
+        for piece in chain[1:]:
+            reader = DeltaReader(store.get(piece.key), key=piece.key,
+                                 max_block_bytes=max_block_bytes)
+            for state_id, described in reader.meta.states.items():
+                states.setdefault(state_id, described)
+            readers.append(reader)
+        follows: tuple[SnapshotRef, ...] = chain[:1]
+    else:
+        follows = chain
+    kgs = sorted(set(by_kg) | {kg for r in readers for kg in r.block_key_groups()})
+    counted = [0]
+
+    def blocks() -> Iterator[tuple[int, list[DeltaEntry]]]:
+        for kg in kgs:
+            keys = by_kg.pop(kg, set())
+            one = KeyGroupRange(kg, kg)
+            for r in readers:
+                for _kg, _at, entries in r.read(one):
+                    keys.update((sid, k, ns) for sid, k, ns, _v in entries)
+            order = sorted(keys)
+            values = snap.get_many((sid, kg, k, ns) for sid, k, ns in order)
+            counted[0] += len(order)
+            yield kg, [(sid, k, ns, v) for (sid, k, ns), v in zip(order, values, strict=True)]
+
     mat_id = chain[-1].materialization_id + 1
     meta = DeltaMeta(marker.key_groups, marker.max_parallelism, marker.operator_id, mat_id,
-                     chain[-1].materialization_id, changed.up_to, marker.states)
-    data = encode_delta(meta, sorted(blocks.items()), zstd_level=zstd_level,
-                        max_block_bytes=max_block_bytes)
-    return _TakenSnapshot(io.BytesIO(data), marker, boundary, mat_id, len(keys), chain)
+                     follows[-1].materialization_id, changed.up_to, states)
+    data = encode_delta(meta, blocks(), zstd_level=zstd_level, max_block_bytes=max_block_bytes)
+    return _TakenSnapshot(io.BytesIO(data), marker, boundary, mat_id, counted[0], follows,
+                          merged=merge)

@@ -281,9 +281,9 @@ def test_full_when_the_table_was_loaded_compaction_or_changes_unknown(
     ex.batch(model, rng)
     assert ex.materialize().ref.delta
     ex.batch(model, rng)
-    # two deltas follow the full snapshot: the compaction rule makes the next one full
+    # two deltas follow the full snapshot: the compaction rule merges them into the next one
     m = ex.materialize()
-    assert not m.ref.delta
+    assert m.ref.delta and m.merged and len(m.chain) == 1
     ex.batch(model, rng)
     assert ex.materialize().ref.delta
     # the table is restored from the checkpoint (a re-run batch, the partition came back): a new
@@ -301,7 +301,7 @@ def test_full_when_the_table_was_loaded_compaction_or_changes_unknown(
     m = ex.materialize()
     h = ex.batch(model, rng)
     assert _read(storage, [h], KGS, tmp_path / "final") == _expected(model, KGS)
-    assert ex.agent.metrics()["materializer.full"] >= 4
+    assert ex.agent.metrics()["materializer.full"] >= 3
     ex.close()
 
 
@@ -357,6 +357,155 @@ def test_agent_chains_of_several_partitions_restore_rescaled(
         ex.batch(model, rng)   # installs the last delta
         h = ex.batch(model, rng)   # and a log after the chain
         assert _kinds(storage, h) == ["f", "d", "d", "d"]
+        handles.append(h)
+        ex.close()
+    for j in range(after):
+        kgs = KeyGroupRange.of_operator(MP, after, j)
+        assert _read(storage, handles, kgs, tmp_path / f"after-{j}") == _expected(model, kgs)
+
+
+def _pieces_deleted_by_retention(handles: list[ChangelogStateBackendHandle], retain: int
+                                 ) -> tuple[set[str], set[str]]:
+    """Feed the checkpoints one by one to the retention planner (the coordinator's rule): the
+    snapshot objects it deleted, and those the retained checkpoints reference."""
+    from dstl.checkpoint.retention import CheckpointRefs, plan_retention
+
+    retained: tuple[CheckpointRefs, ...] = ()
+    deleted: set[str] = set()
+    for h in handles:
+        plan = plan_retention(retained, CheckpointRefs(h.checkpoint_id, 1,
+                                                       frozenset(h.referenced_keys())),
+                              retain=retain)
+        deleted.update(k for k in plan.delete_objects if k.startswith("snapshots/"))
+        retained = plan.retained
+    kept = {k for r in retained for k in r.keys if k.startswith("snapshots/")}
+    return deleted, kept
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_merged_deltas_bound_the_chain_and_restore_to_the_model(
+        storage: ChangelogStorage, tmp_path: Path, seed: int) -> None:
+    """With ``max_snapshot_deltas=3`` the fourth delta is a merged one that follows the full
+    snapshot and replaces the deltas: every checkpoint names at most 1 + 3 pieces, restores
+    (1 -> 2 included) equal the model, a checkpoint that still names the replaced deltas is
+    followed by further deltas, and the replaced deltas are deleted exactly when no retained
+    checkpoint names them."""
+    print("seed", seed)
+    rng = random.Random(seed)
+    ex = Executor(tmp_path, storage, max_snapshot_deltas=3)
+    model: Model = {}
+    handles = [ex.batch(model, rng, 40)]
+    full = ex.materialize()
+    merges = 0
+    for i in range(10):
+        handles.append(ex.batch(model, rng, install=i % 4 != 2))  # sometimes not installed
+        m = ex.materialize()
+        assert m.ref.delta, f"materialization {i + 2} is full"
+        assert m.chain[0] == full.ref and len(m.chain) <= 3
+        if m.merged:
+            merges += 1
+            assert m.chain == (full.ref,)
+        h = ex.batch(model, rng)
+        handles.append(h)
+        assert len(h.materialized) <= 4 and _kinds(storage, h)[0] == "f"
+        assert _read(storage, [h], KGS, tmp_path / f"r{i}") == _expected(model, KGS)
+    assert merges >= 2 and ex.agent.metrics()["materializer.merges"] == merges
+    assert ex.agent.metrics()["materializer.full"] == 1
+    for j, sub in enumerate((KeyGroupRange(0, 6), KeyGroupRange(7, MP - 1))):
+        assert _read(storage, [handles[-1]], sub, tmp_path / f"half{j}") == _expected(model, sub)
+    # deletion: a piece goes once no retained checkpoint names it, and never before
+    named = {p.key for h in handles for p in h.materialized}
+    deleted, kept = _pieces_deleted_by_retention(handles, retain=2)
+    assert deleted == named - kept and full.ref.key in kept
+    assert {p.key for p in handles[-1].materialized} <= kept
+    ex.close()
+
+
+def test_a_full_snapshot_once_the_deltas_reach_the_ratio(storage: ChangelogStorage,
+                                                         tmp_path: Path) -> None:
+    """The base is rewritten by bytes: deltas adding up to more than ``max_delta_ratio`` of the
+    full snapshot make the next materialization full, whatever their count."""
+    rng = random.Random(9)
+    ex = Executor(tmp_path, storage, max_snapshot_deltas=100, max_delta_ratio=0.01)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    first = ex.materialize()
+    ex.batch(model, rng, 30)
+    d = ex.materialize()
+    assert d.ref.delta and d.ref.size > 0.01 * first.ref.size
+    ex.batch(model, rng)
+    m = ex.materialize()
+    assert not m.ref.delta and m.ref.materialization_id > d.ref.materialization_id
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f"]
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta   # a new chain
+    h = ex.batch(model, rng)
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    ex.close()
+
+
+class _StoreDuring:
+    """The store, calling ``hook`` once while a snapshot object is being uploaded (a task
+    committing a batch while the agent's materialization is in flight)."""
+
+    def __init__(self, store: Any, hook: Any) -> None:
+        self._store, self.hook = store, hook
+
+    def put(self, key: str, data: bytes) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None and key.startswith("snapshots/"):
+            hook()
+        self._store.put(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_batch_committed_during_a_materialization_keeps_the_next_delta(
+        storage: ChangelogStorage, tmp_path: Path) -> None:
+    """A registration that arrives while a full snapshot is being written does not drop the
+    change sets after its cut: the next materialization is a delta."""
+    rng = random.Random(21)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    wrapped = _StoreDuring(storage.store, lambda: ex.batch(model, rng))
+    p = ex.agent._parts[(STORE, ex.op)]
+    p.store = wrapped  # type: ignore[assignment]
+    first = ex.materialize()
+    assert not first.ref.delta and wrapped.hook is None
+    ex.batch(model, rng)
+    m = ex.materialize()
+    assert m.ref.delta and m.chain == (first.ref,)
+    h = ex.batch(model, rng)
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    ex.close()
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1), (4, 3)])
+def test_merged_chains_restore_rescaled(storage: ChangelogStorage, tmp_path: Path,
+                                        before: int, after: int) -> None:
+    """Chains with a merged delta (full snapshot, merged delta, deltas) of ``before``
+    partitions restore into ``after`` partitions to exactly the model."""
+    rng = random.Random(before * 100 + after)
+    model: Model = {}
+    handles = []
+    for i in range(before):
+        ex = Executor(tmp_path, storage, op=f"op/p{i}",
+                      kgs=KeyGroupRange.of_operator(MP, before, i), max_snapshot_deltas=2)
+        ex.batch(model, rng, 30)
+        assert not ex.materialize().ref.delta
+        merged = False
+        for _ in range(4):
+            ex.batch(model, rng)
+            m = ex.materialize()
+            assert m.ref.delta
+            merged |= m.merged
+        assert merged
+        ex.batch(model, rng)   # installs the last delta
+        h = ex.batch(model, rng)   # and a log after the chain
+        assert _kinds(storage, h)[0] == "f" and len(h.materialized) <= 3
         handles.append(h)
         ex.close()
     for j in range(after):

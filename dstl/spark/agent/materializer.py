@@ -48,6 +48,17 @@ correct. A full snapshot at ``B`` may be followed by deltas only if the bodies a
 ``B``'s change set is in the list, or ``B`` is the boundary the partition was registered with
 (the list starts right after it). The list of a partition is bounded by
 ``_MAX_PENDING_BYTES``; beyond it the bodies are dropped and the next materialization is full.
+While a materialization of the partition runs, registrations drop nothing: its cut is not known
+until it is read, and the bodies after it are the next delta's (a batch committed during a long
+full snapshot would otherwise make the next materialization full too).
+
+*Compaction* (:mod:`materializer.compaction`). Once ``max_snapshot_deltas`` deltas follow the
+full snapshot, the next delta is a merged one: it follows the full snapshot and holds every entry
+changed since it, so a restore reads at most ``1 + max_snapshot_deltas`` pieces; the full
+snapshot is rewritten only when the deltas after it add up to more than ``max_delta_ratio`` of
+its bytes. The pieces a merge replaced stay this chain's (``_Partition.lineage``): checkpoints
+taken before the task installs the merged delta still name them, and deltas may follow those
+checkpoints.
 
 Why here and not in the table: the alternative — the writers record changed keys in the table
 (or in memory, as an in-process backend does) — costs every write a second record in the write
@@ -246,6 +257,11 @@ class _Partition:
     #: ``latest`` may be followed by a delta (the change sets after it are known)
     chainable: bool = False
     table_id: str = ""  # the table's table_id at latest's cut
+    #: pieces of latest's chain that a merge replaced (a checkpoint may still name them)
+    lineage: frozenset[tuple[str, int]] = frozenset()
+    #: a materialization of it is running: registrations keep the change sets (its cut is not
+    #: known yet, and the change sets after it are the next delta's)
+    in_flight: bool = False
 
     def due_at(self) -> float:
         """When it is due (``inf``: never: nothing new since ``latest``, or failed for good)."""
@@ -271,7 +287,7 @@ class AgentMaterializer:
         self._parts: dict[tuple[str, str], _Partition] = {}
         self._stop = False
         self._m = {"started": 0, "completed": 0, "skipped": 0, "failed": 0, "bytes": 0,
-                   "entries": 0, "full": 0, "deltas": 0}
+                   "entries": 0, "full": 0, "deltas": 0, "merges": 0}
         self._last_duration_ms = -1.0
         self._thread: threading.Thread | None = None
         if start:
@@ -297,7 +313,7 @@ class AgentMaterializer:
             else:
                 p.spec, p.store, p.last_seen = spec, store, now
                 p.policy.rules = spec.rules
-                if not p.chainable and spec.boundary is not None:
+                if not p.chainable and not p.in_flight and spec.boundary is not None:
                     # the next materialization is full and cuts at this boundary or later: no
                     # delta will ever need the change sets up to it
                     p.pending.consume(spec.boundary)
@@ -378,10 +394,13 @@ class AgentMaterializer:
                     return written
                 spec, store = p.spec, p.store
                 skip = None if p.latest is None else p.latest.boundary
+                previous = 0 if p.latest is None else p.latest.ref.materialization_id
                 base = self._delta_base_locked(p)
                 self._m["started"] += 1
-            result, error = _attempt(spec, store, skip, base)
+                p.in_flight = True
+            result, error = _attempt(spec, store, skip, base, previous)
             with self._cond:
+                p.in_flight = False
                 written += self._record_locked(p, result, error)
                 self._cond.notify_all()
 
@@ -406,7 +425,7 @@ class AgentMaterializer:
 
         spec = p.spec
         return DeltaBase(p.latest.pieces, p.table_id, changed, spec.max_snapshot_deltas,
-                         spec.max_delta_ratio, spec.max_delta_entries)
+                         spec.max_delta_ratio, spec.max_delta_entries, p.lineage)
 
     def _record_locked(self, p: _Partition, result: ExternalMaterialization | None,
                        error: BaseException | None) -> int:
@@ -424,11 +443,16 @@ class AgentMaterializer:
             self._m["skipped"] += 1
             return 0
         p.policy.record_success(now, result.boundary, result.ref.size)
+        if result.ref.delta and p.latest is not None:
+            p.lineage = p.lineage | {(x.key, x.materialization_id) for x in p.latest.pieces}
+        else:
+            p.lineage = frozenset()
         p.latest, p.error = result, None
         p.table_id = result.marker.table_id
         p.chainable = p.spec.incremental and p.pending.consume(result.boundary)
         self._m["completed"] += 1
         self._m["deltas" if result.ref.delta else "full"] += 1
+        self._m["merges"] += int(result.merged)
         self._m["bytes"] += result.ref.size
         self._m["entries"] += result.entries
         self._last_duration_ms = result.duration_s * 1e3
@@ -452,7 +476,7 @@ class AgentMaterializer:
 
 
 def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None,
-             base: DeltaBase | None = None
+             base: DeltaBase | None = None, previous_id: int = 0
              ) -> tuple[ExternalMaterialization | None, BaseException | None]:
     """One materialization of a partition's table: ``(result or None, error or None)``; a
     table that is not there (being restored right now) gives neither."""
@@ -463,7 +487,8 @@ def _attempt(spec: PartitionSpec, store: BlobStore, skip: tuple[str, int] | None
                                                skip_boundary=skip,
                                                max_block_bytes=spec.max_block_bytes,
                                                snapshot_format=spec.snapshot_format,
-                                               delta_base=base), None
+                                               delta_base=base,
+                                               previous_id=previous_id), None
     except DstlError as exc:
         return None, exc
     except OSError as exc:  # local file system trouble: count it, keep the agent up
