@@ -171,6 +171,27 @@ def _snapshots(new: dict[str, int]) -> list[tuple[int, str]]:
     return out
 
 
+def _kinds_of(new: dict[str, int]) -> dict[str, int]:
+    """Bytes of the new files by kind: DSTL ``log`` (segments), ``snapshot`` (full and delta
+    objects), ``checkpoint`` (manifests); Spark ``changelog`` (``*.changelog``), ``snapshot``
+    (``*.zip``, ``*.sst``: RocksDB snapshot uploads), ``other``."""
+    out: dict[str, int] = {}
+    for path, size in new.items():
+        parts = path.split(os.sep)
+        if "dstl" in parts:
+            kind = "log"
+        elif "snapshots" in parts or path.endswith((".zip", ".sst")):
+            kind = "snapshot"
+        elif path.endswith(".changelog"):
+            kind = "changelog"
+        elif "checkpoints" in parts:
+            kind = "checkpoint"
+        else:
+            kind = "other"
+        out[kind] = out.get(kind, 0) + size
+    return out
+
+
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One query in this process: ``cfg["batches"]`` batches (all its files are in the source),
     then stop. Per batch: trigger time, tree CPU and the state location's new files."""
@@ -221,7 +242,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
                             "trigger_s": p["durationMs"].get("triggerExecution", 0) / 1e3,
                             "rows": int(p.get("numInputRows", 0)), "cpu_s": tree_cpu_s(),
                             "new_bytes": sum(new.values()), "new_objects": len(new),
-                            "snapshots": _snapshots(new), "durations_ms": p["durationMs"],
+                            "snapshots": _snapshots(new), "kinds": _kinds_of(new),
+                            "durations_ms": p["durationMs"],
                             "state_operators": p.get("stateOperators")
                             if cfg["phase"] == "restart" else None})
         disk = (_du(local / "dstl") if variant != "spark"
