@@ -888,6 +888,15 @@ def markdown(figs: dict[str, Any], meta: dict[str, Any]) -> str:
               f"{_s(same_t and same_t['trigger_s'])} | {_x(r2)} | {_goal(r2)} |",
               f"| batch of {n_big:,} output rows: driver RSS growth (MB) | "
               f"{_mb(big_d and big_d['driver_delta_mb'])} | not run | — | {flat} |"]
+    bl = rs.get("builds", {})
+    bd_, bt_ = bl.get("dstl-big"), bl.get("tws")
+    if bd_ and bt_ and n_trs == n_rst:  # both built the same keys in the same batches
+        per = min(n_rst, BUILD_KEYS_PER_BATCH)
+        d_b, t_b = summary(bd_["trigger_s"]), summary(bt_["trigger_s"])
+        rb = _ratio(d_b, t_b)
+        lines.append(f"| batch of {per:,} new keys = {per:,} output rows, `local[2]` (the "
+                     f"restart state's build, {len(bd_['trigger_s'])} batches) (s) | "
+                     f"{_s(d_b)} | {_s(t_b)} | {_x(rb)} | {_goal(rb)} |")
     rd, rt, rdd = rs["dstl"], rs["tws"], rs["dstl-daemon"]
     r3 = _ratio(rd["start_to_first_s"], rt["start_to_first_s"])
     at = f"{n_rst:,} keys" + (f" (TWS at {n_trs:,})" if n_trs != n_rst else ", both")
