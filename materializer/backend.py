@@ -108,7 +108,8 @@ from materializer.codecs import (
     codec_by_name,
     decode_hashable,
 )
-from materializer.delta_format import DeltaEntry, DeltaMeta, encode_delta
+from materializer.compaction import FULL, MERGE, next_piece
+from materializer.delta_format import DeltaEntry, DeltaMeta, DeltaReader, encode_delta
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.local_dirs import OwnDirectory, prepare_environment
@@ -491,9 +492,11 @@ class ChangelogKeyedStateBackend:
         """On the owner thread, at a materialization's cut: the job writing a delta of the
         entries changed since the previous cut (their values read now, from the table), or
         ``None`` when this materialization must be a full one: incremental snapshots are off,
-        the changes are not known, the base is not this backend's own chain, or the chain has
-        reached ``max_snapshot_deltas`` deltas or ``max_delta_ratio`` of its full snapshot's
-        size (the compaction rule; docs/format.md)."""
+        the changes are not known, the base is not this backend's own chain, or its deltas add
+        up to more than ``max_delta_ratio`` of its full snapshot's size; once
+        ``max_snapshot_deltas`` deltas follow the full snapshot, a merged delta that follows it
+        directly, holding every entry changed since (the deltas' entries are read back from the
+        store). The compaction rule: :mod:`materializer.compaction`."""
         o = self.options
         if not o.incremental_snapshots:
             return None
@@ -504,10 +507,19 @@ class ChangelogKeyedStateBackend:
                 or base.materialization_id != self._chain_id
                 or any(p.key_groups != self.key_groups for p in chain)):
             return None
-        deltas = chain[1:]
-        if (len(deltas) >= o.max_snapshot_deltas
-                or sum(d.size for d in deltas) > o.max_delta_ratio * chain[0].size):
+        kind = next_piece(chain[0].size, [d.size for d in chain[1:]], o.max_snapshot_deltas,
+                          o.max_delta_ratio)
+        if kind == FULL:
             return None
+        follows = chain
+        if kind == MERGE:  # every entry changed since the full snapshot: the deltas' and dirty's
+            follows = chain[:1]
+            try:
+                self._add_delta_entries(chain[1:], dirty)
+            except DstlError as exc:
+                logger.warning("backend %s: reading its deltas back for a merge failed (%s); "
+                               "this materialization is full", self.operator_id, exc)
+                return None
         blocks: dict[int, list[tuple[int, bytes, bytes, bytes | None]]] = {}
         get = self._tables.get
         for (kg, sid, kb, nb), (tk, tn) in dirty.items():
@@ -522,7 +534,7 @@ class ChangelogKeyedStateBackend:
         for entries in blocks.values():
             entries.sort(key=lambda e: (e[0], e[1], e[2]))
         meta = DeltaMeta(self.key_groups, self.max_parallelism, self.operator_id,
-                         materialization_id, base.materialization_id, up_to,
+                         materialization_id, follows[-1].materialization_id, up_to,
                          {str(r.state_id): r.meta for r in self._by_id.values()})
         self._meta_logged.clear()  # the log after up_to must describe its states again
         zstd_level, store, retry = o.zstd_level, self._store, self._upload_retry
@@ -537,10 +549,28 @@ class ChangelogKeyedStateBackend:
                 self._dirty = None  # these changes are in no piece: the next one is full
                 raise
             self._chain_id = materialization_id
-            return (*chain, SnapshotRef(key, len(data), self.key_groups, materialization_id,
-                                        delta=True))
+            return (*follows, SnapshotRef(key, len(data), self.key_groups, materialization_id,
+                                          delta=True))
 
         return write
+
+    def _add_delta_entries(self, pieces: Iterable[SnapshotRef],
+                           into: dict[tuple[int, int, bytes, bytes], tuple[Any, Any]]) -> None:
+        """Add the entries of this backend's own delta objects ``pieces`` (read from the store)
+        to the changed entries ``into``, in the table's key forms."""
+        o = self.options
+        for piece in pieces:
+            reader = DeltaReader(self._store.get(piece.key), key=piece.key,
+                                 max_block_bytes=o.max_snapshot_block_bytes)
+            for kg, _at, entries in reader.read():
+                for sid, kb, nb, _v in entries:
+                    if (kg, sid, kb, nb) in into:
+                        continue
+                    if self._heap and sid not in self._raw:
+                        into[(kg, sid, kb, nb)] = (self._key_codec.decode(kb),
+                                                   self._ns_codec.decode(nb))
+                    else:
+                        into[(kg, sid, kb, nb)] = (kb, nb)
 
     def replace_table(self, directory: str) -> None:
         """Restore only, before any state access: make the checked LMDB environment in

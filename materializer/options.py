@@ -72,10 +72,11 @@ class BackendOptions:
     #: partitions from the change sets it uploads (``dstl.spark.agent.materializer``).
     incremental_snapshots: bool = True
     #: With ``incremental_snapshots``: at most this many deltas follow a full snapshot; the next
-    #: materialization writes a full one (bounds the pieces a restore reads).
+    #: materialization merges them into one delta that follows the full snapshot (bounds the
+    #: pieces a restore reads; ``materializer.compaction``).
     max_snapshot_deltas: int = 8
     #: With ``incremental_snapshots``: a full snapshot is written instead of a delta once the
-    #: deltas since the last full one add up to more than this fraction of its size (bounds
+    #: deltas since the last full one add up to more than this fraction of its bytes (bounds
     #: what a restore reads beyond the state itself, and the store's space).
     max_delta_ratio: float = 0.5
     #: With ``incremental_snapshots``: the changed entries remembered for the next delta (in

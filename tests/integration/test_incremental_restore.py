@@ -194,21 +194,26 @@ def _generation(storage: ChangelogStorage, handles: list[ChangelogStateBackendHa
             b.close()
 
 
+@pytest.mark.parametrize("rounds", [3, 6])
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 @pytest.mark.parametrize("sequence", [[1, 2], [2, 1], [4, 3]])
 def test_restore_from_a_full_snapshot_and_deltas_equals_the_model(
-        storage: ChangelogStorage, table: str, sequence: list[int]) -> None:
+        storage: ChangelogStorage, table: str, sequence: list[int], rounds: int) -> None:
+    """Three rounds: a full snapshot and two deltas; six: the fifth materialization merges the
+    three deltas into one that follows the full snapshot, and the sixth follows it."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     model: Model = {}
     handles: list[ChangelogStateBackendHandle] | None = None
     for gen, p in enumerate(sequence):
-        handles = _generation(storage, handles, p, gen, model, rng, table, rounds=3)
+        handles = _generation(storage, handles, p, gen, model, rng, table, rounds=rounds)
         for h in handles:
             # a full snapshot and two deltas after it (the first materialization after a
-            # restore is a full one)
+            # restore is a full one); after six rounds the first delta is a merged one
             assert [r.delta for r in h.materialized] == [False, True, True], h.materialized
+            ids = [r.materialization_id for r in h.materialized]
+            assert ids == sorted(ids) and ids[-1] - ids[0] == rounds - 1
             assert ChangelogStateBackendHandle.from_json(h.to_json()) == h
     assert handles is not None
     # and onto one backend of the other table: same state
@@ -224,14 +229,16 @@ def test_restore_from_a_full_snapshot_and_deltas_equals_the_model(
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 def test_the_chain_is_compacted_by_count_and_by_size(storage: ChangelogStorage,
                                                      table: str) -> None:
-    """``max_snapshot_deltas`` deltas follow a full snapshot, then a full one again; a delta
-    chain larger than ``max_delta_ratio`` of its full snapshot is compacted early; more changed
-    entries than ``max_delta_entries`` make the next materialization full."""
+    """``max_snapshot_deltas`` deltas follow a full snapshot, then a merged delta that follows
+    the full snapshot replaces them (the chain stays at most ``1 + max_snapshot_deltas`` pieces);
+    deltas adding up to more than ``max_delta_ratio`` of the full snapshot make the next one
+    full; more changed entries than ``max_delta_entries`` make the next materialization full."""
     rng = random.Random(7)
     model: Model = {}
     kgs = KeyGroupRange(0, MP - 1)
     b = ChangelogKeyedStateBackend(storage, "op", kgs, MP, table=table, options=OPTS)
     kinds = []
+    pieces = []
     try:
         for cp in range(1, 10):
             _write(b, model, rng, 30)
@@ -240,9 +247,18 @@ def test_the_chain_is_compacted_by_count_and_by_size(storage: ChangelogStorage,
             ref = b.materialize_now(WAIT)
             assert ref is not None
             kinds.append(ref.delta)
+            pieces.append(len(b.snapshot(100 + cp).result(WAIT).materialized))
+        last = b.snapshot(200).result(WAIT)
     finally:
         b.close()
-    assert kinds == [False, True, True, True, False, True, True, True, False]
+    assert kinds == [False] + [True] * 8
+    assert pieces == [1, 2, 3, 4, 2, 3, 4, 2, 3]
+    b = restore_backend([last], storage, kgs, table=table, operator_id="op", options=OPTS)
+    try:
+        _check([b], _clean(model), f"merged chain ({table})")
+    finally:
+        b.close()
+    model = {}
     small = OPTS.replace(max_delta_ratio=0.01)
     b = ChangelogKeyedStateBackend(storage, "op2", kgs, MP, table=table, options=small)
     kinds = []
