@@ -12,6 +12,7 @@ partition registers, and the agent materializes from a read-only open."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -382,7 +383,7 @@ def _pieces_deleted_by_retention(handles: list[ChangelogStateBackendHandle], ret
     return deleted, kept
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11, 12] if os.environ.get("DSTL_DEEP") == "1" else [11])
 def test_merged_deltas_bound_the_chain_and_restore_to_the_model(
         storage: ChangelogStorage, tmp_path: Path, seed: int) -> None:
     """With ``max_snapshot_deltas=3`` the fourth delta is a merged one that follows the full
