@@ -276,7 +276,10 @@ def main() -> None:
             results.append(res)
     load = sampler.stop()
     command = "python bench/incremental.py" + (" --quick" if a.quick else "") + (
-        f" --keys {' '.join(map(str, a.keys))}" if a.keys else "")
+        f" --keys {' '.join(map(str, a.keys))}" if a.keys else "") + (
+        f" --intervals {a.intervals}" if a.intervals != 12 else "") + (
+        f" --mat-every {a.mat_every}" if a.mat_every != 2 else "") + (
+        f" --update-frac {a.update_frac:g}" if a.update_frac != 0.01 else "")
     publish("incremental", {"sizes": results, "write_cost": writes, "load": load,
                             "config": {"intervals": a.intervals, "update_frac": a.update_frac,
                                        "mat_every": a.mat_every}},
