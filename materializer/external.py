@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Final
 
 from dstl.checks import check_choice
-from dstl.errors import CorruptObjectError, UsageError
+from dstl.errors import CorruptObjectError, DstlError, UsageError
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
@@ -359,12 +359,17 @@ def _take_delta(snap: LmdbTableSnapshot, marker: TableMarker, boundary: tuple[st
     if merge:
         if store is None:
             return None
-        for piece in chain[1:]:
-            reader = DeltaReader(store.get(piece.key), key=piece.key,
-                                 max_block_bytes=max_block_bytes)
-            for state_id, described in reader.meta.states.items():
-                states.setdefault(state_id, described)
-            readers.append(reader)
+        try:
+            for piece in chain[1:]:
+                reader = DeltaReader(store.get(piece.key), key=piece.key,
+                                     max_block_bytes=max_block_bytes)
+                for state_id, described in reader.meta.states.items():
+                    states.setdefault(state_id, described)
+                readers.append(reader)
+        except DstlError as exc:
+            logger.warning("materializing %s: reading its deltas back for a merge failed (%s); "
+                           "this materialization is full", marker.operator_id, exc)
+            return None
         follows: tuple[SnapshotRef, ...] = chain[:1]
     else:
         follows = chain

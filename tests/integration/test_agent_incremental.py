@@ -512,3 +512,26 @@ def test_merged_chains_restore_rescaled(storage: ChangelogStorage, tmp_path: Pat
     for j in range(after):
         kgs = KeyGroupRange.of_operator(MP, after, j)
         assert _read(storage, handles, kgs, tmp_path / f"after-{j}") == _expected(model, kgs)
+
+
+def test_a_merge_that_cannot_read_its_deltas_is_a_full_snapshot(storage: ChangelogStorage,
+                                                                tmp_path: Path) -> None:
+    """A delta of the chain missing from the store when a merge reads it back: the
+    materialization is a full snapshot (not a failure), and the state restores from it."""
+    rng = random.Random(31)
+    ex = Executor(tmp_path, storage, max_snapshot_deltas=2)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    ex.materialize()
+    ex.batch(model, rng)
+    gone = ex.materialize()
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta
+    storage.store.delete([gone.ref.key])
+    ex.batch(model, rng)
+    m = ex.materialize()
+    assert not m.ref.delta and ex.agent.metrics()["materializer.failed"] == 0
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f"]
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    ex.close()
