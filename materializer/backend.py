@@ -1322,11 +1322,12 @@ class ChangelogKeyedStateBackend:
         full snapshot and the deltas after it): it is installed, with the pieces of ``chain``
         this backend's base lacks, only when the base is a prefix of ``chain`` (same objects,
         same materialization ids: the agent may have written a delta the backend did not install
-        before the next one), or when ``chain`` starts with the base's full snapshot and the
-        delta is newer than the base (a merged delta, which replaces the deltas of the base:
-        it holds every entry changed since the full snapshot), and the delta's id follows
-        ``chain``'s — else its lineage differs and nothing changes. Either way the base's log
-        must reach the delta's boundary.
+        before the next one; a base of no snapshot is a prefix of every chain: the agent's full
+        snapshot was written after this backend last asked for one), or when ``chain`` starts
+        with the base's full snapshot and the delta is newer than the base (a merged delta,
+        which replaces the deltas of the base: it holds every entry changed since the full
+        snapshot), and the delta's id follows ``chain``'s — else its lineage differs and
+        nothing changes. Either way the base's log must reach the delta's boundary.
 
         Returns:
             The installed reference (a full snapshot's materialization id raised above this
@@ -1344,8 +1345,8 @@ class ChangelogKeyedStateBackend:
             if ref.delta:
                 pieces = tuple((p.key, p.materialization_id) for p in base.snapshots)
                 named = tuple((p.key, p.materialization_id) for p in chain)
-                if (not pieces or not named
-                        or (named[:len(pieces)] != pieces
+                if (not named
+                        or (pieces and named[:len(pieces)] != pieces
                             and not (named[0] == pieces[0]
                                      and ref.materialization_id > base.materialization_id))
                         or ref.materialization_id != named[-1][1] + 1

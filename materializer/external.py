@@ -34,7 +34,9 @@ snapshot:
 
 1. the marker's ``table_id`` is the one of the previous cut (no snapshot was loaded into the table
    since: every change in between was logged, and the caller saw it);
-2. the checkpoint the table is at names the previous pieces' full snapshot first, then only
+2. the checkpoint the table is at names no snapshot (its task asked for the newest
+   materialization before the previous one was written: the table was not loaded since, rule 1,
+   so the chain describes it), or names the previous pieces' full snapshot first, then only
    pieces this chain holds or held (``DeltaBase.lineage``: deltas a merge replaced included),
    with the same ids — the chain the delta extends is the one the checkpoints use, or its
    continuation not installed yet — and its materialization id is that of its last piece;
@@ -326,11 +328,12 @@ def _delta_chain(marker: TableMarker, base: DeltaBase, key_groups: KeyGroupRange
     snapshot."""
     pieces = base.pieces
     named = marker.snapshots
-    if (not base.table_id or marker.table_id != base.table_id or not pieces or not named
-            or pieces[0].delta or any(p.key_groups != key_groups for p in pieces)
-            or named[0] != (pieces[0].key, pieces[0].materialization_id)
-            or not set(named) <= base.known()
-            or marker.materialization_id != named[-1][1]):
+    if (not base.table_id or marker.table_id != base.table_id or not pieces
+            or pieces[0].delta or any(p.key_groups != key_groups for p in pieces)):
+        return None
+    if named and (named[0] != (pieces[0].key, pieces[0].materialization_id)
+                  or not set(named) <= base.known()
+                  or marker.materialization_id != named[-1][1]):
         return None
     kind = next_piece(pieces[0].size, [d.size for d in pieces[1:]], base.max_deltas,
                       base.max_ratio)

@@ -535,3 +535,23 @@ def test_a_merge_that_cannot_read_its_deltas_is_a_full_snapshot(storage: Changel
     assert _kinds(storage, h) == ["f"]
     assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
     ex.close()
+
+
+def test_a_delta_follows_a_full_snapshot_no_checkpoint_named_yet(storage: ChangelogStorage,
+                                                                  tmp_path: Path) -> None:
+    """The batch after the first full snapshot asked for it before it was written (its
+    checkpoint names no snapshot): the next materialization is still a delta on that snapshot,
+    and the batch after installs both."""
+    rng = random.Random(41)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    first = ex.materialize()
+    ex.batch(model, rng, install=False)
+    m = ex.materialize()
+    assert m.ref.delta and m.chain == (first.ref,)
+    h = ex.batch(model, rng)
+    assert [p.key for p in h.materialized] == [first.ref.key, m.ref.key]
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    assert ex.agent.metrics()["materializer.full"] == 1
+    ex.close()
