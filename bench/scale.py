@@ -528,6 +528,14 @@ def main() -> None:
     cmd = "python bench/scale.py" + (" --quick" if args.quick else "")
     if args.keys:
         cmd += f" --keys {args.keys}"
+    if args.variants != list(VARIANTS):
+        cmd += f" --variants {','.join(args.variants)}"
+    for flag, value, default in (("--batches", args.batches, 4 if args.quick else 12),
+                                 ("--update", args.update, 0.01),
+                                 ("--pace-s", args.pace_s, 2.0 if args.quick else 5.0),
+                                 ("--build-chunk", args.build_chunk, 1_000_000)):
+        if value != default:
+            cmd += f" {flag} {value:g}"
     write_results("scale", {"config": {k: v for k, v in vars(args).items()}, "keys": keys,
                             "results": results, "load": load.summary},
                   md, quick=args.quick, command=cmd, no_doc=args.no_doc)
