@@ -32,10 +32,11 @@ Cost (``cost`` rows, medians of ``--repeats`` interleaved repeats with min..max)
 for ``raw``, so the ratio is against the table as it is, same run. And ns per
 ``ValueState.update`` of the 256-character string on a ``ChangelogKeyedStateBackend`` on LMDB
 inside ``tables.write_batch()`` (the path a task's batch takes: key, codec, log append, table
-put), to set the codec's cost against a whole update.
+put), to set the codec's cost against a whole update; and the time to train a dictionary.
 
-Spark's figure (its RocksDB working directories at the same sizes) comes from the newest
-``bench/scale.py`` results file that holds it, named in the output: not this run.
+Spark's figure (its RocksDB working directories at the same sizes) comes from the stored
+``bench/scale.py`` runs that measured it, not this run: they vary between runs (RocksDB's
+compactions), and the ratio is taken against the smallest.
 
 Run: ``.venv/bin/python bench/table_codec.py [--quick]``; ``--render RESULTS.json`` rebuilds
 the docs section of a stored run.
@@ -296,20 +297,43 @@ def cost(n: int, repeats: int, where: str) -> dict[str, Any]:
         storage.close()
         shutil.rmtree(d, ignore_errors=True)
     out: dict[str, Any] = {"entries": n, "ops_per_repeat": ops}
+    # training: the default (zstd searches its parameters: what the disk rows use) and fixed
+    # parameters; CPU seconds of this process, and the mean size of 2,000 other values
+    train: list[bytes | bytearray | memoryview] = list(versions[0][:DICT_SAMPLES])
+    held_out = versions[1][DICT_SAMPLES:2 * DICT_SAMPLES]
+    for name, params in (("train_default", {}), ("train_k1024_d8", {"k": 1024, "d": 8})):
+        cpu: list[float] = []
+        wall: list[float] = []
+        data = None
+        for _ in range(repeats):
+            c0, w0 = time.process_time(), time.perf_counter()
+            data = zstandard.train_dictionary(DICT_BYTES, train, level=1, **params)
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        comp = zstandard.ZstdCompressor(level=1, dict_data=data, write_content_size=True,
+                                        write_checksum=False, write_dict_id=False)
+        out[name] = {"cpu_s": summary(cpu), "wall_s": summary(wall),
+                     "mean_bytes": statistics.mean(len(comp.compress(v)) for v in held_out)}
     for name, figs in samples.items():
         out[name] = {k: summary(v) for k, v in figs.items()}
     return out
 
 
 def spark_disk() -> dict[str, Any]:
-    """Spark's local disk per size from the newest ``bench/scale.py`` results holding it."""
-    for path in sorted(RESULTS.glob("scale-2*.json"), reverse=True):
+    """Spark's local disk per size in every stored ``bench/scale.py`` run that holds it (RocksDB's
+    working directories vary between runs with its compactions: the ratio is taken against
+    the smallest)."""
+    files: list[str] = []
+    found: dict[str, list[int]] = {}
+    for path in sorted(RESULTS.glob("scale-2*.json")):
         rows = json.loads(path.read_text())["figures"].get("results", [])
-        found = {str(r["keys"]): r["local_disk_bytes"] for r in rows
-                 if r.get("variant") == "spark" and r.get("local_disk_bytes")}
-        if found:
-            return {"file": path.name, "bytes": found}
-    return {"file": None, "bytes": {}}
+        got = [(str(r["keys"]), int(r["local_disk_bytes"])) for r in rows
+               if r.get("variant") == "spark" and r.get("local_disk_bytes")]
+        if got:
+            files.append(path.name)
+        for size, b in got:
+            found.setdefault(size, []).append(b)
+    return {"files": files, "bytes": found}
 
 
 def main() -> None:
@@ -348,15 +372,27 @@ def main() -> None:
             no_doc=args.no_doc, tag=args.tag)
 
 
+def _train(t: dict[str, Any]) -> str:
+    cpu = t["cpu_s"]
+    wall = t["wall_s"]
+    return (f"{cpu['median']:.2f} s of CPU ({cpu['min']:.2f}..{cpu['max']:.2f}) in "
+            f"{wall['median']:.2f} s ({wall['min']:.2f}..{wall['max']:.2f}), "
+            f"{t['mean_bytes']:.1f} bytes per value of 2,000 others")
+
+
 def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
 
 def markdown(f: dict[str, Any]) -> str:
     spark = f["spark"]
+    if "file" in spark:   # a run that read one scale run: its figure per size
+        spark = {"files": [spark["file"]] if spark["file"] else [],
+                 "bytes": {k: [v] for k, v in spark["bytes"].items()}}
     rows = []
     for r in f["disk"]:
-        sp = spark["bytes"].get(str(r["keys"])) if r["kind"] == "scale" else None
+        runs = spark["bytes"].get(str(r["keys"])) if r["kind"] == "scale" else None
+        sp = min(runs) if runs else None
         rounds = "one per round" if r["commit_every"] is None else f"every {r['commit_every']}"
         rows.append([f"{r['keys']:,}", r["kind"], r["variant"], rounds, _mb(r["stored_bytes"]),
                      _mb(r["allocated_after_build"]), _mb(r["allocated_after_rounds"]),
@@ -374,18 +410,26 @@ def markdown(f: dict[str, Any]) -> str:
         crow.append([v, cell(put), f"{put['median'] / c['raw']['put_ns']['median']:.2f}x",
                      cell(get), f"{get['median'] / c['raw']['get_ns']['median']:.2f}x"])
     b = c["backend"]
-    sp_note = (f"Spark column: RocksDB working directories from `{spark['file']}` "
-               "(bench/scale.py, not this run)" if spark["file"] else "no Spark figure stored")
+    spans = "; ".join(f"{int(k):,} keys {_mb(min(v))}..{_mb(max(v))} MB"
+                      for k, v in sorted(spark["bytes"].items(), key=lambda kv: int(kv[0])))
+    sp_note = (f"Spark column: the smallest of Spark's RocksDB working directories in the "
+               f"{len(spark['files'])} stored `bench/scale.py` runs that measured them (not this "
+               f"run; {spans}: they vary with RocksDB's compactions)"
+               if spark["files"] else "no Spark figure stored")
     return "\n\n".join([
         table(["keys", "values", "encoding", "commits in a round (per table)",
                "keys + values stored (MB)", "disk after build (MB)", "disk after 12 rounds (MB)",
                "compacted copy (MB)", "packed copy (MB)", "snapshot object (MB)", "leaf fill",
-               "disk / Spark"], rows),
+               "disk / Spark (smallest)"], rows),
         table(["encoding", "put ns, encoding included", "vs raw", "get ns, decoding included",
                "vs raw"], crow),
         f"For scale: a `ValueState.update` of the same value on an LMDB backend in a write batch "
         f"costs {cell(b['update_ns'])} ns, a `value()` {cell(b['value_ns'])} ns (same run). "
-        f"{c['entries']:,} entries, {c['ops_per_repeat']:,} puts and gets per repeat, "
+        + (f"Training a dictionary of {f['config']['dict_bytes'] // 1024} KiB on "
+           f"{DICT_SAMPLES:,} values: {_train(c['train_default'])} with zstd's parameter search "
+           f"(the rows above), {_train(c['train_k1024_d8'])} with k=1024, d=8. "
+           if "train_k1024_d8" in c else "")
+        + f"{c['entries']:,} entries, {c['ops_per_repeat']:,} puts and gets per repeat, "
         f"{f['config']['repeats']} interleaved repeats: median (min..max). Disk: 4 tables (4 "
         f"partitions), the build one write batch per table in random key order, 12 rounds of 1 % "
         f"updates; deterministic for the seed, one run per cell. {sp_note}. "
