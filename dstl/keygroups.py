@@ -4,7 +4,7 @@ A key's key group is ``pmod(xxhash64(key_bytes, seed=42), max_parallelism)``. Th
 Spark SQL expression ``pmod(xxhash64(col), max_parallelism)`` for a string or binary column (Spark's
 ``xxhash64`` is XXH64 with seed 42 over the UTF-8 / raw bytes, read as a signed 64-bit integer), so a
 Spark job can route rows to the partition owning their key group inside the JVM, without a Python
-UDF. ``tests/integration/test_spark_routing.py`` proves the equality on a large random sample.
+UDF. ``tests/integration/spark/test_spark_routing.py`` proves the equality on a large random sample.
 
 A backend owns a contiguous, inclusive key-group range; ranges are assigned to operator instances
 the way Flink does (``KeyGroupRange.of_operator``), so rescaling moves whole key groups.

@@ -3,7 +3,7 @@ SparkSession, the run-once query and the command line. Each example keeps its pr
 input generator, its plain-Python expectation and its report.
 
 The examples run as scripts (``python examples/<name>.py``), which puts this directory on
-``sys.path``; tests/integration/test_spark_timers.py adds it before importing them.
+``sys.path``; tests/integration/spark/test_spark_timers.py adds it before importing them.
 """
 
 from __future__ import annotations

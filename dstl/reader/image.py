@@ -24,7 +24,7 @@ forms.
 
 Compared with restoring a backend (:func:`~dstl.reader.state.restored`, kept for
 ``table="lmdb"``), nothing is decoded twice and no table structure is built; the model tests
-(``tests/unit/test_state_reader.py``) hold both to the job's dict model.
+(``tests/unit/dstl/reader/test_state_reader.py``) hold both to the job's dict model.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ index and the DataNodes hold the bytes.
   NameNode completes the file once its blocks reached their minimal replication), then publishes
   it with ``rename(tmp, final)`` **without overwrite**: the NameNode performs the rename
   atomically and refuses it when ``final`` exists, so two writers of one key cannot both succeed
-  (:class:`~dstl.errors.ObjectExistsError`; ``tests/integration/test_hdfs.py`` races them).
+  (:class:`~dstl.errors.ObjectExistsError`; ``tests/integration/stores/test_hdfs.py`` races them).
   A create without overwrite is atomic as well, but it makes the name visible, empty and
   growing, while the bytes stream in; the rename publishes only a complete, closed file, so a
   reader (restore, ``dstl verify``, retention) never sees a partial object. A failed put removes

@@ -43,7 +43,7 @@ from materializer.replay import BlockReplayer
 from materializer.state_tables import SnapshotReader
 from restore.reader import ChangelogReader
 from restore.restore import restore_backend
-from tests.integration.test_restore_roundtrip import MP, OPTS, _checkpoint, _workload
+from tests.integration.restore.test_restore_roundtrip import MP, OPTS, _checkpoint, _workload
 
 RANGE = KeyGroupRange(0, MP - 1)
 KEYS = [f"user-{i}" for i in range(40)]

@@ -1,4 +1,4 @@
-"""A stand-in Python worker for tests/integration/test_agent_cache.py: its own process, its own
+"""A stand-in Python worker for tests/integration/agent/test_agent_cache.py: its own process, its own
 AgentClient, reading through the executor agent's cache.
 
     python agent_cache_worker.py SOCKET STORE_URI HANDLES_FILE read

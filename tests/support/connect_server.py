@@ -32,7 +32,7 @@ def connect_server(log_dir: Path, timeout_s: float = 180.0) -> Iterator[str]:
     home = os.path.dirname(pyspark.__file__)
     tests = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([tests, os.path.join(tests, "integration"),
+           "PYTHONPATH": os.pathsep.join([tests, os.path.join(tests, "integration", "spark"),
                                           os.environ.get("PYTHONPATH", "")])}
     port = _free_port()
     log = log_dir / "connect-server.log"

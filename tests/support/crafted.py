@@ -6,7 +6,7 @@ so that it passes the CRCs and reaches the decoders: zstd frames that declare 3 
 really decompress to hundreds of MiB (a zstd "bomb"), pickles that decode to millions of objects,
 JSON nested 100,000 deep or made of millions of ``{}``, handles whose sqn range or offsets are
 2^62. ``tests/support/read_crafted.py`` reads one in a fresh process and reports the peak RSS;
-``tests/integration/test_crafted_memory.py`` asserts the bound (docs/guarantees.md, "Untrusted stores").
+``tests/integration/restore/test_crafted_memory.py`` asserts the bound (docs/guarantees.md, "Untrusted stores").
 
 Everything here is written from the format specification (docs/format.md), not with DSTL's
 encoders, so the encoders' own limits cannot hide a crafted case.

@@ -1,4 +1,4 @@
-"""A restoring process for tests/integration/test_restore_prefetch.py, SIGKILLed mid-prefetch.
+"""A restoring process for tests/integration/restore/test_restore_prefetch.py, SIGKILLed mid-prefetch.
 
     python prefetch_child.py STORE_DIR HANDLE_FILE CACHE_DIR LATENCY_S
 

@@ -1,5 +1,5 @@
 """Processors the Spark tests share (workers import them by reference: ``tests/`` is on their
-path, see ``tests/integration/spark_support.py``)."""
+path, see ``tests/integration/spark/spark_support.py``)."""
 
 from __future__ import annotations
 

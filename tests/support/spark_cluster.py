@@ -86,7 +86,7 @@ def new_cluster_session(name: str, root: Path, executors: int = 2, cores: int = 
     # that define processors (cloudpickle ships classes by reference)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     tests = Path(__file__).resolve().parent.parent
-    paths = [str(tests / "integration"), str(tests), os.environ.get("PYTHONPATH", "")]
+    paths = [str(tests / "integration" / "spark"), str(tests), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     builder = (SparkSession.builder.master(f"local-cluster[{executors},{cores},{memory_mb}]")
                .appName(name)

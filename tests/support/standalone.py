@@ -103,7 +103,7 @@ class StandaloneCluster:
     def _env(self, local_ip: str) -> dict[str, str]:
         assert self._home is not None
         tests = Path(__file__).resolve().parent.parent
-        paths = [str(tests / "integration"), str(tests), os.environ.get("PYTHONPATH", "")]
+        paths = [str(tests / "integration" / "spark"), str(tests), os.environ.get("PYTHONPATH", "")]
         return {**os.environ, "SPARK_HOME": str(self._home),
                 "SPARK_CONF_DIR": str(self.root / "conf"),
                 "SPARK_LOCAL_IP": local_ip, "SPARK_DAEMON_MEMORY": "256m",
@@ -176,7 +176,7 @@ class StandaloneCluster:
     def session(self, name: str, conf: dict[str, str] | None = None) -> Any:
         """A SparkSession of this process on the cluster: one executor per worker (each
         ``cores`` cores, 512 MiB), the driver on 127.0.0.1, the executors' Python this
-        interpreter with ``tests/`` and ``tests/integration`` on its path (processors travel
+        interpreter with ``tests/`` and ``tests/integration/spark`` on its path (processors travel
         by reference)."""
         from pyspark.sql import SparkSession
 

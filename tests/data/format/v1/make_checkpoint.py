@@ -1,5 +1,5 @@
 """Writes ``checkpoint/``: a v1 checkpoint (LMDB and heap backends, every state kind) for the
-golden restore test ``tests/integration/test_file_snapshot.py::test_v1_golden_checkpoint``.
+golden restore test ``tests/integration/restore/test_file_snapshot_restore.py::test_v1_golden_checkpoint_still_restores``.
 
 Run once with the v1 writer (git 2cafe70 or earlier); never again: the point of the files is that
 today's reader still restores what that writer wrote. ``python tests/data/format/v1/make_checkpoint.py``.

@@ -51,7 +51,7 @@ from restore.reader import ChangelogReader, verify_segment, verify_snapshot
 
 MP = 64
 WAIT = 10.0
-WORKER = Path(__file__).resolve().parents[1] / "support" / "agent_cache_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "support" / "agent_cache_worker.py"
 
 
 def _alive(pid: int) -> bool:

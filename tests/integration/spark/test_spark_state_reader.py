@@ -135,12 +135,12 @@ def test_a_missing_checkpoint_is_a_typed_error(spark: Any,  # noqa: F811
         _load(spark, root, checkpoint=42).collect()
     assert "checkpoints there: 0, 1, 2" in str(err.value)
     # every option is named and range-checked (dstl/reader/checks.py; each option's refusal
-    # is a unit test in tests/unit/test_state_reader_edges.py): a misspelt one would otherwise
+    # is a unit test in tests/unit/dstl/reader/test_state_reader_edges.py): a misspelt one would otherwise
     # read the newest checkpoint instead of the one asked for
     with pytest.raises(Exception, match=r"ConfigError.*checkpiont"):
         _load(spark, root, checkpiont=0).collect()
     # a typed value the state's values do not convert to names the state, a key and the value
-    # (through a user schema; valueType's path: tests/unit/test_state_reader_columns.py)
+    # (through a user schema; valueType's path: tests/unit/dstl/reader/test_state_reader_columns.py)
     reader = (spark.read.format("dstl").schema("key string, typed_value array<int>")
               .option("operator", "job").option("state", "count").load(root))
     with pytest.raises(Exception, match=r"ValueTypeError: state 'count', key 'k\d+': "

@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("forged")]
 
 DEEP = os.environ.get("DSTL_DEEP") == "1"
 FLIPS = 600 if DEEP else 40
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 READER = ROOT / "tests" / "support" / "read_forged.py"
 SERVERS = max(2, min(4, os.cpu_count() or 2))
 PATH_TIMEOUT_S = 180.0

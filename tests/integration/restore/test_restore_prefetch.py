@@ -65,7 +65,7 @@ KEYS = [f"k{i}" for i in range(300)]
 OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
 DOPTS = DstlOptions(persist_delay_s=0.0)
 KGS = KeyGroupRange(0, MP - 1)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD = REPO / "tests" / "support" / "prefetch_child.py"
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # and tests/
 
 SAMPLE_EVERY = 10
 KEYS = 500

@@ -8,7 +8,7 @@ a subprocess (a fresh JVM: no registration of an earlier test leaks in) whose dr
 DSTL module, from a directory outside the project and without PYTHONPATH (the sources are found
 where the installation put them). Filters pushed down with internal states run on the readers
 themselves (no Spark); register after the static sources, with the pushdown it turns on, is
-what tests/integration/test_spark_state_reader.py does in every test.
+what tests/integration/spark/test_spark_state_reader.py does in every test.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_a_fresh_session_reads_state_and_changes_without_registration(
     assert "internalStates" in res["state_option_error"]
 
     # without the conf Spark applies the filter itself: every split is read (with it, which
-    # register sets, only the key's: tests/integration/test_spark_state_reader.py)
+    # register sets, only the key's: tests/integration/spark/test_spark_state_reader.py)
     k7 = {i: v for i, v in model.items() if i[1] == "k7"}
     assert k7 and state_of(_rows(res["k7"])) == k7
     assert res["k7_splits"] == 2

@@ -47,7 +47,7 @@ from dstl.spark.demo import ClickStats, click_events
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("standalone")]
 
 DEEP = os.environ.get("DSTL_DEEP") == "1"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 moto_endpoint = moto_server.moto_endpoint
 s3_bucket = moto_server.s3_bucket
 #: the batch in which the worker is killed and the state task is slowed

@@ -308,7 +308,7 @@ def _wrapped(cause: BaseException) -> BaseException:
 
 # --------------------------------------------------------------------------- HDFS (hdfs-native)
 # The exceptions as hdfs-native 0.14 raised them against a MiniDFSCluster (the texts are those
-# observed, stack lines cut); tests/integration/test_hdfs.py provokes each one for real.
+# observed, stack lines cut); tests/integration/stores/test_hdfs.py provokes each one for real.
 
 _RPC = 'RPCError("org.apache.hadoop.{cls}", "{msg}\\n\\tat org.apache.hadoop.hdfs.server.X(X.java:1)")'
 

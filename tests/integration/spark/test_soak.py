@@ -30,7 +30,7 @@ list of seen files grows with the input by design). The run ends with the sink's
 to a model.
 
 Only with ``DSTL_DEEP=1`` (``make test-deep``): it takes ``SOAK_BATCHES`` seconds and more.
-``DSTL_SOAK_BATCHES=60 DSTL_DEEP=1 pytest -s tests/integration/test_soak.py`` is a short run
+``DSTL_SOAK_BATCHES=60 DSTL_DEEP=1 pytest -s tests/integration/spark/test_soak.py`` is a short run
 (the slopes of so few samples are only indicative).
 """
 

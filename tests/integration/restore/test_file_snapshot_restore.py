@@ -44,7 +44,7 @@ WAIT = 10.0
 FILE = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
 ENTRIES = FILE.replace(lmdb_snapshot_format="entries")
 KEYS = [f"user-{i}" for i in range(300)]
-GOLDEN = Path(__file__).resolve().parents[1] / "data" / "format" / "v1" / "checkpoint"
+GOLDEN = Path(__file__).resolve().parents[2] / "data" / "format" / "v1" / "checkpoint"
 
 Model = dict[tuple[str, str, Any], Any]
 

@@ -2,7 +2,7 @@
 ``verify`` (progress, damaged and missing objects named, exit 1), ``state dump|changes`` (JSON
 lines equal to the model; Parquet with the Spark sources' columns), ``inspect`` of every object
 kind, and the exit codes of --help (0) and usage errors (2) for every command. The same on a
-moto S3 store: tests/integration/test_cli_s3.py.
+moto S3 store: tests/integration/cli/test_cli_s3.py.
 """
 
 from __future__ import annotations

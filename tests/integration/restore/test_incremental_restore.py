@@ -663,7 +663,7 @@ def test_inspect_describes_a_delta_and_refuses_a_forged_one(
     from dstl.cli import main
     from materializer.delta_format import decode_delta
     from materializer.snapshot_format import SnapshotEncoder
-    golden = Path(__file__).resolve().parents[1] / "data" / "format" / "v3" / "delta_small.bin"
+    golden = Path(__file__).resolve().parents[2] / "data" / "format" / "v3" / "delta_small.bin"
     assert main(["inspect", str(golden)]) == 0
     out = capsys.readouterr().out
     assert "delta (snapshot v3)" in out and "(2 tombstones)" in out and '"follows": 4' in out

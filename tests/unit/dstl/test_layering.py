@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grimp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("dstl", "materializer", "restore")
 #: Not log core: the layers above it, and the ``python -m dstl`` entry point.
 NOT_CORE = ("dstl.spark", "dstl.cli", "dstl.reader", "dstl.checkpoint", "dstl.__main__")

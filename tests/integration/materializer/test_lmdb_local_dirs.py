@@ -25,7 +25,7 @@ from materializer.states import ValueStateDescriptor
 MP = 16
 ALL = KeyGroupRange(0, MP - 1)
 OPTS = BackendOptions(materialization_interval_s=None, materialize_log_ratio=None)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 #: Writes k0..k9 into an LMDB backend (argv[1]: local directory, or "" for a temp directory),
 #: prints the table's path, and SIGKILLs itself: nothing is closed or cleaned up.

@@ -16,7 +16,7 @@ from spark_support import spark  # noqa: F401
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 EXAMPLE_DIR = "/tmp/dstl-example"
 
 

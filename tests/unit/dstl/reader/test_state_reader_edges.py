@@ -6,7 +6,7 @@ splits), damaged and truncated manifests, snapshots and segments, binary keys, a
 
 The job is tests/support/state_job.py's MiniJob (no Spark); the Spark sources' option parsing is
 tested on SourceOptions directly (the Spark round trip of one refused option is in
-tests/integration/test_spark_state_reader.py).
+tests/integration/spark/test_spark_state_reader.py).
 """
 
 from __future__ import annotations

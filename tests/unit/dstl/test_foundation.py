@@ -15,7 +15,7 @@ from dstl.handle import ChangeSetRef
 from dstl.key_hashes import key_groups_for
 from dstl.keygroups import operator_index_for_key_group
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 # ----------------------------------------------------------------- key groups

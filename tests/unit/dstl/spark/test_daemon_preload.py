@@ -23,7 +23,7 @@ import pytest
 from dstl.errors import ConfigError
 from dstl.spark import daemon
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_the_worker_module_first_then_dstl_then_the_extra_modules_each_once() -> None:

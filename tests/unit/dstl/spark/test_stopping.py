@@ -1,6 +1,6 @@
 """How the operator tells a batch interrupted by ``query.stop()`` from a failure, and the short
 error it raises then (:mod:`dstl.spark.stopping`); the real stop is in
-``tests/integration/test_spark_stop.py``."""
+``tests/integration/spark/test_spark_stop.py``."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | No
     # import the test modules that define processors (cloudpickle ships classes by reference)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     here = os.path.dirname(os.path.abspath(__file__))
-    paths = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    tests = os.path.dirname(os.path.dirname(here))
+    paths = [here, tests, os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     builder = (SparkSession.builder.master(master).appName(name)
              .config("spark.ui.enabled", "false")
@@ -60,7 +61,7 @@ def spark(_module_spark_sessions: list[Any]) -> Any:
     return _module_spark_sessions[-1]
 
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def load_example(name: str) -> ModuleType:

@@ -28,7 +28,7 @@ from dstl.segment import (
     iter_body_changes,
 )
 
-GOLDEN = Path(__file__).parent.parent / "data" / "format" / "v1" / "segment-golden.seg"
+GOLDEN = Path(__file__).resolve().parents[2] / "data" / "format" / "v1" / "segment-golden.seg"
 
 
 def _changes(data: bytes, entry_key: str = "golden") -> dict[tuple[str, int], list[tuple[int, bytes]]]:

@@ -9,7 +9,7 @@ that allocates gigabytes fails as ``MemoryError`` instead of swapping). A resour
 timing. The issue's 44 MiB manifest with a bad CRC is included: it must be refused before it is
 parsed.
 
-``python tests/integration/test_crafted_memory.py`` prints the table of peak RSS per object for
+``python tests/integration/restore/test_crafted_memory.py`` prints the table of peak RSS per object for
 the report (docs/guarantees.md, "Untrusted stores").
 """
 
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (when run as a script)
 
 from support.crafted import Crafted, MiB, crafted_objects
 
-READER = Path(__file__).resolve().parents[1] / "support" / "read_crafted.py"
-ROOT = Path(__file__).resolve().parents[2]
+READER = Path(__file__).resolve().parents[2] / "support" / "read_crafted.py"
+ROOT = Path(__file__).resolve().parents[3]
 LIMIT_KIB = 256 * 1024
 CRAFTED = crafted_objects()
 
