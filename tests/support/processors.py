@@ -3,7 +3,10 @@ path, see ``tests/integration/spark/spark_support.py``)."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from dstl.spark import StatefulProcessor
@@ -22,6 +25,30 @@ class Count(StatefulProcessor):
         yield {"key": key, "count": c}
 
 
+class Poison(Count):
+    """:class:`Count` that raises ``ValueError`` for a batch holding the key ``poison``."""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        rows = list(rows)
+        if any(r["key"] == "poison" for r in rows):
+            raise ValueError("processor refused the poison key")
+        yield from super().handle_input_rows(key, iter(rows))
+
+
+class SlowCount(Count):
+    """A count that sleeps ``DSTL_TEST_SLOW_S`` seconds per key, after writing
+    ``<DSTL_TEST_SLOW_DIR>/running-<pid>`` (the test waits for it before it stops the query)."""
+
+    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
+                          ) -> Iterator[dict[str, Any]]:
+        flag_dir = os.environ.get("DSTL_TEST_SLOW_DIR", "")
+        if flag_dir:
+            Path(flag_dir, f"running-{os.getpid()}").write_text(str(key))
+        time.sleep(float(os.environ.get("DSTL_TEST_SLOW_S", "0")))
+        yield from super().handle_input_rows(key, rows)
+
+
 class CrashOnce(Count):
     """:class:`Count` whose first call in micro-batch 1 on Spark task 1 kills its Python worker
     (Spark retries the task), once: ``flag`` (set on a subclass made per test) is the file that
@@ -31,9 +58,6 @@ class CrashOnce(Count):
 
     def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
                           ) -> Iterator[dict[str, Any]]:
-        import os
-        from pathlib import Path
-
         from pyspark import TaskContext
 
         ctx = TaskContext.get()

@@ -131,7 +131,7 @@ class Soak:
 
     def run(self) -> dict[str, Any]:
         from spark_support import new_session
-        from test_spark_operator import Count
+        from support.processors import Count
 
         from dstl.spark import DstlStatefulOperator
 

@@ -73,7 +73,7 @@ class _Run:
         self.latest.update({r["key"]: r["count"] for r in df.collect()})
 
     def operator(self) -> Any:
-        from stop_support import SlowCount
+        from support.processors import SlowCount
 
         from dstl.spark import DstlStatefulOperator
 

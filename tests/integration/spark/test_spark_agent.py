@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from spark_support import new_session
-from test_spark_operator import Count
+from support.processors import Count
 
 from dstl import DstlOptions
 from dstl.spark import DstlStatefulOperator

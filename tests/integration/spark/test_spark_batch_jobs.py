@@ -9,27 +9,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from spark_support import spark  # noqa: F401
-from test_spark_operator import Count
+from support.processors import Count, Poison
 
 from dstl.spark import DstlStatefulOperator
 from dstl.spark.operator import ADAPTIVE
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
-
-
-class Poison(Count):
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        rows = list(rows)
-        if any(r["key"] == "poison" for r in rows):
-            raise ValueError("processor refused the poison key")
-        yield from super().handle_input_rows(key, iter(rows))
 
 
 def _op(tmp: Path, table: str, agent: bool, sink: Any, processor: type = Count

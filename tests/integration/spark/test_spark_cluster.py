@@ -53,6 +53,7 @@ from support.moto_server import (
     s3_storage_options,
     unique_bucket_name,
 )
+from support.processors import Count
 from support.spark_cluster import (
     Proc,
     drop_gateway,
@@ -61,7 +62,6 @@ from support.spark_cluster import (
     processes_under,
     wait_gone,
 )
-from test_spark_operator import Count
 
 from dstl.spark import DstlStatefulOperator
 

@@ -14,7 +14,7 @@ import pytest
 from spark_support import spark  # noqa: F401
 from support import moto_server
 from support.moto_server import s3_storage_options
-from support.processors import Count
+from support.processors import Count, Poison
 
 from dstl import key_group_for
 from dstl.errors import AccessDeniedError, ConfigError
@@ -61,15 +61,6 @@ class FailOnceOnKey(Count):
                 os._exit(137)
             raise RuntimeError("fails once")
         yield from super().handle_input_rows(key, rows)
-
-
-class Poison(Count):
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        rows = list(rows)
-        if any(r["key"] == "poison" for r in rows):
-            raise ValueError("processor refused the poison key")
-        yield from super().handle_input_rows(key, iter(rows))
 
 
 def _op(processor: type, uri: str, opts: dict[str, Any], sink: Any, tmp: Path,

@@ -22,7 +22,7 @@ s3_bucket = moto_server.s3_bucket
 
 def _run(src: Path, ck: Path, uri: str, opts: dict[str, Any], latest: dict[str, int],
          tmp: Path, warm: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    from test_spark_operator import Count
+    from support.processors import Count
 
     spark = new_session("dstl-restart")
     op = DstlStatefulOperator(name="count", processor=Count, key_column="key",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from support.processors import Count
 
 from dstl import DstlOptions, key_group_for
 from dstl.errors import ProcessorError, UsageError
@@ -19,18 +20,6 @@ from dstl.spark.report import REPORT_COLUMN, TaskReport
 from dstl.spark.runtime import WorkerRuntime, close_runtime, runtime_of
 from dstl.spark.task import run_partition, run_partitions
 from materializer.options import BackendOptions
-
-
-class Count(StatefulProcessor):
-    def init(self, handle: Any) -> None:
-        self.count = handle.get_value_state("count")
-
-    def handle_input_rows(self, key: Any, rows: Iterator[dict[str, Any]]
-                          ) -> Iterator[dict[str, Any]]:
-        c = (self.count.get() or 0) + sum(1 for _ in rows)
-        self.count.update(c)
-        yield {"key": key, "count": c}
-
 
 SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), (REPORT_COLUMN, pa.string())])
 
@@ -318,7 +307,7 @@ def _redefined_count() -> type:
             yield {"key": key, "count": c}
 
     Count.__qualname__ = "Count"
-    Count.__module__ = Double.__module__
+    Count.__module__ = Double.__base__.__module__  # the shared Count's module
     return Count
 
 
