@@ -126,6 +126,22 @@ def test_bad_arguments_are_refused_at_construction(tmp_path: Path, field: str, v
     assert not (tmp_path / "state").exists()  # nothing was opened
 
 
+def test_a_scheme_without_its_colon_names_the_uri_meant(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s3//bucket/app`` (the colon forgotten) would be a local directory ``./s3/bucket/app``:
+    the message a user sees names the URI meant and how to write that directory."""
+    monkeypatch.chdir(tmp_path)
+    args = {**_good(tmp_path), "state_uri": "s3//bucket/app"}
+    with pytest.raises(ConfigError) as info:
+        DstlStatefulOperator(**args)
+    assert str(info.value) == (
+        "DstlStatefulOperator.state_uri='s3//bucket/app' is invalid: expected a local path or a "
+        "URI with one of the schemes file://, memory://, s3://, s3a://, hdfs://, gs://, gcs://, "
+        "abfs://, abfss://, az://; did you mean s3://bucket/app? A local directory whose name is "
+        "'s3' is written ./s3//bucket/app")
+    assert list(tmp_path.iterdir()) == []  # no ./s3 directory was made
+
+
 def test_storage_options_for_a_local_state_uri_are_refused(tmp_path: Path) -> None:
     args = {**_good(tmp_path), "storage_options": {"secret": "hidden"}}
     with pytest.raises(ConfigError, match="storage_options") as info:
