@@ -11,7 +11,7 @@ given back by leaving a ``with`` block (or by ``release()``). Two caches impleme
 :class:`~restore.cache.LocalFileCache` (one per process; leases are
 :class:`~restore.cache.CacheLease`) and the Spark executor agent's ``AgentCache`` (one cache per
 executor, leased over a local socket; leases are ``AgentLease``). Both leases derive from
-:class:`~restore.cache.Lease`; readers rely only on this protocol.
+:class:`~restore.lease.Lease`; readers rely only on this protocol.
 
 A cache in another process cannot be handed a function, so the ``verify`` functions readers use
 are also named (:data:`restore.reader.VERIFIERS`).

@@ -90,11 +90,11 @@ from restore.cache import (
     DEFAULT_IDLE_TTL_S,
     CacheLease,
     CachePrefetch,
-    Lease,
     LocalFileCache,
     OnFull,
     Verify,
 )
+from restore.lease import Lease
 from restore.leasing import LeasingCache, PrefetchItem
 from restore.reader import VERIFIERS
 
@@ -399,7 +399,7 @@ class AgentCacheService:
 
 class AgentLease(Lease):
     """A worker's lease of one object in the executor agent's cache (see
-    :class:`restore.cache.Lease`: same contract as a :class:`~restore.cache.CacheLease`).
+    :class:`restore.lease.Lease`: same contract as a :class:`~restore.cache.CacheLease`).
 
     Obtained from :meth:`AgentCache.lease`.
 
@@ -532,7 +532,7 @@ class AgentCache:
             if not self._closed:
                 self._leases.add(lease)
                 return lease
-        lease._release(explicit=False)  # close() ran meanwhile
+        lease.release_quietly()  # close() ran meanwhile
         raise ClosedError(repr(self))
 
     def prefetch(self, store: BlobStore, objects: Sequence[PrefetchItem]) -> AgentPrefetch:
@@ -583,7 +583,7 @@ class AgentCache:
             leases = list(self._leases)
             self._leases.clear()
         for lease in leases:
-            lease._invalidate()
+            lease.invalidate()
             self._send_release(lease, explicit=False)
         if leases:
             logger.warning("%r closed with %d leases still open (given back)", self, len(leases))

@@ -363,7 +363,7 @@ def test_a_published_file_gone_before_it_is_opened_is_agent_unavailable(
     with _cache(agent, store) as cache:
         lease = cache.lease(store.storage.store, store.segments[0])
         lease_id = lease.lease_id
-        lease._invalidate()  # keep the agent's lease, drop the worker's fd
+        lease.invalidate()  # keep the agent's lease, drop the worker's fd
         with pytest.raises(AgentUnavailableError, match="gone"):
             AgentLease(cache, lease_id, store.storage.store, lease.key, lease.size,
                        str(agent.directory / "cache" / "vanished.obj"))
