@@ -81,8 +81,9 @@ from dstl.layout import operator_dir, snapshot_key
 from dstl.metrics import MetricsRegistry
 from dstl.options import DstlOptions
 from dstl.retry import RetryBudget, RetryPolicy
-from dstl.stores.base import check_store, translate_error
+from dstl.stores.base import BlobStore, check_store, translate_error
 from dstl.timer import Timer, check_timer
+from dstl.writer import ChangelogWriter
 from materializer.changes import (
     CLEAR,
     OP_SID,
@@ -370,7 +371,7 @@ class ChangelogKeyedStateBackend:
         self._tables: Any = None
         # the writer first: it refuses an operator id that is live in this storage before any
         # local table of that operator is touched
-        self._writer = storage.create_writer(operator_id, key_groups)
+        self._writer: ChangelogWriter = storage.create_writer(operator_id, key_groups)
         try:
             self._tables = self._open_tables(local_directory, clear_local, adopt_local)
             # the table's incarnation (materializer.table_marker): kept when adopting the table,
@@ -1577,7 +1578,7 @@ class ChangelogKeyedStateBackend:
         return self._metrics.snapshot()
 
     @property
-    def writer(self) -> Any:
+    def writer(self) -> ChangelogWriter:
         return self._writer
 
     @property
@@ -1634,7 +1635,7 @@ def new_snapshot_key(operator_id: str, materialization_id: int) -> str:
                         secrets.token_hex(4))
 
 
-def upload_snapshot(store: Any, operator_id: str, materialization_id: int, data: bytes,
+def upload_snapshot(store: BlobStore, operator_id: str, materialization_id: int, data: bytes,
                     policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep,
                     draw: Callable[[], float] = random.random) -> str:
     """Write a snapshot object, retried as segment uploads are (``policy``: the storage's
@@ -1670,7 +1671,7 @@ def upload_snapshot(store: Any, operator_id: str, materialization_id: int, data:
             sleep(delay)
 
 
-def _delete_quietly(store: Any, key: str) -> None:
+def _delete_quietly(store: BlobStore, key: str) -> None:
     try:
         store.delete([key])
     except Exception as exc:  # noqa: BLE001 - any failure leaves an orphan for collect_orphans

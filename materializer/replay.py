@@ -43,16 +43,18 @@ module applies what it is given once, in order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from dstl.errors import CorruptObjectError, TruncatedObjectError
-from dstl.keygroups import META_KEY_GROUP
+from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from materializer.changes import OP_SID
 from materializer.changes import SET as _SET
 from materializer.changes import SET_INTERNAL as _SET_INTERNAL
+from materializer.codecs import Codec
 from materializer.snapshot_format import (
     BLOCK_ENTRIES_OFFSET,
     ENTRY_HEAD,
@@ -60,8 +62,9 @@ from materializer.snapshot_format import (
     BlockEntries,
     block_framing_error,
 )
+from materializer.states import RegisteredState
 
-__all__ = ["BlockReplayer", "load_block"]
+__all__ = ["BlockReplayer", "ReplayTarget", "load_block"]
 
 #: Change length, op, state id, key length: the first 11 bytes of a ``u32 len | change`` record
 #: (the segment's length prefix, then the change's own head: :mod:`materializer.changes`).
@@ -123,6 +126,33 @@ def uniform_changes(body: bytes, pos: int, end: int, klen: int, vlen: int,
     return fmt.iter_unpack(memoryview(body)[pos:end])
 
 
+class ReplayTarget(Protocol):
+    """What a restore's bulk load and replay need of the backend they fill: its key groups and
+    codecs, the registrations of its states, its table, the bulk write batch, and the
+    one-change path that does not log again. Implemented by
+    :class:`~materializer.backend.ChangelogKeyedStateBackend`."""
+
+    key_groups: KeyGroupRange
+
+    @property
+    def key_codec(self) -> Codec: ...
+
+    @property
+    def namespace_codec(self) -> Any: ...
+
+    @property
+    def tables(self) -> Any: ...
+
+    def is_raw_state(self, state_id: int) -> bool: ...
+
+    def registered_state(self, state_id: int) -> RegisteredState | None: ...
+
+    def bulk_restore(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def apply_change(self, key_group: int, payload: bytes, *, remap: dict[int, int] | None = None,
+                     allow_pickle: bool = False) -> None: ...
+
+
 class BlockReplayer:
     """Applies change-set blocks to one backend during a restore (see the module docstring).
 
@@ -134,7 +164,7 @@ class BlockReplayer:
         allow_pickle: passed to the metadata records' registration.
     """
 
-    def __init__(self, backend: Any, loader: Any, remap: dict[int, int] | None,
+    def __init__(self, backend: ReplayTarget, loader: Any, remap: dict[int, int] | None,
                  allow_pickle: bool) -> None:
         self._b = backend
         self._loader = loader
@@ -180,7 +210,7 @@ class BlockReplayer:
             n += 1
         return n
 
-    def _registered(self, sid: int, key: str, offset: int) -> Any:
+    def _registered(self, sid: int, key: str, offset: int) -> RegisteredState:
         """The backend's registration of the log's state id ``sid``."""
         new = sid if self._remap is None else self._remap.get(sid, -1)
         reg = self._b.registered_state(new)
@@ -304,7 +334,7 @@ class BlockReplayer:
         return n
 
 
-def load_block(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
+def load_block(backend: ReplayTarget, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
                remap: dict[int, int]) -> int:
     """Load one key group's snapshot entries ``(state id, key, namespace, value)`` into the
     backend's table in bulk (the snapshot-load counterpart of :class:`BlockReplayer`): heap runs
@@ -330,7 +360,7 @@ def _unknown_state(key_group: int, index: int, sid: int) -> CorruptObjectError:
                                                      "metadata does not describe")
 
 
-def _load_heap(backend: Any, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
+def _load_heap(backend: ReplayTarget, key_group: int, entries: Iterable[tuple[int, bytes, bytes, bytes]],
                remap: dict[int, int]) -> int:
     tables = backend.tables
     run: list[tuple[Any, Any, Any]] = []
@@ -422,7 +452,7 @@ def _load_lmdb_content(bulk: Any, key_group: int, blk: BlockEntries,
     raise block_framing_error(blk.key, blk.entry, end, pos)
 
 
-def _load_heap_content(backend: Any, key_group: int, blk: BlockEntries,
+def _load_heap_content(backend: ReplayTarget, key_group: int, blk: BlockEntries,
                        remap: dict[int, int]) -> int:
     """:func:`_load_heap` parsing the block's content directly (see :func:`_load_lmdb_content`);
     the maps are sized for the block's entries up front (a snapshot's keys are distinct)."""
@@ -481,15 +511,17 @@ def _same(data: bytes) -> bytes:
     return data
 
 
-def heap_decoders(backend: Any, state_id: int) -> tuple[Any, Any, Any, Any]:
+def heap_decoders(backend: ReplayTarget, state_id: int) -> tuple[Any, Any, Any, Any]:
     """How the heap stores ``state_id``'s entries: the key, namespace and value decoders and
     the namespace an empty one stands for. A raw state (an internal index: the timer service's)
     keeps its bytes as they are (``b""`` stays ``b""``); other states decode with the backend's
     key and namespace codecs (empty: ``None``, the default namespace) and the state's codec."""
     if backend.is_raw_state(state_id):
         return _same, _same, _same, b""
+    reg = backend.registered_state(state_id)
+    assert reg is not None, state_id  # callers pass ids of the restore's state map only
     return (backend.key_codec.decode, backend.namespace_codec.decode,
-            value_decoder(backend.registered_state(state_id).shape), None)
+            value_decoder(reg.shape), None)
 
 
 def value_decoder(shape: Any) -> Any:

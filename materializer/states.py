@@ -370,6 +370,21 @@ class StateAccess(Protocol):
         effects."""
 
 
+class RegisteredState(Protocol):
+    """A backend's registration of one state, as restore and TTL read it: its id and its
+    shape. Implemented by the backend's own record of each state."""
+
+    @property
+    def state_id(self) -> int:
+        """The state's id in its backend."""
+        ...
+
+    @property
+    def shape(self) -> StateShape:
+        """How the state's values are stored."""
+        ...
+
+
 class KeyedState:
     """The base of the state objects: one state of one backend, seen through
     :class:`StateAccess` at the backend's current key and namespace."""

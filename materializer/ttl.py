@@ -58,10 +58,11 @@ import heapq
 import math
 import struct
 import time
-from collections.abc import Iterable
-from typing import Any, Final
+from collections.abc import Iterable, Iterator
+from typing import Any, Final, Protocol
 
 from dstl.errors import UsageError
+from dstl.keygroups import KeyGroupRange
 from materializer.changes import (
     ADD,
     ADD_ELEMENT,
@@ -76,7 +77,7 @@ from materializer.changes import (
     frame,
     iter_framed,
 )
-from materializer.codecs import SafeCodec, TtlCodec, expiry_of
+from materializer.codecs import Codec, SafeCodec, TtlCodec, expiry_of
 from materializer.states import (
     _IMMUTABLE,
     MAX_TTL_S,
@@ -85,6 +86,9 @@ from materializer.states import (
     ListState,
     MapState,
     ReducingState,
+    RegisteredState,
+    StateAccess,
+    StateShape,
     ValueState,
     check_ttl_s,
     copy_out,
@@ -94,6 +98,7 @@ __all__ = [
     "MAX_TTL_S",
     "TTL_INDEX_STATE",
     "TTL_STATE_CLASSES",
+    "TtlAccess",
     "TtlAggregatingState",
     "TtlListState",
     "TtlMapState",
@@ -120,12 +125,62 @@ def _expiry(now_ms: int, ttl_ms: int) -> int:
     return min(now_ms + ttl_ms, _MAX_MS)
 
 
+class TtlAccess(StateAccess, Protocol):
+    """What :class:`TtlService` needs of its backend beyond a state's :class:`StateAccess`: the
+    current key and namespace (set, read, encoded), the raw state of the expiry index, the
+    registrations and the table. Implemented by
+    :class:`~materializer.backend.ChangelogKeyedStateBackend`."""
+
+    key_groups: KeyGroupRange
+
+    @property
+    def has_current_key(self) -> bool: ...
+
+    @property
+    def current_key_group(self) -> int: ...
+
+    @property
+    def current_key_bytes(self) -> bytes: ...
+
+    @property
+    def current_namespace(self) -> Any: ...
+
+    @property
+    def current_namespace_bytes(self) -> bytes: ...
+
+    @property
+    def key_codec(self) -> Codec: ...
+
+    @property
+    def namespace_codec(self) -> Any: ...
+
+    @property
+    def tables(self) -> Any: ...
+
+    def set_current_key(self, key: Any) -> None: ...
+
+    def set_current_namespace(self, namespace: Any) -> None: ...
+
+    def register_raw_state(self, name: str) -> int: ...
+
+    def registered_state(self, state_id: int) -> RegisteredState | None: ...
+
+    def raw_put(self, sid: int, key_group: int, key: bytes, namespace: bytes,
+                value: bytes) -> None: ...
+
+    def raw_remove(self, sid: int, key_group: int, key: bytes, namespace: bytes) -> bool: ...
+
+    def raw_get(self, sid: int, key_group: int, key: bytes, namespace: bytes) -> bytes | None: ...
+
+    def raw_entries(self, sid: int, key_group: int) -> Iterator[tuple[bytes, bytes, bytes]]: ...
+
+
 class TtlService:
     """The TTL clock, the expiry index and the purge of one backend (see the module
     docstring). Created by the backend with its first TTL state, or when it restored an
     index."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: TtlAccess) -> None:
         self._b = backend
         self._sid: int = backend.register_raw_state(TTL_INDEX_STATE)
         self._lmdb = backend.table_kind == "lmdb"
@@ -238,7 +293,7 @@ class TtlService:
         b.set_current_namespace(ns)
 
 
-def _purge_slot(b: Any, sid: int, shape: Any, now: int) -> tuple[int, int | None]:
+def _purge_slot(b: StateAccess, sid: int, shape: StateShape, now: int) -> tuple[int, int | None]:
     """Purge the current key and namespace of TTL state ``sid``: ``(values removed, earliest
     surviving expiry or None)``."""
     v = b.read_state(sid, shape)
@@ -264,6 +319,7 @@ def _purge_slot(b: Any, sid: int, shape: Any, now: int) -> tuple[int, int | None
                 b.write_state_object(sid, shape, live)
             else:
                 b.remove_state(sid)
+            assert shape.key_codec is not None  # a map state's shape has one
             kenc = shape.key_codec.encode
             for k in gone:
                 b.log_change(REMOVE_ELEMENT, sid, kenc(k))
@@ -282,7 +338,7 @@ def _purge_slot(b: Any, sid: int, shape: Any, now: int) -> tuple[int, int | None
 class _Ttl:
     """What the TTL states share: the service and the TTL in ms."""
 
-    _b: Any
+    _b: StateAccess
     _sid: int
     _heap: bool
 
