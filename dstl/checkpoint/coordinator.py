@@ -6,8 +6,9 @@ Engine-agnostic (Flink's ``CheckpointCoordinator`` + ``SharedStateRegistry``, se
 engine integration (``dstl.spark``) calls it on the driver; it knows only task ids, opaque state
 handles and object keys. The pure parts live beside it — the manifest codec in
 :mod:`dstl.checkpoint.manifest`, the retention and orphan planners in
-:mod:`dstl.checkpoint.retention`, the object names in :mod:`dstl.layout`; this module adds the
-store calls, the lock, the clock and the listeners.
+:mod:`dstl.checkpoint.retention`, the object names in :mod:`dstl.layout`, the doomed keys and
+their deletion passes in :mod:`dstl.checkpoint.deletion`; this module adds the commit's store
+calls, the lock, the clock and the listeners.
 
 1. **Trigger.** :meth:`CheckpointCoordinator.trigger` opens a *pending* checkpoint for a set of
    tasks. Ids grow strictly when the coordinator picks them; an explicit id may repeat the last
@@ -70,6 +71,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
+from dstl.checkpoint.deletion import DeletionQueue
 from dstl.checkpoint.manifest import (
     MAX_ID_CHARS,
     MAX_MANIFEST_BYTES,
@@ -106,7 +108,7 @@ from dstl.layout import (
     parse_manifest_key,
 )
 from dstl.metrics import MetricsRegistry
-from dstl.stores.base import BlobStore, check_store, is_retryable
+from dstl.stores.base import BlobStore, check_store
 
 __all__ = [
     "DEFAULT_RETAINED",
@@ -354,20 +356,20 @@ class CheckpointCoordinator:
         self._wall = wall_clock
         self._executor = executor
         self._lock = threading.Lock()
-        self._delete_lock = threading.Lock()  # one deletion pass at a time
         self._retained: list[Manifest] = []  # oldest first
         self._pending: _Pending | None = None
         self._last_id = 0  # highest checkpoint id triggered or found in the store
         self._last_completed: int | None = None
         self._attempts: dict[int, int] = {}  # highest manifest attempt used or seen, per id
         self._aborted: OrderedDict[int, str] = OrderedDict()
-        self._doomed_manifests: set[str] = set()
-        self._doomed_objects: set[str] = set()
-        self._deleting: set[str] = set()
         self._futures: set[Future[list[str]]] = set()
         self._closed = False
         self._metrics = metrics if metrics is not None else MetricsRegistry(
             "CheckpointCoordinator.")
+        self._deletions = DeletionQueue(store, self._lock,
+                                        live_keys_locked=self._live_keys_locked,
+                                        retained_keys_locked=self._retained_keys_locked,
+                                        metrics=self._metrics)
         self._register_metrics(self._metrics)
 
     def _register_metrics(self, m: MetricsRegistry) -> None:
@@ -375,10 +377,6 @@ class CheckpointCoordinator:
         self._c_aborted = m.counter("numberOfAbortedCheckpoints")
         self._c_subsumed = m.counter("numberOfSubsumedCheckpoints")
         self._c_failed_commits = m.counter("numberOfFailedCommits")
-        self._c_deleted_objects = m.counter("numberOfDeletedObjects")
-        self._c_deleted_manifests = m.counter("numberOfDeletedManifests")
-        self._c_delete_failures = m.counter("numberOfDeleteFailures")
-        self._c_undeletable = m.counter("numberOfUndeletableObjects")
         self._c_orphans = m.counter("numberOfCollectedOrphans")
         self._h_duration = m.histogram("checkpointDurationMs")
         self._h_ack = m.histogram("checkpointAckLatencyMs")
@@ -388,8 +386,7 @@ class CheckpointCoordinator:
         m.gauge("lastCompletedCheckpointId", lambda: float(
             -1 if self._last_completed is None else self._last_completed))
         m.gauge("numberOfRetainedCheckpoints", lambda: float(len(self._retained)))
-        m.gauge("pendingDeletions", lambda: float(len(self._doomed_manifests)
-                                                  + len(self._doomed_objects)))
+        m.gauge("pendingDeletions", lambda: float(self._deletions.pending_count()))
 
     def __repr__(self) -> str:
         return (f"CheckpointCoordinator(job_id={self._job_id!r}, store={self._store.location!r}, "
@@ -441,7 +438,7 @@ class CheckpointCoordinator:
         logger.info("recovered job %s from %s: latest checkpoint %s (attempt %s), %d retained, "
                     "%d stale manifests doomed, %d corrupt skipped", job_id, store.location,
                     latest.checkpoint_id if latest else None, latest.attempt if latest else None,
-                    len(loaded), len(coord._doomed_manifests), len(corrupt))
+                    len(loaded), len(coord._deletions.manifests), len(corrupt))
         return coord
 
     def _load_newest(self, stored: Sequence[_StoredManifest], *,
@@ -495,7 +492,7 @@ class CheckpointCoordinator:
         with self._lock:
             self._retained = list(loaded[::-1])
             keep = {m.key for m in loaded}
-            self._doomed_manifests = {s.key for s in stored if s.key not in keep}
+            self._deletions.manifests = {s.key for s in stored if s.key not in keep}
             if stored:
                 self._last_id = stored[0].checkpoint_id
             for s in stored:
@@ -613,7 +610,7 @@ class CheckpointCoordinator:
             raise UsageError(f"acknowledge: task {task_id!r} is not one of the "
                              f"{len(p.tasks)} tasks of checkpoint {checkpoint_id} "
                              f"({list(p.tasks)[:10]})")
-        clash = self._deleting.intersection(entry.referenced_keys)
+        clash = self._deletions.deleting.intersection(entry.referenced_keys)
         if clash:
             raise UsageError(
                 f"acknowledge: task {task_id!r} of checkpoint {checkpoint_id} references "
@@ -705,7 +702,7 @@ class CheckpointCoordinator:
     def doomed(self) -> tuple[frozenset[str], frozenset[str]]:
         """Keys waiting for deletion: ``(manifests, objects)`` (failed or not yet run)."""
         with self._lock:
-            return frozenset(self._doomed_manifests), frozenset(self._doomed_objects)
+            return frozenset(self._deletions.manifests), frozenset(self._deletions.objects)
 
     def stats(self) -> dict[str, float]:
         """The coordinator's metrics as ``{name: value}`` (Flink-like names: completed and
@@ -741,8 +738,8 @@ class CheckpointCoordinator:
         Returns:
             The keys deleted by this call.
         """
-        with self._delete_lock:
-            return self._run_deletions_locked()
+        with self._deletions.pass_lock:
+            return self._deletions.run_pass_locked()
 
     def collect_orphans(self, min_age_s: float, now_ms: int | None = None, *,
                         dry_run: bool = False) -> list[str]:
@@ -779,15 +776,15 @@ class CheckpointCoordinator:
         now = self._wall_ms() if now_ms is None else int(now_ms)
         if dry_run:
             return self._plan_collection(grace_ms, now)
-        with self._delete_lock:
+        with self._deletions.pass_lock:
             with self._lock:
                 self._check_open()
             self._doom_stale_manifests()
-            deleted = self._run_deletions_locked()
+            deleted = self._deletions.run_pass_locked()
             with self._lock:
-                if self._doomed_manifests:
+                if self._deletions.manifests:
                     logger.warning("collect_orphans: %d manifests could not be deleted; no "
-                                   "objects deleted", len(self._doomed_manifests))
+                                   "objects deleted", len(self._deletions.manifests))
                     return deleted
             listed = [ListedObject.of(info.key, info.size)
                       for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
@@ -796,20 +793,20 @@ class CheckpointCoordinator:
                 # these objects either comes first (and keeps it) or is refused.
                 plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now,
                                     grace_ms=grace_ms)
-                self._deleting.update(plan.delete)
+                self._deletions.deleting.update(plan.delete)
             return deleted + self._delete_orphans(plan)
 
     def _plan_collection(self, grace_ms: int, now_ms: int) -> list[str]:
         """What :meth:`collect_orphans` would delete now — the stale and doomed manifests, then
         the orphans — with nothing deleted or changed."""
-        with self._delete_lock:
+        with self._deletions.pass_lock:
             with self._lock:
                 self._check_open()
             stale = self._stale_manifests()
             listed = [ListedObject.of(info.key, info.size)
                       for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
             with self._lock:
-                manifests = sorted(self._doomed_manifests | stale)
+                manifests = sorted(self._deletions.manifests | stale)
                 plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now_ms,
                                     grace_ms=grace_ms)
         return manifests + list(plan.delete)
@@ -818,7 +815,7 @@ class CheckpointCoordinator:
         """Doom every stale manifest (see :meth:`_stale_manifests`)."""
         stale = self._stale_manifests()
         with self._lock:
-            self._doomed_manifests |= stale
+            self._deletions.manifests |= stale
 
     def _stale_manifests(self) -> set[str]:
         """Every manifest in the store that is neither retained nor a put of the pending
@@ -835,7 +832,7 @@ class CheckpointCoordinator:
                 parsed = parse_manifest_key(k)
                 if parsed is None or k in keep:
                     continue
-                if parsed[0] > newest and k not in self._doomed_manifests:
+                if parsed[0] > newest and k not in self._deletions.manifests:
                     raise UsageError(
                         f"another query writes to this state_uri: {self._store.location} "
                         f"holds checkpoint {parsed[0]} ({k}), which this query did not write "
@@ -848,21 +845,12 @@ class CheckpointCoordinator:
     def _delete_orphans(self, plan: OrphanPlan) -> list[str]:
         """Delete the orphans ``plan`` selected (already marked as being deleted); those that
         fail transiently are doomed for the next completion, those that fail for good are
-        given up (see :meth:`_delete_keys`)."""
+        given up (see :meth:`DeletionQueue.delete_keys`)."""
         if plan.unnamed:
             logger.warning("collect_orphans: left alone %d objects whose names carry no "
                            "creation time: %s", len(plan.unnamed), plan.unnamed[:_LOG_KEYS])
         orphans = list(plan.delete)
-        try:
-            deleted, given_up = self._delete_keys(orphans, "orphans")
-        finally:
-            with self._lock:
-                self._deleting.difference_update(orphans)
-        with self._lock:
-            # What failed transiently is retried at the next completion.
-            self._doomed_objects.update(set(orphans) - set(deleted) - set(given_up))
-            self._doomed_objects.difference_update(deleted)
-            self._doomed_objects.difference_update(given_up)
+        deleted = self._deletions.delete_marked(orphans, "orphans")
         self._c_orphans.inc(len(deleted))
         if deleted:
             logger.info("collect_orphans: deleted %d of %d orphans created before %d ms; kept "
@@ -917,8 +905,11 @@ class CheckpointCoordinator:
         raise UsageError(f"{op}: checkpoint {checkpoint_id!r} is not pending (pending: "
                          f"{pending}); {detail}")
 
+    def _retained_keys_locked(self) -> set[str]:
+        return {k for m in self._retained for k in m.referenced_keys}
+
     def _live_keys_locked(self) -> set[str]:
-        live = {k for m in self._retained for k in m.referenced_keys}
+        live = self._retained_keys_locked()
         if self._pending is not None:
             live |= self._pending.keys()
         return live
@@ -927,7 +918,7 @@ class CheckpointCoordinator:
         p = self._pending
         assert p is not None
         self._pending = None
-        self._doomed_manifests.update(p.uncertain_keys)
+        self._deletions.manifests.update(p.uncertain_keys)
         aborted = AbortedCheckpoint(p.checkpoint_id, p.tasks, tuple(p.acks), reason)
         self._aborted[p.checkpoint_id] = reason
         while len(self._aborted) > _ABORTED_MEMORY:
@@ -950,7 +941,7 @@ class CheckpointCoordinator:
                     "incremental %d B; subsumed %s; %d objects doomed", manifest.checkpoint_id,
                     manifest.attempt, manifest.stats.duration_ms, len(manifest.tasks),
                     manifest.stats.full_size, manifest.stats.incremental_size,
-                    [m.checkpoint_id for m in subsumed], len(self._doomed_objects))
+                    [m.checkpoint_id for m in subsumed], len(self._deletions.objects))
         return manifest, subsumed
 
     def _next_manifest_locked(self, p: _Pending) -> Manifest:
@@ -1005,14 +996,14 @@ class CheckpointCoordinator:
         """Make the in-memory state match the store after ``manifest`` committed; returns the
         subsumed checkpoints."""
         plan = plan_retention([m.refs() for m in self._retained], manifest.refs(),
-                              retain=self._retain, doomed_objects=self._doomed_objects)
+                              retain=self._retain, doomed_objects=self._deletions.objects)
         by_key = {m.key: m for m in self._retained}
         by_key[manifest.key] = manifest
         self._retained = [by_key[r.manifest_key] for r in plan.retained]
         subsumed = tuple(by_key[r.manifest_key] for r in plan.subsumed)
-        self._doomed_manifests.update(plan.delete_manifests)
-        self._doomed_manifests.update(p.uncertain_keys)  # earlier failed puts of this checkpoint
-        self._doomed_objects = set(plan.delete_objects) | set(plan.deferred_objects)
+        self._deletions.manifests.update(plan.delete_manifests)
+        self._deletions.manifests.update(p.uncertain_keys)  # earlier failed puts of this checkpoint
+        self._deletions.objects = set(plan.delete_objects) | set(plan.deferred_objects)
         self._pending = None
         cid = manifest.checkpoint_id
         self._last_completed = cid
@@ -1042,108 +1033,6 @@ class CheckpointCoordinator:
     def _forget_future(self, future: Future[list[str]]) -> None:
         with self._lock:
             self._futures.discard(future)
-
-    def _run_deletions_locked(self) -> list[str]:
-        """One deletion pass; the caller holds ``_delete_lock``."""
-        with self._lock:
-            manifests = sorted(self._doomed_manifests)
-            retained_refs = {k for m in self._retained for k in m.referenced_keys}
-            # Referenced again by a retained checkpoint: its subsumption will doom it anew.
-            self._doomed_objects -= retained_refs
-            objects = sorted(self._doomed_objects - self._live_keys_locked())
-            if not manifests and not objects:
-                return []
-        if manifests and not self._delete_doomed_manifests(manifests, len(objects)):
-            return []
-        if not objects:
-            return manifests
-        return manifests + self._delete_doomed_objects(objects, manifests)
-
-    def _delete_doomed_manifests(self, manifests: list[str], objects_waiting: int) -> bool:
-        """Deletion step 1; False (logged, the keys stay doomed) if the delete failed."""
-        try:
-            self._store.delete(manifests)
-        except (DstlError, OSError) as exc:
-            self._c_delete_failures.inc()
-            logger.warning("deleting %d manifests failed; they and %d objects stay doomed "
-                           "for the next completion: %s", len(manifests), objects_waiting, exc)
-            return False
-        with self._lock:
-            self._doomed_manifests.difference_update(manifests)
-        self._c_deleted_manifests.inc(len(manifests))
-        return True
-
-    def _delete_doomed_objects(self, objects: list[str], manifests: list[str]) -> list[str]:
-        """Deletion step 2, after every doomed manifest is gone: the objects still unreferenced;
-        returns those deleted."""
-        with self._lock:
-            # Since the caller took its snapshot an acknowledgement may have named one.
-            objects = sorted(set(objects) - self._live_keys_locked())
-            self._deleting.update(objects)
-        try:
-            deleted, given_up = self._delete_keys(objects, "unreferenced objects")
-        finally:
-            with self._lock:
-                self._deleting.difference_update(objects)
-        with self._lock:
-            self._doomed_objects.difference_update(deleted)
-            self._doomed_objects.difference_update(given_up)
-        if deleted:
-            self._c_deleted_objects.inc(len(deleted))
-            logger.info("deleted %d manifests and %d unreferenced objects: %s", len(manifests),
-                        len(deleted), (manifests + deleted)[:_LOG_KEYS])
-        return deleted
-
-    def _delete_keys(self, keys: list[str], what: str) -> tuple[list[str], list[str]]:
-        """Delete ``keys``; returns ``(deleted, given up)``.
-
-        A failed batch is logged and counted. If its failure is transient, nothing is given up
-        (the keys stay doomed for the next completion). If it is permanent, each key is tried on
-        its own, so one key the store refuses for good (a symbolic link planted in the store, a
-        name the filesystem rejects, a permission denied on that object alone) cannot stop the
-        deletion of every other key, in this pass and all later ones: a key whose own delete
-        fails permanently is logged with its error, counted (``numberOfUndeletableObjects``) and
-        given up. It stays in the store; orphan collection sees it again only if the store lists
-        it, and a link is never listed.
-        """
-        if not keys:
-            return [], []
-        try:
-            self._store.delete(keys)
-        except (DstlError, OSError) as exc:
-            self._c_delete_failures.inc()
-            if is_retryable(exc) or len(keys) == 1:
-                if is_retryable(exc):
-                    logger.warning("deleting %d %s failed; they stay doomed for the next "
-                                   "completion: %s", len(keys), what, exc)
-                    return [], []
-                self._give_up(keys[0], exc)
-                return [], keys
-            logger.warning("deleting %d %s failed for good (%s); deleting them one by one",
-                           len(keys), what, exc)
-            return self._delete_one_by_one(keys)
-        return keys, []
-
-    def _delete_one_by_one(self, keys: list[str]) -> tuple[list[str], list[str]]:
-        deleted: list[str] = []
-        given_up: list[str] = []
-        for key in keys:
-            try:
-                self._store.delete([key])
-            except (DstlError, OSError) as exc:
-                if is_retryable(exc):
-                    continue  # stays doomed: retried at the next completion
-                self._give_up(key, exc)
-                given_up.append(key)
-            else:
-                deleted.append(key)
-        return deleted, given_up
-
-    def _give_up(self, key: str, exc: BaseException) -> None:
-        self._c_undeletable.inc()
-        logger.warning("object %s cannot be deleted (%s: %s); it is left in %s and no longer "
-                       "retried — remove it by hand once the cause is fixed", key,
-                       type(exc).__name__, exc, self._store.location)
 
     def _deliver(self, event: str, value: Manifest | AbortedCheckpoint) -> None:
         with self._lock:
