@@ -128,7 +128,7 @@ from materializer.schema import (
 from materializer.schema import record as record_schema
 from materializer.states import STATE_CLASSES, KeyedState, StateDescriptor, StateShape
 from materializer.table_marker import TableMarker, boundary_of
-from materializer.ttl import TTL_INDEX_STATE, TTL_STATE_CLASSES, TtlService
+from materializer.ttl import TTL_INDEX_STATE, TtlService, new_ttl_state
 
 __all__ = ["ChangelogKeyedStateBackend", "new_snapshot_key", "upload_snapshot"]
 
@@ -843,9 +843,7 @@ class ChangelogKeyedStateBackend:
         if self._ttl is None:
             self._ttl = TtlService(self)
             self._ttl.set_time(self._ttl_time)
-        state = TTL_STATE_CLASSES[descriptor.kind](self, sid, descriptor, shape)
-        state._init_ttl(self._ttl, descriptor.ttl_s)  # type: ignore[attr-defined]
-        return state
+        return new_ttl_state(self, sid, descriptor, shape, self._ttl, descriptor.ttl_s)
 
     def state_names(self) -> list[str]:
         return sorted(self._states)

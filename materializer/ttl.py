@@ -88,6 +88,7 @@ from materializer.states import (
     ReducingState,
     RegisteredState,
     StateAccess,
+    StateDescriptor,
     StateShape,
     ValueState,
     check_ttl_s,
@@ -106,6 +107,7 @@ __all__ = [
     "TtlService",
     "TtlValueState",
     "check_ttl_s",
+    "new_ttl_state",
     "ttl_ms_of",
 ]
 
@@ -601,3 +603,12 @@ TTL_STATE_CLASSES: Final[dict[str, type[KeyedState]]] = {
     "value": TtlValueState, "list": TtlListState, "map": TtlMapState,
     "reducing": TtlReducingState, "aggregating": TtlAggregatingState,
 }
+
+
+def new_ttl_state(backend: StateAccess, state_id: int, descriptor: StateDescriptor,
+                  shape: StateShape, service: TtlService, ttl_s: float) -> KeyedState:
+    """The TTL state of ``descriptor``'s kind, tied to ``service`` with ``ttl_s``."""
+    state = TTL_STATE_CLASSES[descriptor.kind](backend, state_id, descriptor, shape)
+    assert isinstance(state, _Ttl)
+    state._init_ttl(service, ttl_s)
+    return state
