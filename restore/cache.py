@@ -56,8 +56,8 @@ that finds the budget held by prefetches in flight waits for them to publish (th
 evictable) instead of raising ``CacheFullError``. ``cancel()`` of the returned
 :class:`CachePrefetch` drops its queued objects and waits for its downloads in flight.
 
-*Start and close.* The directory is locked (``flock``) for the cache's lifetime, so no two caches
-share it. Opening removes temp files of crashed processes and the published files of a previous
+*Start and close* (:mod:`restore.cache_directory`). The directory is locked (``flock``) for the
+cache's lifetime, so no two caches share it. Opening removes temp files of crashed processes and the published files of a previous
 process: a fresh process starts empty (a file that nobody verified in this process is not
 trusted). ``close()`` invalidates outstanding leases, waits for downloads in flight, deletes every
 file, stops the timer it owns and removes the lock file (and the directory if it created it).
@@ -69,16 +69,11 @@ file, stops the timer it owns and removes the lock file (and the directory if it
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
-import fcntl
 import functools
-import hashlib
 import logging
 import os
-import re
-import secrets
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -102,6 +97,7 @@ from dstl.errors import (
 from dstl.stores.base import BlobStore, check_key
 from dstl.stores.local import write_new_file_durably
 from dstl.timer import ThreadTimer, Timer, TimerHandle, check_timer
+from restore.cache_directory import CacheDirectory, published_name, temp_name, unlink
 from restore.lease import Lease
 from restore.leasing import LeasingCache, PrefetchItem, Verify
 
@@ -137,12 +133,6 @@ PREFETCH_BUDGET_SHARE = 0.5
 
 OnFull = Literal["raise", "direct"]
 
-_LOCK_NAME = ".dstl-cache.lock"
-#: Published files: ``<sanitised basename>.<16 hex digest of location+key>.<8 hex token>.obj``.
-_OBJ_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}\.[0-9a-f]{16}\.[0-9a-f]{8}\.obj$")
-#: Temp files: ``.<published name>.<pid>.<16 hex>.tmp`` (the pid tells whose it was).
-_TMP_RE = re.compile(r"^\.(?P<name>.+\.obj)\.(?P<pid>[0-9]+)\.[0-9a-f]{16}\.tmp$")
-_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 _DISK_FULL_ERRNOS = {
     errno.ENOSPC: "the local disk is full (ENOSPC)",
     errno.EDQUOT: "the disk quota is exhausted (EDQUOT)",
@@ -346,17 +336,16 @@ class LocalFileCache:
         self._retired: list[threading.Thread] = []  # prefetch threads that ended (to be joined)
         # prefetch threads started that have not taken their first turn (cancel waits for them)
         self._fresh: set[threading.Thread] = set()
-        self._created_dir = False
-        self._lock_fd = -1
+        self._dir = CacheDirectory(self.directory)
         try:
-            self._open_directory()
+            temps, previous = self._dir.open()
         except OSError as exc:
-            self._unlock()
             raise CacheError(f"restore cache directory {self.directory} cannot be used ({exc}); "
                              "choose a writable local directory") from exc
-        except BaseException:
-            self._unlock()
-            raise
+        logger.info("restore cache %s opened (max_bytes=%s, idle_ttl_s=%s, on_full=%s); removed "
+                    "%d temp files of crashed processes (pids %s) and %d files of a previous "
+                    "process", self.directory, self.max_bytes, self.idle_ttl_s, self.on_full,
+                    len(temps), sorted(set(temps)), previous)
 
     def __repr__(self) -> str:
         return f"LocalFileCache({self.directory!r})"
@@ -531,14 +520,11 @@ class LocalFileCache:
         self._wait_for_downloads(entries)
         for t in threads:  # they saw the cache closed; their downloads just ended
             t.join(_CLOSE_WAIT_S)
-        removed = sum(_unlink(e.path) for e in entries
+        removed = sum(unlink(e.path) for e in entries
                       if e.state is _State.READY and e.path is not None)
         if self._own_timer and self._timer is not None:
             self._timer.close()
-        self._unlock(remove=True)
-        if self._created_dir:
-            with contextlib.suppress(OSError):  # not empty (someone else's files) or gone
-                os.rmdir(self.directory)
+        self._dir.close()
         with self._cond:
             st = self._stats()
         if leases:
@@ -578,71 +564,6 @@ class LocalFileCache:
                                "file when it ends", self, e.key)
 
     # ------------------------------------------------------------------ start-up
-
-    def _open_directory(self) -> None:
-        if not os.path.isdir(self.directory):
-            os.makedirs(self.directory, exist_ok=True)
-            self._created_dir = True
-        lock_path = os.path.join(self.directory, _LOCK_NAME)
-        while True:
-            fd = self._open_lock_file(lock_path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise CacheError(f"restore cache directory {self.directory} is in use by another "
-                                 "LocalFileCache (in this or another process); give each cache "
-                                 "a directory of its own") from None
-            except BaseException:
-                os.close(fd)
-                raise
-            # A previous owner may have unlinked the lock file between our open and flock:
-            # then we locked an orphan inode; try again with the current file.
-            try:
-                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self._lock_fd = fd
-                break
-            os.close(fd)
-        temps: list[int] = []
-        previous = 0
-        for name in os.listdir(self.directory):
-            m = _TMP_RE.match(name)
-            if m is not None:
-                # We hold the directory lock, so no live cache writes here: every temp file is
-                # left over from a crash (usually of a dead pid; a live one is a reused pid).
-                temps.append(int(m.group("pid")))
-                _unlink(os.path.join(self.directory, name))
-            elif _OBJ_RE.match(name):
-                previous += _unlink(os.path.join(self.directory, name))
-        logger.info("restore cache %s opened (max_bytes=%s, idle_ttl_s=%s, on_full=%s); removed "
-                    "%d temp files of crashed processes (pids %s) and %d files of a previous "
-                    "process", self.directory, self.max_bytes, self.idle_ttl_s, self.on_full,
-                    len(temps), sorted(set(temps)), previous)
-
-    def _open_lock_file(self, lock_path: str) -> int:
-        """Open (create) the lock file; a symbolic link there is refused, never followed (it
-        could make the cache create or lock a file outside its directory)."""
-        try:
-            return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CacheError(f"restore cache lock file {lock_path} is a symbolic link; the "
-                                 "cache never follows links in its directory (remove it, or give "
-                                 "the cache a directory of its own)") from exc
-            raise
-
-    def _unlock(self, remove: bool = False) -> None:
-        fd, self._lock_fd = self._lock_fd, -1
-        if fd < 0:
-            return
-        if remove:
-            _unlink(os.path.join(self.directory, _LOCK_NAME))
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
     # ------------------------------------------------------------------ the flight
 
@@ -808,7 +729,7 @@ class LocalFileCache:
         map, its reservation given back, ``state`` (FAILED with ``error``, or GONE) set and
         the waiters woken."""
         if outcome is not None and outcome.path is not None:
-            _unlink(outcome.path)
+            unlink(outcome.path)
         with self._cond:
             if self._entries.get(entry.ident) is entry:
                 del self._entries[entry.ident]
@@ -939,17 +860,15 @@ class LocalFileCache:
 
     def _write_file(self, location: str, key: str, data: bytes) -> str:
         """Temp file, fsync, atomic rename; the temp file is removed on any failure."""
-        digest = hashlib.blake2b(f"{location}\0{key}".encode(), digest_size=8).hexdigest()
-        base = _UNSAFE_CHARS.sub("_", key.rpartition("/")[2])[:64]
-        name = f"{base}.{digest}.{secrets.token_hex(4)}.obj"
+        name = published_name(location, key)
         final = os.path.join(self.directory, name)
-        tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        tmp = os.path.join(self.directory, temp_name(name))
         try:
             try:
                 write_new_file_durably(tmp, data, 0o600)
                 os.rename(tmp, final)  # final is unique: nothing to replace
             except BaseException:
-                _unlink(tmp)
+                unlink(tmp)
                 raise
         except OSError as exc:
             what = _DISK_FULL_ERRNOS.get(exc.errno or 0)
@@ -1026,7 +945,7 @@ class LocalFileCache:
             self._bytes_reserved += size
             self._cond.notify_all()
         for path in victims:
-            _unlink(path)
+            unlink(path)
         if victims:
             logger.debug("restore cache %s: evicted %d idle files (LRU) to fit %s (%d bytes)",
                          self.directory, len(victims), entry.key, size)
@@ -1039,7 +958,7 @@ class LocalFileCache:
                        for e in list(self._lru.values()) if not e.leases]
             self._cond.notify_all()
         for path in victims:
-            _unlink(path)
+            unlink(path)
         if victims:
             logger.warning("restore cache %s: local disk full, evicted %d idle files",
                            self.directory, len(victims))
@@ -1091,7 +1010,7 @@ class LocalFileCache:
             entry.ttl = None
             path = self._remove(entry, "evictions_ttl")
             self._cond.notify_all()
-        _unlink(path)
+        unlink(path)
         logger.debug("restore cache: evicted %s after %.1f s idle", entry.key, self.idle_ttl_s)
 
     def _direct_lease(self, store: BlobStore, key: str, size: int) -> CacheLease:
@@ -1155,15 +1074,6 @@ def _run_verify(verify: Verify, data: bytes, key: str) -> None:
         raise CorruptObjectError(key, 0, f"verification failed ({type(exc).__name__}: {exc})",
                                  hint="the downloaded object is not what its reader "
                                       "expects") from exc
-
-
-def _unlink(path: str) -> int:
-    """Remove a file; 1 if removed, 0 if it was already gone."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    return 1
 
 
 #: mypy proves here that the local cache is a :class:`~restore.leasing.LeasingCache` (the seam
