@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
@@ -69,6 +69,7 @@ from dstl.errors import (
     ObjectNotFoundError,
     TruncatedObjectError,
 )
+from dstl.handle import ChangelogHandle
 from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.reader.arrow import STATE_SCHEMA, typed_column
 from dstl.reader.catalog import CheckpointCatalog
@@ -757,7 +758,8 @@ def _slices_in_runs(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -
     return parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
 
 
-def log_columns(reader: ChangelogReader, handle: Any, key_groups: Any
+def log_columns(reader: ChangelogReader, handle: ChangelogHandle,
+                key_groups: Container[int] | None
                 ) -> tuple[np.ndarray, pa.Array]:
     """``(key groups, payloads)`` of every change of ``handle`` in ``key_groups`` (metadata
     included), in the order :meth:`ChangelogReader.read <restore.reader.ChangelogReader.read>`
@@ -852,7 +854,8 @@ class _Overlay:
         self._scalar: dict[str, list[pa.RecordBatch]] = {}  # per state: its changes in order
         self._last: dict[str, pa.Table] | None = None
 
-    def replay(self, reader: ChangelogReader, handle: Any, key_groups: Any) -> None:
+    def replay(self, reader: ChangelogReader, handle: ChangelogHandle,
+               key_groups: Container[int] | None) -> None:
         kgs, payloads = log_columns(reader, handle, key_groups)
         if not len(kgs):
             return
@@ -1054,7 +1057,7 @@ def _split_runs(store: BlobStore, split: StateSplit, handle: ChangelogStateBacke
     yield from overlay.rest()
 
 
-def _chain_runs(store: BlobStore, refs: Sequence[SnapshotRef], logs: Sequence[Any],
+def _chain_runs(store: BlobStore, refs: Sequence[SnapshotRef], logs: Sequence[ChangelogHandle],
                 rng: KeyGroupRange, cache: LeasingCache | None, allow_pickle: bool,
                 max_parallelism: int) -> Iterator[Run]:
     """The split's entries when its snapshots are a chain with deltas: a delta changes entries
