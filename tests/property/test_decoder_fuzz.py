@@ -1,5 +1,5 @@
 """Mutation fuzz suite over golden objects: every decoder raises only DSTL errors that name the
-object and an offset (item 7).
+object and an offset.
 
 Golden objects come from a real backend (``support.golden``): a segment, a snapshot, backend and
 changelog handles, a table marker, a manifest, agent frames and the values inside them. Each test

@@ -1,4 +1,4 @@
-"""Random sequences of rescales against a dict model (item 1).
+"""Random sequences of rescales against a dict model.
 
 A rule-based machine keeps ``p`` backends (1..8, heap or LMDB each) of one operator over 32 key
 groups. Rules: write value/list/map states of random keys, checkpoint (snapshot + complete +

@@ -1,4 +1,4 @@
-"""LMDB local directories (item 4): a new backend never adopts the rows a killed
+"""LMDB local directories: a new backend never adopts the rows a killed
 process left in its directory (only an explicit ``adopt_local=True`` does, as the Spark task's
 adopt path with the table marker), and the temporary directories of killed processes and of
 constructors that failed midway do not pile up."""

@@ -1,4 +1,4 @@
-"""Rescaling is exact whatever the sequence (item 1): every change set is applied once
+"""Rescaling is exact whatever the sequence: every change set is applied once
 per key group, whatever handles are passed; a restored backend keeps (and reports) only the part
 of its restored handles it owns.
 

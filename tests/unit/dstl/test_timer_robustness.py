@@ -1,4 +1,4 @@
-"""No timer failure leaves a future unresolved (item 9).
+"""No timer failure leaves a future unresolved.
 
 Before: a delay beyond ``threading.TIMEOUT_MAX`` (``persist_delay_s=1e10``, an upload timeout or
 retry delay of that size) raised ``OverflowError`` inside ``Condition.wait`` on the timer thread

@@ -1,4 +1,4 @@
-"""A checkpoint is in flight from the moment it reads its ``from`` sqn (item 2).
+"""A checkpoint is in flight from the moment it reads its ``from`` sqn.
 
 ``snapshot()`` reads the materialized base's ``up_to`` and then calls ``persist()``, which may
 wait for upload capacity (back-pressure). A materialization that finishes during that wait must

@@ -1,4 +1,4 @@
-"""Replay refuses what the log could never contain (item 3): a change whose key group
+"""Replay refuses what the log could never contain: a change whose key group
 lies outside its change set's recorded range, two change sets of one log with the same sqn in one
 segment, and a change for a key group the restoring backend does not own are corruption —
 typed errors naming the object and the offset, never silently applied or skipped."""

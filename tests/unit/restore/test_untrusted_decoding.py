@@ -1,5 +1,5 @@
-"""CRC-valid but malformed content raises only DSTL errors naming the object and an offset
-(item 7): the cases the issue names, each crafted by hand (``support.crafted``) and read
+"""CRC-valid but malformed content raises only DSTL errors naming the object and an offset:
+the malformed cases, each crafted by hand (``support.crafted``) and read
 through a whole restore, as a job restoring from a damaged or hostile checkpoint directory would.
 
 On the code of the issue's start each of these raised a builtin (``TypeError``, ``KeyError``,

@@ -1,4 +1,4 @@
-"""``dstl gc`` can never delete a retained checkpoint (item 10).
+"""``dstl gc`` can never delete a retained checkpoint.
 
 Each manifest records the job's retention; gc keeps at least that many checkpoints, refuses a
 smaller ``--retained`` (exit 2, nothing deleted), is conservative with manifests that predate

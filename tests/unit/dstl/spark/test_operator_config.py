@@ -1,5 +1,5 @@
 """``DstlStatefulOperator`` checks every argument on the driver, at construction, without
-starting Spark (item 9).
+starting Spark.
 
 Before, ``processor=None``, ``sink=5``, ``state_uri='s3:/typo/app'`` (a local directory named
 ``s3:``) and ``'ftp://...'`` were accepted and failed — or silently did the wrong thing — at the
@@ -55,56 +55,56 @@ BAD: list[tuple[str, Any, str]] = [
     ("name", "", RANGE),
     ("name", "a/b", RANGE),
     ("name", 5, TYPE),
-    ("processor", None, TYPE),  # accepted before
-    ("processor", 5, TYPE),  # accepted before
-    ("processor", Count(), TYPE),  # accepted before: an instance, not the class
-    ("processor", NotAProcessor, TYPE),  # accepted before
-    ("processor", Abstract, RANGE),  # accepted before
-    ("processor", NeedsArgs, RANGE),  # accepted before
-    ("key_column", "", RANGE),  # accepted before
-    ("key_column", 5, TYPE),  # accepted before
-    ("key_column", "a`b", RANGE),  # accepted before: broke the routing SQL
-    ("key_column", "_dstl_pid", RANGE),  # accepted before: the routing column replaced it
-    ("output_schema", 5, TYPE),  # accepted before
-    ("output_schema", "", RANGE),  # accepted before
-    ("output_schema", "key string,", RANGE),  # accepted before
-    ("output_schema", "key", RANGE),  # accepted before
-    ("output_schema", "key string, count array<long", RANGE),  # accepted before
-    ("output_schema", "key string, KEY long", RANGE),  # accepted before
-    ("output_schema", "key string, _dstl_report string", RANGE),  # accepted before
-    ("state_uri", "s3:/typo/app", RANGE),  # accepted before (a local directory 's3:')
+    ("processor", None, TYPE),
+    ("processor", 5, TYPE),
+    ("processor", Count(), TYPE),  # unchecked: an instance, not the class
+    ("processor", NotAProcessor, TYPE),
+    ("processor", Abstract, RANGE),
+    ("processor", NeedsArgs, RANGE),
+    ("key_column", "", RANGE),
+    ("key_column", 5, TYPE),
+    ("key_column", "a`b", RANGE),  # unchecked: broke the routing SQL
+    ("key_column", "_dstl_pid", RANGE),  # unchecked: the routing column replaced it
+    ("output_schema", 5, TYPE),
+    ("output_schema", "", RANGE),
+    ("output_schema", "key string,", RANGE),
+    ("output_schema", "key", RANGE),
+    ("output_schema", "key string, count array<long", RANGE),
+    ("output_schema", "key string, KEY long", RANGE),
+    ("output_schema", "key string, _dstl_report string", RANGE),
+    ("state_uri", "s3:/typo/app", RANGE),  # unchecked: (a local directory 's3:')
     ("state_uri", "s3//bucket/app", RANGE),  # not a local directory 's3'
-    ("state_uri", "ftp://host/app", RANGE),  # accepted before
-    ("state_uri", "s3://bucket/app?x=1", RANGE),  # accepted before
-    ("state_uri", "", RANGE),  # accepted before
-    ("state_uri", None, TYPE),  # accepted before
+    ("state_uri", "ftp://host/app", RANGE),
+    ("state_uri", "s3://bucket/app?x=1", RANGE),
+    ("state_uri", "", RANGE),
+    ("state_uri", None, TYPE),
     ("partitions", 0, RANGE),
     ("partitions", 129, RANGE),
-    ("partitions", True, TYPE),  # accepted before
+    ("partitions", True, TYPE),
     ("partitions", 2.0, TYPE),
     ("max_parallelism", 0, RANGE),  # blamed partitions before
-    ("max_parallelism", 32769, RANGE),  # accepted before
+    ("max_parallelism", 32769, RANGE),
     ("max_parallelism", True, TYPE),  # blamed partitions before
     ("max_parallelism", "128", TYPE),  # raw TypeError before
     ("table", "disk", RANGE),
     ("table", None, TYPE),
-    ("sink", 5, TYPE),  # accepted before
-    ("sink", lambda df: None, TYPE),  # accepted before: the wrong arity
-    ("storage_options", 5, TYPE),  # accepted before
-    ("storage_options", {1: "x"}, TYPE),  # accepted before
-    ("options", 5, TYPE),  # accepted before
-    ("options", BackendOptions(), TYPE),  # accepted before: the wrong options class
-    ("backend_options", DstlOptions(), TYPE),  # accepted before
+    ("sink", 5, TYPE),
+    ("sink", lambda df: None, TYPE),  # unchecked: the wrong arity
+    ("storage_options", 5, TYPE),
+    ("storage_options", {1: "x"}, TYPE),
+    ("options", 5, TYPE),
+    ("options", BackendOptions(), TYPE),  # unchecked: the wrong options class
+    ("backend_options", DstlOptions(), TYPE),
     ("retained", 1, RANGE),
     ("retained", True, TYPE),  # a bool was 1: refused, but as a range error
     ("retained", "3", TYPE),
     ("materialization_interval_s", -1.0, RANGE),
-    ("materialization_interval_s", 1e10, RANGE),  # accepted before
+    ("materialization_interval_s", 1e10, RANGE),
     ("materialization_interval_s", "60", TYPE),
-    ("local_dir", 5, TYPE),  # accepted before
-    ("local_dir", "", RANGE),  # accepted before
-    ("agent", "no", TYPE),  # accepted before: "no" is truthy
-    ("agent", 0, TYPE),  # accepted before
+    ("local_dir", 5, TYPE),
+    ("local_dir", "", RANGE),
+    ("agent", "no", TYPE),  # unchecked: "no" is truthy
+    ("agent", 0, TYPE),
     ("tasks", 0, RANGE),
     ("tasks", 5, RANGE),  # more tasks than the 4 partitions
     ("tasks", True, TYPE),

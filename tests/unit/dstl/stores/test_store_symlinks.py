@@ -1,5 +1,5 @@
 """A checkpoint directory is untrusted input: no store operation follows a symbolic link inside the
-root (item 5).
+root.
 
 Every ``LocalBlobStore`` operation is tried twice for each of two links planted inside the root: a
 link to a file outside the root at the key itself, and a link to a directory outside the root at a

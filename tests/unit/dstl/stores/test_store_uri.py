@@ -22,7 +22,7 @@ def check_store_uri(uri: str) -> str:
     return check(uri)
 
 BROKEN = [
-    # (uri, text the message must contain)  -- all accepted before as local directories
+    # (uri, text the message must contain)  -- each looks like a local path
     ("s3:/typo/app", "did you mean s3://typo/app?"),
     ("s3:bucket/app", "did you mean s3://bucket/app?"),
     ("s3a:/b/app", "did you mean s3a://b/app?"),
