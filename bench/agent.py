@@ -69,7 +69,7 @@ from dstl.spark.demo import ClickStats  # noqa: E402
 
 OUTPUT_SCHEMA = "user string, clicks long, distinct_pages long, last_page string"
 DAY_S = 86_400
-# figure 2: the cluster the issue asks about
+# figure 2: a large cluster (200 partitions on 10 executors, 1 s trigger)
 X_PARTITIONS, X_EXECUTORS, X_TRIGGER_S = 200, 10, 1.0
 MATERIALIZATION_S = 60.0  # DstlStatefulOperator's default materialization interval
 SPARK_MAINTENANCE_S = 60.0  # spark.sql.streaming.stateStore.maintenanceInterval default

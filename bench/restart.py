@@ -28,7 +28,7 @@ after the build, Spark-snapshot variants wait until every partition's newest ver
 as a snapshot (``<B>.zip``), so Spark restores from a snapshot of the last batch. Each repeat then
 runs a new child process that restarts from a fresh copy of the built Spark checkpoint and DSTL
 store (the "cold process" figure: new driver JVM), stops, and restarts from a second fresh copy
-in a new SparkSession of the same process (the main figure, the issue's "fresh SparkSession":
+in a new SparkSession of the same process (the main figure, a "fresh SparkSession":
 warm driver JVM; new SparkContext, executor, Python workers and, for DSTL, agent, with an empty
 executor-local directory, so all state comes from the store, as after losing the executor);
 restarts of all variants are interleaved per repeat, order rotated. Per restart: the batch's
@@ -572,7 +572,7 @@ def one_session(spark_local: Path, v: Variant, d: Path, src: Path, batches: int,
 def child(mode: str, v: Variant, d: Path, src: Path, batches: int) -> dict[str, Any]:
     """This (child) process: ``build`` the state in ``d``; or ``restart``: from ``d/cold`` in
     the new process (cold driver JVM), then, after stopping that session, from ``d/warm`` in a
-    fresh SparkSession of the same process (the issue's restart)."""
+    fresh SparkSession of the same process."""
     hook = d / "hook"
     hook.mkdir(parents=True, exist_ok=True)
     os.environ[HOOK_ENV] = str(hook)  # inherited by the JVM, so by its Python workers

@@ -3,7 +3,7 @@
 One workload, run in the same process on the same machine by each variant:
 
 * ``dstl``       — :class:`dstl.spark.DstlStatefulOperator` in ``foreachBatch``, LMDB tables,
-  P partitions, ``agent=False``: every task writes its own segment (the issue-#6 shape);
+  P partitions, ``agent=False``: every task writes its own segment (one object per partition per checkpoint);
 * ``dstl+agent`` — the same operator with its default ``agent=True``: the executor agent
   group-commits the segments of the executor's concurrent tasks;
 * ``spark``      — ``groupBy("user").applyInPandasWithState`` (output mode "update",

@@ -10,7 +10,7 @@ does. After every rule each key's states equal the model.
 
 Size: CI (``make test``) a few hundred steps; ``DSTL_DEEP=1`` / profile ``deep`` many more. The
 seed is printed (``DSTL_RESCALE_SEED=<n>`` replays one); the figures at the end (run with ``-s``)
-are what the issue's closing note quotes.
+summarise the run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Crafted objects: the worst small objects we know how to build, with every checksum valid.
 
 Each :class:`Crafted` is one stored object (a segment, a snapshot, a manifest, a handle, a table
-marker, an agent frame) of at most 1 MiB — except the issue's 44 MiB manifest — built by hand
+marker, an agent frame) of at most 1 MiB — except a 44 MiB manifest — built by hand
 so that it passes the CRCs and reaches the decoders: zstd frames that declare 3 GB, records that
 really decompress to hundreds of MiB (a zstd "bomb"), pickles that decode to millions of objects,
 JSON nested 100,000 deep or made of millions of ``{}``, handles whose sqn range or offsets are
@@ -327,7 +327,7 @@ def _others() -> list[Crafted]:
                        "a manifest whose task state is 1 MiB of {} with a valid CRC"))
     out.append(Crafted("manifest: 44 MiB, bad CRC", "manifest",
                        _manifest_with(_json_bomb(44 * MiB), crc="00000000"),
-                       "the issue's case: a 44 MiB manifest whose CRC does not match"))
+                       "a 44 MiB manifest whose CRC does not match"))
     marker = json.dumps({"v": 1, "operator_id": "o", "key_groups": [0, 1],
                          "max_parallelism": 2, "checkpoint_id": 1, "materialization_id": 0,
                          "boundary": None, "log_bytes": 0, "snapshot_bytes": 0,

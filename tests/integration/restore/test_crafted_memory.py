@@ -6,7 +6,7 @@ DSTL meets it — a restore from it (ranged reads, then through the restore cach
 the whole object), or its decoder — and that process must peak below 256 MiB RSS, with either no
 error or a DSTL error (``support/read_crafted.py`` caps the address space at 4 GiB, so a decoder
 that allocates gigabytes fails as ``MemoryError`` instead of swapping). A resource bound, not a
-timing. The issue's 44 MiB manifest with a bad CRC is included: it must be refused before it is
+timing. A 44 MiB manifest with a bad CRC is included: it must be refused before it is
 parsed.
 
 ``python tests/integration/restore/test_crafted_memory.py`` prints the table of peak RSS per object for

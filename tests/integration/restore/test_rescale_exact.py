@@ -123,7 +123,7 @@ def _run(storage: ChangelogStorage, sequence: Sequence[int], mats: str,
 
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 def test_one_two_one_before_any_materialization(storage: ChangelogStorage, table: str) -> None:
-    """The issue's case: 1 -> 2 -> 1 without a snapshot; a counter and a list came back with
+    """1 -> 2 -> 1 without a snapshot; a counter and a list came back with
     the first generation's change sets applied twice."""
     model = _run(storage, [1, 2], "none", tables=table)
     assert all(v == (3, ["g0a", "g1a", "g2a"]) for v in model.values())
@@ -189,8 +189,8 @@ def test_a_restored_backend_keeps_only_its_part(storage: ChangelogStorage) -> No
 
 def test_handles_written_before_trimming_still_restore_exactly(storage: ChangelogStorage
                                                                ) -> None:
-    """Handles of the issue's start named the whole restored log; the backend handle's own
-    range is what a restore applies from them."""
+    """A handle that names the whole restored log: the backend handle's own range is what a
+    restore applies from it."""
     model: Model = {}
     handles = _generation(storage, None, 1, 0, model, materialize=(0,))
     old_snapshots = {r.key for h in handles for r in h.materialized}

@@ -253,8 +253,8 @@ def test_changing_partitions_twice_keeps_counts_exact(spark: Any, moto_endpoint:
     workers serve every layout), two batches per layout. Each restart restores every partition
     from the handles of the previous layout; counts stay exact. Heap without materializations
     (every restore replays the whole log, through every earlier layout's handles) and LMDB with
-    a materialization after every batch. At the issue's start 1 -> 2 -> 1 counted the rows of
-    the first layout twice (both halves kept the whole restored log)."""
+    a materialization after every batch. A restore that kept the whole restored log in both halves
+    would count the rows of the first layout twice after 1 -> 2 -> 1."""
     latest: dict[str, int] = {}
 
     def sink(out_df: Any, batch_id: int) -> None:

@@ -2,7 +2,7 @@
 the malformed cases, each crafted by hand (``support.crafted``) and read
 through a whole restore, as a job restoring from a damaged or hostile checkpoint directory would.
 
-On the code of the issue's start each of these raised a builtin (``TypeError``, ``KeyError``,
+A decoder without these checks raises a builtin on each of them (``TypeError``, ``KeyError``,
 ``AttributeError``, ``AssertionError``, ``RecursionError``, ``MemoryError``, ``ValueError``), or
 restored state that could not be read back. The mutation fuzz suite
 (``tests/property/test_decoder_fuzz.py``) generalises them.
