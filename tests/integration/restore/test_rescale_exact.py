@@ -123,8 +123,8 @@ def _run(storage: ChangelogStorage, sequence: Sequence[int], mats: str,
 
 @pytest.mark.parametrize("table", ["heap", "lmdb"])
 def test_one_two_one_before_any_materialization(storage: ChangelogStorage, table: str) -> None:
-    """1 -> 2 -> 1 without a snapshot; a counter and a list came back with
-    the first generation's change sets applied twice."""
+    """1 -> 2 -> 1 without a snapshot: a counter and a list come back with the first
+    generation's change sets applied once, not twice."""
     model = _run(storage, [1, 2], "none", tables=table)
     assert all(v == (3, ["g0a", "g1a", "g2a"]) for v in model.values())
 
