@@ -179,7 +179,7 @@ def test_streaming_query_refuses_a_runtime_change(spark: Any, tmp_path: Path) ->
         q.awaitTermination(120)
         assert q.exception() is None and op.last_progress is not None
         assert op.last_progress["numInputRows"] == 4
-        # the query's batches run on a clone of this session; the change is still seen
+        # the query's batches run on a clone of this session; the change is seen there too
         spark.conf.set("spark.dstl.persist_delay_s", "0.5")
         (src / "1.json").write_text(json.dumps({"key": "z"}))
         q = run()
