@@ -5,10 +5,8 @@ Theory of operation
 An executor starts one Python daemon (``python -m <spark.python.daemon.module> <worker
 module>``) when its first Python task arrives; the daemon forks one worker per task slot, and
 each worker then imports pyspark's worker module and, unpickling the task, everything the task
-refers to. For a DSTL task that is DSTL's worker side, the state tables, pyarrow's compute and
-IPC modules and pandas (pyarrow imports pandas the first time it builds an array from Python
-objects, which the task's output rows do). Each worker pays those imports itself — 2-4 s of CPU
-on this machine class, on the first batch after every restart, on every executor, in every
+refers to. For a DSTL task that is DSTL's worker side, the state tables, pyarrow and its compute
+and IPC modules. Each worker pays those imports itself — 1-3 s of CPU on this machine class, on the first batch after every restart, on every executor, in every
 worker.
 
 ``spark.python.daemon.module=dstl.spark.daemon`` (a static Spark conf: set it before the
@@ -30,8 +28,8 @@ after the fork, because an import *may* start threads):
   agent (below) leaves nothing open in the daemon (its output goes to a file closed at once,
   the ping's socket is closed). Storage, tables and agent connections are made in the worker, per process (:mod:`dstl.spark.runtime` builds a
   runtime only in the process that uses it and never reuses one across a fork).
-* Native threads: importing pyarrow starts jemalloc's background thread, and numpy (via
-  pandas) may start OpenBLAS threads (Spark sets ``OMP_NUM_THREADS`` to the task's cores for
+* Native threads: importing pyarrow starts jemalloc's background thread, and numpy may start
+  OpenBLAS threads (Spark sets ``OMP_NUM_THREADS`` to the task's cores for
   the daemon, so none with one core per task). Both libraries register fork handlers that take
   their locks across ``fork()`` and restart their threads in the child.
 
@@ -78,9 +76,8 @@ the read function (list them in :data:`PRELOAD_ENV` for executors that read stat
 ``bench/state_reader_fixed.py``).
 
 A module that cannot be imported stops the daemon with a :class:`~dstl.errors.ConfigError`
-message on its stderr (module, cause, fix), which Spark puts into the task's error; a missing
-``pandas`` is not an error (it is optional for pyarrow, and the workers would not import it
-either). :data:`PRELOADED` records, in the daemon and so in every worker forked from it, what was
+message on its stderr (module, cause, fix), which Spark puts into the task's error.
+:data:`PRELOADED` records, in the daemon and so in every worker forked from it, what was
 imported and how long it took (empty in a worker of another daemon).
 """
 
@@ -89,7 +86,6 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.machinery
-import importlib.util
 import os
 import re
 import sys
@@ -100,7 +96,7 @@ from collections.abc import Sequence
 
 from dstl.errors import ConfigError, DstlError
 
-__all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "OPTIONAL", "PRELOAD", "PRELOADED", "PRELOAD_ENV",
+__all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "PRELOAD", "PRELOADED", "PRELOAD_ENV",
            "PYSPARK_ENV", "main", "modules_to_preload", "preload", "prefer_installed",
            "start_agent"]
 
@@ -108,11 +104,8 @@ __all__ = ["AGENT_DIR", "AGENT_ENV", "AGENT_PID", "agent_starting", "OPTIONAL", 
 #: warm-up task leave in ``sys.modules``), in import order.
 PRELOAD: tuple[str, ...] = (
     "pyspark.worker", "pyspark.sql.pandas.serializers", "pyarrow", "pyarrow.compute",
-    "pandas", "lmdb", "zstandard", "xxhash", "dstl.spark.task", "dstl.spark.warmup",
+    "lmdb", "zstandard", "xxhash", "dstl.spark.task", "dstl.spark.warmup",
 )
-#: Imported only when installed: pyarrow uses pandas when it is there, and a worker without it
-#: would not import it either.
-OPTIONAL: frozenset[str] = frozenset({"pandas"})
 #: Comma-separated extra modules to import in the daemon (e.g. the module that defines the
 #: processor class; set through ``spark.executorEnv.DSTL_DAEMON_PRELOAD``).
 PRELOAD_ENV = "DSTL_DAEMON_PRELOAD"
@@ -156,14 +149,12 @@ def preload(modules: Sequence[str]) -> dict[str, float]:
     """Import ``modules`` in order; seconds per module.
 
     Raises:
-        ConfigError: a module (not in :data:`OPTIONAL`) cannot be imported, or its import
+        ConfigError: a module cannot be imported, or its import
             started a Python thread (forking then would copy that thread's held locks).
     """
     took: dict[str, float] = {}
     before = set(threading.enumerate())  # in the daemon: the main thread alone
     for name in modules:
-        if name in OPTIONAL and importlib.util.find_spec(name) is None:
-            continue
         started = time.perf_counter()
         try:
             importlib.import_module(name)

@@ -41,6 +41,7 @@ from typing import Any
 
 from dstl.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, UsageError
 from dstl.keygroups import KeyGroupRange
+from dstl.spark.arrow_build import to_array
 from dstl.spark.report import INITIAL_STATE_COLUMN
 from dstl.stores.base import BlobStore
 
@@ -165,9 +166,9 @@ def stage_rows(store: BlobStore, prefix: str, batches: Iterable[Any], max_parall
         starts.append(groups.start)
         ends.append(groups.end)
     if keys:
-        yield pa.RecordBatch.from_arrays([pa.array(keys, pa.string()),
-                                          pa.array(starts, pa.int32()),
-                                          pa.array(ends, pa.int32())],
+        yield pa.RecordBatch.from_arrays([to_array(keys, pa.string()),
+                                          to_array(starts, pa.int32()),
+                                          to_array(ends, pa.int32())],
                                          names=["object", "kg_start", "kg_end"])
 
 
@@ -204,7 +205,7 @@ def initial_batches(store: BlobStore, staged: StagedInitialState, key_column: st
             if not mine.num_rows:
                 continue
             out = mine.select([key_column, INITIAL_STATE_COLUMN]).append_column(
-                "_dstl_pid", pa.array([pid] * mine.num_rows, pa.int32()))
+                "_dstl_pid", to_array([pid] * mine.num_rows, pa.int32()))
             yield from out.to_batches()
 
 

@@ -319,14 +319,16 @@ class OutputRows:
         """
         import pyarrow as pa
 
+        from dstl.spark.arrow_build import to_array
+
         arrays = []
         for f in full_schema:
             if f.name in extra:
-                arrays.append(pa.array(extra[f.name], type=f.type))
+                arrays.append(to_array(extra[f.name], f.type))
                 continue
             values = self._column(f.name)
             try:
-                arrays.append(pa.array(values, type=f.type))
+                arrays.append(to_array(values, f.type))
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 raise self._locate(f, values, exc) from exc
         return pa.RecordBatch.from_arrays(arrays, schema=full_schema)

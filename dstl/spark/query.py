@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 from dstl.checkpoint.manifest import Manifest, decode_manifest
 from dstl.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, UsageError
 from dstl.layout import MANIFEST_PREFIX, parse_manifest_key
+from dstl.spark.arrow_build import int64_list_row
 from dstl.spark.initial import (
     INITIAL_PREFIX,
     StagedInitialState,
@@ -578,7 +579,7 @@ def run_in_query(cfg: Any, tasks: int, delay_ms: int, event_time: bool, driver_v
                                 counts["late"] if i == 0 else 0)
         yield pa.RecordBatch.from_arrays(
             [pa.nulls(1, schema.field(c).type) for c in names] + no_late
-            + [pa.array([[values[m] for m in METRICS]], metrics_type)], schema=schema)
+            + [int64_list_row([values[m] for m in METRICS])], schema=schema)
     for part in late or ():
         # after every result is stored, as the output rows: they leave with the batch's commit
         n = part.num_rows

@@ -687,9 +687,12 @@ def _record_batches(cfg: OperatorConfig, outputs: Any, report: TaskReport) -> It
     the report row (every other column null)."""
     import pyarrow as pa
 
+    from dstl.spark.arrow_build import to_array
+
     names = list(cfg.output_columns)
     if outputs is not None:
         yield outputs
-    report_cols: dict[str, list[Any]] = {n: [None] for n in names}
-    report_cols[REPORT_COLUMN] = [report.to_json()]
-    yield pa.RecordBatch.from_pydict(report_cols, schema=cfg.arrow_schema)
+    schema = cfg.arrow_schema
+    yield pa.RecordBatch.from_arrays(
+        [pa.nulls(1, schema.field(n).type) for n in names]
+        + [to_array([report.to_json()], schema.field(REPORT_COLUMN).type)], schema=schema)

@@ -52,6 +52,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from dstl.spark.arrow_build import to_array
 from dstl.spark.config import OperatorConfig, TaskInput
 from dstl.spark.runtime import WorkerRuntime, runtime_for
 from dstl.spark.slots import acquire
@@ -84,10 +85,9 @@ def warm_partition(cfg: OperatorConfig, task_input: TaskInput, batches: Iterable
     outcome = pre_restore(rt, partition, task_input)
     outcome.update(runtime_seconds=runtime_s, seconds=time.monotonic() - started,
                    daemon_preloaded="dstl.spark.task" in PRELOADED)
-    yield pa.RecordBatch.from_pydict({"partition": [partition],
-                                      "outcome": [json.dumps(outcome)]},
-                                     schema=pa.schema([("partition", pa.int32()),
-                                                       ("outcome", pa.string())]))
+    yield pa.RecordBatch.from_arrays(
+        [to_array([partition], pa.int32()), to_array([json.dumps(outcome)], pa.string())],
+        schema=pa.schema([("partition", pa.int32()), ("outcome", pa.string())]))
 
 
 def pre_restore(rt: WorkerRuntime, partition: int, task_input: TaskInput) -> dict[str, Any]:

@@ -132,7 +132,7 @@ def test_workers_start_with_dstl_imported_and_counts_stay_exact(
     assert records, "no worker ran the processor"
     for r in records:
         assert "dstl.spark.daemon" in r["parent"], r
-        for name in ("dstl.spark.task", "pandas", "pyarrow", "lmdb", "pyspark.worker"):
+        for name in ("dstl.spark.task", "pyarrow", "lmdb", "pyspark.worker"):
             assert name in r["preloaded"], (name, r)
         # the pip-installed pyspark, whose bytecode is cached, not Spark's pyspark.zip
         assert ".zip" not in r["pyspark"], r
