@@ -4,11 +4,13 @@ Theory of operation
 -------------------
 Engine-agnostic (Flink's ``CheckpointCoordinator`` + ``SharedStateRegistry``, seed 004): the
 engine integration (``dstl.spark``) calls it on the driver; it knows only task ids, opaque state
-handles and object keys. The pure parts live beside it — the manifest codec in
+handles and object keys. Its parts live beside it — the manifest codec in
 :mod:`dstl.checkpoint.manifest`, the retention and orphan planners in
-:mod:`dstl.checkpoint.retention`, the object names in :mod:`dstl.layout`, the doomed keys and
-their deletion passes in :mod:`dstl.checkpoint.deletion`; this module adds the commit's store
-calls, the lock, the clock and the listeners.
+:mod:`dstl.checkpoint.retention`, the object names in :mod:`dstl.layout`, the ids, pending and
+retained checkpoints in :mod:`dstl.checkpoint.ledger`, the reads of a recovery in
+:mod:`dstl.checkpoint.recovery`, the doomed keys and their deletion passes in
+:mod:`dstl.checkpoint.deletion`, orphan collection in :mod:`dstl.checkpoint.orphans`; this
+module composes them and adds the manifest put, the lock, the metrics and the listeners.
 
 1. **Trigger.** :meth:`CheckpointCoordinator.trigger` opens a *pending* checkpoint for a set of
    tasks. Ids grow strictly when the coordinator picks them; an explicit id may repeat the last
@@ -61,17 +63,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 from dstl.checkpoint.deletion import DeletionQueue
+from dstl.checkpoint.ledger import AbortedCheckpoint, CheckpointLedger, Pending, task_ids
 from dstl.checkpoint.manifest import (
     MAX_ID_CHARS,
     MAX_MANIFEST_BYTES,
@@ -79,10 +80,9 @@ from dstl.checkpoint.manifest import (
     Manifest,
     TaskEntry,
     check_properties,
-    decode_manifest,
-    validate_id,
 )
-from dstl.checkpoint.retention import ListedObject, OrphanPlan, plan_orphans, plan_retention
+from dstl.checkpoint.orphans import OrphanCollector
+from dstl.checkpoint.recovery import RECOVER_HINT, list_manifests, load_newest
 from dstl.checks import (
     check_bool,
     check_callable,
@@ -92,20 +92,11 @@ from dstl.checks import (
     check_str,
 )
 from dstl.errors import (
-    ClosedError,
     ConfigTypeError,
-    CorruptObjectError,
     DstlError,
     ObjectExistsError,
     StorageError,
     UsageError,
-)
-from dstl.layout import (
-    MANIFEST_PREFIX,
-    MAX_ATTEMPT,
-    MAX_CHECKPOINT_ID,
-    REFERENCE_PREFIXES,
-    parse_manifest_key,
 )
 from dstl.metrics import MetricsRegistry
 from dstl.stores.base import BlobStore, check_store
@@ -124,20 +115,10 @@ logger = logging.getLogger(__name__)
 #: Checkpoints kept. A Spark re-run of batch N restores from checkpoint N-1 while N is still
 #: retained, so at least 2 are needed for re-runs; 3 leaves room for a fallback past a damaged one.
 DEFAULT_RETAINED = 3
-#: How many aborted checkpoint ids are remembered, only to explain a late acknowledgement.
-_ABORTED_MEMORY = 16
-#: Keys shown in a log line before "...".
-_LOG_KEYS = 5
 
 
 def _usage_properties(field: str, reason: str) -> NoReturn:
     raise UsageError(f"set_properties: {field}: {reason}")
-
-
-#: The fix for a caller of the coordinator API itself (not through the Spark operator, which
-#: always recovers): a second run must read the store's checkpoints first.
-_RECOVER_HINT = ("a CheckpointCoordinator built directly on a store with checkpoints is opened "
-                 "with CheckpointCoordinator.recover()")
 
 
 class CheckpointCommitError(StorageError):
@@ -174,23 +155,6 @@ class CheckpointListener:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortedCheckpoint:
-    """A pending checkpoint that was aborted.
-
-    Attributes:
-        checkpoint_id: the checkpoint.
-        tasks: the tasks it waited for.
-        acknowledged: those that had acknowledged.
-        reason: why it was aborted.
-    """
-
-    checkpoint_id: int
-    tasks: tuple[str, ...]
-    acknowledged: tuple[str, ...]
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class Completion:
     """What a completed checkpoint changed (returned by :meth:`CheckpointCoordinator.complete`
     and by the acknowledgement that completed it; truthy).
@@ -209,70 +173,6 @@ class Completion:
     @property
     def checkpoint_id(self) -> int:
         return self.manifest.checkpoint_id
-
-
-@dataclass(slots=True)
-class _Pending:
-    checkpoint_id: int
-    tasks: tuple[str, ...]
-    trigger_mono: float
-    trigger_ms: int
-    acks: dict[str, tuple[TaskEntry, float]] = field(default_factory=dict)
-    #: manifest keys whose put was attempted for this checkpoint and failed (they may exist).
-    uncertain_keys: list[str] = field(default_factory=list)
-    #: the job's own values for the manifest (``set_properties``)
-    properties: dict[str, Any] = field(default_factory=dict)
-
-    def keys(self) -> set[str]:
-        return {k for entry, _ in self.acks.values() for k in entry.referenced_keys}
-
-
-def _grace_ms(min_age_s: float) -> int:
-    """``collect_orphans``' grace period in ms, validated."""
-    if isinstance(min_age_s, bool) or not isinstance(min_age_s, (int, float)) \
-            or not math.isfinite(min_age_s) or min_age_s < 0:
-        raise UsageError(f"collect_orphans: min_age_s={min_age_s!r} must be a finite number "
-                         ">= 0 (seconds)")
-    return int(min_age_s * 1000)
-
-
-def _task_ids(tasks: Iterable[str]) -> tuple[str, ...]:
-    """The tasks a trigger waits for, validated: at least one, well-formed, unique."""
-    task_ids = tuple(tasks) if not isinstance(tasks, str) else (tasks,)
-    if not task_ids:
-        raise UsageError("trigger: a checkpoint needs at least one task")
-    for t in task_ids:
-        validate_id(t, "task_id")
-    if len(set(task_ids)) != len(task_ids):
-        raise UsageError(f"trigger: task ids repeat in {list(task_ids)[:10]}")
-    return task_ids
-
-
-class _StoredManifest(NamedTuple):
-    """A manifest found in the store; tuples sort by (checkpoint id, attempt)."""
-
-    checkpoint_id: int
-    attempt: int
-    key: str
-    size: int
-
-
-def _list_manifests(store: BlobStore) -> list[_StoredManifest]:
-    """Recovery step 1: the manifests under ``checkpoints/``, newest first; other names there
-    are logged and ignored."""
-    stored: list[_StoredManifest] = []
-    ignored: list[str] = []
-    for info in store.list(MANIFEST_PREFIX):
-        parsed = parse_manifest_key(info.key)
-        if parsed is None:
-            ignored.append(info.key)
-        else:
-            stored.append(_StoredManifest(parsed[0], parsed[1], info.key, info.size))
-    if ignored:
-        logger.warning("recover %s: ignoring %d objects under %s that are not manifests: %s",
-                       store.location, len(ignored), MANIFEST_PREFIX, ignored[:_LOG_KEYS])
-    stored.sort(reverse=True)
-    return stored
 
 
 def _check_arguments(store: object, job_id: object, retained: object, clock: object,
@@ -314,6 +214,12 @@ def _check_listener(listener: object, field: str) -> None:
 class CheckpointCoordinator:
     """Driver-side checkpoint coordinator (see the module docstring).
 
+    It composes a :class:`~dstl.checkpoint.ledger.CheckpointLedger` (ids, the pending and the
+    retained checkpoints), a :class:`~dstl.checkpoint.deletion.DeletionQueue` (doomed keys and
+    their deletion), an :class:`~dstl.checkpoint.orphans.OrphanCollector` and the reads of
+    :mod:`dstl.checkpoint.recovery`, all under one lock; it writes the manifests, keeps the
+    metrics and delivers the notifications.
+
     Args:
         store: where manifests are written and objects deleted (the job's ``state_uri`` root).
         job_id: the job (or operator) whose checkpoints these are; written into every manifest
@@ -352,25 +258,22 @@ class CheckpointCoordinator:
         self._store = store
         self._job_id = job_id
         self._retain = retained
-        self._clock = clock
         self._wall = wall_clock
         self._executor = executor
         self._lock = threading.Lock()
-        self._retained: list[Manifest] = []  # oldest first
-        self._pending: _Pending | None = None
-        self._last_id = 0  # highest checkpoint id triggered or found in the store
-        self._last_completed: int | None = None
-        self._attempts: dict[int, int] = {}  # highest manifest attempt used or seen, per id
-        self._aborted: OrderedDict[int, str] = OrderedDict()
         self._futures: set[Future[list[str]]] = set()
-        self._closed = False
         self._metrics = metrics if metrics is not None else MetricsRegistry(
             "CheckpointCoordinator.")
         self._deletions = DeletionQueue(store, self._lock,
                                         live_keys_locked=self._live_keys_locked,
                                         retained_keys_locked=self._retained_keys_locked,
                                         metrics=self._metrics)
+        self._ledger = CheckpointLedger(job_id=job_id, retain=retained, clock=clock,
+                                        wall_ms=self._wall_ms, deletions=self._deletions,
+                                        owner=self.__repr__)
         self._register_metrics(self._metrics)
+        self._orphans = OrphanCollector(store, self._lock, self._ledger, self._deletions,
+                                        wall_ms=self._wall_ms, collected=self._c_orphans)
 
     def _register_metrics(self, m: MetricsRegistry) -> None:
         self._c_completed = m.counter("numberOfCompletedCheckpoints")
@@ -384,8 +287,8 @@ class CheckpointCoordinator:
         m.gauge("lastCheckpointFullSize", lambda: self._latest_stat("full_size"))
         m.gauge("lastCheckpointIncrementalSize", lambda: self._latest_stat("incremental_size"))
         m.gauge("lastCompletedCheckpointId", lambda: float(
-            -1 if self._last_completed is None else self._last_completed))
-        m.gauge("numberOfRetainedCheckpoints", lambda: float(len(self._retained)))
+            -1 if self._ledger.last_completed is None else self._ledger.last_completed))
+        m.gauge("numberOfRetainedCheckpoints", lambda: float(len(self._ledger.retained)))
         m.gauge("pendingDeletions", lambda: float(self._deletions.pending_count()))
 
     def __repr__(self) -> str:
@@ -431,77 +334,18 @@ class CheckpointCoordinator:
         coord = cls(store, job_id=job_id, retained=retained, clock=clock, wall_clock=wall_clock,
                     metrics=metrics, executor=executor, listeners=listeners,
                     max_manifest_bytes=max_manifest_bytes)
-        stored = _list_manifests(store)
-        loaded, corrupt = coord._load_newest(stored, fallback=fallback)
-        coord._adopt_recovered(stored, loaded)
+        stored = list_manifests(store)
+        loaded, corrupt = load_newest(store, stored, job_id=job_id, retain=retained,
+                                      max_bytes=coord._max_manifest_bytes, fallback=fallback)
+        with coord._lock:
+            coord._ledger.adopt_recovered(stored, loaded)
+            doomed = len(coord._deletions.manifests)
         latest = loaded[0] if loaded else None
         logger.info("recovered job %s from %s: latest checkpoint %s (attempt %s), %d retained, "
                     "%d stale manifests doomed, %d corrupt skipped", job_id, store.location,
                     latest.checkpoint_id if latest else None, latest.attempt if latest else None,
-                    len(loaded), len(coord._deletions.manifests), len(corrupt))
+                    len(loaded), doomed, len(corrupt))
         return coord
-
-    def _load_newest(self, stored: Sequence[_StoredManifest], *,
-                     fallback: bool) -> tuple[list[Manifest], list[str]]:
-        """Recovery step 2: from the newest manifest down, load the highest valid attempt of
-        each id until ``retained`` ids are known. Returns them newest first, and the keys of the
-        corrupt manifests skipped."""
-        loaded: list[Manifest] = []
-        corrupt: list[str] = []
-        for cid, _attempt, key, size in stored:
-            if len(loaded) == self._retain:
-                break
-            if any(m.checkpoint_id == cid for m in loaded):
-                continue  # a lower attempt of an id we already have: stale
-            try:
-                loaded.append(self._load_manifest(key, size))
-            except CorruptObjectError as exc:
-                if not loaded and not fallback:
-                    exc.add_note(f"recover {self._store.location}: {key} is the newest manifest; "
-                                 "pass fallback=True to recover from the previous valid "
-                                 "checkpoint")
-                    raise
-                logger.warning("recover %s: skipping corrupt manifest %s: %s",
-                               self._store.location, key, exc)
-                corrupt.append(key)
-        if stored and not loaded:
-            raise CorruptObjectError(stored[0].key, 0, f"none of the {len(stored)} manifests "
-                                     f"under {MANIFEST_PREFIX} is valid (corrupt: "
-                                     f"{corrupt[:_LOG_KEYS]})",
-                                     hint="the checkpoint directory is damaged; nothing can be "
-                                          "restored from it")
-        return loaded, corrupt
-
-    def _load_manifest(self, key: str, size: int) -> Manifest:
-        """Read and decode one manifest of this job (size checked before reading)."""
-        if size > self._max_manifest_bytes:
-            raise CorruptObjectError(key, 0, f"{size} bytes is larger than the manifest "
-                                             f"limit of {self._max_manifest_bytes} bytes "
-                                             "(CheckpointCoordinator max_manifest_bytes)")
-        m = decode_manifest(self._store.get(key), key, max_bytes=self._max_manifest_bytes)
-        if m.job_id != self._job_id:
-            raise UsageError(f"recover {self._store.location}: manifest {key} belongs to job "
-                             f"{m.job_id!r}, not {self._job_id!r}; open this job's own "
-                             "state_uri, or pass the job id the store was written with")
-        return m
-
-    def _adopt_recovered(self, stored: Sequence[_StoredManifest],
-                         loaded: Sequence[Manifest]) -> None:
-        """Recovery step 3: the loaded manifests (newest first) become the retained set; every
-        other manifest is doomed; ids and attempts continue above every one found."""
-        with self._lock:
-            self._retained = list(loaded[::-1])
-            keep = {m.key for m in loaded}
-            self._deletions.manifests = {s.key for s in stored if s.key not in keep}
-            if stored:
-                self._last_id = stored[0].checkpoint_id
-            for s in stored:
-                self._attempts[s.checkpoint_id] = max(s.attempt,
-                                                      self._attempts.get(s.checkpoint_id, 0))
-            if loaded:
-                self._last_completed = loaded[0].checkpoint_id
-                self._attempts = {c: a for c, a in self._attempts.items()
-                                  if c >= loaded[0].checkpoint_id}
 
     # ------------------------------------------------------------------ the protocol
 
@@ -522,40 +366,16 @@ class CheckpointCoordinator:
                 completed one or out of range.
             ClosedError: the coordinator is closed.
         """
-        task_ids = _task_ids(tasks)
+        tasks_ = task_ids(tasks)
         with self._lock:
-            self._check_open()
-            cid = self._next_id_locked(checkpoint_id)
-            aborted = None
-            if self._pending is not None:
-                aborted = self._abort_locked(f"superseded by checkpoint {cid}")
-            self._pending = _Pending(cid, task_ids, self._clock(), self._wall_ms())
-            self._aborted.pop(cid, None)
-            self._last_id = max(self._last_id, cid)
-            rerun = cid == self._last_completed
+            self._ledger.check_open()
+            cid, aborted, rerun = self._ledger.open(tasks_, checkpoint_id)
+            if aborted is not None:
+                self._c_aborted.inc()
         logger.info("triggered checkpoint %d%s for %d tasks", cid, " (re-run)" if rerun else "",
-                    len(task_ids))
+                    len(tasks_))
         if aborted is not None:
             self._deliver("on_aborted", aborted)
-        return cid
-
-    def _next_id_locked(self, checkpoint_id: int | None) -> int:
-        """The id a trigger opens: the next one, or ``checkpoint_id`` if it may be used."""
-        if checkpoint_id is None:
-            cid = self._last_id + 1
-        else:
-            if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool) \
-                    or not 0 <= checkpoint_id <= MAX_CHECKPOINT_ID:
-                raise UsageError(f"trigger: checkpoint_id={checkpoint_id!r} must be an "
-                                 f"integer in [0, {MAX_CHECKPOINT_ID}]")
-            cid = checkpoint_id
-            if self._last_completed is not None and cid < self._last_completed:
-                raise UsageError(
-                    f"trigger: checkpoint {cid} is below the last completed checkpoint "
-                    f"{self._last_completed}; ids only grow (a re-run may repeat "
-                    f"{self._last_completed}, or pass checkpoint_id=None)")
-        if cid > MAX_CHECKPOINT_ID:
-            raise UsageError(f"trigger: checkpoint ids are exhausted ({cid})")
         return cid
 
     def acknowledge(self, checkpoint_id: int, task_id: str, state: Mapping[str, Any],
@@ -590,33 +410,13 @@ class CheckpointCoordinator:
         """
         entry = TaskEntry.of(task_id, state, referenced_keys, full_size, incremental_size)
         with self._lock:
-            self._check_open()
-            p = self._pending_for(checkpoint_id, "acknowledge")
-            self._check_acknowledgement_locked(p, entry)
-            latency_ms = max(0.0, (self._clock() - p.trigger_mono) * 1000.0)
-            if task_id in p.acks:
-                logger.info("checkpoint %d: task %s acknowledged again; the new "
-                            "acknowledgement replaces the earlier one", checkpoint_id, task_id)
-            p.acks[task_id] = (entry, latency_ms)
+            self._ledger.check_open()
+            p, latency_ms, all_in = self._ledger.record_ack(checkpoint_id, entry)
             self._h_ack.update(latency_ms)
-            if len(p.acks) < len(p.tasks):
+            if not all_in:
                 return None
             manifest, subsumed = self._commit_locked(p)
         return self._after_commit(manifest, subsumed)
-
-    def _check_acknowledgement_locked(self, p: _Pending, entry: TaskEntry) -> None:
-        task_id, checkpoint_id = entry.task_id, p.checkpoint_id
-        if task_id not in p.tasks:
-            raise UsageError(f"acknowledge: task {task_id!r} is not one of the "
-                             f"{len(p.tasks)} tasks of checkpoint {checkpoint_id} "
-                             f"({list(p.tasks)[:10]})")
-        clash = self._deletions.deleting.intersection(entry.referenced_keys)
-        if clash:
-            raise UsageError(
-                f"acknowledge: task {task_id!r} of checkpoint {checkpoint_id} references "
-                f"{sorted(clash)[:_LOG_KEYS]}, which are being deleted because only "
-                "subsumed checkpoints referenced them; the task must restore from the "
-                "latest checkpoint and re-upload instead of reusing subsumed objects")
 
     def complete(self, checkpoint_id: int) -> Completion:
         """Commit a pending checkpoint whose tasks have all acknowledged.
@@ -633,8 +433,8 @@ class CheckpointCoordinator:
             ClosedError: the coordinator is closed.
         """
         with self._lock:
-            self._check_open()
-            p = self._pending_for(checkpoint_id, "complete")
+            self._ledger.check_open()
+            p = self._ledger.pending_for(checkpoint_id, "complete")
             missing = [t for t in p.tasks if t not in p.acks]
             if missing:
                 raise UsageError(f"complete: checkpoint {checkpoint_id} still waits for "
@@ -654,8 +454,8 @@ class CheckpointCoordinator:
         """
         checked = dict(check_properties(dict(properties), _usage_properties))
         with self._lock:
-            self._check_open()
-            self._pending_for(checkpoint_id, "set_properties").properties = checked
+            self._ledger.check_open()
+            self._ledger.pending_for(checkpoint_id, "set_properties").properties = checked
 
     def abort(self, checkpoint_id: int, reason: str) -> AbortedCheckpoint:
         """Abort the pending checkpoint ``checkpoint_id``.
@@ -671,9 +471,10 @@ class CheckpointCoordinator:
             ClosedError: the coordinator is closed.
         """
         with self._lock:
-            self._check_open()
-            self._pending_for(checkpoint_id, "abort")
-            aborted = self._abort_locked(str(reason))
+            self._ledger.check_open()
+            self._ledger.pending_for(checkpoint_id, "abort")
+            aborted = self._ledger.abort(str(reason))
+            self._c_aborted.inc()
         self._deliver("on_aborted", aborted)
         return aborted
 
@@ -682,18 +483,19 @@ class CheckpointCoordinator:
     def latest(self) -> Manifest | None:
         """The newest retained (completed) checkpoint, or ``None``."""
         with self._lock:
-            return self._retained[-1] if self._retained else None
+            return self._ledger.latest()
 
     def manifests(self) -> tuple[Manifest, ...]:
         """The retained checkpoints, oldest first."""
         with self._lock:
-            return tuple(self._retained)
+            return tuple(self._ledger.retained)
 
     @property
     def pending_checkpoint_id(self) -> int | None:
         """The id of the pending checkpoint, or ``None``."""
         with self._lock:
-            return None if self._pending is None else self._pending.checkpoint_id
+            p = self._ledger.pending
+            return None if p is None else p.checkpoint_id
 
     @property
     def job_id(self) -> str:
@@ -771,92 +573,7 @@ class CheckpointCoordinator:
             StorageError: listing failed.
             ClosedError: the coordinator is closed.
         """
-        grace_ms = _grace_ms(min_age_s)
-        check_bool(dry_run, "dry_run", "CheckpointCoordinator.collect_orphans")
-        now = self._wall_ms() if now_ms is None else int(now_ms)
-        if dry_run:
-            return self._plan_collection(grace_ms, now)
-        with self._deletions.pass_lock:
-            with self._lock:
-                self._check_open()
-            self._doom_stale_manifests()
-            deleted = self._deletions.run_pass_locked()
-            with self._lock:
-                if self._deletions.manifests:
-                    logger.warning("collect_orphans: %d manifests could not be deleted; no "
-                                   "objects deleted", len(self._deletions.manifests))
-                    return deleted
-            listed = [ListedObject.of(info.key, info.size)
-                      for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
-            with self._lock:
-                # Planned and marked under one lock hold: an acknowledgement naming one of
-                # these objects either comes first (and keeps it) or is refused.
-                plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now,
-                                    grace_ms=grace_ms)
-                self._deletions.deleting.update(plan.delete)
-            return deleted + self._delete_orphans(plan)
-
-    def _plan_collection(self, grace_ms: int, now_ms: int) -> list[str]:
-        """What :meth:`collect_orphans` would delete now — the stale and doomed manifests, then
-        the orphans — with nothing deleted or changed."""
-        with self._deletions.pass_lock:
-            with self._lock:
-                self._check_open()
-            stale = self._stale_manifests()
-            listed = [ListedObject.of(info.key, info.size)
-                      for prefix in REFERENCE_PREFIXES for info in self._store.list(prefix)]
-            with self._lock:
-                manifests = sorted(self._deletions.manifests | stale)
-                plan = plan_orphans(listed, self._live_keys_locked(), now_ms=now_ms,
-                                    grace_ms=grace_ms)
-        return manifests + list(plan.delete)
-
-    def _doom_stale_manifests(self) -> None:
-        """Doom every stale manifest (see :meth:`_stale_manifests`)."""
-        stale = self._stale_manifests()
-        with self._lock:
-            self._deletions.manifests |= stale
-
-    def _stale_manifests(self) -> set[str]:
-        """Every manifest in the store that is neither retained nor a put of the pending
-        checkpoint; refuse (before anything is deleted) when one is newer than the latest
-        retained checkpoint and unknown to this coordinator."""
-        listed = [info.key for info in self._store.list(MANIFEST_PREFIX)]
-        with self._lock:
-            keep = {m.key for m in self._retained}
-            if self._pending is not None:
-                keep.update(self._pending.uncertain_keys)  # doomed when it ends
-            newest = self._retained[-1].checkpoint_id if self._retained else -1
-            stale = set()
-            for k in listed:
-                parsed = parse_manifest_key(k)
-                if parsed is None or k in keep:
-                    continue
-                if parsed[0] > newest and k not in self._deletions.manifests:
-                    raise UsageError(
-                        f"another query writes to this state_uri: {self._store.location} "
-                        f"holds checkpoint {parsed[0]} ({k}), which this query did not write "
-                        f"(its latest is {newest}); nothing was deleted. Run one query per "
-                        "state_uri: stop the other query, or give this one a state_uri of its "
-                        f"own ({_RECOVER_HINT})")
-                stale.add(k)
-        return stale
-
-    def _delete_orphans(self, plan: OrphanPlan) -> list[str]:
-        """Delete the orphans ``plan`` selected (already marked as being deleted); those that
-        fail transiently are doomed for the next completion, those that fail for good are
-        given up (see :meth:`DeletionQueue.delete_keys`)."""
-        if plan.unnamed:
-            logger.warning("collect_orphans: left alone %d objects whose names carry no "
-                           "creation time: %s", len(plan.unnamed), plan.unnamed[:_LOG_KEYS])
-        orphans = list(plan.delete)
-        deleted = self._deletions.delete_marked(orphans, "orphans")
-        self._c_orphans.inc(len(deleted))
-        if deleted:
-            logger.info("collect_orphans: deleted %d of %d orphans created before %d ms; kept "
-                        "%d referenced, %d younger", len(deleted), len(orphans),
-                        plan.cutoff_ms, len(plan.referenced), len(plan.too_young))
-        return deleted
+        return self._orphans.collect(min_age_s, now_ms, dry_run=dry_run)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -865,7 +582,7 @@ class CheckpointCoordinator:
         the executor. Idempotent. Doomed keys that were not deleted stay in the store (a
         recovering coordinator finds stale manifests; orphan collection finds objects)."""
         with self._lock:
-            self._closed = True
+            self._ledger.closed = True
             futures = list(self._futures)
         if futures:
             concurrent.futures.wait(futures, timeout=timeout_s)
@@ -879,61 +596,25 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(repr(self), "recover a new coordinator from the store")
-
     def _wall_ms(self) -> int:
         return int(self._wall() * 1000)
 
     def _latest_stat(self, name: str) -> float:
-        latest = self._retained[-1] if self._retained else None
+        latest = self._ledger.latest()
         return 0.0 if latest is None else float(getattr(latest.stats, name))
 
-    def _pending_for(self, checkpoint_id: int, op: str) -> _Pending:
-        p = self._pending
-        if p is not None and p.checkpoint_id == checkpoint_id:
-            return p
-        why = self._aborted.get(checkpoint_id) if isinstance(checkpoint_id, int) else None
-        if why is not None:
-            detail = f"it was aborted ({why})"
-        elif self._last_completed is not None and checkpoint_id == self._last_completed:
-            detail = "it is already complete (trigger it again to re-run it)"
-        else:
-            detail = "it was never triggered"
-        pending = "none" if p is None else str(p.checkpoint_id)
-        raise UsageError(f"{op}: checkpoint {checkpoint_id!r} is not pending (pending: "
-                         f"{pending}); {detail}")
-
     def _retained_keys_locked(self) -> set[str]:
-        return {k for m in self._retained for k in m.referenced_keys}
+        return self._ledger.retained_keys()
 
     def _live_keys_locked(self) -> set[str]:
-        live = self._retained_keys_locked()
-        if self._pending is not None:
-            live |= self._pending.keys()
-        return live
+        return self._ledger.live_keys()
 
-    def _abort_locked(self, reason: str) -> AbortedCheckpoint:
-        p = self._pending
-        assert p is not None
-        self._pending = None
-        self._deletions.manifests.update(p.uncertain_keys)
-        aborted = AbortedCheckpoint(p.checkpoint_id, p.tasks, tuple(p.acks), reason)
-        self._aborted[p.checkpoint_id] = reason
-        while len(self._aborted) > _ABORTED_MEMORY:
-            self._aborted.popitem(last=False)
-        self._c_aborted.inc()
-        logger.info("aborted checkpoint %d (%d of %d tasks acknowledged): %s", p.checkpoint_id,
-                    len(p.acks), len(p.tasks), reason)
-        return aborted
-
-    def _commit_locked(self, p: _Pending) -> tuple[Manifest, tuple[Manifest, ...]]:
+    def _commit_locked(self, p: Pending) -> tuple[Manifest, tuple[Manifest, ...]]:
         """Write the manifest, then apply the retention plan to the in-memory state."""
-        manifest = self._next_manifest_locked(p)
+        manifest = self._ledger.next_manifest(p)
         self._put_manifest_locked(p, manifest)
         # Committed: from here on nothing may fail before the in-memory state matches the store.
-        subsumed = self._apply_retention_locked(p, manifest)
+        subsumed = self._ledger.apply_retention(p, manifest)
         self._c_completed.inc()
         self._c_subsumed.inc(len(subsumed))
         self._h_duration.update(manifest.stats.duration_ms)
@@ -944,22 +625,7 @@ class CheckpointCoordinator:
                     [m.checkpoint_id for m in subsumed], len(self._deletions.objects))
         return manifest, subsumed
 
-    def _next_manifest_locked(self, p: _Pending) -> Manifest:
-        """The manifest of ``p`` under its next attempt number (used up even if the put fails)."""
-        cid = p.checkpoint_id
-        attempt = self._attempts.get(cid, 0) + 1
-        if attempt > MAX_ATTEMPT:
-            raise UsageError(f"checkpoint {cid}: manifest attempts exhausted ({MAX_ATTEMPT})")
-        self._attempts[cid] = attempt
-        return Manifest.build(
-            job_id=self._job_id, checkpoint_id=cid, attempt=attempt,
-            created_ms=self._wall_ms(), tasks=[p.acks[t][0] for t in p.tasks],
-            trigger_ms=p.trigger_ms,
-            duration_ms=max(0.0, (self._clock() - p.trigger_mono) * 1000.0),
-            ack_latency_ms={t: p.acks[t][1] for t in p.tasks}, retained=self._retain,
-            properties=p.properties)
-
-    def _put_manifest_locked(self, p: _Pending, manifest: Manifest) -> None:
+    def _put_manifest_locked(self, p: Pending, manifest: Manifest) -> None:
         """The commit: put the manifest, or raise :class:`CheckpointCommitError`."""
         cid, key = p.checkpoint_id, manifest.key
         # Until the put is known to have succeeded the object may exist (a "ghost" write): it
@@ -981,7 +647,7 @@ class CheckpointCoordinator:
             raise CheckpointCommitError(
                 cid, key, str(exc), "another query writes to this state_uri: run one query per "
                 "state_uri (stop the other query, or give this one a state_uri of its own). "
-                + _RECOVER_HINT[0].upper() + _RECOVER_HINT[1:]
+                + RECOVER_HINT[0].upper() + RECOVER_HINT[1:]
             ) from exc
         except (DstlError, OSError) as exc:
             self._c_failed_commits.inc()
@@ -991,24 +657,6 @@ class CheckpointCoordinator:
                 f"retry with complete({cid}), or re-run it with trigger(tasks, "
                 f"checkpoint_id={cid})") from exc
         p.uncertain_keys.remove(key)
-
-    def _apply_retention_locked(self, p: _Pending, manifest: Manifest) -> tuple[Manifest, ...]:
-        """Make the in-memory state match the store after ``manifest`` committed; returns the
-        subsumed checkpoints."""
-        plan = plan_retention([m.refs() for m in self._retained], manifest.refs(),
-                              retain=self._retain, doomed_objects=self._deletions.objects)
-        by_key = {m.key: m for m in self._retained}
-        by_key[manifest.key] = manifest
-        self._retained = [by_key[r.manifest_key] for r in plan.retained]
-        subsumed = tuple(by_key[r.manifest_key] for r in plan.subsumed)
-        self._deletions.manifests.update(plan.delete_manifests)
-        self._deletions.manifests.update(p.uncertain_keys)  # earlier failed puts of this checkpoint
-        self._deletions.objects = set(plan.delete_objects) | set(plan.deferred_objects)
-        self._pending = None
-        cid = manifest.checkpoint_id
-        self._last_completed = cid
-        self._attempts = {c: a for c, a in self._attempts.items() if c >= cid}
-        return subsumed
 
     def _after_commit(self, manifest: Manifest,
                       subsumed: tuple[Manifest, ...]) -> Completion:
