@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.worker_path import worker_pythonpath
+
 __all__ = ["Proc", "alive", "drop_gateway", "executor_pids", "kill", "new_cluster_session",
            "private_spark_home", "processes_under", "wait_gone"]
 
@@ -85,9 +87,7 @@ def new_cluster_session(name: str, root: Path, executors: int = 2, cores: int = 
     # executors' Python workers must run this interpreter (the venv) and import the test modules
     # that define processors (cloudpickle ships classes by reference)
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    tests = Path(__file__).resolve().parent.parent
-    paths = [str(tests / "integration" / "spark"), str(tests), os.environ.get("PYTHONPATH", "")]
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ["PYTHONPATH"] = worker_pythonpath()
     builder = (SparkSession.builder.master(f"local-cluster[{executors},{cores},{memory_mb}]")
                .appName(name)
                .config("spark.ui.enabled", "false")

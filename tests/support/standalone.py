@@ -46,6 +46,7 @@ import pytest
 
 from support.spark_cluster import Proc, drop_gateway, kill, private_spark_home, processes_under
 from support.spark_cluster import wait_gone as _wait_gone
+from support.worker_path import worker_pythonpath
 
 __all__ = ["StandaloneCluster", "Worker", "free_port", "standalone_cluster"]
 
@@ -102,14 +103,12 @@ class StandaloneCluster:
 
     def _env(self, local_ip: str) -> dict[str, str]:
         assert self._home is not None
-        tests = Path(__file__).resolve().parent.parent
-        paths = [str(tests / "integration" / "spark"), str(tests), os.environ.get("PYTHONPATH", "")]
         return {**os.environ, "SPARK_HOME": str(self._home),
                 "SPARK_CONF_DIR": str(self.root / "conf"),
                 "SPARK_LOCAL_IP": local_ip, "SPARK_DAEMON_MEMORY": "256m",
                 "SPARK_DAEMON_JAVA_OPTS": DAEMON_JAVA_OPTS,
                 "PYSPARK_PYTHON": sys.executable,
-                "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+                "PYTHONPATH": worker_pythonpath()}
 
     def start(self) -> StandaloneCluster:
         """Start the master, then every worker; return once all workers registered.

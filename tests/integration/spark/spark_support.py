@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from support.worker_path import worker_pythonpath
 
 
 def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | None = None) -> Any:
@@ -20,10 +21,7 @@ def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | No
     # workers must run this interpreter (the venv), not whatever `python3` is on PATH, and must
     # import the test modules that define processors (cloudpickle ships classes by reference)
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(os.path.dirname(here))
-    paths = [here, tests, os.environ.get("PYTHONPATH", "")]
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ["PYTHONPATH"] = worker_pythonpath()
     builder = (SparkSession.builder.master(master).appName(name)
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
