@@ -395,7 +395,7 @@ def bench_update_latency(tmp: Tmp, n_entries: int, batch: int, repeats: int) -> 
 def _table_bytes(b: ChangelogKeyedStateBackend) -> int:
     """The current table encoded as a snapshot object (same format and zstd level)."""
     snap = b.tables.snapshot()
-    return len(snap.to_bytes(metadata=b"", encode=b._encode_entry,
+    return len(snap.to_bytes(metadata=b"", encode=b.encode_entry,
                              zstd_level=b.options.zstd_level))
 
 

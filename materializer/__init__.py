@@ -8,7 +8,11 @@ See ``docs/state_tables.md``. Modules:
 - :mod:`materializer.state_tables` — the ``StateTables`` facade, ``HeapStateTables``, snapshot
   write-out and ``SnapshotReader``;
 - :mod:`materializer.snapshot_format` — the snapshot object format v1 (pure codec);
-- :mod:`materializer.backend` — ``ChangelogKeyedStateBackend`` (table + log + checkpoints);
+- :mod:`materializer.backend` — ``ChangelogKeyedStateBackend`` (table + log + checkpoints), a
+  facade over its jobs: :mod:`materializer.state_registry`, :mod:`materializer.state_access`
+  (the write path), :mod:`materializer.declared_types`, :mod:`materializer.snapshot_writers`,
+  :mod:`materializer.checkpoint_book`, :mod:`materializer.restore_target`,
+  :mod:`materializer.base_installs`;
 - :mod:`materializer.policy` — ``MaterializationPolicy``: when a materialization is due (pure);
   :mod:`materializer.manager` — ``MaterializationManager``: the runtime around it (timer,
   guards, materializer thread, the materialized base);

@@ -69,7 +69,6 @@ from dstl.keygroups import META_KEY_GROUP, KeyGroupRange
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.segment import iter_body_changes
-from materializer.backend import upload_snapshot
 from materializer.changes import OP_SID
 from materializer.compaction import FULL, MERGE, next_piece
 from materializer.delta_format import DeltaEntry, DeltaMeta, DeltaReader, encode_delta
@@ -78,6 +77,7 @@ from materializer.handles import SnapshotRef
 from materializer.lmdb_files import spool_table_snapshot
 from materializer.lmdb_table import LmdbStateTable, LmdbTableSnapshot
 from materializer.options import LMDB_SNAPSHOT_FORMATS
+from materializer.snapshot_writers import upload_snapshot
 from materializer.table_marker import TableMarker
 
 __all__ = ["ChangedEntries", "DeltaBase", "ExternalMaterialization", "changed_entries",

@@ -130,7 +130,8 @@ class ReplayTarget(Protocol):
     """What a restore's bulk load and replay need of the backend they fill: its key groups and
     codecs, the registrations of its states, its table, the bulk write batch, and the
     one-change path that does not log again. Implemented by
-    :class:`~materializer.backend.ChangelogKeyedStateBackend`."""
+    :class:`~materializer.restore_target.RestoreTarget` and by the backend, which delegates to
+    it."""
 
     key_groups: KeyGroupRange
 

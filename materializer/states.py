@@ -323,8 +323,9 @@ class _TypedCodec(_NamingCodec):
 
 class StateAccess(Protocol):
     """What a state needs from its keyed backend: the state table's slot of the current key and
-    namespace, and the log. Implemented by
-    :class:`~materializer.backend.ChangelogKeyedStateBackend`.
+    namespace, and the log. Implemented by the backend's write path,
+    :class:`~materializer.state_access.StateTableAccess` (and by the backend, which delegates to
+    it).
 
     ``sid`` is the state's id in its backend. Values are the table's stored form: the object
     itself in a heap table, bytes (``shape.to_bytes``) in LMDB; :meth:`read_state` and
@@ -372,7 +373,7 @@ class StateAccess(Protocol):
 
 class RegisteredState(Protocol):
     """A backend's registration of one state, as restore and TTL read it: its id and its
-    shape. Implemented by the backend's own record of each state."""
+    shape. Implemented by :class:`~materializer.state_registry.Registration`."""
 
     @property
     def state_id(self) -> int:

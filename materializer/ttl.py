@@ -130,8 +130,8 @@ def _expiry(now_ms: int, ttl_ms: int) -> int:
 class TtlAccess(StateAccess, Protocol):
     """What :class:`TtlService` needs of its backend beyond a state's :class:`StateAccess`: the
     current key and namespace (set, read, encoded), the raw state of the expiry index, the
-    registrations and the table. Implemented by
-    :class:`~materializer.backend.ChangelogKeyedStateBackend`."""
+    registrations and the table. Implemented by the backend's write path,
+    :class:`~materializer.state_access.StateTableAccess`."""
 
     key_groups: KeyGroupRange
 

@@ -557,7 +557,7 @@ def test_pickle_only_when_asked_for(storage: ChangelogStorage) -> None:
     b.set_current_key("k")
     v.update(KeyGroupRange(1, 2))  # arbitrary objects need the pickle codec
     assert v.value() == KeyGroupRange(1, 2)
-    meta = json.loads(json.dumps(b._by_id[0].meta))
+    meta = json.loads(json.dumps(b.state_metadata()[0]))
     assert meta["value_codec"] == "pickle"
     b.close()
 

@@ -150,7 +150,7 @@ def test_a_failed_persist_does_not_block_truncation_for_ever() -> None:
         b.writer.close()  # persist raises ClosedError from now on
         with pytest.raises(ClosedError):
             b.snapshot(2)
-        assert 2 not in b._pending_from
+        assert 2 not in b.checkpoints.in_flight()
     finally:
         b.close()
         storage.close()

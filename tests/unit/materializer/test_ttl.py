@@ -174,11 +174,16 @@ def _check_key(key: str, now: int, model: Model, states: tuple[Any, Any, Any],
         assert m.contains_key(mk) is (mk in want_m) is m.contains(mk), where
 
 
+def _sid(b: ChangelogKeyedStateBackend, name: str) -> int:
+    """The id of state ``name`` in ``b`` (its recorded metadata)."""
+    return next(sid for sid, m in b.state_metadata().items() if m["name"] == name)
+
+
 def _stored(b: ChangelogKeyedStateBackend) -> dict[str, int]:
     """Table entries per state (all key groups)."""
     out = {}
     for name in ("v", "l", "m"):
-        sid = b._states[name].state_id
+        sid = _sid(b, name)
         out[name] = sum(1 for kg in range(b.key_groups.start, b.key_groups.end + 1)
                         for _ in b.tables.entries(sid, kg))
     return out
@@ -302,7 +307,7 @@ def test_elements_and_entries_expire_one_by_one_and_updates_refresh(
     assert v.get() is None and not v.exists() and not m.exists() and m.get_value("a") is None
     assert b.purge_expired() == 2
     assert b.tables.stats()["entries"] == 0 or all(
-        not list(b.tables.entries(b._states[n].state_id, kg))
+        not list(b.tables.entries(_sid(b, n), kg))
         for n in ("v", "l", "m") for kg in range(MP))
     b.close()
 
@@ -415,7 +420,7 @@ def test_the_expiry_index_is_internal_and_no_state_scan_happens(
         b.set_current_key(f"k{i}")
         v.update(i)
         v.update(i + 1)  # a refresh at the same time adds no index entry
-    idx = b._states[TTL_INDEX_STATE].state_id
+    idx = _sid(b, TTL_INDEX_STATE)
     assert sum(1 for kg in range(MP) for _ in b.tables.entries(idx, kg)) == 200
     b.set_ttl_time(500)
     for i in range(100):  # refreshed: their entries come due at 1,000 and re-index at 1,500

@@ -102,9 +102,14 @@ def _owns(b: ChangelogKeyedStateBackend, key: Any) -> bool:
     return True
 
 
+def _sid(b: ChangelogKeyedStateBackend, name: str) -> int:
+    """The id of state ``name`` in ``b`` (its recorded metadata)."""
+    return next(sid for sid, m in b.state_metadata().items() if m["name"] == name)
+
+
 def _stored(b: ChangelogKeyedStateBackend) -> dict[str, int]:
     return {name: sum(1 for kg in range(b.key_groups.start, b.key_groups.end + 1)
-                      for _ in b.tables.entries(b._states[name].state_id, kg))
+                      for _ in b.tables.entries(_sid(b, name), kg))
             for name in ("r", "g")}
 
 
