@@ -384,17 +384,37 @@ def _mb(b: float) -> str:
     return f"{b / 1e6:.1f}"
 
 
+def _other_kinds(disk: list[dict[str, Any]]) -> str:
+    """The value kinds other than ``scale`` in one sentence: each encoding's disk after the rounds
+    as a share of the raw encoding's, per kind and size (one commit per round)."""
+    raw = {(r["kind"], r["keys"]): r["allocated_after_rounds"] for r in disk
+           if r["variant"] == "raw" and r["commit_every"] is None}
+    parts = []
+    for kind in sorted({r["kind"] for r in disk} - {"scale"}):
+        cells = [f"{r['variant']} {r['allocated_after_rounds'] / raw[(kind, r['keys'])]:.2f}x"
+                 + (f" at {r['keys']:,} keys" if len({x['keys'] for x in disk
+                                                       if x['kind'] == kind}) > 1 else "")
+                 for r in disk if r["kind"] == kind and r["variant"] != "raw"
+                 and r["commit_every"] is None and (kind, r["keys"]) in raw]
+        parts.append(f"{kind} values: " + ", ".join(cells))
+    return ("Disk after the rounds against the raw encoding, one commit per round, "
+            + "; ".join(parts) + ".") if parts else ""
+
+
 def markdown(f: dict[str, Any]) -> str:
     spark = f["spark"]
     if "file" in spark:   # a run that read one scale run: its figure per size
         spark = {"files": [spark["file"]] if spark["file"] else [],
                  "bytes": {k: [v] for k, v in spark["bytes"].items()}}
     rows = []
+    others = _other_kinds(f["disk"])
     for r in f["disk"]:
+        if r["kind"] != "scale":
+            continue   # summarised in one sentence (``others``)
         runs = spark["bytes"].get(str(r["keys"])) if r["kind"] == "scale" else None
         sp = min(runs) if runs else None
         rounds = "one per round" if r["commit_every"] is None else f"every {r['commit_every']}"
-        rows.append([f"{r['keys']:,}", r["kind"], r["variant"], rounds, _mb(r["stored_bytes"]),
+        rows.append([f"{r['keys']:,}", r["variant"], rounds, _mb(r["stored_bytes"]),
                      _mb(r["allocated_after_build"]), _mb(r["allocated_after_rounds"]),
                      _mb(r["copy_bytes"]), _mb(r["packed_bytes"]), _mb(r["object_bytes"]),
                      f"{r['leaf_fill']:.2f}",
@@ -417,10 +437,11 @@ def markdown(f: dict[str, Any]) -> str:
                f"run; {spans}: they vary with RocksDB's compactions)"
                if spark["files"] else "no Spark figure stored")
     return "\n\n".join([
-        table(["keys", "values", "encoding", "commits in a round (per table)",
+        table(["keys (`scale` values)", "encoding", "commits in a round (per table)",
                "keys + values stored (MB)", "disk after build (MB)", "disk after 12 rounds (MB)",
                "compacted copy (MB)", "packed copy (MB)", "snapshot object (MB)", "leaf fill",
                "disk / Spark (smallest)"], rows),
+        others,
         table(["encoding", "put ns, encoding included", "vs raw", "get ns, decoding included",
                "vs raw"], crow),
         f"For scale: a `ValueState.update` of the same value on an LMDB backend in a write batch "
