@@ -22,8 +22,8 @@ plus a newline::
 checkpoint id, attempt, creation time, the job's retention (how many checkpoints its coordinator
 keeps — ``dstl gc`` never keeps fewer), one entry per task (task id, its opaque JSON state handle,
 the object keys it references, full and incremental size) and the checkpoint statistics (trigger
-time, duration, per-task acknowledgement latency, total sizes). See ``docs/coordinator.md`` for
-the field table.
+time, duration, per-task acknowledgement latency, total sizes). The field table is in
+``docs/format.md`` ("Manifest").
 
 **Versions.** Version 2 added ``body.retained``. Version-1 manifests (written before it) stay
 readable: their retention is ``None``, "unknown", and ``dstl gc`` is conservative with them.
