@@ -391,8 +391,9 @@ def test_lru_eviction_keeps_the_budget(cache_dir: Path, timer: ManualTimer,
 
 
 def _cached_keys(c: LocalFileCache, store: FsspecBlobStore) -> set[str]:
-    with c._cond:
-        return {key for (loc, key), e in c._lru.items() if loc == store.location}
+    book = c._book  # the cache's entries (restore.cache_book)
+    with book.cond:
+        return {key for (loc, key), e in book.lru.items() if loc == store.location}
 
 
 def test_eviction_never_removes_a_leased_file(cache_dir: Path, timer: ManualTimer,
