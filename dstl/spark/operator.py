@@ -22,86 +22,75 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
 
 The base of batch N is the newest retained checkpoint below N, so a re-run of a batch starts from
 the same state as the first run.
+
+:class:`DstlStatefulOperator` plans and runs the batches; its other jobs live beside it: the
+constructor's checks in :mod:`dstl.spark.operator_checks`, the session's settings in
+:mod:`dstl.spark.session_conf`, a batch's base and times in :mod:`dstl.spark.batch_base`, the
+batches' stats, progress and metrics endpoint in :mod:`dstl.spark.batch_record`.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator, Completion
-from dstl.checkpoint.manifest import MAX_RETAINED, Manifest
 from dstl.checks import (
-    check_bool,
-    check_callable,
-    check_choice,
-    check_instance,
     check_int,
-    check_mapping,
-    check_number,
     check_optional_path,
-    check_str,
 )
 from dstl.errors import (
-    ConfigError,
-    ConfigTypeError,
-    CorruptObjectError,
     OutputSchemaError,
     UsageError,
 )
-from dstl.keygroups import MAX_PARALLELISM_LIMIT
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
+from dstl.spark.batch_base import BatchTime, driver_version, event_time_ms
+from dstl.spark.batch_record import BatchRecorder, BatchTimes, batch_stats
 from dstl.spark.config import OperatorConfig, TaskInput, processor_id
 from dstl.spark.jobdesc import BatchJobs, outcome_label, tasks_label
-from dstl.spark.processor import StatefulProcessor
-from dstl.spark.progress import RECENT_PROGRESS, ProgressListener, ProgressTracker, progress_record
-from dstl.spark.prometheus import MetricsSnapshot, PrometheusExporter
-from dstl.spark.query import state_of_another_query
+from dstl.spark.operator_checks import (
+    OWNER,
+    check_arguments,
+    check_initial_state,
+    check_time,
+    spark_schema,
+)
+from dstl.spark.progress import ProgressListener
+from dstl.spark.query import (
+    PROCESSING_TIME_PROPERTY,
+    WATERMARK_PROPERTY,
+)
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.spark.session_conf import (
+    check_conf_unchanged,
+    dstl_keys,
+    dstl_runtime_conf,
+    is_connect,
+    session_time_zone,
+    static_conf,
+    with_interval,
+)
 from dstl.spark.stopping import stop_interruption
 from dstl.spark.timing import (
     EVENT_TIME_COLUMN,
     HEARTBEAT_COLUMN,
-    LATE_ROWS,
-    next_watermark,
-    parse_delay_ms,
-    parse_time_mode,
 )
-from dstl.stores import check_store_uri
 from dstl.stores.base import BlobStore
-from materializer.options import MAX_MATERIALIZATION_INTERVAL_S, BackendOptions
+from materializer.options import BackendOptions
 
 __all__ = ["DstlStatefulOperator"]
 
 logger = logging.getLogger(__name__)
 
 _KEY_TYPES = ("string", "binary", "int", "bigint", "smallint", "tinyint")
-_INT_TYPES = ("int", "bigint", "smallint", "tinyint")
-#: The manifest property that carries the watermark after the checkpoint's batch.
-WATERMARK_PROPERTY = "watermark_ms"
-#: The manifest property that carries the processing time the checkpoint's batch ran at.
-PROCESSING_TIME_PROPERTY = "processing_time_ms"
-
-
-@dataclass(frozen=True)
-class TimeSettings:
-    """The operator's time settings, checked (:func:`_check_time`)."""
-
-    mode: str  # dstl.spark.timing.TIME_MODES
-    event_time_column: str | None
-    delay_ms: int  # 0 without a watermark
-    late_rows: str
-    late_sink: Callable[[Any, int], None] | None
-    late_column: str = "late_row"
 
 
 def _without_heartbeat(df: Any) -> Any:
@@ -111,25 +100,6 @@ def _without_heartbeat(df: Any) -> Any:
     from pyspark.sql import functions as F
 
     return df.where(F.col(HEARTBEAT_COLUMN).isNull()).drop(HEARTBEAT_COLUMN)
-
-
-def _event_time_ms(df: Any, column: str) -> Any:
-    """The event time of ``column`` as epoch ms (a long column expression).
-
-    Raises:
-        UsageError: the column is missing or not a timestamp or integer column.
-    """
-    from pyspark.sql import functions as F
-
-    kind = dict(df.dtypes).get(column)
-    quoted = f"`{column}`"
-    if kind in ("timestamp", "timestamp_ntz"):
-        return F.expr(f"cast(floor(unix_micros(cast({quoted} as timestamp)) / 1000) as bigint)")
-    if kind in _INT_TYPES:
-        return F.expr(f"cast({quoted} as bigint)")
-    raise UsageError(f"event_time_column {column!r} is "
-                     f"{'missing' if kind is None else 'of type ' + kind}; DSTL takes a "
-                     "timestamp column or an integer column of epoch milliseconds")
 
 
 class DstlStatefulOperator:
@@ -210,23 +180,21 @@ class DstlStatefulOperator:
                  late_sink: Callable[[Any, int], None] | None = None,
                  late_column: str = "late_row", initial_state: Any = None,
                  metrics_port: int | None = None, tasks: int | None = None) -> None:
-        _check_arguments(name=name, processor=processor, key_column=key_column,
+        check_arguments(name=name, processor=processor, key_column=key_column,
                          output_schema=output_schema, state_uri=state_uri,
                          partitions=partitions, max_parallelism=max_parallelism, table=table,
                          sink=sink, storage_options=storage_options, options=options,
                          backend_options=backend_options, retained=retained,
                          materialization_interval_s=materialization_interval_s,
                          local_dir=local_dir, agent=agent, tasks=tasks)
-        self.time = _check_time(time_mode, event_time_column, watermark_delay, late_rows,
+        self.time = check_time(time_mode, event_time_column, watermark_delay, late_rows,
                                 late_sink, key_column, sink, late_column, output_schema)
-        self.initial_state = _check_initial_state(initial_state, processor, key_column)
+        self.initial_state = check_initial_state(initial_state, processor, key_column)
         if metrics_port is not None:
-            check_int(metrics_port, "metrics_port", _OWNER, lo=0, hi=65535,
+            check_int(metrics_port, "metrics_port", OWNER, lo=0, hi=65535,
                       fix="a TCP port for the driver's Prometheus endpoint, or None")
         self.metrics_port = metrics_port
         self.tasks = tasks
-        self._exporter: PrometheusExporter | None = None
-        self._totals: dict[str, float] = {}
         self.name = name
         self.processor = processor
         self.key_column = key_column
@@ -242,7 +210,7 @@ class DstlStatefulOperator:
         self.retained = retained
         self.materialization_interval_s = (None if materialization_interval_s is None
                                            else float(materialization_interval_s))
-        self.local_dir = check_optional_path(local_dir, "local_dir", _OWNER)
+        self.local_dir = check_optional_path(local_dir, "local_dir", OWNER)
         self.agent = agent
         self._ready: _Ready | None = None
         #: (session, listener) once :meth:`transform` added its query listener
@@ -253,14 +221,12 @@ class DstlStatefulOperator:
         #: warm-up's restore never touches a table a batch task is writing (and a warm-up
         #: between batches finds every table at the next base: hit or adopt)
         self._tasks_lock = threading.Lock()
-        #: per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics; the
-        #: last RECENT_PROGRESS batches (older entries are dropped: the driver stays flat)
-        self.batch_stats: list[dict[str, Any]] = []
-        self._progress = ProgressTracker(RECENT_PROGRESS)
-        #: the executor agents' latest log lines, as reported with the last batch
-        self.agent_logs: list[str] = []
+        #: the batches' stats, progress records and metrics endpoint
+        self._recorder = BatchRecorder(name, partitions, table)
         #: the processing-time clock, epoch ms (the driver's wall clock; tests replace it)
         self.clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)
+        #: the batches' base and times (reads the clock above, which tests replace)
+        self._batch_time = BatchTime(self.time, state_uri, lambda: self.clock_ms())
 
     # ------------------------------------------------------------------ set-up
 
@@ -269,15 +235,15 @@ class DstlStatefulOperator:
             return self._ready
         from dstl.stores import open_store
 
-        static = _static_conf(spark)
-        conf = {**static, **_dstl_runtime_conf(spark)}
+        static = static_conf(spark)
+        conf = {**static, **dstl_runtime_conf(spark)}
         from dstl.spark.registration import enable_filter_pushdown
 
         # spark.read.format("dstl") is known to every session (pyspark_dstl); its filters
         # reach the source with this on
         enable_filter_pushdown(spark)
-        out = _spark_schema(spark, self.output_schema)
-        config = self._task_config(conf, out, _session_time_zone(spark))
+        out = spark_schema(spark, self.output_schema)
+        config = self._task_config(conf, out, session_time_zone(spark))
         # A bad scheme, bucket or credentials fail here, before any batch runs. The driver's
         # reads and deletes retry as the tasks' do.
         store = open_store(self.state_uri, self.storage_options, validate=True,
@@ -289,13 +255,13 @@ class DstlStatefulOperator:
             store.close()
             raise
         try:
-            self._start_exporter(conf)
+            self.metrics_port = self._recorder.start_exporter(self.metrics_port, conf)
         except BaseException:
             coordinator.close()
             store.close()
             raise
-        self._ready = _Ready(store, coordinator, config, out, _dstl_keys(static),
-                             _dstl_keys(conf))
+        self._ready = _Ready(store, coordinator, config, out, dstl_keys(static),
+                             dstl_keys(conf))
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
                     store.location, self.table, latest.checkpoint_id if latest else "none")
@@ -307,26 +273,6 @@ class DstlStatefulOperator:
                         "agent starts ahead", self.name,
                         static.get("spark.python.daemon.module", "pyspark.daemon"))
         return self._ready
-
-    def _start_exporter(self, conf: Mapping[str, str]) -> None:
-        """Start the Prometheus endpoint if a port is set (argument, else conf)."""
-        port = self.metrics_port
-        raw = conf.get(_METRICS_PORT_KEY)
-        if port is None and raw not in (None, "", "none", "None"):
-            try:
-                port = int(str(raw))
-            except ValueError:
-                port = -1
-            if not 0 <= port <= 65535:
-                raise ConfigError(_METRICS_PORT_KEY, raw, "a TCP port 0 … 65535",
-                                  owner="spark conf")
-        if port is None or self._exporter is not None:
-            return
-        self._exporter = PrometheusExporter(self.name, port,
-                                            conf.get(_METRICS_HOST_KEY, "0.0.0.0"))
-        self.metrics_port = self._exporter.port
-        logger.info("operator %s serves Prometheus metrics on port %d", self.name,
-                    self._exporter.port)
 
     def _task_config(self, conf: Mapping[str, str], out_schema: Any,
                      time_zone: str = "UTC") -> OperatorConfig:
@@ -343,7 +289,7 @@ class DstlStatefulOperator:
             state_uri=self.state_uri, storage_options=self.storage_options,
             partitions=self.partitions, max_parallelism=self.max_parallelism, table=self.table,
             dstl_options=self._options or DstlOptions.from_mapping(conf, "spark.dstl."),
-            backend_options=_with_interval(self._backend_options, conf,
+            backend_options=with_interval(self._backend_options, conf,
                                            self.materialization_interval_s),
             local_dir=self.local_dir, agent=self.agent, time_mode=self.time.mode,
             session_time_zone=time_zone, processor_id=processor_id(self.processor))
@@ -375,7 +321,7 @@ class DstlStatefulOperator:
         started = time.monotonic()
         ready = self._ensure_ready(spark)
         latest = ready.coordinator.latest()
-        task_input = self._task_input(ready.coordinator,
+        task_input = self._batch_time.task_input(ready.coordinator,
                                       latest.checkpoint_id + 1 if latest is not None else 0)
         cfg = ready.task_config
 
@@ -415,16 +361,27 @@ class DstlStatefulOperator:
     # ------------------------------------------------------------------ per batch
 
     @property
+    def batch_stats(self) -> list[dict[str, Any]]:
+        """Per batch: rows, objects, bytes, accesses, seconds per phase, agents' metrics; the
+        last ``RECENT_PROGRESS`` batches (older entries are dropped: the driver stays flat)."""
+        return self._recorder.batch_stats
+
+    @property
+    def agent_logs(self) -> list[str]:
+        """The executor agents' latest log lines, as reported with the last batch."""
+        return self._recorder.agent_logs
+
+    @property
     def last_progress(self) -> dict[str, Any] | None:
         """The last batch's progress record (shaped like Spark's ``StreamingQueryProgress``,
         :mod:`dstl.spark.progress`); ``None`` before the first batch."""
-        return self._progress.last
+        return self._recorder.progress.last
 
     @property
     def recent_progress(self) -> list[dict[str, Any]]:
         """The last (at most ``RECENT_PROGRESS`` = 100) batches' progress records, oldest
         first."""
-        return self._progress.recent
+        return self._recorder.progress.recent
 
     def add_listener(self, listener: ProgressListener) -> None:
         """Call ``listener(progress)`` after each batch (after the sink returned); an exception
@@ -433,11 +390,11 @@ class DstlStatefulOperator:
         Raises:
             ConfigTypeError: not callable.
         """
-        self._progress.add_listener(listener)
+        self._recorder.add_listener(listener)
 
     def remove_listener(self, listener: ProgressListener) -> bool:
         """Stop calling ``listener``; whether it was registered."""
-        return self._progress.remove_listener(listener)
+        return self._recorder.remove_listener(listener)
 
     def __call__(self, df: Any) -> Any:
         """``df.transform(op)``: the same as :meth:`transform`."""
@@ -486,13 +443,13 @@ class DstlStatefulOperator:
             late_field, out_schema = self._late_field(df, out_schema)
         event_column = self.time.event_time_column
         if event_column is not None:
-            df = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_column))
+            df = df.withColumn(EVENT_TIME_COLUMN, event_time_ms(df, event_column))
         tasks = self._task_count(spark)
         key = f"`{self.key_column}`"
         hashed = key if key_type == "binary" else f"cast({key} as string)"
         pid = F.expr(_routing_sql(hashed, self.max_parallelism, self.partitions))
         cfg, delay_ms = ready.task_config, self.time.delay_ms
-        event_time, version = event_column is not None, _driver_version()
+        event_time, version = event_column is not None, driver_version()
 
         def task(batches: Any) -> Any:
             return run_in_query(cfg, tasks, delay_ms, event_time, version, batches, late_field,
@@ -660,12 +617,12 @@ class DstlStatefulOperator:
             ready.coordinator.set_properties(cid, props)
             completion = _acknowledge(ready.coordinator, cid, reports)
             done = time.monotonic()
-            times = _BatchTimes(started - duration_ms / 1000.0, started, done, done)
-            stats = _batch_stats(batch, reports, completion, sum(r.rows_out for r in reports),
+            times = BatchTimes(started - duration_ms / 1000.0, started, done, done)
+            stats = batch_stats(batch, reports, completion, sum(r.rows_out for r in reports),
                                  times)
             stats.update(processing_time_ms=choice.processing_time_ms,
                          watermark_ms=-1, next_watermark_ms=choice.watermark_ms)
-            self._record(ready, stats, reports, wall)
+            self._recorder.record(ready.coordinator, stats, reports, wall)
             newest = batch
         if newest is not None:
             forget_before(ready.store, newest)
@@ -710,10 +667,11 @@ class DstlStatefulOperator:
         wall_start = time.time()
         ready = self._ensure_ready(df.sparkSession)
         df = _without_heartbeat(df)
-        _check_conf_unchanged(self.name, ready, df.sparkSession, batch_id)
+        check_conf_unchanged(self.name, ready.conf, ready.static_conf, df.sparkSession,
+                             batch_id)
         key_type = self._key_type(df)
-        task_input = self._task_input(ready.coordinator, batch_id)
-        df, late_df = self._split_late(df, task_input.watermark_ms)
+        task_input = self._batch_time.task_input(ready.coordinator, batch_id)
+        df, late_df = self._batch_time.split_late(df, task_input.watermark_ms)
         initial = self.initial_state is not None and task_input.base_checkpoint < 0
         if initial:
             df = self._with_initial_state(df)  # no checkpoint yet: the query's first batch
@@ -727,7 +685,7 @@ class DstlStatefulOperator:
             try:
                 tasks_done = time.monotonic()
                 reports = self._reports(ready.coordinator, checkpoint_id, report_rows)
-                next_wm = self._commit_properties(ready.coordinator, checkpoint_id,
+                next_wm = self._batch_time.commit_properties(ready.coordinator, checkpoint_id,
                                                   task_input, reports)
                 completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
                 acknowledged = time.monotonic()
@@ -741,46 +699,11 @@ class DstlStatefulOperator:
                 if kept is not None:
                     kept.unpersist(blocking=False)
             rows_out = sum(r.rows_out for r in reports)
-        times = _BatchTimes(started, tasks_done, acknowledged, time.monotonic())
-        stats = _batch_stats(batch_id, reports, completion, rows_out, times)
+        times = BatchTimes(started, tasks_done, acknowledged, time.monotonic())
+        stats = batch_stats(batch_id, reports, completion, rows_out, times)
         stats.update(processing_time_ms=task_input.processing_time_ms,
                      watermark_ms=task_input.watermark_ms, next_watermark_ms=next_wm)
-        self._record(ready, stats, reports, wall_start)
-
-    def _record(self, ready: _Ready, stats: dict[str, Any], reports: list[TaskReport],
-                wall_start: float) -> None:
-        """Keep the batch's stats and progress record (bounded), log it, tell the listeners
-        and the metrics endpoint."""
-        self.batch_stats.append(stats)
-        del self.batch_stats[:-RECENT_PROGRESS]
-        self.agent_logs = [line for r in reports for line in r.agent_log][-10:]
-        progress = progress_record(self.name, self.partitions, self.table, stats, reports,
-                                   wall_start)
-        logger.info("operator %s progress %s", self.name,
-                    json.dumps(progress, separators=(",", ":")))
-        self._progress.record(progress)
-        if self._exporter is not None:
-            self._exporter.update(self._metrics_snapshot(ready.coordinator, stats, progress))
-
-    def _metrics_snapshot(self, coordinator: CheckpointCoordinator, stats: dict[str, Any],
-                          progress: dict[str, Any]) -> MetricsSnapshot:
-        """The Prometheus endpoint's view after this batch (running totals, the last batch,
-        the coordinator's and the agents' metrics)."""
-        t = self._totals
-        for name, key in _TOTALS:
-            t[name] = t.get(name, 0.0) + float(stats[key])
-        t["numberOfCompletedBatches"] = t.get("numberOfCompletedBatches", 0.0) + 1
-        state = progress["stateOperators"][0]
-        last = {"lastBatchId": float(stats["batch_id"]),
-                "lastBatchDurationMs": stats["batch_seconds"] * 1000,
-                "lastBatchTasksMs": stats["job_seconds"] * 1000,
-                "lastBatchManifestMs": stats["manifest_seconds"] * 1000,
-                "lastBatchRestoreMs": stats["restore_seconds"] * 1000,
-                "numRowsTotal": float(state["numRowsTotal"]),
-                "stateDiskBytes": float(state["diskBytes"]),
-                "stateMemoryBytes": float(state["memoryUsedBytes"])}
-        return MetricsSnapshot(self.name, dict(t), last, coordinator.stats(),
-                               dict(stats["agents"]))
+        self._recorder.record(ready.coordinator, stats, reports, wall_start)
 
     def _with_initial_state(self, df: Any) -> Any:
         """``df`` plus one row per row of ``initial_state``: its key (cast to the input's key
@@ -799,36 +722,6 @@ class DstlStatefulOperator:
 
     # ------------------------------------------------------------------ time
 
-    def _split_late(self, df: Any, watermark_ms: int) -> tuple[Any, Any]:
-        """With a watermark: ``df`` with the event-time column (epoch ms) the tasks take the
-        maximum of and drop the late rows by (:func:`dstl.spark.task.drop_late`: so the
-        batch's ``numInputRows`` counts every row received, as Spark's does); and the late rows
-        (user columns) for the side output (``None``: dropped, or no watermark)."""
-        event_col = self.time.event_time_column
-        if event_col is None:
-            return df, None
-        from pyspark.sql import functions as F
-
-        with_ms = df.withColumn(EVENT_TIME_COLUMN, _event_time_ms(df, event_col))
-        if self.time.late_rows != "side_output":
-            return with_ms, None
-        late = F.col(EVENT_TIME_COLUMN) <= F.lit(watermark_ms)
-        return with_ms, with_ms.where(late).drop(EVENT_TIME_COLUMN)
-
-    def _commit_properties(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
-                           task_input: TaskInput, reports: list[TaskReport]) -> int:
-        """Put the batch's processing time and the watermark after it into the checkpoint's
-        manifest; returns the watermark (-1: none)."""
-        props: dict[str, int] = {PROCESSING_TIME_PROPERTY: task_input.processing_time_ms}
-        wm = -1
-        if self.time.event_time_column is not None:
-            seen = [r.max_event_time_ms for r in reports if r.max_event_time_ms is not None]
-            wm = next_watermark(task_input.watermark_ms, max(seen) if seen else None,
-                                self.time.delay_ms)
-            props[WATERMARK_PROPERTY] = wm
-        coordinator.set_properties(checkpoint_id, props)
-        return wm
-
     def _key_type(self, df: Any) -> str:
         """The key column's Spark type.
 
@@ -842,58 +735,9 @@ class DstlStatefulOperator:
         return str(key_type)
 
     def _task_input(self, coordinator: CheckpointCoordinator, batch_id: int) -> TaskInput:
-        """The batch's base: the newest retained checkpoint below ``batch_id``, so a re-run of a
-        batch starts from the same state as its first run.
-
-        Raises:
-            UsageError: every retained checkpoint is at or after ``batch_id`` (the state belongs
-                to another query).
-        """
-        retained = coordinator.manifests()
-        base = max((m for m in retained if m.checkpoint_id < batch_id),
-                   key=lambda m: m.checkpoint_id, default=None)
-        if base is None and any(m.checkpoint_id >= batch_id for m in retained):
-            raise state_of_another_query(batch_id, self.state_uri,
-                                         (m.checkpoint_id for m in retained))
-        return TaskInput(batch_id=batch_id,
-                         base_checkpoint=base.checkpoint_id if base is not None else -1,
-                         base_handles={int(t.task_id[1:]): json.dumps(t.state)
-                                       for t in base.tasks} if base is not None else {},
-                         retained=tuple(sorted(m.checkpoint_id for m in retained)),
-                         processing_time_ms=self._processing_time(retained, batch_id, base),
-                         watermark_ms=self._base_watermark(base),
-                         driver_version=_driver_version())
-
-    def _processing_time(self, retained: Sequence[Manifest], batch_id: int,
-                         base: Manifest | None) -> int:
-        """The batch's processing time (the TTL clock and processing-time timers' time): a
-        re-run of a batch whose checkpoint was committed keeps the time that checkpoint
-        recorded, so it expires and fires exactly what the first run did; otherwise the
-        driver's clock, never below the base checkpoint's time (a clock that steps back does
-        not make expired state visible again, nor fire timers twice)."""
-        rerun = next((m for m in retained if m.checkpoint_id == batch_id), None)
-        recorded = _time_property(rerun)
-        if recorded is not None:
-            return recorded
-        now = int(self.clock_ms())
-        before = _time_property(base)
-        return now if before is None else max(now, before)
-
-    def _base_watermark(self, base: Manifest | None) -> int:
-        """The batch's watermark: the one its base checkpoint committed (0 before any; -1: no
-        watermark configured).
-
-        Raises:
-            CorruptObjectError: the base manifest's watermark is not an integer.
-        """
-        if self.time.event_time_column is None:
-            return -1
-        wm = base.properties.get(WATERMARK_PROPERTY, 0) if base is not None else 0
-        if isinstance(wm, bool) or not isinstance(wm, int):
-            assert base is not None
-            raise CorruptObjectError(base.key, 0, f"properties.{WATERMARK_PROPERTY} is "
-                                                  f"{wm!r}, not an integer")
-        return wm
+        """The batch's base and times (:meth:`BatchTime.task_input
+        <dstl.spark.batch_base.BatchTime.task_input>`)."""
+        return self._batch_time.task_input(coordinator, batch_id)
 
     def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
                    checkpoint_id: int, tasks: int) -> tuple[Any, list[str]]:
@@ -995,9 +839,7 @@ class DstlStatefulOperator:
                 spark.streams.removeListener(listener)
             except Exception as exc:  # noqa: BLE001 - a stopped session has no listeners left
                 logger.info("operator %s: query listener not removed: %s", self.name, exc)
-        exporter, self._exporter = self._exporter, None
-        if exporter is not None:
-            exporter.close()
+        self._recorder.close()
         with self._commit_lock:
             ready, self._ready = self._ready, None
         if ready is not None:
@@ -1086,16 +928,6 @@ class _Ready:
     conf: dict[str, str]  # spark.dstl.* in effect: the SparkContext's and the session's
 
 
-@dataclass(frozen=True)
-class _BatchTimes:
-    """Monotonic times of one batch's phases."""
-
-    started: float
-    tasks_done: float  # the job finished: every task committed its partition
-    acknowledged: float  # the manifest is written
-    delivered: float  # the sink returned
-
-
 def _acknowledge(coordinator: CheckpointCoordinator, checkpoint_id: int, reports: list[TaskReport]
                  ) -> Completion | None:
     """Acknowledge every partition's handle; the completion (the manifest written) if the last
@@ -1107,81 +939,6 @@ def _acknowledge(coordinator: CheckpointCoordinator, checkpoint_id: int, reports
                                              h.referenced_keys(), h.full_size,
                                              h.incremental_size) or completion
     return completion
-
-
-def _batch_stats(batch_id: int, reports: list[TaskReport], completion: Completion | None,
-                 rows_out: int, t: _BatchTimes) -> dict[str, Any]:
-    """One entry of :attr:`DstlStatefulOperator.batch_stats`."""
-    segments = sorted({k for r in reports for k in r.segment_keys})
-    snapshots = sum(1 for r in reports if r.snapshot is not None)
-    task_commit = max((r.commit_seconds for r in reports), default=0.0)
-    return {
-        "batch_id": batch_id, "batch_seconds": t.delivered - t.started,
-        "job_seconds": t.tasks_done - t.started,
-        "commit_seconds": t.acknowledged - t.tasks_done + task_commit,
-        "manifest_seconds": t.acknowledged - t.tasks_done, "task_commit_seconds": task_commit,
-        "sink_seconds": t.delivered - t.acknowledged,
-        # rows received, as Spark's numInputRows: the late ones the tasks dropped included
-        "rows_in": sum(r.rows_in + r.rows_late for r in reports), "rows_out": rows_out,
-        "rows_late": sum(r.rows_late for r in reports),
-        "segments": len(segments), "materializations": snapshots,
-        "objects_written": len(segments) + snapshots + 1,
-        "bytes_written": sum(r.log_bytes + r.snapshot_bytes for r in reports),
-        "restores": sum(1 for r in reports if r.slot.access in ("restore", "rescale")),
-        "restore_seconds": max((r.slot.restore_seconds for r in reports), default=0.0),
-        "restore_seconds_total": sum(r.slot.restore_seconds for r in reports),
-        "accesses": sorted(r.slot.access for r in reports),
-        "deleted": len(completion.deleted) if completion is not None else 0,
-        "agents": _latest_agent_metrics(reports),
-        "timers_fired": sum(r.timers_fired for r in reports),
-        "ttl_purged": sum(r.ttl_purged for r in reports),
-        # who served which partition: a partition that moved to another executor restores
-        # through that executor's agent (agent_pid; 0: no agent)
-        "tasks": [{"partition": r.partition, "attempt": r.attempt, "pid": r.pid,
-                   "access": r.slot.access,
-                   "agent_pid": int(r.agent_metrics["agent.pid"]) if r.agent_metrics else 0}
-                  for r in sorted(reports, key=lambda r: r.partition)],
-    }
-
-
-def _latest_agent_metrics(reports: list[TaskReport]) -> dict[int, dict[str, float]]:
-    """Per agent pid, its newest metrics of the batch: several tasks of an executor report
-    their agent's metrics, each taken after its own commit; the one that has served the most
-    requests was taken last (so it counts every restore and upload of the batch)."""
-    out: dict[int, dict[str, float]] = {}
-    for r in reports:
-        m = r.agent_metrics
-        if not m:
-            continue
-        pid = int(m["agent.pid"])
-        if pid not in out or m.get("agent.requests", 0.0) >= out[pid].get("agent.requests", 0.0):
-            out[pid] = m
-    return out
-
-
-_INTERVAL_KEY = "spark.dstl.backend.materialization_interval_s"
-_METRICS_PORT_KEY = "spark.dstl.metrics.port"
-_METRICS_HOST_KEY = "spark.dstl.metrics.host"
-#: Prometheus running totals of the operator <- the batch_stats key they add up.
-_TOTALS = (("numRecordsIn", "rows_in"), ("numRecordsOut", "rows_out"),
-           ("numberOfSegments", "segments"), ("numberOfUploadedObjects", "objects_written"),
-           ("uploadedBytes", "bytes_written"), ("numberOfRestores", "restores"),
-           ("numberOfMaterializations", "materializations"),
-           ("numberOfDeletedObjects", "deleted"))
-
-
-def _same_jvm_session(a: Any, b: Any) -> bool:
-    """Whether two Python session objects wrap the same JVM session (a batch's DataFrame often
-    hands out a new wrapper of the user's session)."""
-    ja, jb = getattr(a, "_jsparkSession", None), getattr(b, "_jsparkSession", None)
-    return ja is not None and jb is not None and bool(ja.equals(jb))
-
-
-def _driver_version() -> str:
-    """The DSTL version the driver runs (every task checks its own against it)."""
-    import dstl
-
-    return dstl.__version__
 
 
 def _deployment_problem(error_text: str) -> str | None:
@@ -1200,411 +957,6 @@ def _deployment_problem(error_text: str) -> str | None:
     return None
 
 
-def is_connect(spark: Any) -> bool:
-    """Whether ``spark`` is a Spark Connect client session (no SparkContext, no JVM here)."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
-#: the SparkContext settings DSTL reads besides ``spark.dstl.*``
-_STATIC_KEYS = ("spark.python.daemon.module",)
-
-
-def _static_conf(spark: Any) -> dict[str, str]:
-    """The SparkContext's ``spark.dstl.*`` settings and :data:`_STATIC_KEYS`; a Spark Connect
-    client reads what the server's session shows of them (``spark.conf``). Read by name: the
-    whole conf costs two or three py4j round trips per key, at every query start."""
-    if is_connect(spark):
-        return {str(k): str(v) for k, v in spark.conf.getAll.items()
-                if str(k).startswith("spark.dstl.") or str(k) in _STATIC_KEYS}
-    jconf = spark.sparkContext._jsc.sc().conf()
-    out = {f"spark.dstl.{t._1()}": str(t._2()) for t in jconf.getAllWithPrefix("spark.dstl.")}
-    for k in _STATIC_KEYS:
-        v = jconf.get(k, None)
-        if v is not None:
-            out[k] = str(v)
-    return out
-
-
-def _runtime_conf(spark: Any) -> dict[str, str]:
-    """The session's runtime conf (``spark.conf``: what ``spark.conf.set`` changed)."""
-    return {str(k): str(v) for k, v in spark.conf.getAll.items()}
-
-
-def _dstl_runtime_conf(spark: Any) -> dict[str, str]:
-    """The session's runtime ``spark.dstl.*`` settings, read every batch: the key names in one
-    py4j call (the Java map's key set as text: Spark's conf keys hold no ``", "``), then one
-    call per ``spark.dstl.*`` key. ``spark.conf.getAll`` costs two or three round trips per key
-    of the whole conf (it iterates a Java map from Python): the largest driver cost of a steady
-    batch in ``bench/tws.py``'s profile (py-spy)."""
-    jconf = getattr(spark.conf, "_jconf", None)
-    if jconf is None:  # not a classic session: the general read
-        return _dstl_keys(_runtime_conf(spark))
-    names = str(jconf.getAllAsJava().keySet().toString())[1:-1].split(", ")
-    out = {}
-    for k in names:
-        if k.startswith("spark.dstl."):
-            v = jconf.get(k, None)
-            if v is not None:
-                out[k] = str(v)
-    return out
-
-
-def _dstl_keys(conf: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in conf.items() if k.startswith("spark.dstl.")}
-
-
-def _time_property(manifest: Manifest | None) -> int | None:
-    """The processing time a manifest recorded (``None``: no manifest, or one written before
-    the property existed).
-
-    Raises:
-        CorruptObjectError: the property is not a non-negative integer.
-    """
-    if manifest is None or PROCESSING_TIME_PROPERTY not in manifest.properties:
-        return None
-    t = manifest.properties[PROCESSING_TIME_PROPERTY]
-    if isinstance(t, bool) or not isinstance(t, int) or t < -1:
-        raise CorruptObjectError(manifest.key, 0, f"properties.{PROCESSING_TIME_PROPERTY} is "
-                                                  f"{t!r}, not an integer of epoch ms")
-    return t if t >= 0 else None
-
-
-def _check_conf_unchanged(name: str, ready: _Ready, session: Any, batch_id: int) -> None:
-    """Refuse to run a batch under ``spark.dstl.*`` settings other than those the operator
-    started with: they are read once (the executors' workers and agent keep the options they
-    started with), so a change made with ``spark.conf.set`` after the first batch would otherwise
-    be ignored. Looks at the batch's session (under Structured Streaming a clone of the user's,
-    taken when the query started) and at the user's session (where ``spark.conf.set`` lands).
-
-    Raises:
-        ConfigError: naming the changed key(s), the value in effect and the fix.
-    """
-    from pyspark.sql import SparkSession
-
-    sessions = [session]
-    default = getattr(SparkSession, "_instantiatedSession", None)
-    if default is not None and default is not session and not _same_jvm_session(default,
-                                                                                session):
-        sessions.append(default)  # each read: 2 py4j round trips + 1 per spark.dstl.* key
-    for s in sessions:
-        now = {**ready.static_conf, **_dstl_runtime_conf(s)}
-        changed = sorted(k for k in now.keys() | ready.conf.keys()
-                         if now.get(k) != ready.conf.get(k))
-        if changed:
-            key = changed[0]
-            raise ConfigError(key, now.get(key, "<unset>"), "the value the operator started "
-                              f"with ({ready.conf.get(key, '<unset>')!r})", owner="spark conf",
-                              fix=f"operator {name!r} (batch {batch_id}): spark.dstl.* settings "
-                                  "are read once, at the first batch, and the executors keep "
-                                  "them; changed since: " + ", ".join(changed) + ". Set them "
-                                  "back (spark.conf.set / unset), or stop the query and start "
-                                  "a new Spark application with the new values")
-
-
-def _with_interval(explicit: BackendOptions | None, conf: Mapping[str, str],
-                   interval: float | None) -> BackendOptions:
-    """The operator's backend options (``explicit``, else from ``conf``) with the operator's
-    ``materialization_interval_s`` — the interval's one setting under Spark.
-
-    Raises:
-        ConfigError: the interval is also set there (a non-default ``backend_options`` value, or
-            the conf key) to another value.
-    """
-    opts = explicit or _backend_options_from(conf)
-    given = opts.materialization_interval_s
-    set_there = (given != BackendOptions().materialization_interval_s if explicit is not None
-                 else _INTERVAL_KEY in conf)
-    if set_there and given != interval:
-        raise ConfigError("materialization_interval_s", given,
-                          f"the operator's materialization_interval_s ({interval!r}), which is "
-                          "the interval of its backends: set it there only",
-                          owner="DstlStatefulOperator.backend_options" if explicit is not None
-                          else "spark.dstl.backend")
-    return opts.replace(materialization_interval_s=interval)
-
-
-def _backend_options_from(conf: Mapping[str, str]) -> BackendOptions:
-    prefix = "spark.dstl.backend."
-    known = {f.name: f for f in fields(BackendOptions)}
-    kwargs: dict[str, Any] = {}
-    for k, raw in conf.items():
-        if not k.startswith(prefix):
-            continue
-        name = k[len(prefix):]
-        if name not in known:
-            raise ConfigError(name, raw, f"one of {sorted(known)}", owner="spark.dstl.backend")
-        default = getattr(BackendOptions(), name)
-        try:
-            if isinstance(default, str):
-                kwargs[name] = raw   # a choice (lmdb_snapshot_format): BackendOptions checks it
-            elif raw.lower() in ("none", ""):
-                kwargs[name] = None
-            elif isinstance(default, int) and not isinstance(default, bool):
-                kwargs[name] = int(raw)
-            else:
-                kwargs[name] = float(raw)
-        except ValueError as exc:
-            raise ConfigError(name, raw, "a number or 'none'", owner="spark.dstl.backend") from exc
-    return BackendOptions(**kwargs)
-
-
-# --------------------------------------------------------------------------- argument checks
-
-_OWNER = "DstlStatefulOperator"
-#: Columns the operator adds to the input (routing) or output (task reports).
-_RESERVED_COLUMNS = (REPORT_COLUMN, "_dstl_pid", EVENT_TIME_COLUMN, HEARTBEAT_COLUMN,
-                     INITIAL_STATE_COLUMN)
-
-
-def _check_initial_state(initial_state: Any, processor: Any, key_column: str) -> Any:
-    """``initial_state``: None, or a batch DataFrame with the key column, for a processor that
-    implements ``handle_initial_state``."""
-    if initial_state is None:
-        return None
-    if not (hasattr(initial_state, "columns") and hasattr(initial_state, "sparkSession")):
-        raise ConfigTypeError("initial_state", initial_state, "a pyspark DataFrame or None",
-                              owner=_OWNER)
-    if initial_state.isStreaming:
-        raise ConfigError("initial_state", "a streaming DataFrame", "a batch DataFrame",
-                          owner=_OWNER, fix="read the initial state with spark.read")
-    if key_column not in initial_state.columns:
-        raise ConfigError("initial_state", f"columns {initial_state.columns}",
-                          f"a DataFrame with the key column {key_column!r}", owner=_OWNER)
-    if getattr(processor, "handle_initial_state", None) is StatefulProcessor.handle_initial_state:
-        raise ConfigError("initial_state", "given", "a processor that overrides "
-                          "handle_initial_state", owner=_OWNER,
-                          fix=f"implement {processor.__name__}.handle_initial_state(key, "
-                              "initial_state, timer_values)")
-    return initial_state
-
-
-def _check_arguments(*, name: Any, processor: Any, key_column: Any, output_schema: Any,
-                     state_uri: Any, partitions: Any, max_parallelism: Any, table: Any,
-                     sink: Any, storage_options: Any, options: Any, backend_options: Any,
-                     retained: Any, materialization_interval_s: Any, local_dir: Any,
-                     agent: Any, tasks: Any) -> None:
-    """Every constructor argument, checked on the driver before Spark is touched (one place).
-
-    Raises:
-        ConfigError: naming the argument, the value, the accepted range and the fix
-            (ConfigTypeError: a wrong type).
-    """
-    check_str(name, "name", _OWNER, forbidden="/",
-              fix="the operator's name: the job id of its checkpoints and the prefix of its "
-                  "partitions' ids")
-    _check_processor(processor)
-    check_str(key_column, "key_column", _OWNER, forbidden="`",
-              fix="the name of the grouping column of the input")
-    if key_column in _RESERVED_COLUMNS:
-        raise ConfigError("key_column", key_column, f"a column not named {_RESERVED_COLUMNS}",
-                          owner=_OWNER, fix="DSTL adds these columns; rename the key column")
-    _check_output_schema(output_schema)
-    check_store_uri(state_uri, check_mapping(storage_options, "storage_options", _OWNER),
-                    owner=_OWNER, field="state_uri")
-    check_int(max_parallelism, "max_parallelism", _OWNER, lo=1, hi=MAX_PARALLELISM_LIMIT,
-              fix="the number of key groups, fixed for the life of the state")
-    check_int(partitions, "partitions", _OWNER, lo=1, hi=max_parallelism,
-              fix="at most max_parallelism partitions (each owns at least one key group)")
-    check_choice(table, "table", _OWNER, ("lmdb", "heap"))
-    if sink is not None:
-        check_callable(sink, "sink", _OWNER, args=2, fix="sink(out_df, batch_id)")
-    if options is not None:
-        check_instance(options, "options", _OWNER, DstlOptions)
-    if backend_options is not None:
-        check_instance(backend_options, "backend_options", _OWNER, BackendOptions)
-    check_int(retained, "retained", _OWNER, lo=2, hi=MAX_RETAINED,
-              fix="a re-run batch restores from the checkpoint before it, so keep >= 2")
-    _check_interval(materialization_interval_s, backend_options)
-    check_optional_path(local_dir, "local_dir", _OWNER)
-    check_bool(agent, "agent", _OWNER)
-    if tasks is not None:
-        check_int(tasks, "tasks", _OWNER, lo=1, hi=partitions,
-                  fix="Spark tasks per batch, at most the number of partitions; None: one per "
-                      "task slot")
-
-
-def _check_processor(processor: Any) -> None:
-    """A concrete :class:`StatefulProcessor` subclass, instantiable without arguments (each
-    partition makes its own instance)."""
-    expected = "a StatefulProcessor subclass (the class, not an instance)"
-    if isinstance(processor, StatefulProcessor):
-        raise ConfigTypeError("processor", processor, expected, owner=_OWNER,
-                              fix=f"pass {type(processor).__name__}, the class: every "
-                                  "partition makes its own instance")
-    if not isinstance(processor, type) or not issubclass(processor, StatefulProcessor):
-        raise ConfigTypeError("processor", processor, expected, owner=_OWNER,
-                              fix="subclass dstl.spark.StatefulProcessor")
-    if inspect.isabstract(processor):
-        raise ConfigError("processor", processor, expected + " that implements "
-                          "handle_input_rows", owner=_OWNER)
-    try:
-        signature = inspect.signature(processor)
-    except ValueError:  # no introspectable signature: instantiation will tell
-        return
-    try:
-        signature.bind()
-    except TypeError as exc:
-        raise ConfigError("processor", processor, expected + " whose constructor takes no "
-                          f"arguments ({exc})", owner=_OWNER,
-                          fix="set state up in init(handle), not in __init__") from None
-
-
-def _check_output_schema(output_schema: Any) -> None:
-    """A DDL string whose structure is sound (Spark parses it fully at :meth:`validate` or the
-    first batch) or a ``StructType``; column names unique and not reserved."""
-    if isinstance(output_schema, str):
-        names = ddl_column_names(output_schema)
-    elif type(output_schema).__name__ == "StructType" and hasattr(output_schema, "fields"):
-        names = [f.name for f in output_schema.fields]
-    else:
-        raise ConfigTypeError("output_schema", output_schema, "a DDL string ('key string, "
-                              "count long') or a pyspark StructType", owner=_OWNER)
-    folded = [n.lower() for n in names]  # Spark compares column names case-insensitively
-    dup = sorted({n for n in names if folded.count(n.lower()) > 1})
-    reserved = sorted(n for n in names if n.lower() in _RESERVED_COLUMNS)
-    if dup or reserved:
-        raise ConfigError("output_schema", output_schema, "unique column names, none of "
-                          f"{_RESERVED_COLUMNS}", owner=_OWNER,
-                          fix=f"rename {dup or reserved}")
-
-
-def _check_time(time_mode: Any, event_time_column: Any, watermark_delay: Any, late_rows: Any,
-                late_sink: Any, key_column: str, sink: Any = None, late_column: Any = "late_row",
-                output_schema: Any = "") -> TimeSettings:
-    """The time settings: a known mode; a watermark is a column and a delay, both or neither;
-    event-time timers need one; late rows are kept only with a watermark, and go to a
-    ``late_sink`` when the operator has a ``sink`` (``foreach_batch``), else to the output's
-    ``late_column``.
-
-    Raises:
-        ConfigError: naming the argument and the fix (ConfigTypeError: a wrong type).
-    """
-    mode = parse_time_mode(time_mode, _OWNER)
-    if event_time_column is not None:
-        check_str(event_time_column, "event_time_column", _OWNER, forbidden="`",
-                  fix="the input column with each row's event time")
-        if event_time_column in _RESERVED_COLUMNS or event_time_column == key_column:
-            raise ConfigError("event_time_column", event_time_column,
-                              f"a column other than the key and {_RESERVED_COLUMNS}",
-                              owner=_OWNER)
-    if (event_time_column is None) != (watermark_delay is None):
-        missing = "watermark_delay" if watermark_delay is None else "event_time_column"
-        raise ConfigError(missing, None, "set together with "
-                          f"{'event_time_column' if missing == 'watermark_delay' else 'watermark_delay'}"
-                          " (a watermark needs both)", owner=_OWNER)
-    delay_ms = 0 if watermark_delay is None else parse_delay_ms(watermark_delay, _OWNER)
-    if mode == "event_time" and event_time_column is None:
-        raise ConfigError("time_mode", time_mode, "'event_time' only with a watermark",
-                          owner=_OWNER, fix="set event_time_column and watermark_delay, or "
-                                            "use time_mode='processing_time'")
-    check_choice(late_rows, "late_rows", _OWNER, LATE_ROWS)
-    if late_rows == "side_output":
-        if event_time_column is None:
-            raise ConfigError("late_rows", late_rows, "'drop' without a watermark",
-                              owner=_OWNER, fix="late rows exist only with event_time_column "
-                                                "and watermark_delay")
-        if late_sink is None and sink is not None:
-            raise ConfigError("late_sink", None, "a callable late_sink(late_df, batch_id) with "
-                              "late_rows='side_output' and a sink", owner=_OWNER,
-                              fix="foreach_batch hands late rows to late_sink; inside the query "
-                                  "(op.transform, no sink) they arrive in the output's "
-                                  "late_column")
-        check_str(late_column, "late_column", _OWNER, forbidden="`",
-                  fix="the name of the output's column of late rows")
-        names = (ddl_column_names(output_schema) if isinstance(output_schema, str)
-                 else [f.name for f in getattr(output_schema, "fields", ())])
-        if late_column.lower() in {n.lower() for n in names} \
-                or late_column.lower() in _RESERVED_COLUMNS:
-            raise ConfigError("late_column", late_column, "a name that is not an output "
-                              f"column nor one of {_RESERVED_COLUMNS}", owner=_OWNER,
-                              fix="pass late_column='<another name>'")
-    elif late_column != "late_row":
-        raise ConfigError("late_column", late_column, "left out unless "
-                          "late_rows='side_output'", owner=_OWNER,
-                          fix="pass late_rows='side_output' to keep late rows")
-    if late_sink is not None:
-        check_callable(late_sink, "late_sink", _OWNER, args=2, fix="late_sink(late_df, batch_id)")
-        if late_rows != "side_output":
-            raise ConfigError("late_sink", late_sink, "None unless late_rows='side_output'",
-                              owner=_OWNER, fix="pass late_rows='side_output' to use it")
-    return TimeSettings(mode, event_time_column, delay_ms, late_rows, late_sink,
-                        str(late_column))
-
-
-def _check_interval(interval: Any, backend_options: BackendOptions | None) -> None:
-    """The interval's range; and, when ``backend_options`` are given, that they agree with it
-    (checked again with the Spark conf at the first batch)."""
-    if interval is not None:
-        check_number(interval, "materialization_interval_s", _OWNER, lo=0.0,
-                     hi=MAX_MATERIALIZATION_INTERVAL_S, unit="seconds",
-                     fix="use None to materialize by size only")
-    if backend_options is not None:
-        _with_interval(backend_options, {}, interval)
-
-
-def ddl_column_names(ddl: str) -> list[str]:
-    """The column names of a DDL schema (``"key string, count long"``, ``"a: int"``,
-    ``"`odd name` map<string, int> NOT NULL"``), after a structural check that needs no Spark:
-    balanced brackets and quotes, and every field a name followed by a type.
-
-    Raises:
-        ConfigError: the string is not such a schema (names the field that is not).
-    """
-    fields_ = _split_top_level(ddl)
-    if not ddl.strip() or fields_ is None:
-        raise ConfigError("output_schema", ddl, "a DDL schema such as 'key string, count "
-                          "long' (balanced <>, () and quotes)", owner=_OWNER)
-    names = []
-    for text in fields_:
-        m = _DDL_FIELD.fullmatch(text.strip())
-        if m is None:
-            raise ConfigError("output_schema", ddl, "a DDL schema such as 'key string, count "
-                              f"long' (every field a name and a type; not {text.strip()!r})",
-                              owner=_OWNER)
-        names.append(m.group("quoted") if m.group("quoted") is not None else m.group("plain"))
-    return names
-
-
-#: One field of a DDL schema: a name (plain, or in backticks), ``:`` or blanks, a type.
-_DDL_FIELD = re.compile(r"(?:`(?P<quoted>[^`]+)`|(?P<plain>[A-Za-z0-9_]+))\s*(?::\s*|\s+)"
-                        r"[A-Za-z].*", re.DOTALL)
-
-
-def _split_top_level(ddl: str) -> list[str] | None:
-    """``ddl`` split at the commas outside brackets and quotes; ``None`` if unbalanced."""
-    parts: list[str] = []
-    quote, start = "", 0
-    pairs = {"<": ">", "(": ")"}
-    stack: list[str] = []
-    for i, c in enumerate(ddl):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"`":
-            quote = c
-        elif c in pairs:
-            stack.append(pairs[c])
-        elif c in ">)":
-            if not stack or stack.pop() != c:
-                return None
-        elif c == "," and not stack:
-            parts.append(ddl[start:i])
-            start = i + 1
-    if quote or stack:
-        return None
-    parts.append(ddl[start:])
-    return parts
-
-
-def _session_time_zone(spark: Any) -> str:
-    """The session's time zone (``spark.sql.session.timeZone``; the JVM's default when unset)."""
-    from dstl.spark.outputs import time_zone
-
-    tz = spark.conf.get("spark.sql.session.timeZone", None)
-    name = str(tz) if tz else "UTC"
-    time_zone(name)  # an id Python cannot read fails here, before any batch runs
-    return name
-
-
 #: How an executor's OutputSchemaError appears in the text of the Spark job's failure.
 _OUTPUT_ERROR_RE = re.compile(r"(?:dstl\.errors\.)?OutputSchemaError: (.+)")
 
@@ -1616,24 +968,3 @@ def _task_output_error(exc: BaseException) -> OutputSchemaError | None:
         return exc
     m = _OUTPUT_ERROR_RE.search(str(exc))
     return OutputSchemaError(m.group(1).strip()) if m else None
-
-
-def _spark_schema(spark: Any, output_schema: Any) -> Any:
-    """The Spark schema of the output rows; a schema Spark cannot parse is a ConfigError.
-
-    A ``StructType`` is taken as is and a DDL string of columns is parsed alone (one call to
-    Spark's parser); anything else is what ``createDataFrame`` makes of it, which builds an empty
-    DataFrame (about 0.4 s more in a fresh session, on the start of every query)."""
-    from pyspark.sql.types import StructType
-
-    try:
-        if isinstance(output_schema, StructType):
-            return output_schema
-        if isinstance(output_schema, str):
-            parsed = StructType.fromDDL(output_schema)
-            if isinstance(parsed, StructType):
-                return parsed
-        return spark.createDataFrame([], output_schema).schema
-    except Exception as exc:
-        raise ConfigError("output_schema", output_schema, "a DDL string or StructType that "
-                          "Spark parses", owner=_OWNER, fix=f"{exc!s:.300}") from exc

@@ -77,7 +77,8 @@ _CHOICES = QUERY_PREFIX + "choices/"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
 #: and the query's id (kept across restarts of the query)
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
-#: watermark and processing-time property names of the manifest (dstl.spark.operator's)
+#: the manifest properties of a batch's watermark after it and its processing time (written by
+#: the operator, read back by a re-run and a restart)
 WATERMARK_PROPERTY = "watermark_ms"
 PROCESSING_TIME_PROPERTY = "processing_time_ms"
 #: the largest object of the protocol read back (a plan or choice of many partitions)

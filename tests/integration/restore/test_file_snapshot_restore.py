@@ -475,7 +475,7 @@ def _assert_no_marker(local: Path, op: str) -> None:
 
 def test_the_snapshot_format_option_is_checked_and_reaches_spark_conf() -> None:
     from dstl.errors import ConfigError, ConfigTypeError
-    from dstl.spark.operator import _backend_options_from
+    from dstl.spark.session_conf import backend_options_from as _backend_options_from
 
     assert BackendOptions().lmdb_snapshot_format == "file"
     conf = {"spark.dstl.backend.lmdb_snapshot_format": "entries"}

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from spark_support import spark  # noqa: F401
 from support.processors import Count
 
-import dstl.spark.operator as operator_module
+import dstl.spark.batch_base as batch_base_module
+import dstl.spark.batch_record as batch_record_module
 from dstl.errors import ConfigError, UsageError
 from dstl.spark import DstlStatefulOperator, StatefulProcessor
 
@@ -43,7 +44,7 @@ def _scrape(port: int) -> dict[str, Any]:
 def test_progress_listener_prometheus_and_bounded_stats(
         spark: Any, tmp_path: Path, table: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(operator_module, "RECENT_PROGRESS", 3)
+    monkeypatch.setattr(batch_record_module, "RECENT_PROGRESS", 3)
     op = _op(tmp_path, table, metrics_port=0)
     seen: list[dict[str, Any]] = []
 
@@ -146,7 +147,9 @@ def test_runtime_conf_changes_are_read_at_start_and_refused_after(
 def test_the_per_batch_conf_read_equals_the_full_read(spark: Any) -> None:  # noqa: F811
     """The batch's spark.dstl.* read (key names in one py4j call) equals spark.conf.getAll's,
     values with ", ", "=" and brackets included."""
-    from dstl.spark.operator import _dstl_keys, _dstl_runtime_conf, _runtime_conf
+    from dstl.spark.session_conf import dstl_keys as _dstl_keys
+    from dstl.spark.session_conf import dstl_runtime_conf as _dstl_runtime_conf
+    from dstl.spark.session_conf import runtime_conf as _runtime_conf
 
     keys = {"spark.dstl.zstd_level": "4", "spark.dstl.x_odd": "a, b=c, [d]",
             "spark.dstlnot.y": "1"}
@@ -199,7 +202,7 @@ def test_first_batch_fails_clearly_when_executors_run_another_dstl(
 
     df = spark.createDataFrame([("a",), ("b",)], "key string")
     op = _op(tmp_path, "heap")
-    monkeypatch.setattr(operator_module, "_driver_version", lambda: "0.0.0-driver")
+    monkeypatch.setattr(batch_base_module, "driver_version", lambda: "0.0.0-driver")
     try:
         with pytest.raises(UsageError) as e:
             op.foreach_batch(df, 0)

@@ -219,7 +219,8 @@ def test_the_task_materializes_when_the_backends_policy_says_so(tmp_path: Path) 
 
 def test_the_operators_interval_is_its_backends_one_setting() -> None:
     from dstl.errors import ConfigError
-    from dstl.spark.operator import DstlStatefulOperator, _with_interval
+    from dstl.spark.operator import DstlStatefulOperator
+    from dstl.spark.session_conf import with_interval as _with_interval
 
     assert _with_interval(None, {}, 5.0).materialization_interval_s == 5.0
     assert _with_interval(BackendOptions(max_failures=1), {}, None) == BackendOptions(
