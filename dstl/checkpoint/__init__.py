@@ -1,7 +1,11 @@
 """Driver-side checkpointing: the coordinator, the manifest codec and the retention planner.
 
-- :mod:`dstl.checkpoint.coordinator` — :class:`CheckpointCoordinator` (runtime: store calls, lock,
-  clock, listeners), one per job on the driver;
+- :mod:`dstl.checkpoint.coordinator` — :class:`CheckpointCoordinator` (runtime: the manifest put,
+  lock, metrics, listeners), one per job on the driver, composed of
+  :mod:`~dstl.checkpoint.ledger` (ids, pending and retained checkpoints),
+  :mod:`~dstl.checkpoint.recovery` (a store's manifests read back),
+  :mod:`~dstl.checkpoint.deletion` (doomed keys and their deletion) and
+  :mod:`~dstl.checkpoint.orphans` (orphan collection);
 - :mod:`dstl.checkpoint.manifest` — the manifest codec (pure);
 - :mod:`dstl.checkpoint.retention` — :func:`plan_retention` and :func:`plan_orphans` (pure).
 
