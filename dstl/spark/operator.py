@@ -26,7 +26,8 @@ the same state as the first run.
 :class:`DstlStatefulOperator` plans and runs the batches; its other jobs live beside it: the
 constructor's checks in :mod:`dstl.spark.operator_checks`, the session's settings in
 :mod:`dstl.spark.session_conf`, a batch's base and times in :mod:`dstl.spark.batch_base`, the
-batches' stats, progress and metrics endpoint in :mod:`dstl.spark.batch_record`.
+batches' stats, progress and metrics endpoint in :mod:`dstl.spark.batch_record`, the
+checkpoints of the batches inside the query in :mod:`dstl.spark.batch_commit`.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from dstl.checkpoint import CheckpointCoordinator, Completion
+from dstl.checkpoint import CheckpointCoordinator
 from dstl.checks import (
     check_int,
     check_optional_path,
@@ -53,6 +53,7 @@ from dstl.errors import (
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.spark.batch_base import BatchTime, driver_version, event_time_ms
+from dstl.spark.batch_commit import InQueryCommits, Ready, acknowledge
 from dstl.spark.batch_record import BatchRecorder, BatchTimes, batch_stats
 from dstl.spark.config import OperatorConfig, TaskInput, processor_id
 from dstl.spark.jobdesc import BatchJobs, outcome_label, tasks_label
@@ -64,10 +65,6 @@ from dstl.spark.operator_checks import (
     spark_schema,
 )
 from dstl.spark.progress import ProgressListener
-from dstl.spark.query import (
-    PROCESSING_TIME_PROPERTY,
-    WATERMARK_PROPERTY,
-)
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
 from dstl.spark.session_conf import (
     check_conf_unchanged,
@@ -83,7 +80,6 @@ from dstl.spark.timing import (
     EVENT_TIME_COLUMN,
     HEARTBEAT_COLUMN,
 )
-from dstl.stores.base import BlobStore
 from materializer.options import BackendOptions
 
 __all__ = ["DstlStatefulOperator"]
@@ -212,17 +208,18 @@ class DstlStatefulOperator:
                                            else float(materialization_interval_s))
         self.local_dir = check_optional_path(local_dir, "local_dir", OWNER)
         self.agent = agent
-        self._ready: _Ready | None = None
+        self._ready: Ready | None = None
         #: (session, listener) once :meth:`transform` added its query listener
         self._listener: tuple[Any, Any] | None = None
-        #: checkpoints of :meth:`transform`'s batches are written one at a time
-        self._commit_lock = threading.Lock()
         #: held by a batch and by a warm-up: their tasks never run at the same time, so a
         #: warm-up's restore never touches a table a batch task is writing (and a warm-up
         #: between batches finds every table at the next base: hit or adopt)
         self._tasks_lock = threading.Lock()
         #: the batches' stats, progress records and metrics endpoint
         self._recorder = BatchRecorder(name, partitions, table)
+        #: the checkpoints of :meth:`transform`'s batches
+        self._commits = InQueryCommits(partitions, self.time, self._recorder,
+                                       lambda: self._ready)
         #: the processing-time clock, epoch ms (the driver's wall clock; tests replace it)
         self.clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)
         #: the batches' base and times (reads the clock above, which tests replace)
@@ -230,7 +227,7 @@ class DstlStatefulOperator:
 
     # ------------------------------------------------------------------ set-up
 
-    def _ensure_ready(self, spark: Any) -> _Ready:
+    def _ensure_ready(self, spark: Any) -> Ready:
         if self._ready is not None:
             return self._ready
         from dstl.stores import open_store
@@ -260,7 +257,7 @@ class DstlStatefulOperator:
             coordinator.close()
             store.close()
             raise
-        self._ready = _Ready(store, coordinator, config, out, dstl_keys(static),
+        self._ready = Ready(store, coordinator, config, out, dstl_keys(static),
                              dstl_keys(conf))
         latest = coordinator.latest()
         logger.info("operator %s ready on %s (%s); last checkpoint: %s", self.name,
@@ -432,7 +429,7 @@ class DstlStatefulOperator:
         self._check_transform(df)
         spark = df.sparkSession
         ready = self._ensure_ready(spark)
-        self._commit_pending(ready)
+        self._commits.commit_pending(ready)
         df = _without_heartbeat(df)
         key_type = self._key_type(df)
         with_initial = self.initial_state is not None
@@ -475,7 +472,7 @@ class DstlStatefulOperator:
         arrow = pa.field(late.name, to_arrow_type(struct, timezone="UTC"), True)
         return arrow, StructType([*out_schema.fields, late])
 
-    def _stage_initial_state(self, ready: _Ready, df: Any) -> None:
+    def _stage_initial_state(self, ready: Ready, df: Any) -> None:
         """Stage the ``initial_state`` in the store for the query's first batch
         (:mod:`dstl.spark.initial`) unless the state exists (a checkpoint, or results of a
         batch: the initial state was applied) or a staging finished before (a driver that
@@ -552,16 +549,7 @@ class DstlStatefulOperator:
         the query the driver writes it when Spark reports the batch, on the listener's thread
         (e.g. ``op.wait_for_checkpoint(query.lastProgress["batchId"])`` after
         ``awaitTermination``, before reading the state). Whether it was written in time."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready = self._ready
-            latest = ready.coordinator.latest() if ready is not None else None
-            if latest is not None and latest.checkpoint_id >= batch_id:
-                with self._commit_lock:  # its progress is recorded too
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        return self._commits.wait_for_checkpoint(batch_id, timeout_s)
 
     def _listen(self, spark: Any) -> None:
         """Add the listener that commits each batch Spark reports (once per session)."""
@@ -578,54 +566,7 @@ class DstlStatefulOperator:
         """Spark committed micro-batch ``batch_id`` of query ``query_id``: if that query runs
         :meth:`transform`, write the checkpoints of the batch and of every earlier committed
         batch not written yet. Called by the query listener; idempotent."""
-        from dstl.spark.query import choose, plan_of
-
-        with self._commit_lock:
-            ready = self._ready
-            if ready is None:
-                return
-            latest = ready.coordinator.latest()
-            if latest is not None and batch_id <= latest.checkpoint_id:
-                return
-            plan = plan_of(ready.store, batch_id)
-            if plan is None or plan.query_id != query_id:
-                return  # another query's batch, or no state task of this operator ran in it
-            if choose(ready.store, batch_id, self.partitions, delay_ms=self.time.delay_ms,
-                      event_time=self.time.event_time_column is not None) is None:
-                return  # no state task of this operator ran in that batch
-            self._commit_pending(ready, duration_ms)
-
-    def _commit_pending(self, ready: _Ready, duration_ms: float = 0.0) -> None:
-        """Write the checkpoint of every batch whose choice is stored and whose manifest is
-        not (Spark committed them), oldest first; then forget the protocol's objects below
-        the newest."""
-        from dstl.spark.query import choose, forget_before, pending_choices
-
-        latest = ready.coordinator.latest()
-        newest = None
-        for batch in pending_choices(ready.store, latest.checkpoint_id if latest else -1):
-            choice = choose(ready.store, batch, self.partitions, delay_ms=self.time.delay_ms,
-                            event_time=self.time.event_time_column is not None)
-            assert choice is not None
-            started, wall = time.monotonic(), time.time()
-            reports = choice.decoded()
-            cid = ready.coordinator.trigger([f"p{r.partition}" for r in reports],
-                                            checkpoint_id=batch)
-            props = {PROCESSING_TIME_PROPERTY: choice.processing_time_ms}
-            if self.time.event_time_column is not None:
-                props[WATERMARK_PROPERTY] = choice.watermark_ms
-            ready.coordinator.set_properties(cid, props)
-            completion = _acknowledge(ready.coordinator, cid, reports)
-            done = time.monotonic()
-            times = BatchTimes(started - duration_ms / 1000.0, started, done, done)
-            stats = batch_stats(batch, reports, completion, sum(r.rows_out for r in reports),
-                                 times)
-            stats.update(processing_time_ms=choice.processing_time_ms,
-                         watermark_ms=-1, next_watermark_ms=choice.watermark_ms)
-            self._recorder.record(ready.coordinator, stats, reports, wall)
-            newest = batch
-        if newest is not None:
-            forget_before(ready.store, newest)
+        self._commits.on_batch_committed(batch_id, query_id, duration_ms)
 
     def foreach_batch(self, df: Any, batch_id: int) -> None:
         """Process one micro-batch (pass to ``writeStream.foreachBatch``).
@@ -687,7 +628,7 @@ class DstlStatefulOperator:
                 reports = self._reports(ready.coordinator, checkpoint_id, report_rows)
                 next_wm = self._batch_time.commit_properties(ready.coordinator, checkpoint_id,
                                                   task_input, reports)
-                completion = _acknowledge(ready.coordinator, checkpoint_id, reports)
+                completion = acknowledge(ready.coordinator, checkpoint_id, reports)
                 acknowledged = time.monotonic()
                 jobs.label(outcome_label(checkpoint_id, reports, completion is not None))
                 if kept is not None and self.sink is not None:
@@ -739,7 +680,7 @@ class DstlStatefulOperator:
         <dstl.spark.batch_base.BatchTime.task_input>`)."""
         return self._batch_time.task_input(coordinator, batch_id)
 
-    def _run_tasks(self, ready: _Ready, df: Any, key_type: str, task_input: TaskInput,
+    def _run_tasks(self, ready: Ready, df: Any, key_type: str, task_input: TaskInput,
                    checkpoint_id: int, tasks: int) -> tuple[Any, list[str]]:
         """Route the rows to partitions by key group in the JVM and run the partitions in
         ``tasks`` Spark tasks (:meth:`_task_count`). Returns the tasks' rows kept on the
@@ -840,7 +781,7 @@ class DstlStatefulOperator:
             except Exception as exc:  # noqa: BLE001 - a stopped session has no listeners left
                 logger.info("operator %s: query listener not removed: %s", self.name, exc)
         self._recorder.close()
-        with self._commit_lock:
+        with self._commits.lock:
             ready, self._ready = self._ready, None
         if ready is not None:
             ready.coordinator.close()
@@ -914,31 +855,6 @@ def _without_adaptive_execution(spark: Any) -> Iterator[None]:
             conf.unset(ADAPTIVE)
         else:
             conf.set(ADAPTIVE, previous)
-
-
-@dataclass(frozen=True)
-class _Ready:
-    """What the operator opens once, before its first batch."""
-
-    store: BlobStore
-    coordinator: CheckpointCoordinator
-    task_config: OperatorConfig
-    out_schema: Any  # the Spark schema of the output rows
-    static_conf: dict[str, str]  # spark.dstl.* of the SparkContext's conf (fixed for its life)
-    conf: dict[str, str]  # spark.dstl.* in effect: the SparkContext's and the session's
-
-
-def _acknowledge(coordinator: CheckpointCoordinator, checkpoint_id: int, reports: list[TaskReport]
-                 ) -> Completion | None:
-    """Acknowledge every partition's handle; the completion (the manifest written) if the last
-    acknowledgement completed the checkpoint."""
-    completion = None
-    for r in reports:
-        h = r.handle
-        completion = coordinator.acknowledge(checkpoint_id, f"p{r.partition}", h.to_json_obj(),
-                                             h.referenced_keys(), h.full_size,
-                                             h.incremental_size) or completion
-    return completion
 
 
 def _deployment_problem(error_text: str) -> str | None:

@@ -6,20 +6,30 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
-__all__ = ["BatchListener"]
+__all__ = ["BatchListener", "CommitsBatches"]
 
 logger = logging.getLogger(__name__)
+
+
+class CommitsBatches(Protocol):
+    """What the listener needs of the operator (:class:`~dstl.spark.DstlStatefulOperator`)."""
+
+    name: str
+
+    def on_batch_committed(self, batch_id: int, query_id: str,
+                           duration_ms: float = 0.0) -> None:
+        """Spark committed micro-batch ``batch_id`` of query ``query_id``."""
 
 
 class BatchListener(StreamingQueryListener):
     """Commits the operator's checkpoint of every batch Spark reports. Holds the operator
     weakly: a dropped operator leaves a listener that does nothing."""
 
-    def __init__(self, operator: Any) -> None:
+    def __init__(self, operator: CommitsBatches) -> None:
         self._operator = weakref.ref(operator)
 
     def onQueryStarted(self, event: Any) -> None:
