@@ -18,7 +18,8 @@ Per micro-batch (``writeStream.foreachBatch(op.foreach_batch)``):
    writes a new attempt, so state updates are exactly-once), subsumes old checkpoints and
    deletes what no retained checkpoint needs.
 4. The outputs go to the user's sink as a DataFrame of the rows the tasks made, kept on the
-   executors (persisted): only the report rows reach the driver (:meth:`_run_tasks`).
+   executors (persisted): only the report rows reach the driver
+   (:func:`dstl.spark.batch_job.run_batch_tasks`).
 
 The base of batch N is the newest retained checkpoint below N, so a re-run of a batch starts from
 the same state as the first run.
@@ -27,18 +28,18 @@ the same state as the first run.
 constructor's checks in :mod:`dstl.spark.operator_checks`, the session's settings in
 :mod:`dstl.spark.session_conf`, a batch's base and times in :mod:`dstl.spark.batch_base`, the
 batches' stats, progress and metrics endpoint in :mod:`dstl.spark.batch_record`, the
-checkpoints of the batches inside the query in :mod:`dstl.spark.batch_commit`.
+checkpoints of the batches inside the query in :mod:`dstl.spark.batch_commit`, what
+:meth:`~DstlStatefulOperator.transform` adds to the user's plan in :mod:`dstl.spark.query_plan`,
+and the Spark job of a ``foreach_batch`` batch in :mod:`dstl.spark.batch_job`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dstl.checkpoint import CheckpointCoordinator
@@ -47,15 +48,20 @@ from dstl.checks import (
     check_optional_path,
 )
 from dstl.errors import (
-    OutputSchemaError,
     UsageError,
 )
 from dstl.options import DstlOptions
 from dstl.retry import RetryPolicy
 from dstl.spark.batch_base import BatchTime, driver_version, event_time_ms
 from dstl.spark.batch_commit import InQueryCommits, Ready, acknowledge
+from dstl.spark.batch_job import (
+    batch_reports,
+    run_batch_tasks,
+    with_initial_state,
+    without_adaptive_execution,
+)
 from dstl.spark.batch_record import BatchRecorder, BatchTimes, batch_stats
-from dstl.spark.config import OperatorConfig, TaskInput, processor_id
+from dstl.spark.config import OperatorConfig, processor_id
 from dstl.spark.jobdesc import BatchJobs, outcome_label, tasks_label
 from dstl.spark.operator_checks import (
     OWNER,
@@ -65,7 +71,15 @@ from dstl.spark.operator_checks import (
     spark_schema,
 )
 from dstl.spark.progress import ProgressListener
-from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
+from dstl.spark.query_plan import (
+    check_transform,
+    late_rows_field,
+    plan_name,
+    routing_sql,
+    stage_initial_state,
+    with_observed_metrics,
+)
+from dstl.spark.report import REPORT_COLUMN
 from dstl.spark.session_conf import (
     check_conf_unchanged,
     dstl_keys,
@@ -334,9 +348,9 @@ class DstlStatefulOperator:
         p = self.partitions
         rows_df = spark.range(0, p, 1, p).selectExpr(
             "cast(id as int) as _dstl_pid",
-            f"{_routing_sql('cast(id as string)', self.max_parallelism, p)} as _dstl_routed")
+            f"{routing_sql('cast(id as string)', self.max_parallelism, p)} as _dstl_routed")
         try:
-            with _without_adaptive_execution(spark):
+            with without_adaptive_execution(spark):
                 rows = (rows_df.repartitionById(p, "_dstl_pid").mapInArrow(task, WARM_UP_SCHEMA)
                         .toArrow().to_pylist())
             out["partitions"] = {int(r["partition"]): json.loads(r["outcome"]) for r in rows}
@@ -426,7 +440,8 @@ class DstlStatefulOperator:
 
         from dstl.spark.query import run_in_query
 
-        self._check_transform(df)
+        check_transform(df, self.name, self.sink is not None, self.time.late_sink is not None,
+                        self.time.late_column)
         spark = df.sparkSession
         ready = self._ensure_ready(spark)
         self._commits.commit_pending(ready)
@@ -434,17 +449,18 @@ class DstlStatefulOperator:
         key_type = self._key_type(df)
         with_initial = self.initial_state is not None
         if with_initial:
-            self._stage_initial_state(ready, df)
+            stage_initial_state(ready, df, self.initial_state, self.key_column, self.partitions,
+                                self.max_parallelism, self.name)
         late_field, out_schema = None, ready.out_schema
         if self.time.late_rows == "side_output":
-            late_field, out_schema = self._late_field(df, out_schema)
+            late_field, out_schema = late_rows_field(df, out_schema, self.time.late_column)
         event_column = self.time.event_time_column
         if event_column is not None:
             df = df.withColumn(EVENT_TIME_COLUMN, event_time_ms(df, event_column))
         tasks = self._task_count(spark)
         key = f"`{self.key_column}`"
         hashed = key if key_type == "binary" else f"cast({key} as string)"
-        pid = F.expr(_routing_sql(hashed, self.max_parallelism, self.partitions))
+        pid = F.expr(routing_sql(hashed, self.max_parallelism, self.partitions))
         cfg, delay_ms = ready.task_config, self.time.delay_ms
         event_time, version = event_column is not None, driver_version()
 
@@ -456,93 +472,9 @@ class DstlStatefulOperator:
         task.__name__ = task.__qualname__ = plan_name(self.name)
 
         self._listen(spark)
-        return _with_observed_metrics(
+        return with_observed_metrics(
             df.withColumn("_dstl_pid", pid).repartitionById(tasks, "_dstl_pid"), task,
             out_schema, f"dstl.{self.name}")
-
-    def _late_field(self, df: Any, out_schema: Any) -> tuple[Any, Any]:
-        """The late rows' column (``late_rows="side_output"``): a struct of ``df``'s columns,
-        as the Arrow field the state tasks write and the output schema with it appended."""
-        import pyarrow as pa
-        from pyspark.sql.pandas.types import to_arrow_type
-        from pyspark.sql.types import StructField, StructType
-
-        struct = StructType(list(df.schema.fields))
-        late = StructField(self.time.late_column, struct, True)
-        arrow = pa.field(late.name, to_arrow_type(struct, timezone="UTC"), True)
-        return arrow, StructType([*out_schema.fields, late])
-
-    def _stage_initial_state(self, ready: Ready, df: Any) -> None:
-        """Stage the ``initial_state`` in the store for the query's first batch
-        (:mod:`dstl.spark.initial`) unless the state exists (a checkpoint, or results of a
-        batch: the initial state was applied) or a staging finished before (a driver that
-        stopped before the first batch committed): one batch job, rows routed by key group in
-        the JVM as the input is, written by the executors; then the marker, last."""
-        from pyspark.sql import functions as F
-
-        from dstl.spark.initial import (
-            KEY_GROUP_COLUMN,
-            STAGED_SCHEMA,
-            StagedInitialState,
-            StagedObject,
-            attempt_prefix,
-            forget,
-            read_marker,
-            stage_rows,
-            write_marker,
-        )
-        from dstl.spark.query import has_batches
-
-        store = ready.store
-        if has_batches(store):
-            forget(store)  # left by a driver that stopped before deleting it
-            return
-        if read_marker(store) is not None:
-            return  # staged by an earlier driver: the first batch's plan may name it
-        started = time.monotonic()
-        forget(store)  # objects of a staging that did not finish
-        init = self.initial_state
-        key_type = df.schema[self.key_column].dataType
-        key = F.col(f"`{self.key_column}`").cast(key_type)
-        hashed = key if key_type.typeName() == "binary" else key.cast("string")
-        kg = F.pmod(F.xxhash64(hashed), F.lit(self.max_parallelism)).cast("int")
-        packed = init.select(key.alias(self.key_column),
-                             F.struct(*[F.col(f"`{c}`") for c in init.columns]).alias(
-                                 INITIAL_STATE_COLUMN),
-                             kg.alias(KEY_GROUP_COLUMN))
-        pid = F.expr(f"cast(({KEY_GROUP_COLUMN} * {self.partitions}) div "
-                     f"{self.max_parallelism} as int)")
-        cfg, prefix = ready.task_config, attempt_prefix()
-        maxp, partitions = self.max_parallelism, self.partitions
-
-        def task(batches: Any) -> Any:
-            from dstl.spark.runtime import runtime_for
-
-            return stage_rows(runtime_for(cfg).storage.store, prefix, batches, maxp, partitions)
-
-        task.__name__ = task.__qualname__ = plan_name(self.name) + "_initial_state"
-        rows = (packed.withColumn("_dstl_pid", pid).repartitionById(partitions, "_dstl_pid")
-                .mapInArrow(task, STAGED_SCHEMA).collect())
-        staged = write_marker(store, StagedInitialState(tuple(
-            StagedObject(r["object"], int(r["kg_start"]), int(r["kg_end"])) for r in rows)))
-        logger.info("operator %s: initial state staged for the first batch in %d objects "
-                    "(%.2fs)", self.name, len(staged.objects), time.monotonic() - started)
-
-    def _check_transform(self, df: Any) -> None:
-        """Refuse what :meth:`transform` cannot do (see its ``Raises``)."""
-        if not getattr(df, "isStreaming", False):
-            raise UsageError(f"operator {self.name!r}: transform takes a streaming DataFrame "
-                             "(spark.readStream...); for a batch DataFrame call "
-                             "op.foreach_batch(df, batch_id)")
-        for given, what, instead in (
-                (self.sink is not None, "a sink", "the output DataFrame is the sink's input"),
-                (self.time.late_sink is not None, "a late_sink",
-                 f"late rows are rows of the output DataFrame, in its "
-                 f"{self.time.late_column!r} column")):
-            if given:
-                raise UsageError(f"operator {self.name!r} has {what}, which only "
-                                 f"foreach_batch supports; inside the query {instead} (drop "
-                                 "the argument)")
 
     def wait_for_checkpoint(self, batch_id: int, timeout_s: float = 60.0) -> bool:
         """Wait until the checkpoint of batch ``batch_id`` (or a later one) is written: inside
@@ -615,17 +547,21 @@ class DstlStatefulOperator:
         df, late_df = self._batch_time.split_late(df, task_input.watermark_ms)
         initial = self.initial_state is not None and task_input.base_checkpoint < 0
         if initial:
-            df = self._with_initial_state(df)  # no checkpoint yet: the query's first batch
+            # no checkpoint yet: the query's first batch
+            df = with_initial_state(df, self.initial_state, self.key_column)
         tasks = self._task_count(df.sparkSession)
         with BatchJobs(df.sparkSession.sparkContext, self.name, batch_id) as jobs:
             jobs.label(tasks_label(self.partitions, task_input.base_checkpoint, initial, tasks))
             checkpoint_id = ready.coordinator.trigger(
                 [f"p{i}" for i in range(self.partitions)], checkpoint_id=batch_id)
-            kept, report_rows = self._run_tasks(ready, df, key_type, task_input,
-                                                checkpoint_id, tasks)
+            kept, report_rows = run_batch_tasks(
+                ready, df, key_type, task_input, checkpoint_id, tasks, name=self.name,
+                key_column=self.key_column, partitions=self.partitions,
+                max_parallelism=self.max_parallelism, keep_outputs=self.sink is not None)
             try:
                 tasks_done = time.monotonic()
-                reports = self._reports(ready.coordinator, checkpoint_id, report_rows)
+                reports = batch_reports(ready.coordinator, checkpoint_id, report_rows,
+                                        self.partitions)
                 next_wm = self._batch_time.commit_properties(ready.coordinator, checkpoint_id,
                                                   task_input, reports)
                 completion = acknowledge(ready.coordinator, checkpoint_id, reports)
@@ -646,21 +582,6 @@ class DstlStatefulOperator:
                      watermark_ms=task_input.watermark_ms, next_watermark_ms=next_wm)
         self._recorder.record(ready.coordinator, stats, reports, wall_start)
 
-    def _with_initial_state(self, df: Any) -> Any:
-        """``df`` plus one row per row of ``initial_state``: its key (cast to the input's key
-        type) and the whole row packed into the ``INITIAL_STATE_COLUMN`` struct (null on input
-        rows), so both are routed by key in one job."""
-        from pyspark.sql import functions as F
-
-        init = self.initial_state
-        key_type = df.schema[self.key_column].dataType
-        packed = init.select(F.col(f"`{self.key_column}`").cast(key_type).alias(self.key_column),
-                             F.struct(*[F.col(f"`{c}`") for c in init.columns]).alias(
-                                 INITIAL_STATE_COLUMN))
-        struct_type = packed.schema[INITIAL_STATE_COLUMN].dataType
-        return df.withColumn(INITIAL_STATE_COLUMN, F.lit(None).cast(struct_type)).unionByName(
-            packed, allowMissingColumns=True)
-
     # ------------------------------------------------------------------ time
 
     def _key_type(self, df: Any) -> str:
@@ -675,72 +596,6 @@ class DstlStatefulOperator:
                              f"must be one of {', '.join(_KEY_TYPES)} (cast it first)")
         return str(key_type)
 
-    def _task_input(self, coordinator: CheckpointCoordinator, batch_id: int) -> TaskInput:
-        """The batch's base and times (:meth:`BatchTime.task_input
-        <dstl.spark.batch_base.BatchTime.task_input>`)."""
-        return self._batch_time.task_input(coordinator, batch_id)
-
-    def _run_tasks(self, ready: Ready, df: Any, key_type: str, task_input: TaskInput,
-                   checkpoint_id: int, tasks: int) -> tuple[Any, list[str]]:
-        """Route the rows to partitions by key group in the JVM and run the partitions in
-        ``tasks`` Spark tasks (:meth:`_task_count`). Returns the tasks' rows kept on the
-        executors (``None`` without a sink) and their report rows (JSON text, one per
-        partition: the only rows the driver receives). A failed job aborts the checkpoint.
-
-        The output rows stay where the tasks made them: the job's result is persisted
-        (memory, spilling to disk) and only the report column comes to the driver, so a batch's
-        output is bounded by the executors' storage, not by ``spark.driver.maxResultSize`` or
-        the driver's memory; the sink then reads the persisted rows (its own job, on the
-        executors). The caller unpersists them once the sink returned. If a persisted block is
-        lost before the sink reads it (its executor died), Spark computes that partition
-        again: a task of the same batch on the same base, which a re-run partition already is
-        (:mod:`dstl.spark.task`), whose report the driver never reads."""
-        from pyspark import StorageLevel
-        from pyspark.sql import functions as F
-        from pyspark.sql.types import StringType, StructField, StructType
-
-        from dstl.spark.task import run_partition, run_partitions
-
-        cfg = ready.task_config
-        key = f"`{self.key_column}`"
-        hashed = key if key_type == "binary" else f"cast({key} as string)"
-        pid = F.expr(_routing_sql(hashed, self.max_parallelism, self.partitions))
-
-        def task(batches: Any) -> Any:
-            return run_partition(cfg, task_input, batches)
-
-        def grouped_task(batches: Any) -> Any:
-            return run_partitions(cfg, task_input, batches, tasks)
-
-        schema = StructType([*ready.out_schema.fields,
-                             StructField(REPORT_COLUMN, StringType(), True)])
-        kept = None
-        try:
-            with _without_adaptive_execution(df.sparkSession):
-                # repartitionById takes the partition modulo ``tasks``: p -> task p mod tasks
-                result = (df.withColumn("_dstl_pid", pid)
-                          .repartitionById(tasks, "_dstl_pid")
-                          .mapInArrow(task if tasks == self.partitions else grouped_task,
-                                      schema))
-                if self.sink is not None:
-                    # planned here, with AQE off: the cache keeps this plan
-                    kept = result = result.persist(StorageLevel.MEMORY_AND_DISK)
-                reports = [r[0] for r in result.where(F.col(REPORT_COLUMN).isNotNull())
-                           .select(REPORT_COLUMN).collect()]
-            return kept, reports
-        except BaseException as exc:
-            if kept is not None:
-                kept.unpersist(blocking=False)
-            ready.coordinator.abort(checkpoint_id, f"batch {checkpoint_id} failed: {type(exc).__name__}")
-            deployment = _deployment_problem(str(exc))
-            if deployment is not None:
-                raise UsageError(f"operator {self.name!r}, batch {checkpoint_id}: "
-                                 f"{deployment}") from exc
-            typed = _task_output_error(exc)
-            if typed is not None:
-                raise typed from exc
-            raise
-
     def _task_count(self, spark: Any) -> int:
         """Spark tasks of this batch: ``tasks``, else one per task slot (at most one per
         partition)."""
@@ -750,25 +605,6 @@ class DstlStatefulOperator:
             slots = spark.conf.get("spark.default.parallelism", None)
             return max(1, min(self.partitions, int(slots))) if slots else self.partitions
         return max(1, min(self.partitions, int(spark.sparkContext.defaultParallelism)))
-
-    def _reports(self, coordinator: CheckpointCoordinator, checkpoint_id: int,
-                 rows: list[str]) -> list[TaskReport]:
-        """One report per partition, validated.
-
-        Raises:
-            UsageError: a partition's report is missing; TaskReportError: one is malformed
-                (either aborts the checkpoint).
-        """
-        try:
-            reports = [TaskReport.from_json(r) for r in rows]
-        except TaskReportError:
-            coordinator.abort(checkpoint_id, "malformed task report")
-            raise
-        missing = set(range(self.partitions)) - {r.partition for r in reports}
-        if missing:
-            coordinator.abort(checkpoint_id, "missing task results")
-            raise UsageError(f"batch {checkpoint_id}: results of partitions {sorted(missing)} are missing")
-        return reports
 
     def close(self) -> None:
         """Stop the coordinator (pending deletions finish), the metrics endpoint, and release
@@ -786,101 +622,3 @@ class DstlStatefulOperator:
         if ready is not None:
             ready.coordinator.close()
             ready.store.close()
-
-
-def _with_observed_metrics(routed: Any, task: Any, out_schema: Any, observation: str) -> Any:
-    """``routed`` through the state tasks (``mapInArrow``: the output rows, then one metrics
-    row per partition), each task's metrics rows feeding the query's observed metrics
-    ``observation`` (:data:`dstl.spark.query.METRICS`), then left out: the output rows.
-    The aggregates are SQL text, parsed in one py4j call each (a Column built in Python costs
-    a dozen): the plan is built at every query start."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, LongType, StructField, StructType
-
-    from dstl.spark.query import METRICS, METRICS_COLUMN
-
-    schema = StructType([*out_schema.fields,
-                         StructField(METRICS_COLUMN, ArrayType(LongType(), True), True)])
-    aggregates = [F.expr(f"{agg}({METRICS_COLUMN}[{i}]) AS {m}")
-                  for i, (m, (agg, _)) in enumerate(METRICS.items())]
-    return (routed.mapInArrow(task, schema)
-            .observe(observation, *aggregates)
-            .where(F.col(METRICS_COLUMN).isNull())
-            .drop(METRICS_COLUMN))
-
-
-def plan_name(name: str) -> str:
-    """The operator's name as it appears in Spark's query plan (the state tasks' UDF):
-    ``dstl_`` and the name with every character that is not a letter, digit or ``_`` as ``_``."""
-    return "dstl_" + re.sub(r"\W", "_", name)
-
-
-def _routing_sql(hashed: str, max_parallelism: int, partitions: int) -> str:
-    """The partition of a key, in Spark SQL over the key's hashed form (a string or binary
-    column expression): its key group (``pmod(xxhash64(...), max_parallelism)``, which is
-    :func:`dstl.key_group_for`), scaled to the partitions as Flink does."""
-    return (f"cast((pmod(xxhash64({hashed}), {max_parallelism}) * {partitions}) "
-            f"div {max_parallelism} as int)")
-
-
-#: Spark's switch for adaptive query execution (AQE).
-ADAPTIVE = "spark.sql.adaptive.enabled"
-
-
-@contextmanager
-def _without_adaptive_execution(spark: Any) -> Iterator[None]:
-    """Plan and run the state tasks' job with AQE off; the session's setting is given back
-    after, also when the job fails.
-
-    With AQE on (Spark's default, and it stays on inside ``foreachBatch``), the routing shuffle
-    runs as a job of its own (the map stage), the plan is optimized again, and the state tasks
-    run as a second job: two job submissions and a re-planning per batch, for nothing AQE could
-    change here (``repartitionById`` fixes the partition count, and a task must see exactly its
-    partition's rows, so neither coalescing nor skew splits may apply). With AQE off it is one
-    job of two stages, as Spark's own stateful operators run (Structured Streaming plans them
-    without AQE). The switch is read when the plan is made (``persist``, the reports' ``collect``); it is set on
-    the batch's session (under Structured Streaming the query's own clone of the user's), so
-    another thread planning on that same session during the job would plan without AQE too.
-    """
-    conf = spark.conf
-    previous = conf.get(ADAPTIVE, None)
-    if previous is not None and str(previous).strip().lower() == "false":
-        yield  # already off: nothing to set or give back
-        return
-    conf.set(ADAPTIVE, "false")
-    try:
-        yield
-    finally:
-        if previous is None:
-            conf.unset(ADAPTIVE)
-        else:
-            conf.set(ADAPTIVE, previous)
-
-
-def _deployment_problem(error_text: str) -> str | None:
-    """What a failed job's error says about the executors' DSTL, if anything: a version other
-    than the driver's, or none at all (the user's code runs, DSTL cannot be imported)."""
-    from dstl.spark.task import VERSION_MISMATCH
-
-    for line in error_text.splitlines():
-        if VERSION_MISMATCH in line:
-            return line[line.index(VERSION_MISMATCH):][:800]
-    if "No module named 'dstl'" in error_text or "No module named 'materializer'" in \
-            error_text:
-        return ("the executors' Python cannot import DSTL (No module named 'dstl'): set "
-                "PYSPARK_PYTHON to an interpreter that has the driver's DSTL installed, or ship "
-                "it with a packed virtualenv (--archives) or a container image (docs/deploy.md)")
-    return None
-
-
-#: How an executor's OutputSchemaError appears in the text of the Spark job's failure.
-_OUTPUT_ERROR_RE = re.compile(r"(?:dstl\.errors\.)?OutputSchemaError: (.+)")
-
-
-def _task_output_error(exc: BaseException) -> OutputSchemaError | None:
-    """The executor's :class:`OutputSchemaError` (its message) when it failed the Spark job,
-    else None: Spark wraps a Python worker's exception in its own, as text."""
-    if isinstance(exc, OutputSchemaError):
-        return exc
-    m = _OUTPUT_ERROR_RE.search(str(exc))
-    return OutputSchemaError(m.group(1).strip()) if m else None

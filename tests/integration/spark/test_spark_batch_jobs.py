@@ -17,7 +17,7 @@ from spark_support import spark  # noqa: F401
 from support.processors import Count, Poison
 
 from dstl.spark import DstlStatefulOperator
-from dstl.spark.operator import ADAPTIVE
+from dstl.spark.batch_job import ADAPTIVE
 
 pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark")]
 

@@ -165,6 +165,7 @@ def test_the_operator_refuses_the_state_of_another_query_with_the_same_message(
         tmp_path: Path) -> None:
     from dstl.checkpoint import CheckpointCoordinator
     from dstl.spark import DstlStatefulOperator, StatefulProcessor
+    from dstl.spark.batch_base import BatchTime
 
     class Nothing(StatefulProcessor):
         def handle_input_rows(self, key: Any, rows: Any) -> Any:
@@ -179,8 +180,9 @@ def test_the_operator_refuses_the_state_of_another_query_with_the_same_message(
     op = DstlStatefulOperator(name="op", processor=Nothing, key_column="key",
                               output_schema="key string", state_uri=str(tmp_path / "state"),
                               partitions=1, sink=lambda df, batch: None)
+    batch_time = BatchTime(op.time, op.state_uri, lambda: 0)  # what the operator's batch uses
     with pytest.raises(UsageError) as info:
-        op._task_input(coordinator, 0)
+        batch_time.task_input(coordinator, 0)
     assert str(info.value) == query.state_of_another_query(0, str(tmp_path / "state"),
                                                            (0, 1)).args[0]
     assert str(info.value).startswith(f"batch 0 cannot continue the state in {tmp_path}/state: "

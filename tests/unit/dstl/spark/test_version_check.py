@@ -6,7 +6,7 @@ import pytest
 
 import dstl
 from dstl.errors import UsageError
-from dstl.spark.operator import _deployment_problem
+from dstl.spark.batch_job import deployment_problem
 from dstl.spark.task import check_version
 
 
@@ -20,8 +20,8 @@ def test_same_or_unset_version_passes_and_another_fails() -> None:
 def test_driver_recognises_deployment_problems_in_job_errors() -> None:
     job = ("py4j.protocol.Py4JJavaError: ...\n  File \"task.py\", line 3\n"
            "dstl.errors.UsageError: DSTL version mismatch: the driver runs DSTL 1, ...\n")
-    found = _deployment_problem(job)
+    found = deployment_problem(job)
     assert found is not None and found.startswith("DSTL version mismatch: the driver runs DSTL 1")
-    missing = _deployment_problem("ModuleNotFoundError: No module named 'dstl'")
+    missing = deployment_problem("ModuleNotFoundError: No module named 'dstl'")
     assert missing is not None and "PYSPARK_PYTHON" in missing
-    assert _deployment_problem("ValueError: processor refused the poison key") is None
+    assert deployment_problem("ValueError: processor refused the poison key") is None
