@@ -107,7 +107,7 @@ def main() -> None:
     work, partitions = sys.argv[1], int(sys.argv[2])
     kill_at = sys.argv[3] if len(sys.argv) > 3 else ""
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
+    sys.path[:0] = [here, os.path.dirname(os.path.dirname(here))]  # and tests/
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
     if kill_at in ("task", "tasks-done", "staging"):

@@ -54,8 +54,9 @@ print(json.dumps({"found": found, "dstl_imported": sorted(
 #: A fresh session reading the state, never registering (one core: one executor worker to
 #: start, and each new Python worker of a read imports DSTL)
 _SESSION = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
+import json, os, sys
+# tests/integration/spark (spark_support) and tests/ (the support package it uses)
+sys.path[:0] = [sys.argv[1], os.path.dirname(os.path.dirname(sys.argv[1]))]
 from spark_support import new_session
 
 root, out = sys.argv[2], sys.argv[3]
