@@ -14,9 +14,8 @@ import logging
 from typing import Any, Protocol
 
 from dstl.errors import StateSchemaError
-from dstl.keygroups import KeyGroupRange
 from materializer.changes import SET, SET_INTERNAL
-from materializer.codecs import TTL_CODEC_PREFIX, Codec
+from materializer.codecs import TTL_CODEC_PREFIX
 from materializer.schema import (
     compatibility_problems,
     compile_checker,
@@ -24,6 +23,7 @@ from materializer.schema import (
     read_recorded,
     type_string,
 )
+from materializer.state_access import TableSide
 from materializer.state_registry import Registration
 from materializer.states import StateShape
 
@@ -32,18 +32,10 @@ __all__ = ["RewriteTarget", "adopt_declared_type"]
 logger = logging.getLogger(__name__)
 
 
-class RewriteTarget(Protocol):
+class RewriteTarget(TableSide, Protocol):
     """What the conversion needs of the backend's write path: the table, its kind and key
     groups, the key codec, and the logged write of an entry given by its bytes. Implemented by
     :class:`~materializer.state_access.StateTableAccess`."""
-
-    operator_id: str
-    key_groups: KeyGroupRange
-    table_kind: str
-    tables: Any
-
-    @property
-    def key_codec(self) -> Codec: ...
 
     def entry_bytes(self, sid: int, key: Any, ns: Any) -> tuple[bytes, bytes]: ...
 

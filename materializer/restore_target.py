@@ -40,7 +40,7 @@ from materializer.changes import (
 from materializer.codecs import Codec
 from materializer.delta_format import DeltaEntry
 from materializer.replay import load_block
-from materializer.state_access import NamespaceCodec
+from materializer.state_access import NamespaceCodec, TableSide
 from materializer.state_registry import Registration, StateRegistry
 
 __all__ = ["RestoreTable", "RestoreTarget"]
@@ -48,21 +48,10 @@ __all__ = ["RestoreTable", "RestoreTarget"]
 _U32_PACK = struct.Struct(">I").pack
 
 
-class RestoreTable(Protocol):
+class RestoreTable(TableSide, Protocol):
     """What a restore needs of the backend's table side: the table, its kind and key groups, the
     codecs, and how a value that does not decode is named. Implemented by
     :class:`~materializer.state_access.StateTableAccess`."""
-
-    operator_id: str
-    key_groups: KeyGroupRange
-    table_kind: str
-    tables: Any
-
-    @property
-    def key_codec(self) -> Codec: ...
-
-    @property
-    def namespace_codec(self) -> NamespaceCodec: ...
 
     def stored_value_error(self, exc: CorruptObjectError, sid: int, where: str) -> DstlError: ...
 

@@ -39,14 +39,13 @@ from dstl.layout import snapshot_key
 from dstl.retry import RetryBudget, RetryPolicy
 from dstl.stores.base import BlobStore, translate_error
 from dstl.writer import ChangelogWriter
-from materializer.codecs import Codec
 from materializer.compaction import FULL, MERGE, next_piece
 from materializer.delta_format import DeltaMeta, DeltaReader, encode_delta
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.handles import SnapshotRef
 from materializer.manager import MaterializedBase
 from materializer.options import BackendOptions
-from materializer.state_access import ChangedEntries, NamespaceCodec
+from materializer.state_access import ChangedEntries, TableSide
 from materializer.state_registry import StateRegistry
 
 __all__ = ["SnapshotTable", "SnapshotWriters", "new_snapshot_key", "upload_snapshot"]
@@ -54,21 +53,10 @@ __all__ = ["SnapshotTable", "SnapshotWriters", "new_snapshot_key", "upload_snaps
 logger = logging.getLogger(__name__)
 
 
-class SnapshotTable(Protocol):
+class SnapshotTable(TableSide, Protocol):
     """What the snapshot writers need of the backend's table side: the table, its kind and key
     groups, the codecs, and the entries changed since the previous cut. Implemented by
     :class:`~materializer.state_access.StateTableAccess`."""
-
-    operator_id: str
-    key_groups: KeyGroupRange
-    table_kind: str
-    tables: Any
-
-    @property
-    def key_codec(self) -> Codec: ...
-
-    @property
-    def namespace_codec(self) -> NamespaceCodec: ...
 
     def take_changes(self) -> ChangedEntries | None: ...
 

@@ -45,7 +45,7 @@ from materializer.codecs import Codec, SafeCodec, decode_hashable
 from materializer.state_registry import Registration, StateRegistry
 from materializer.states import StateShape
 
-__all__ = ["ChangedEntries", "ManagerHooks", "NamespaceCodec", "StateTableAccess"]
+__all__ = ["ChangedEntries", "ManagerHooks", "NamespaceCodec", "StateTableAccess", "TableSide"]
 
 _pack_op_sid = OP_SID.pack
 
@@ -75,6 +75,24 @@ class NamespaceCodec:
 
     def decode(self, data: bytes) -> Any:
         return None if not data else decode_hashable(self._safe, data, "namespace")
+
+
+class TableSide(Protocol):
+    """What every job of a backend sees of its table side: the operator, its key groups, the
+    table and its kind, and the codecs. The jobs' own Protocols extend it
+    (``RestoreTable``, ``SnapshotTable``, ``RewriteTarget``); :class:`StateTableAccess`
+    implements them all."""
+
+    operator_id: str
+    key_groups: KeyGroupRange
+    table_kind: str
+    tables: Any
+
+    @property
+    def key_codec(self) -> Codec: ...
+
+    @property
+    def namespace_codec(self) -> NamespaceCodec: ...
 
 
 class StateTableAccess:
