@@ -22,7 +22,7 @@ from dstl.checkpoint import CheckpointCoordinator
 from dstl.errors import OutputSchemaError, UsageError
 from dstl.spark.batch_commit import Ready
 from dstl.spark.config import TaskInput
-from dstl.spark.query_plan import routing_sql
+from dstl.spark.query_plan import key_routing_sql
 from dstl.spark.report import INITIAL_STATE_COLUMN, REPORT_COLUMN, TaskReport, TaskReportError
 
 __all__ = ["ADAPTIVE", "batch_reports", "deployment_problem", "run_batch_tasks",
@@ -68,9 +68,7 @@ def run_batch_tasks(ready: Ready, df: Any, key_type: str, task_input: TaskInput,
     from dstl.spark.task import run_partition, run_partitions
 
     cfg = ready.task_config
-    key = f"`{key_column}`"
-    hashed = key if key_type == "binary" else f"cast({key} as string)"
-    pid = F.expr(routing_sql(hashed, max_parallelism, partitions))
+    pid = F.expr(key_routing_sql(key_column, key_type, max_parallelism, partitions))
 
     def task(batches: Any) -> Any:
         return run_partition(cfg, task_input, batches)

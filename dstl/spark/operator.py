@@ -73,6 +73,7 @@ from dstl.spark.operator_checks import (
 from dstl.spark.progress import ProgressListener
 from dstl.spark.query_plan import (
     check_transform,
+    key_routing_sql,
     late_rows_field,
     plan_name,
     routing_sql,
@@ -458,9 +459,8 @@ class DstlStatefulOperator:
         if event_column is not None:
             df = df.withColumn(EVENT_TIME_COLUMN, event_time_ms(df, event_column))
         tasks = self._task_count(spark)
-        key = f"`{self.key_column}`"
-        hashed = key if key_type == "binary" else f"cast({key} as string)"
-        pid = F.expr(routing_sql(hashed, self.max_parallelism, self.partitions))
+        pid = F.expr(key_routing_sql(self.key_column, key_type, self.max_parallelism,
+                                     self.partitions))
         cfg, delay_ms = ready.task_config, self.time.delay_ms
         event_time, version = event_column is not None, driver_version()
 

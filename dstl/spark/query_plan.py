@@ -20,8 +20,8 @@ from dstl.errors import UsageError
 from dstl.spark.batch_commit import Ready
 from dstl.spark.report import INITIAL_STATE_COLUMN
 
-__all__ = ["check_transform", "late_rows_field", "plan_name", "routing_sql", "stage_initial_state",
-           "with_observed_metrics"]
+__all__ = ["check_transform", "key_routing_sql", "late_rows_field", "plan_name", "routing_sql",
+           "stage_initial_state", "with_observed_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +148,11 @@ def routing_sql(hashed: str, max_parallelism: int, partitions: int) -> str:
     :func:`dstl.key_group_for`), scaled to the partitions as Flink does."""
     return (f"cast((pmod(xxhash64({hashed}), {max_parallelism}) * {partitions}) "
             f"div {max_parallelism} as int)")
+
+
+def key_routing_sql(key_column: str, key_type: str, max_parallelism: int, partitions: int) -> str:
+    """:func:`routing_sql` over the key column ``key_column`` of Spark type ``key_type``: a
+    binary key is hashed as its bytes, any other as its string form."""
+    key = f"`{key_column}`"
+    hashed = key if key_type == "binary" else f"cast({key} as string)"
+    return routing_sql(hashed, max_parallelism, partitions)
