@@ -45,6 +45,7 @@ FILE = BackendOptions(materialization_interval_s=None, materialize_log_ratio=Non
 ENTRIES = FILE.replace(lmdb_snapshot_format="entries")
 KEYS = [f"user-{i}" for i in range(300)]
 GOLDEN = Path(__file__).resolve().parents[2] / "data" / "format" / "v1" / "checkpoint"
+GOLDEN_V2_LAYOUT1 = GOLDEN.parents[1] / "v2_layout1" / "checkpoint"
 
 Model = dict[tuple[str, str, Any], Any]
 
@@ -241,14 +242,24 @@ def test_rescale_from_file_snapshots(storage: ChangelogStorage, tmp_path: Path, 
 
 def test_v1_golden_checkpoint_still_restores(tmp_path: Path) -> None:
     """Objects written by the v1 writer (LMDB and heap backends) restore into both tables."""
-    store = LocalBlobStore(GOLDEN / "store")
+    _golden_restores(GOLDEN, ("lmdb", "heap"), 1, tmp_path)
+
+
+def test_v2_layout1_golden_checkpoint_still_restores(tmp_path: Path) -> None:
+    """File-level snapshots (v2) of a table of key layout "1" restore into both tables."""
+    _golden_restores(GOLDEN_V2_LAYOUT1, ("lmdb",), 2, tmp_path)
+
+
+def _golden_restores(golden: Path, sources: tuple[str, ...], version: int, tmp_path: Path
+                     ) -> None:
+    store = LocalBlobStore(golden / "store")
     storage = ChangelogStorage(store=store, options=DstlOptions(persist_delay_s=0.0))
-    handles = json.loads((GOLDEN / "handles.json").read_text())
-    model = json.loads((GOLDEN / "model.json").read_text())
+    handles = json.loads((golden / "handles.json").read_text())
+    model = json.loads((golden / "model.json").read_text())
     try:
-        for src in ("lmdb", "heap"):
+        for src in sources:
             h = ChangelogStateBackendHandle.from_json(handles[src])
-            assert all(store.get_range(m.key, 5, 1)[0] == 1 for m in h.materialized)
+            assert all(store.get_range(m.key, 5, 1)[0] == version for m in h.materialized)
             for dst in ("lmdb", "heap"):
                 r = restore_backend([h], storage, KeyGroupRange(0, 15), table=dst,
                                     operator_id=f"again-{src}-{dst}",
