@@ -32,7 +32,8 @@ Hierarchy::
     │   │   └── UnsafeHandleKeyError(UnsafePathError)
     │   ├── ChecksumMismatchError
     │   ├── TruncatedObjectError
-    │   └── UnsupportedFormatError
+    │   ├── UnsupportedFormatError
+    │   └── CorruptValueError              a state table's stored value does not decode
     ├── WriterFailedError                  a writer is poisoned by an earlier permanent failure
     ├── BatchInterruptedError              a Spark micro-batch cut short by its query's stop()
     ├── ProcessorError                     a user's stateful processor raised; names where
@@ -61,6 +62,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "CorruptObjectError",
+    "CorruptValueError",
     "DstlError",
     "KeyGroupError",
     "LeaseError",
@@ -379,6 +381,18 @@ class UnsupportedFormatError(CorruptObjectError):
         self.supported = supported
         super().__init__(key, offset, f"unsupported format {found} (this build reads {supported})",
                          hint="was it written by a newer DSTL, or is it not a DSTL object?")
+
+
+class CorruptValueError(CorruptObjectError):
+    """A value of a state table (its framing, its dictionary, its zstd frame) does not decode.
+
+    Attributes:
+        entry_key: the table key of the entry (or dictionary record) whose value is wrong.
+    """
+
+    def __init__(self, key: str, offset: int, entry_key: bytes, reason: str):
+        self.entry_key = entry_key
+        super().__init__(key, offset, f"value of table key {entry_key[:48]!r}: {reason}")
 
 
 # --------------------------------------------------------------------------- poisoned components
