@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support.worker_path import worker_pythonpath
+from support.worker_path import start_session, worker_pythonpath
 
 __all__ = ["Proc", "alive", "drop_gateway", "executor_pids", "kill", "new_cluster_session",
            "private_spark_home", "processes_under", "wait_gone"]
@@ -89,23 +89,10 @@ def new_cluster_session(name: str, root: Path, executors: int = 2, cores: int = 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = worker_pythonpath()
     builder = (SparkSession.builder.master(f"local-cluster[{executors},{cores},{memory_mb}]")
-               .appName(name)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", "1g")
-               .config("spark.local.dir", str(local))
-               .config("spark.sql.shuffle.partitions", "4")
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-               .config("spark.locality.wait", "0")
-               .config("spark.shuffle.reduceLocality.enabled", "false")
-               # a Python worker that starts slowly on a loaded machine may take longer than
-               # the 15 s default to connect back
-               .config("spark.python.authenticate.socketTimeout", "120s"))
-    for k, v in (conf or {}).items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+               .appName(name))
+    return start_session(builder, {"spark.local.dir": str(local), "spark.locality.wait": "0",
+                                   "spark.shuffle.reduceLocality.enabled": "false"}
+                         | (conf or {}))
 
 
 def drop_gateway(timeout_s: float = 30.0) -> None:

@@ -46,7 +46,7 @@ import pytest
 
 from support.spark_cluster import Proc, drop_gateway, kill, private_spark_home, processes_under
 from support.spark_cluster import wait_gone as _wait_gone
-from support.worker_path import worker_pythonpath
+from support.worker_path import start_session, worker_pythonpath
 
 __all__ = ["StandaloneCluster", "Worker", "free_port", "standalone_cluster"]
 
@@ -183,25 +183,12 @@ class StandaloneCluster:
         os.environ["PYSPARK_PYTHON"] = sys.executable
         env = self._env("127.0.0.1")
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-        builder = (SparkSession.builder.master(self.master_url).appName(name)
-                   .config("spark.driver.host", "127.0.0.1")
-                   .config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.driver.memory", "1g")
-                   .config("spark.executor.memory", "512m")
-                   .config("spark.executor.cores", str(self.cores))
-                   .config("spark.executor.extraJavaOptions", DAEMON_JAVA_OPTS)
-                   .config("spark.executorEnv.PYTHONPATH", env["PYTHONPATH"])
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.ui.showConsoleProgress", "false")
-                   .config("spark.sql.shuffle.partitions", "4")
-                   .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-                   .config("spark.locality.wait", "0")
-                   .config("spark.python.authenticate.socketTimeout", "120s"))
-        for k, v in (conf or {}).items():
-            builder = builder.config(k, v)
-        spark = builder.getOrCreate()
-        spark.sparkContext.setLogLevel("ERROR")
-        return spark
+        return start_session(SparkSession.builder.master(self.master_url).appName(name), {
+            "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+            "spark.executor.memory": "512m", "spark.executor.cores": str(self.cores),
+            "spark.executor.extraJavaOptions": DAEMON_JAVA_OPTS,
+            "spark.executorEnv.PYTHONPATH": env["PYTHONPATH"], "spark.locality.wait": "0",
+        } | (conf or {}))
 
     def wait_for_executors(self, spark: Any, n: int, timeout_s: float = START_TIMEOUT_S) -> None:
         """Return once ``n`` executors registered with the driver of ``spark``.

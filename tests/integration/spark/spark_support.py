@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from support.worker_path import worker_pythonpath
+from support.worker_path import start_session, worker_pythonpath
 
 
 def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | None = None) -> Any:
@@ -22,21 +22,7 @@ def new_session(name: str, master: str = "local[2,2]", conf: dict[str, str] | No
     # import the test modules that define processors (cloudpickle ships classes by reference)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = worker_pythonpath()
-    builder = (SparkSession.builder.master(master).appName(name)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "4")
-             .config("spark.driver.memory", "1g")
-             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-             # a Python worker that starts slowly on a loaded machine (the streaming source
-             # runner imports pyspark, pyarrow and dstl) may take longer than the 15 s default
-             # to connect back; the query would fail with "Python worker failed to connect back"
-             .config("spark.python.authenticate.socketTimeout", "120s"))
-    for k, v in (conf or {}).items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return start_session(SparkSession.builder.master(master).appName(name), conf or {})
 
 
 def _alive(session: Any) -> bool:
