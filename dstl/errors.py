@@ -388,10 +388,12 @@ class CorruptValueError(CorruptObjectError):
 
     Attributes:
         entry_key: the table key of the entry (or dictionary record) whose value is wrong.
+        detail: what is wrong with the value (``reason`` without the entry).
     """
 
     def __init__(self, key: str, offset: int, entry_key: bytes, reason: str):
         self.entry_key = entry_key
+        self.detail = reason
         super().__init__(key, offset, f"value of table key {entry_key[:48]!r}: {reason}")
 
 

@@ -310,13 +310,13 @@ def _take_snapshot(directory: str, key_groups: KeyGroupRange, zstd_level: int,
 def _write_file(snap: LmdbTableSnapshot, directory: str, marker: TableMarker, mat_id: int,
                 zstd_level: int) -> tuple[BinaryIO, int]:
     """A file-level snapshot (format v2) of the read transaction, spooled beside the table.
-    Returns the object's temporary file and the table's entry count (layout and marker not
+    Returns the object's temporary file and the table's entry count (the reserved records not
     counted)."""
     assert marker.boundary is not None
     meta = FileSnapshotMeta(marker.key_groups, marker.max_parallelism, marker.states,
-                            marker.operator_id, mat_id, boundary=marker.boundary,
+                            marker.operator_id, mat_id, snap.layout, boundary=marker.boundary,
                             extra={"checkpoint_id": marker.checkpoint_id})
-    entries = max(snap.entry_count() - 2, 0)
+    entries = max(snap.entry_count() - snap.reserved_records(), 0)
     return spool_table_snapshot(snap, meta, os.path.dirname(os.path.abspath(directory)),
                                 zstd_level=zstd_level), entries
 

@@ -8,8 +8,14 @@ The file came from a store: nothing hands it to LMDB, or reads it, before
 branch keys that separate their subtrees, overflow runs, counts), then DSTL's key layout: every
 key a data key of a key group of the snapshot's range — the key group its key's bytes hash to,
 as every lookup computes it (internal raw states excepted) — and of a state its metadata
-describes, with a key length that fits, or one of the two reserved records, the layout record
-present and of this layout version. What it accepts, LMDB reads and writes safely, and every
+describes, with a key length that fits, or a reserved record: the layout record (present, of
+layout ``"1"`` or ``"2"``), at most the table marker and, in layout ``"2"``, dictionary records.
+Layout ``"2"`` (:mod:`materializer.value_codec`): every dictionary record's number and size
+bounded and zstd loads it; every value has a tag byte, 0 or 1; a tag-1 value names a dictionary
+the file holds and its zstd frame's header parses, declares a content size within
+``max_decoded_bytes``, and the frame decodes to exactly that size (decoded once here, so a
+table installed from the file never meets a value that does not decode).
+What it accepts, LMDB reads and writes safely, and every
 path (restore into LMDB or the heap, range copy, the readers, ``dstl verify`` and
 ``dstl inspect``) sees the same entries; what it refuses is a
 :class:`~dstl.errors.CorruptObjectError` naming the object, the page and the entry.
@@ -20,30 +26,53 @@ a file (:mod:`restore.file_restore`), so a process that restores nothing never i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from dstl.errors import CorruptObjectError
+from dstl.errors import CorruptObjectError, CorruptValueError
 from dstl.key_hashes import key_groups_for
+from materializer.codecs import DEFAULT_MAX_DECODED_VALUE_BYTES
 from materializer.file_snapshot import FileSnapshotMeta
 from materializer.lmdb_pages import EntrySpans, LmdbFileError, entry_spans, parse_data_file
-from materializer.lmdb_table import KEY_PREFIX, LAYOUT_KEY, LAYOUT_VERSION, MARKER_KEY
+from materializer.lmdb_table import KEY_PREFIX, LAYOUT_KEY, LAYOUT_VERSIONS, MARKER_KEY
+from materializer.value_codec import TAG_DICT, TAG_RAW, ValueCodec, dictionary_number
 
 __all__ = ["ValidFile", "check_data_file"]
 
 
 @dataclass(frozen=True)
 class ValidFile:
-    """A validated data file: its entries (the reserved records included) and how many are
-    state entries."""
+    """A validated data file: its entries (the reserved records included), how many are
+    state entries, its key layout and, for layout ``"2"``, the codec of its values (with the
+    file's dictionaries; errors name the object)."""
 
     spans: EntrySpans
     entries: int
+    layout: bytes = b"1"
+    codec: ValueCodec | None = field(default=None, compare=False)
+    key: str = ""
+    offset: int = 0
+
+    def value(self, i: int) -> bytes:
+        """Entry ``i``'s value, decoded (layout ``"2"``).
+
+        Raises:
+            CorruptValueError: the value does not decode (naming the object and the entry).
+        """
+        spans = self.spans
+        v, n = int(spans.value_start[i]), int(spans.value_size[i])
+        stored = spans.data[v:v + n].tobytes()
+        if self.codec is None:
+            return stored
+        try:
+            return self.codec.decode(stored)
+        except CorruptValueError as exc:
+            raise _at(exc, self.key, self.offset, spans, i) from exc
 
 
-def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str, offset: int
-                    ) -> ValidFile:
+def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str, offset: int,
+                    max_decoded_bytes: int = DEFAULT_MAX_DECODED_VALUE_BYTES) -> ValidFile:
     """Validate a v2 snapshot's LMDB data file whole — its bytes in memory, or the file at a
     path (mapped read-only) — by the module docstring's rules, against the snapshot's metadata.
 
@@ -60,8 +89,17 @@ def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str,
         raise CorruptObjectError(key, offset, f"the LMDB data file is not one LMDB's compacting "
                                               f"copy writes: {exc}") from exc
     reserved = _check_keys(spans, meta, key, offset)
-    _check_reserved(spans, reserved, key, offset)
-    return ValidFile(spans, len(spans) - len(reserved))
+    layout, dictionaries = _check_reserved(spans, reserved, key, offset)
+    codec = None
+    if layout != b"1":
+        codec = ValueCodec(where=key, max_decoded_bytes=max_decoded_bytes)
+        for number, i in sorted(dictionaries.items()):
+            try:
+                codec.add(number, _value(spans, i))
+            except CorruptValueError as exc:
+                raise _at(exc, key, offset, spans, i) from exc
+        _check_values(spans, reserved, codec, key, offset)
+    return ValidFile(spans, len(spans) - len(reserved), layout, codec, key, offset)
 
 
 def _check_keys(spans: EntrySpans, meta: FileSnapshotMeta, key: str, offset: int) -> np.ndarray:
@@ -105,18 +143,82 @@ def _check_keys(spans: EntrySpans, meta: FileSnapshotMeta, key: str, offset: int
     return reserved
 
 
-def _check_reserved(spans: EntrySpans, reserved: np.ndarray, key: str, offset: int) -> None:
-    """The reserved records are the layout record, of this layout, and at most the marker."""
+def _check_reserved(spans: EntrySpans, reserved: np.ndarray, key: str, offset: int
+                    ) -> tuple[bytes, dict[int, int]]:
+    """The reserved records are the layout record, of a layout this build reads, at most the
+    marker, and (layout ``"2"``) dictionary records; returns the layout and the dictionary
+    numbers' entry indexes."""
     found = {_bytes(spans, int(i)): int(i) for i in reserved}
-    if set(found) - {LAYOUT_KEY, MARKER_KEY} or LAYOUT_KEY not in found:
+    dictionaries = {n: i for k, i in found.items() if (n := dictionary_number(k)) is not None}
+    others = set(found) - {LAYOUT_KEY, MARKER_KEY} - {_bytes(spans, i)
+                                                      for i in dictionaries.values()}
+    if others or LAYOUT_KEY not in found:
         raise CorruptObjectError(key, offset, f"the LMDB data file's reserved records are "
-                                              f"{sorted(found)}, expected the layout record "
-                                              "and at most the table marker")
-    i = found[LAYOUT_KEY]
-    layout = spans.data[spans.value_start[i]:spans.value_start[i] + spans.value_size[i]]
-    if layout.tobytes() != LAYOUT_VERSION:
-        raise CorruptObjectError(key, offset, f"LMDB key layout {layout.tobytes()[:16]!r} in the "
-                                              f"data file, expected {LAYOUT_VERSION!r}")
+                                              f"{sorted(found)[:8]}, expected the layout record, "
+                                              "at most the table marker, and dictionaries")
+    layout = _value(spans, found[LAYOUT_KEY])
+    if layout not in LAYOUT_VERSIONS:
+        raise CorruptObjectError(key, offset, f"LMDB key layout {layout[:16]!r} in the "
+                                              f"data file, expected one of {LAYOUT_VERSIONS!r}")
+    if layout == b"1" and dictionaries:
+        raise CorruptObjectError(key, offset, "the LMDB data file of key layout '1' holds "
+                                              "dictionary records (only layout '2' has them)")
+    return layout, dictionaries
+
+
+def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, key: str,
+                  offset: int) -> None:
+    """Every state entry's value framing (layout ``"2"``, the module docstring): the tags and
+    dictionary numbers over all entries at once, then each tag-1 frame decoded."""
+    data = np.ones(len(spans), dtype=bool)
+    data[reserved] = False
+    size = spans.value_size
+    start = spans.value_start
+    empty = data & (size < 1)
+    tag = np.zeros(len(spans), dtype=np.int64)
+    has = data & ~empty
+    tag[has] = spans.data[start[has]]
+    bad_tag = has & (tag != TAG_RAW) & (tag != TAG_DICT)
+    framed = has & (tag == TAG_DICT)
+    short = framed & (size < 2)
+    number = np.full(len(spans), -1, dtype=np.int64)
+    numbered = framed & ~short
+    number[numbered] = spans.data[start[numbered] + 1]
+    unknown = numbered & ~np.isin(number, np.array(codec.numbers, dtype=np.int64))
+    bad = empty | bad_tag | short | unknown
+    if bad.any():
+        i = int(np.argmax(bad))
+        why = ("is empty (no tag byte)" if empty[i]
+               else f"has the unknown tag {int(tag[i])}, expected {TAG_RAW} or {TAG_DICT}"
+               if bad_tag[i]
+               else "has tag 1 without a dictionary number" if short[i]
+               else f"names dictionary {int(number[i])}, which the file does not hold (it "
+                    f"holds {codec.numbers})")
+        raise CorruptValueError(key, offset, _bytes(spans, i),
+                                f"entry {i} of the LMDB data file (value at byte "
+                                f"{int(start[i])}) {why}")
+    raw = spans.data
+    decode = codec.decode
+    for i, v, n in zip(np.flatnonzero(numbered).tolist(), start[numbered].tolist(),
+                       size[numbered].tolist(), strict=True):
+        try:
+            decode(raw[v:v + n].tobytes())
+        except CorruptValueError as exc:
+            raise _at(exc, key, offset, spans, i) from exc
+
+
+def _value(spans: EntrySpans, i: int) -> bytes:
+    """Entry ``i``'s stored value."""
+    v = int(spans.value_start[i])
+    return spans.data[v:v + int(spans.value_size[i])].tobytes()
+
+
+def _at(exc: CorruptValueError, key: str, offset: int, spans: EntrySpans, i: int
+        ) -> CorruptValueError:
+    """``exc`` (of one value) placed in the object and the data file's entry ``i``."""
+    return CorruptValueError(key, offset, _bytes(spans, i),
+                             f"entry {i} of the LMDB data file (value at byte "
+                             f"{int(spans.value_start[i])}): {exc.detail}")
 
 
 def _bytes(spans: EntrySpans, i: int) -> bytes:

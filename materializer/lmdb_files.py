@@ -20,9 +20,14 @@ file. The file came from a store: nothing hands it to LMDB, or reads it, before
   tree), rewriting the state id of every key when the snapshots numbered their states
   differently. Sources are taken in key-group order (the ranges of one checkpoint's snapshots
   are disjoint), and ``putmulti``'s count of added records is checked: an append out of order
-  is refused by LMDB without an error.
-* :func:`iter_key_groups` reads a staged file entry by entry, for the heap table (which keeps
-  objects, not bytes).
+  is refused by LMDB without an error. The new environment is of key layout ``"2"``
+  (:mod:`materializer.value_codec`): the sources' dictionaries are copied under new numbers
+  (one number per distinct dictionary, in the sources' key-group order) and each copied
+  value's number byte rewritten, nothing recompressed; a layout-``"1"`` source's values get the
+  tag byte 0. Beyond 256 distinct dictionaries the values of the further ones are decoded and
+  stored with tag 0.
+* :func:`iter_key_groups` reads a staged file entry by entry, values decoded, for the heap
+  table (which keeps objects, not bytes) and the readers.
 * :func:`spool_table_snapshot` writes a table snapshot's file-level object
   (:func:`~materializer.file_snapshot.spool_file_snapshot`). LMDB's compacting copy drops free
   pages but keeps every page as full as it is, and a B-tree filled by inserts in no global order
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, BinaryIO, Final
@@ -66,9 +71,11 @@ from materializer.lmdb_table import (
     LAYOUT_VERSION,
     MARKER_KEY,
     LmdbTableSnapshot,
+    read_dictionaries,
 )
 from materializer.local_dirs import OwnDirectory
 from materializer.snapshot_format import SnapshotEntry
+from materializer.value_codec import MAX_DICTIONARIES, TAG_DICT, ValueCodec, dictionary_key
 
 __all__ = ["PACK_BELOW_FILL", "TXN_BYTES", "PackedEnvironment", "RangeSource",
            "build_environment", "iter_key_groups", "remove_marker", "spool_table_snapshot"]
@@ -119,23 +126,26 @@ def remove_marker(directory: str, *, key: str) -> None:
         raise CorruptObjectError(key, 0, f"the LMDB data file does not open: {exc}") from exc
 
 
-def _records(cur: Any, end: bytes) -> Iterator[tuple[bytes, bytes]]:
+_Fix = Callable[[bytes, bytes], bytes]   # (record key, stored value) -> value in the target
+
+
+def _records(cur: Any, end: bytes, fix: _Fix | None) -> Iterator[tuple[bytes, bytes]]:
     for k, v in cur.iternext():
         if k >= end:
             return
-        yield k, v
+        yield (k, v) if fix is None else (k, fix(k, v))
 
 
-def _copy_range(src_txn: Any, dst: _Appender, source: RangeSource) -> int:
-    """Append the records of ``source.key_groups`` from ``src_txn`` to ``dst``; returns how
-    many."""
+def _copy_range(src_txn: Any, dst: _Appender, source: RangeSource, fix: _Fix | None) -> int:
+    """Append the records of ``source.key_groups`` from ``src_txn`` to ``dst``, values through
+    ``fix``; returns how many."""
     kgs = source.key_groups
     end = KG_SID.pack(kgs.end + 1, 0)   # real key groups are < 2**15: never the reserved 0xFFFF
     what = f"copying key groups {kgs} of {source.key}"
     with src_txn.cursor() as cur:
         if not cur.set_range(KG_SID.pack(kgs.start, 0)):
             return 0
-        records = _records(cur, end)
+        records = _records(cur, end, fix)
         if all(a == b for a, b in source.remap.items()):
             return dst.append(records, what)
         return sum(dst.append(_remapped(group, source), what)
@@ -246,6 +256,7 @@ def _build(target: str, sources: Sequence[RangeSource]) -> int:
     dst_env = _new_environment(target, size)
     copied = 0
     dst = _Appender(dst_env)
+    numbers: dict[bytes, int] = {}   # the target's dictionaries: record -> number
     try:
         for source in sorted(sources, key=lambda s: s.key_groups.start):
             try:
@@ -255,15 +266,46 @@ def _build(target: str, sources: Sequence[RangeSource]) -> int:
                                                         f"environment: {exc}") from exc
             try:
                 with src_env.begin() as r:
-                    copied += _copy_range(r, dst, source)
+                    copied += _copy_range(r, dst, source, _value_fix(r, source, numbers))
             finally:
                 src_env.close()
-        dst.append([(LAYOUT_KEY, LAYOUT_VERSION)], "the layout record")
+        dst.append([(dictionary_key(n), d) for d, n in sorted(numbers.items(),
+                                                              key=lambda x: x[1])]
+                   + [(LAYOUT_KEY, LAYOUT_VERSION)], "the reserved records")
         dst.commit()
     finally:
         dst.abort()
         dst_env.close()
     return copied
+
+
+def _value_fix(txn: Any, source: RangeSource, numbers: dict[bytes, int]) -> _Fix | None:
+    """How a value of ``source`` (read in ``txn``) is stored in the layout-``"2"`` target whose
+    dictionaries are ``numbers`` (extended with the source's): tag 0 for a layout-``"1"``
+    source, its dictionary number renumbered, or None when every value stays as it is."""
+    layout = txn.get(LAYOUT_KEY)
+    if layout == b"1":
+        return lambda k, v: b"\x00" + v
+    renumber: dict[int, int | None] = {}
+    records = dict(read_dictionaries(txn))
+    for number, data in records.items():
+        if data not in numbers and len(numbers) < MAX_DICTIONARIES:
+            numbers[data] = len(numbers)
+        renumber[number] = numbers.get(data)
+    if all(a == b for a, b in renumber.items()):
+        return None
+    codec = ValueCodec(records, where=source.key)   # for the values beyond 256 dictionaries
+    dict_tag = TAG_DICT
+
+    def fix(k: bytes, v: bytes) -> bytes:
+        if v[0] != dict_tag:
+            return v
+        new = renumber[v[1]]
+        if new is None:
+            return b"\x00" + codec.decode(v, k)
+        return bytes((dict_tag, new)) + v[2:]
+
+    return fix
 
 
 def _new_environment(directory: str, size: int) -> Any:
@@ -356,7 +398,11 @@ def spool_table_snapshot(snap: LmdbTableSnapshot, meta: FileSnapshotMeta, direct
 def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str
                     ) -> Iterator[tuple[int, list[SnapshotEntry]]]:
     """``(key group, entries)`` of the staged environment's key groups in ``key_groups``, in
-    order; entries are ``(state id, key, namespace, value)`` bytes, like a v1 block's."""
+    order; entries are ``(state id, key, namespace, value)`` bytes, like a v1 block's (values
+    decoded).
+
+    Raises:
+        CorruptValueError: a value does not decode (layout ``"2"``), naming ``key``."""
     try:
         env = _open(directory, readonly=True)
     except lmdb.Error as exc:
@@ -366,6 +412,9 @@ def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str
     unpack = KEY_PREFIX.unpack_from
     try:
         with env.begin() as txn, txn.cursor() as cur:
+            decode = None
+            if txn.get(LAYOUT_KEY) != b"1":
+                decode = ValueCodec(dict(read_dictionaries(txn)), where=key).decode
             if not cur.set_range(KG_SID.pack(key_groups.start, 0)):
                 return
             current = -1
@@ -379,7 +428,8 @@ def iter_key_groups(directory: str, key_groups: KeyGroupRange, *, key: str
                         yield current, block
                     current, block = kg, []
                 end = psize + klen
-                block.append((sid, raw[psize:end], raw[end:], value))
+                block.append((sid, raw[psize:end], raw[end:],
+                              value if decode is None else decode(value, raw)))
             if block:
                 yield current, block
     finally:

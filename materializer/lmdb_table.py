@@ -13,9 +13,18 @@ Key layout (one LMDB database, keys compared bytewise)::
 
 So all entries of a key group are one contiguous key range, a key-group *range* is one contiguous
 scan, and inside a key group the states come in ascending state id (which is the order the snapshot
-format stores them in). The length prefix keeps ``(key, namespace)`` pairs unambiguous. Values are
-the caller's bytes. One reserved record at key group ``0xFFFF`` (outside any real range) stores the
-layout version. LMDB limits a key to ``env.max_key_size()`` (511) bytes, so ``key + namespace`` may
+format stores them in). The length prefix keeps ``(key, namespace)`` pairs unambiguous. Reserved
+records at key group ``0xFFFF`` (outside any real range) store the layout version, the table
+marker and, in layout ``"2"``, the table's zstd dictionaries.
+
+Layouts: a new table is of layout ``"2"``: every value is stored through the table's
+:class:`~materializer.value_codec.ValueCodec` (a tag byte, then the bytes as they are or a zstd
+frame made with the table's dictionary), and every read decodes. The first write batch that
+holds enough values trains the dictionary (:mod:`materializer.value_codec`, rule 1) and rewrites
+the values it wrote before that in the same transaction; an aborted batch leaves no dictionary.
+A table of layout ``"1"`` (values as the caller's bytes) stays of layout ``"1"``: it is read
+and written as it is (a restore installs a layout-1 snapshot file by rename; a range copy
+writes layout ``"2"``, :mod:`materializer.lmdb_files`). LMDB limits a key to ``env.max_key_size()`` (511) bytes, so ``key + namespace`` may
 take at most 503 bytes; longer ones are a :class:`~dstl.errors.UsageError`.
 
 Writes: every write outside a batch is its own write transaction (~40k/s); ``write_batch()`` groups
@@ -66,7 +75,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -103,6 +112,17 @@ from materializer.state_tables import (
     TablesSnapshot,
     check_state_id,
 )
+from materializer.value_codec import (
+    DICT_KEY_PREFIX,
+    MAX_SAMPLE_BYTES,
+    MIN_COMPRESSED_VALUE_BYTES,
+    TRAIN_MAX_SAMPLES,
+    TRAIN_MIN_VALUES,
+    ValueCodec,
+    dictionary_key,
+    dictionary_number,
+    train_dictionary,
+)
 
 __all__ = [
     "RELEASE_PAGES_BYTES",
@@ -114,6 +134,7 @@ __all__ = [
     "KG_SID",
     "LAYOUT_KEY",
     "LAYOUT_VERSION",
+    "LAYOUT_VERSIONS",
     "MARKER_KEY",
     "ForkedTableError",
     "LmdbBulkLoad",
@@ -140,7 +161,9 @@ JOURNAL_MEMORY_BYTES: Final = 16 << 20
 _PREFIX: Final = struct.Struct(">HHI")   # key group, state id, key length
 _KG_SID: Final = struct.Struct(">HH")
 _LAYOUT_KEY: Final = b"\xff\xff" + b"dstl-layout"
-_LAYOUT_VERSION: Final = b"1"
+#: The layout a new table writes; :data:`LAYOUT_VERSIONS` are those a table may hold.
+_LAYOUT_VERSION: Final = b"2"
+_LAYOUT_1: Final = b"1"
 #: The table marker (:mod:`materializer.table_marker`): what the table reflects, written in the
 #: transaction of the state it describes. Outside every key-group range, like the layout record.
 _MARKER_KEY: Final = b"\xff\xff" + b"dstl-marker"
@@ -150,10 +173,15 @@ KEY_PREFIX: Final = _PREFIX
 KG_SID: Final = _KG_SID
 LAYOUT_KEY: Final = _LAYOUT_KEY
 LAYOUT_VERSION: Final = _LAYOUT_VERSION
+LAYOUT_VERSIONS: Final = (_LAYOUT_1, _LAYOUT_VERSION)
 MARKER_KEY: Final = _MARKER_KEY
+_RAW_TAG: Final = b"\x00"                # a layout-2 value stored as it is
 _SCAN_CHUNK: Final = 4096                # entries per guarded cursor pass of entries()
 _PAGE_HEADER: Final = 16                 # LMDB's page header (pgno, pad, flags, lower, upper)
 _FILL_SAMPLE: Final = 2048               # records leaf_fill() reads, at most
+
+#: ``(record key, stored value) -> value`` of layout "2" (:meth:`LmdbStateTable._decoder`).
+_Decode = Callable[[bytes, bytes], bytes]
 
 # Environments of tables opened before a fork: the child keeps them referenced forever so that
 # deallocation never runs LMDB code on the parent's environment or reader slots.
@@ -314,6 +342,9 @@ class LmdbWriteBatch:
         self.thread = 0
         self.changes = 0        # records written or deleted by the open transaction
         self.most_changes = 0   # ... by the largest of the batch's committed transactions
+        # a table without a dictionary: (key, value) of the batch's values to train on
+        self.samples: list[tuple[bytes, bytes]] | None = []
+        self.trained: int | None = None   # a dictionary added by the uncommitted transaction
 
     def __enter__(self) -> LmdbWriteBatch:
         self._outer = self._table._begin_batch(self)
@@ -377,7 +408,17 @@ class LmdbBulkLoad(LmdbWriteBatch):
             UsageError: a key longer than LMDB's limit (nothing after it is stored).
         """
         if records:
-            self._table._write(("putmulti", records))
+            t = self._table
+            codec = t._codec
+            if codec is None:
+                t._write(("putmulti", records))
+                return
+            encode = codec.encode
+            t._write(("putmulti", [(k, encode(v)) for k, v in records]))
+            if codec.encode_number is None and self.samples is not None:
+                for k, v in records:   # written raw: a dictionary trained now rewrites them
+                    if MIN_COMPRESSED_VALUE_BYTES <= len(v) <= MAX_SAMPLE_BYTES:
+                        t._sample(k, v)
 
     def step(self, nbytes: int) -> None:
         """A point between change sets, before ``nbytes`` more are applied: commit if enough
@@ -460,6 +501,9 @@ class LmdbStateTable:
         self._batch: LmdbWriteBatch | None = None
         self._sync = sync
         self._psize = int(self._env.stat()["psize"])
+        self._layout: bytes | None = None       # None: a read-only open of an unwritten table
+        self._codec: ValueCodec | None = None   # layout "2"'s values
+        self._codec_lock = threading.Lock()
         self._check_layout()
         _OPEN_TABLES.add(self)
         log.info("opened LMDB state table %s (map %d bytes, max %d)", self.path, self._map_size,
@@ -490,6 +534,17 @@ class LmdbStateTable:
     @property
     def key_groups(self) -> KeyGroupRange:
         return self._key_groups
+
+    @property
+    def layout(self) -> bytes | None:
+        """The key layout (``b"1"`` or ``b"2"``; None: a read-only open of a table no writer
+        has opened yet)."""
+        return self._layout
+
+    @property
+    def dictionaries(self) -> list[int]:
+        """The numbers of the table's value dictionaries (layout ``"2"``), ascending."""
+        return [] if self._codec is None else self._codec.numbers
 
     @property
     def map_size_bytes(self) -> int:
@@ -569,17 +624,68 @@ class LmdbStateTable:
         k = self._key(state_id, key_group, key, namespace)
         txn = self._batch_txn()
         if txn is not None:
-            value: bytes | None = txn.get(k)
-            return value
+            return self._value(txn, k, txn.get(k))
         self._enter_read()
         try:
             with self._read_txn() as txn:
-                value = txn.get(k)
-                return value
+                return self._value(txn, k, txn.get(k))
         except lmdb.Error as exc:
             raise self._translate(exc, "get") from exc
         finally:
             self._exit_read()
+
+    def _value(self, txn: Any, k: bytes, stored: bytes | None) -> bytes | None:
+        """The value of the record ``k`` stored as ``stored`` (layout "2": decoded), read in
+        ``txn``."""
+        if stored is None:
+            return None
+        layout = self._layout
+        if layout is None:
+            self._load_codec(txn)
+            layout = self._layout
+        if layout == _LAYOUT_1:
+            return stored
+        if stored[:1] == _RAW_TAG:
+            return stored[1:]
+        codec = self._codec
+        if codec is None or not codec.holds(stored[1] if len(stored) > 1 else -1):
+            codec = self._load_codec(txn)   # another process trained it since we looked
+            assert codec is not None
+        return codec.decode(stored, k)
+
+    def _decoder(self, txn: Any) -> _Decode | None:
+        """``(key, stored) -> value`` for records read in ``txn``; None: stored as they are."""
+        if self._layout == _LAYOUT_1:
+            return None
+        value = self._value
+        return lambda k, v: value(txn, k, v)  # type: ignore[return-value]
+
+    def _load_codec(self, txn: Any) -> ValueCodec | None:
+        """Take the layout and the dictionaries the table holds as of ``txn`` (a read-only
+        open learns them as the writer writes them); None for layout "1".
+
+        Raises:
+            UnsupportedFormatError: the layout record is of a layout this build does not read.
+            CorruptValueError: a dictionary record does not load.
+        """
+        with self._codec_lock:
+            if self._layout is None:
+                found = txn.get(_LAYOUT_KEY)
+                if found is None:
+                    return None
+                if found not in LAYOUT_VERSIONS:
+                    raise UnsupportedFormatError(self.path, 0, f"LMDB key layout {found!r}",
+                                                 f"layouts {LAYOUT_VERSIONS!r}")
+                self._layout = found
+            if self._layout == _LAYOUT_1:
+                return None
+            codec = self._codec if self._codec is not None else \
+                ValueCodec(where=f"LMDB state table {self.path}")
+            for number, data in read_dictionaries(txn):
+                if not codec.holds(number):
+                    codec.add(number, data)
+            self._codec = codec
+            return codec
 
     def contains(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
         return self.get(state_id, key_group, key, namespace) is not None
@@ -592,7 +698,7 @@ class LmdbStateTable:
         prefix = self._key(state_id, key_group, b"", b"")[:_KG_SID.size]
         batch_txn = self._batch_txn()
         if batch_txn is not None:
-            yield from _scan_prefix(batch_txn, prefix)
+            yield from _scan_prefix(batch_txn, prefix, self._decoder(batch_txn))
             return
         self._enter_read()
         try:
@@ -604,6 +710,7 @@ class LmdbStateTable:
         try:
             start = prefix
             skip_first = False
+            decode = self._decoder(txn)
             while True:
                 self._enter_read()
                 try:
@@ -612,7 +719,7 @@ class LmdbStateTable:
                     self._exit_read()
                 for raw, value in chunk:
                     _, _, k, ns = self._split(raw)
-                    yield k, ns, value
+                    yield k, ns, value if decode is None else decode(raw, value)
                 if len(chunk) < _SCAN_CHUNK:
                     return
                 start, skip_first = chunk[-1][0], True
@@ -634,11 +741,11 @@ class LmdbStateTable:
         prefix = _PREFIX.pack(key_group, state_id, key_len)
         txn = self._batch_txn()
         if txn is not None:
-            return _scan_up_to(txn, prefix, key_len, max_key)
+            return _scan_up_to(txn, prefix, key_len, max_key, self._decoder(txn))
         self._enter_read()
         try:
             with self._read_txn() as txn:
-                return _scan_up_to(txn, prefix, key_len, max_key)
+                return _scan_up_to(txn, prefix, key_len, max_key, self._decoder(txn))
         except lmdb.Error as exc:
             raise self._translate(exc, "entries_up_to") from exc
         finally:
@@ -727,7 +834,40 @@ class LmdbStateTable:
         self._check_usable()
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise UsageError(f"LmdbStateTable values must be bytes, got {type(value).__name__}")
-        self._write(("put", self._key(state_id, key_group, key, namespace), value))
+        k = self._key(state_id, key_group, key, namespace)
+        codec = self._codec
+        if codec is not None:
+            if codec.encode_number is None and MIN_COMPRESSED_VALUE_BYTES <= len(value) \
+                    <= MAX_SAMPLE_BYTES:
+                self._sample(k, value)
+            value = codec.encode(value)
+        self._write(("put", k, value))
+
+    def _sample(self, k: bytes, value: bytes | bytearray | memoryview) -> None:
+        """Keep a value of this thread's open batch to train the table's dictionary on, and
+        train once there are enough (:mod:`materializer.value_codec`, rule 1)."""
+        batch = self._batch
+        if batch is None or batch.samples is None or batch.thread != threading.get_ident():
+            return
+        batch.samples.append((k, bytes(value)))
+        if len(batch.samples) >= TRAIN_MAX_SAMPLES:
+            self._train(batch)
+
+    def _train(self, batch: LmdbWriteBatch) -> None:
+        """Train the table's dictionary on the batch's samples, write it, and rewrite the
+        samples the batch stored raw, in the batch's transaction (on its thread)."""
+        samples, batch.samples = batch.samples or [], None
+        codec = self._codec
+        data = train_dictionary(v for _, v in samples)
+        if data is None or codec is None or codec.encode_number is not None:
+            return
+        number = 0
+        codec.add(number, data)
+        batch.trained = number
+        self._write(("put", dictionary_key(number), data))
+        for k, v in samples:
+            if batch.txn.get(k) == _RAW_TAG + v:   # not overwritten or removed since
+                self._write(("put", k, codec.encode(v)))
 
     def remove(self, state_id: int, key_group: int, key: bytes, namespace: bytes) -> bool:
         """Delete the entry; True if it existed."""
@@ -811,6 +951,7 @@ class LmdbStateTable:
         while True:
             try:
                 batch.txn.commit()
+                batch.trained = None
                 return
             except lmdb.MapFullError:
                 batch.txn, _ = self._grow_and_replay(batch)
@@ -843,11 +984,20 @@ class LmdbStateTable:
             if not commit:
                 batch.txn.abort()
             else:
+                if batch.samples is not None and len(batch.samples) >= TRAIN_MIN_VALUES:
+                    try:
+                        self._train(batch)
+                    except BaseException:
+                        batch.txn.abort()
+                        raise
                 self._commit_batch_txn(batch)
             batch.txn = None
             if max(batch.most_changes, batch.changes) * self._psize >= RELEASE_PAGES_BYTES:
                 self._release_pages()
         finally:
+            if batch.trained is not None and self._codec is not None:
+                self._codec.discard(batch.trained)   # its transaction did not commit
+                batch.trained = None
             self._batch = None
             batch.txn = None
             batch.journal.clear()
@@ -1089,18 +1239,16 @@ class LmdbStateTable:
             _ABANDONED_IN_CHILD.append(self._batch.txn)
 
     def _check_layout(self) -> None:
-        if self._readonly:
+        """Take the table's layout and dictionaries (a new table: write layout "2")."""
+        if not self._readonly:
+            self._write_layout()
+        try:
             with self._env.begin() as txn:
-                found = txn.get(_LAYOUT_KEY)
-            if found is None:
-                return  # nothing written yet: the writer sets the layout on its first open
-        else:
-            found = self._write_layout()
-        if found is not None and found != _LAYOUT_VERSION:
+                self._load_codec(txn)
+        except DstlError:
             self._env.close()
             self._closed = True
-            raise UnsupportedFormatError(self.path, 0, f"LMDB key layout {found!r}",
-                                         f"layout {_LAYOUT_VERSION!r}")
+            raise
 
     def _write_layout(self) -> bytes | None:
         """Set the layout record of a new table; return what an existing table has."""
@@ -1133,7 +1281,23 @@ class LmdbStateTable:
         return StateError(f"LMDB state table {self.path}: {op} failed: {exc}")
 
 
-def _scan_prefix(txn: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes, bytes]]:
+def read_dictionaries(txn: Any) -> list[tuple[int, bytes]]:
+    """The dictionary records ``(number, record)`` of the environment read in ``txn``."""
+    out: list[tuple[int, bytes]] = []
+    with txn.cursor() as cur:
+        if not cur.set_range(DICT_KEY_PREFIX):
+            return out
+        for raw, value in cur.iternext():
+            if not raw.startswith(DICT_KEY_PREFIX):
+                break
+            number = dictionary_number(raw)
+            if number is not None:
+                out.append((number, value))
+    return out
+
+
+def _scan_prefix(txn: Any, prefix: bytes, decode: _Decode | None
+                 ) -> Iterator[tuple[bytes, bytes, bytes]]:
     with txn.cursor() as cur:
         if not cur.set_range(prefix):
             return
@@ -1141,10 +1305,10 @@ def _scan_prefix(txn: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes, bytes]
             if raw[:len(prefix)] != prefix:
                 return
             _, _, k, ns = LmdbStateTable._split(raw)
-            yield k, ns, value
+            yield k, ns, value if decode is None else decode(raw, value)
 
 
-def _scan_up_to(txn: Any, prefix: bytes, key_len: int, max_key: bytes
+def _scan_up_to(txn: Any, prefix: bytes, key_len: int, max_key: bytes, decode: _Decode | None
                 ) -> list[tuple[bytes, bytes, bytes]]:
     out: list[tuple[bytes, bytes, bytes]] = []
     n, end = len(prefix), len(prefix) + key_len
@@ -1154,7 +1318,7 @@ def _scan_up_to(txn: Any, prefix: bytes, key_len: int, max_key: bytes
         for raw, value in cur.iternext():
             if raw[:n] != prefix or raw[n:end] > max_key:
                 break
-            out.append((raw[n:end], raw[end:], value))
+            out.append((raw[n:end], raw[end:], value if decode is None else decode(raw, value)))
     return out
 
 
@@ -1194,7 +1358,7 @@ class LmdbTableSnapshot(TablesSnapshot):
         table = self._table
         table._enter_read()
         try:
-            return _collect_key_group(self._txn, key_group)
+            return _collect_key_group(self._txn, key_group, table._decoder(self._txn))
         except lmdb.Error as exc:
             raise table._translate(exc, "snapshot read") from exc
         finally:
@@ -1218,7 +1382,7 @@ class LmdbTableSnapshot(TablesSnapshot):
                     kg = _KG_SID.unpack_from(cur.key(), 0)[0]
                 if kg > end:
                     return
-                entries = _collect_key_group(self._txn, kg)
+                entries = _collect_key_group(self._txn, kg, table._decoder(self._txn))
             except lmdb.Error as exc:
                 raise table._translate(exc, "snapshot read") from exc
             finally:
@@ -1278,7 +1442,15 @@ class LmdbTableSnapshot(TablesSnapshot):
         table._enter_read()
         try:
             get = self._txn.get
-            return [get(make(sid, kg, k, ns)) for sid, kg, k, ns in keys]
+            decode = table._decoder(self._txn)
+            if decode is None:
+                return [get(make(sid, kg, k, ns)) for sid, kg, k, ns in keys]
+            out: list[bytes | None] = []
+            for sid, kg, k, ns in keys:
+                raw = make(sid, kg, k, ns)
+                stored = get(raw)
+                out.append(None if stored is None else decode(raw, stored))
+            return out
         except lmdb.Error as exc:
             raise table._translate(exc, "snapshot read") from exc
         finally:
@@ -1286,8 +1458,9 @@ class LmdbTableSnapshot(TablesSnapshot):
 
     def records(self) -> Generator[tuple[bytes, bytes], None, None]:
         """Every raw ``(key, value)`` record of the environment at the snapshot, in key order
-        (the layout and marker records last): what a compacting copy holds, for a copy that
-        repacks them (:class:`materializer.lmdb_files.PackedEnvironment`)."""
+        (the reserved records last), values as stored (layout "2": encoded): what a compacting
+        copy holds, for a copy that repacks them
+        (:class:`materializer.lmdb_files.PackedEnvironment`)."""
         if self._released:
             raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
         table = self._table
@@ -1352,6 +1525,28 @@ class LmdbTableSnapshot(TablesSnapshot):
         finally:
             table._exit_read()
 
+    @property
+    def layout(self) -> str:
+        """The table's key layout (``"1"`` or ``"2"``), for a snapshot file's metadata."""
+        return (self._table.layout or _LAYOUT_VERSION).decode()
+
+    def reserved_records(self) -> int:
+        """The reserved records (key group ``0xFFFF``: layout, marker, dictionaries) as of
+        this snapshot: what :meth:`entry_count` counts besides the states' entries."""
+        if self._released:
+            raise ClosedError("LMDB table snapshot", hint="take a new snapshot")
+        table = self._table
+        table._enter_read()
+        try:
+            with self._txn.cursor() as cur:
+                if not cur.set_range(b"\xff\xff"):
+                    return 0
+                return sum(1 for _ in cur.iternext(keys=True, values=False))
+        except lmdb.Error as exc:
+            raise table._translate(exc, "snapshot read") from exc
+        finally:
+            table._exit_read()
+
     def marker(self) -> bytes | None:
         """The table marker as of this snapshot (same read transaction as the entries)."""
         if self._released:
@@ -1376,7 +1571,8 @@ class LmdbTableSnapshot(TablesSnapshot):
         table._snapshot_done(self)
 
 
-def _collect_key_group(txn: Any, key_group: int) -> list[SnapshotEntry]:
+def _collect_key_group(txn: Any, key_group: int, decode: _Decode | None
+                       ) -> list[SnapshotEntry]:
     out: list[SnapshotEntry] = []
     append = out.append
     unpack = _PREFIX.unpack_from
@@ -1389,5 +1585,6 @@ def _collect_key_group(txn: Any, key_group: int) -> list[SnapshotEntry]:
             if kg != key_group:
                 break
             end = psize + klen
-            append((sid, raw[psize:end], raw[end:], value))
+            append((sid, raw[psize:end], raw[end:],
+                    value if decode is None else decode(raw, value)))
     return out

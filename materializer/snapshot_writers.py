@@ -184,8 +184,9 @@ class SnapshotWriters:
         checkpoint (as in v1)."""
         operator_id, key_groups = self._operator_id, self._key_groups
         meta = FileSnapshotMeta(key_groups, self._max_parallelism, self._registry.metas(),
-                                operator_id, materialization_id, boundary=boundary,
-                                extra={"up_to": up_to})
+                                operator_id, materialization_id,
+                                self._access.tables.layout.decode(),  # a writer: "1" or "2"
+                                boundary=boundary, extra={"up_to": up_to})
         tmp_dir = os.path.dirname(self._access.tables.path)
         zstd_level, store, retry = self._options.zstd_level, self._store, self._retry
 

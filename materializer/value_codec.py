@@ -16,9 +16,11 @@ after every key group, like the layout and marker records). Rules:
 
 1. A dictionary is trained once per table by :func:`train_dictionary`, with fixed parameters
    (:data:`DICT_BYTES` bytes, ``k`` = :data:`DICT_K`, ``d`` = :data:`DICT_D`: the same samples
-   give the same dictionary), from the first write batch that holds at least
-   :data:`TRAIN_MIN_VALUES` values of at least :data:`MIN_COMPRESSED_VALUE_BYTES` bytes (at most
-   :data:`TRAIN_MAX_SAMPLES` of them are used).
+   give the same dictionary), from the first write batch (a restore's bulk load included) that
+   holds at least :data:`TRAIN_MIN_VALUES` values of :data:`MIN_COMPRESSED_VALUE_BYTES` to
+   :data:`MAX_SAMPLE_BYTES` bytes (at most :data:`TRAIN_MAX_SAMPLES` of them are used). The
+   values the batch wrote before it trained are rewritten with the dictionary in the same
+   batch; values written before the table had a dictionary stay tag 0 until written again.
 2. A written dictionary never changes: values that name it decode for the table's lifetime.
 3. Numbers are ``0..255`` (:data:`MAX_DICTIONARIES`). A table that trains writes number 0; a
    table restored from several source tables (rescaling) holds their dictionaries under new
@@ -57,6 +59,7 @@ __all__ = [
     "LEVEL",
     "MAX_DICTIONARIES",
     "MAX_DICTIONARY_RECORD_BYTES",
+    "MAX_SAMPLE_BYTES",
     "MIN_COMPRESSED_VALUE_BYTES",
     "TAG_DICT",
     "TAG_RAW",
@@ -90,6 +93,9 @@ DICT_D: Final = 8
 #: :data:`MIN_COMPRESSED_VALUE_BYTES`, and trains on at most :data:`TRAIN_MAX_SAMPLES` of them.
 TRAIN_MIN_VALUES: Final = 1000
 TRAIN_MAX_SAMPLES: Final = 2000
+#: Values above this many bytes are not samples (a batch keeps its samples in memory until it
+#: trains: at most :data:`TRAIN_MAX_SAMPLES` x this); they are still compressed once trained.
+MAX_SAMPLE_BYTES: Final = 4096
 #: Dictionary numbers are one byte.
 MAX_DICTIONARIES: Final = 256
 #: The largest dictionary record a table accepts (the trained ones are :data:`DICT_BYTES`).
@@ -120,7 +126,7 @@ def train_dictionary(values: Iterable[bytes]) -> bytes | None:
     train on)."""
     samples: list[bytes | bytearray | memoryview] = []
     for v in values:
-        if len(v) >= MIN_COMPRESSED_VALUE_BYTES:
+        if MIN_COMPRESSED_VALUE_BYTES <= len(v) <= MAX_SAMPLE_BYTES:
             samples.append(v)
             if len(samples) == TRAIN_MAX_SAMPLES:
                 break
@@ -213,6 +219,17 @@ class ValueCodec:
                              "dictionary never changes")
         self._dicts[number] = load_dictionary(number, data, key=self._where)
         self.encode_number = max(self._dicts)
+        self._local = _Contexts()
+
+    def holds(self, number: int) -> bool:
+        """Whether dictionary ``number`` is in the codec."""
+        return number in self._dicts
+
+    def discard(self, number: int) -> None:
+        """Forget dictionary ``number`` that the transaction which added it did not commit
+        (the table's write batch was aborted): no stored value names it."""
+        del self._dicts[number]
+        self.encode_number = max(self._dicts) if self._dicts else None
         self._local = _Contexts()
 
     def _compressor(self) -> zstandard.ZstdCompressor | None:

@@ -98,7 +98,7 @@ from dstl.stores.base import BlobStore
 from materializer.changes import CLEAR, SET, SET_INTERNAL, decode_metadata
 from materializer.codecs import SafeCodec
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
-from materializer.lmdb_pages import EntrySpans
+from materializer.lmdb_check import ValidFile
 from materializer.replay import uniform_block
 from restore.file_restore import file_snapshot_in_memory, is_file_snapshot, stage_file_snapshot
 from restore.leasing import LeasingCache
@@ -570,7 +570,7 @@ def _prefixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.nd
 
 
 def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarray,
-                key_size: int, value_size: int, key: str, heads: np.ndarray
+                key_size: int, value_size: int, key: str, heads: np.ndarray, tag: int = 0
                 ) -> Iterator[Run] | None:
     """:func:`_prefixed_runs` of entries whose raw keys all have ``key_size`` bytes, each
     followed by its value of ``value_size`` bytes (an LMDB node's value when it is not on
@@ -578,7 +578,8 @@ def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarr
     file, where gathering keys and values apart takes two, each a cache miss per entry — then
     cut into columns. ``None`` when the key lengths differ (entries of one raw-key
     size with namespaces of several sizes): the caller cuts them entry by entry. ``heads``: the
-    raw keys' first 8 bytes as big-endian words (:attr:`EntrySpans.key_head`)."""
+    raw keys' first 8 bytes as big-endian words (:attr:`EntrySpans.key_head`); ``tag``: bytes
+    before each value's own (key layout ``"2"``'s tag 0)."""
     lengths = np.full(len(starts), key_size, dtype=np.int64)
     _check_prefix(lengths, key)
     rows = _gather(data, starts, key_size + value_size)
@@ -588,10 +589,10 @@ def _fixed_runs(states: dict[int, StateInfo], data: np.ndarray, starts: np.ndarr
     kl = int(klen[0])
     return _split_states(states, sids, pa.array(kgs), _columns(rows, _PREFIX, kl),
                          _columns(rows, _PREFIX + kl, key_size - _PREFIX - kl),
-                         _columns(rows, key_size, value_size), key)
+                         _columns(rows, key_size + tag, value_size - tag), key)
 
 
-def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupRange,
+def _span_runs(states: dict[int, StateInfo], valid: ValidFile, owned: KeyGroupRange,
                key: str) -> Iterator[Run]:
     """Runs of the entries in ``owned`` of a validated v2 file located by its pages
     (:func:`materializer.lmdb_check.check_data_file`): up to a million entries a piece
@@ -599,7 +600,9 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
     builds the log keys' hash set per call), not once per 64 k chunk. The file's keys are in
     key order and each data key has DSTL's prefix (validated), so the entries of ``owned`` are
     one range of the key groups in their first two bytes, cut as views of the spans when it fits
-    one piece."""
+    one piece. Values of key layout ``"2"`` are decoded (:meth:`ValidFile.value`): cut as
+    views past the tag byte when a piece holds only tag-0 values."""
+    spans = valid.spans
     data, starts = spans.data, spans.key_start
     if not len(starts):
         return
@@ -614,15 +617,23 @@ def _span_runs(states: dict[int, StateInfo], spans: EntrySpans, owned: KeyGroupR
         pieces = _pieces(np.arange(lo, hi), spans.key_size, spans.value_size)
     for sel in pieces:
         at, ksize, vsize = starts[sel], spans.key_size[sel], spans.value_size[sel]
+        tag = 0
+        if valid.codec is not None:
+            if not (data[spans.value_start[sel]] == 0).all():   # (validated: each has a tag)
+                vb = pa.array([valid.value(i) for i in np.arange(len(starts))[sel].tolist()],
+                              type=pa.binary())
+                yield from _prefixed_runs(states, data, at, ksize, vb, key, spans.key_head[sel])
+                continue
+            tag = 1   # tag 0 only: the stored bytes past the tag are the values
         if len(at) and (ksize == ksize[0]).all() and (vsize == vsize[0]).all() \
                 and (spans.value_start[sel] == at + ksize).all():
             runs = _fixed_runs(states, data, at, int(ksize[0]), int(vsize[0]), key,
-                               spans.key_head[sel])
+                               spans.key_head[sel], tag)
             if runs is not None:
                 yield from runs
                 continue
         yield from _prefixed_runs(states, data, at, ksize,
-                                  _slices(data, spans.value_start[sel], vsize), key,
+                                  _slices(data, spans.value_start[sel] + tag, vsize - tag), key,
                                   spans.key_head[sel])
 
 
@@ -659,7 +670,7 @@ def _file_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_
         else:
             parent = os.path.dirname(stack.enter_context(staged_file()))
             valid = stage_file_snapshot(ref, read, layout.size, parent, verified=True).valid
-        yield from _span_runs(states, valid.spans, owned, ref.key)
+        yield from _span_runs(states, valid, owned, ref.key)
 
 
 def _block_runs(store: BlobStore, ref: SnapshotRef, wanted: KeyGroupRange, allow_pickle: bool,

@@ -235,6 +235,8 @@ def _decode_values(staged: StagedSnapshot, key: str) -> None:
     ns_at = (spans.key_start + KEY_PREFIX.size + (head & np.uint64(0xFFFFFFFF)).astype(np.int64))
     key_end = spans.key_start + spans.key_size
     raw = spans.data
+    valid = staged.valid
+    framed = valid.codec is not None   # key layout "2": values decode through the file's codec
     for i, (sid, ns, end, v, n) in enumerate(zip(
             sids, ns_at.tolist(), key_end.tolist(), spans.value_start.tolist(),
             spans.value_size.tolist(), strict=True)):
@@ -244,7 +246,7 @@ def _decode_values(staged: StagedSnapshot, key: str) -> None:
         try:
             if end > ns:
                 _NAMESPACES.decode(raw[ns:end].tobytes())
-            shape.from_bytes(raw[v:v + n].tobytes())
+            shape.from_bytes(valid.value(i) if framed else raw[v:v + n].tobytes())
         except (DstlError, *DECODER_BUGS) as exc:
             raise placed(exc, key, staged.layout.data_offset,
                          f"entry {i} of the LMDB data file (state {sid})") from exc

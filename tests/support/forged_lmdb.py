@@ -47,6 +47,7 @@ from materializer.file_snapshot import (
 )
 from materializer.options import BackendOptions
 from materializer.states import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from materializer.value_codec import ValueCodec, dictionary_key, train_dictionary
 from support.crafted import lying_frame, zero_frame
 
 MP = 16
@@ -604,6 +605,69 @@ def _layout(value: bytes | None) -> Callable[[LmdbFile, bytearray], bytes]:
     return edit
 
 
+def _dictionary() -> bytes:
+    """A zstd dictionary of key layout "2" (trained on values like the store's)."""
+    data = train_dictionary(f"{i}:{_values(i)}:{_key(i)}".encode()[:300] for i in range(1200))
+    assert data is not None
+    return data
+
+
+def _framed(value: Callable[[bytes], bytes] | None = None,
+            record: Callable[[bytes], bytes] | None = None
+            ) -> Callable[[LmdbFile, bytearray], bytes]:
+    """The file as a table with a dictionary holds it (key layout "2"): dictionary 0 written
+    and every value it shrinks stored with it (tag 1); then ``value`` edits the stored bytes of
+    the middle framed value, ``record`` the dictionary record."""
+    def edit(f: LmdbFile, d: bytearray) -> bytes:
+        def change(txn: Any) -> None:
+            data = _dictionary()
+            codec = ValueCodec({0: data})
+            framed = []
+            with txn.cursor() as cur:
+                for k, v in cur:
+                    if not k.startswith(b"\xff\xff") and v[:1] == b"\x00":
+                        stored = codec.encode(v[1:])
+                        if stored[0] == 1:
+                            framed.append((k, stored))
+            assert len(framed) > 100
+            for k, stored in framed:
+                txn.put(k, stored)
+            txn.put(dictionary_key(0), data if record is None else record(data))
+            if value is not None:
+                k, stored = framed[len(framed) // 2]
+                txn.put(k, value(stored))
+        return with_lmdb(f.data, change)
+    return edit
+
+
+def _declaring(size: Callable[[int], int]) -> Callable[[bytes], bytes]:
+    """A framed value whose zstd frame header declares ``size(true size)`` bytes, the blocks
+    unchanged: the header rebuilt with an 8-byte content-size field."""
+    def edit(stored: bytes) -> bytes:
+        frame = stored[2:]
+        fhd = frame[4]
+        single = bool(fhd & 0x20)
+        dict_id = (0, 1, 2, 4)[fhd & 3]
+        width = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+        fields = 5 + (0 if single else 1)
+        head = frame[5:fields + dict_id]
+        true = int.from_bytes(frame[fields + dict_id:fields + dict_id + width], "little")
+        true += 256 if width == 2 else 0
+        out = bytes([frame[0], frame[1], frame[2], frame[3], (3 << 6) | (fhd & 0x3F)]) + head
+        return stored[:2] + out + size(true).to_bytes(8, "little") + \
+            frame[fields + dict_id + width:]
+    return edit
+
+
+def _layout_1_with_dictionary(f: LmdbFile, d: bytearray) -> bytes:
+    """Key layout "1" (values as they are) with a dictionary record, which only layout "2"
+    has."""
+    def change(txn: Any) -> None:
+        txn.put(LAYOUT_KEY, b"1")
+        txn.put(dictionary_key(0), _dictionary())
+    return with_lmdb(f.data, change)
+
+
 def _declared(size: int) -> Callable[[Built, bytes], bytes]:
     def make(built: Built, obj: bytes) -> bytes:
         return envelope(obj, lying_frame(size), size)
@@ -673,7 +737,25 @@ FORGERIES: list[Forgery] = [
                   MODEL, what="a statistic: the tree is unchanged"),
     _file_forgery("entries-zero", _meta_set(M_ENTRIES, lambda f: 0), MODEL),
     _file_forgery("layout-removed", _layout(None)),
-    _file_forgery("layout-2", _layout(b"2")),
+    _file_forgery("layout-3", _layout(b"3")),
+    _file_forgery("layout-2-framed", _framed(), MODEL,
+                  what="values stored with a dictionary: the positive control of layout 2"),
+    _file_forgery("value-unknown-tag", _framed(lambda v: b"\x07" + v[1:])),
+    _file_forgery("value-empty", _framed(lambda v: b"")),
+    _file_forgery("value-missing-dictionary", _framed(lambda v: v[:1] + b"\x05" + v[2:])),
+    _file_forgery("value-declares-too-much", _framed(_declaring(lambda n: 1 << 40)),
+                  what="the frame declares 1 TiB, more than a value may decode to"),
+    _file_forgery("value-declares-more", _framed(_declaring(lambda n: n + 1)),
+                  what="the frame declares one byte more than it decodes to"),
+    _file_forgery("value-declares-less", _framed(_declaring(lambda n: n - 1))),
+    _file_forgery("value-declares-same", _framed(_declaring(lambda n: n)), MODEL,
+                  what="the header rebuilt with a wider size field: the same value"),
+    _file_forgery("value-truncated-frame", _framed(lambda v: v[:-3])),
+    _file_forgery("value-frame-trailing-bytes", _framed(lambda v: v + b"zz")),
+    _file_forgery("value-not-a-frame", _framed(lambda v: v[:2] + b"not a zstd frame")),
+    _file_forgery("dictionary-corrupt", _framed(record=lambda d: d[:8] + b"\xff" * 200)),
+    _file_forgery("dictionary-empty", _framed(record=lambda d: b"")),
+    _file_forgery("dictionary-in-layout-1", _layout_1_with_dictionary),
     _file_forgery("empty-environment", _empty_env),
     _file_forgery("other-meta-newer-empty", _other_meta_newer),
     _file_forgery("page-pgno-field", _pgno_field),

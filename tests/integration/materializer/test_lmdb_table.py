@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
+import struct
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -77,10 +82,12 @@ def test_reopen_after_close_sees_the_data_and_close_is_idempotent(tmp_path: Path
 def test_map_grows_when_full_and_batches_stay_atomic(tmp_path: Path) -> None:
     t = _table(tmp_path / "env", map_size_bytes=1 << 20, max_map_size_bytes=1 << 26)
     try:
-        value = b"x" * 1000
+        rng = random.Random(3)   # incompressible values: the dictionary cannot shrink them
+        values = [rng.randbytes(1000) for _ in range(6000)]
+        value = values[5]
         with t.write_batch():
             for i in range(6000):  # ~6 MB in one transaction: several doublings + replays
-                t.put(0, i % 16, b"%d" % i, b"", value)
+                t.put(0, i % 16, b"%d" % i, b"", values[i])
         assert t.map_size_bytes >= 8 << 20
         assert len(t) == 6000
         assert t.get(0, 5, b"5", b"") == value
@@ -271,21 +278,27 @@ def test_a_batch_larger_than_the_journal_memory_survives_map_growth(tmp_path: Pa
     from materializer.lmdb_table import JOURNAL_MEMORY_BYTES
 
     t = _table(tmp_path / "env", map_size_bytes=JOURNAL_MEMORY_BYTES, max_map_size_bytes=1 << 28)
-    value = bytes(range(200)) * 9
+    # incompressible values (the table's dictionary would shrink repeated ones)
+    value = random.Random(7).randbytes(1808)
     n = 2 * JOURNAL_MEMORY_BYTES // len(value)
+    noise = random.Random(8).randbytes(1800 * n)
+
+    def numbered(i: int) -> bytes:
+        return noise[1800 * i:1800 * (i + 1)] + b"%08d" % i
+
     try:
         with t.write_batch():
             t.put(1, 0, b"gone", b"", b"x")
             for i in range(n):
-                t.put(1, i % 4, b"k%08d" % i, b"", value + b"%08d" % i)
+                t.put(1, i % 4, b"k%08d" % i, b"", numbered(i))
             assert t.remove(1, 0, b"gone", b"") is True
             t.put_many([(2, 1, b"m%05d" % i, b"", b"v") for i in range(1000)])
         # its pages outgrew the journal's memory: the map grew after the file took over
         assert os.path.getsize(tmp_path / "env" / "data.mdb") > 2 * JOURNAL_MEMORY_BYTES
         assert t.get(1, 0, b"gone", b"") is None
         for i in range(0, n, 997):
-            assert t.get(1, i % 4, b"k%08d" % i, b"") == value + b"%08d" % i
-        assert t.get(1, (n - 1) % 4, b"k%08d" % (n - 1), b"") == value + b"%08d" % (n - 1)
+            assert t.get(1, i % 4, b"k%08d" % i, b"") == numbered(i)
+        assert t.get(1, (n - 1) % 4, b"k%08d" % (n - 1), b"") == numbered(n - 1)
         assert t.get(2, 1, b"m00999", b"") == b"v"
 
         class Boom(Exception):
@@ -297,5 +310,166 @@ def test_a_batch_larger_than_the_journal_memory_survives_map_growth(tmp_path: Pa
             raise Boom
         assert t.get(3, 0, b"a%08d" % 0, b"") is None
         assert sorted(os.listdir(tmp_path)) == ["env"]  # no journal file left
+    finally:
+        t.close()
+
+
+# --------------------------------------------------------------------------- key layout "2"
+
+
+def _text(i: int) -> bytes:
+    """A 200-byte value like a state's string (compressible with a dictionary)."""
+    return (b"%08d:" % i) + hashlib.sha256(b"%d" % i).hexdigest().encode() * 2 + b"x" * 63
+
+
+def _stored(t: LmdbStateTable) -> dict[bytes, bytes]:
+    snap = t.snapshot()
+    try:
+        return dict(snap.records())
+    finally:
+        snap.release()
+
+
+@pytest.mark.parametrize("n", [1500, 3000])
+def test_the_first_large_batch_trains_a_dictionary_and_every_read_decodes(
+        tmp_path: Path, n: int) -> None:
+    """1,500 values: trained when the batch ends, every value rewritten; 3,000: trained at the
+    2,000th sample, the later values encoded as they come."""
+    t = _table(tmp_path / "env")
+    try:
+        assert t.layout == b"2" and t.dictionaries == []
+        with t.write_batch():
+            t.put(2, 3, b"small", b"", b"tiny")
+            for i in range(n):
+                t.put(1, i % 16, b"k%06d" % i, b"", _text(i))
+            assert t.get(1, 5, b"k000005", b"") == _text(5)   # the batch reads its writes
+        assert t.dictionaries == [0]
+        stored = _stored(t)
+        assert stored[b"\xff\xffdstl-dict\x00"] and stored[b"\xff\xffdstl-layout"] == b"2"
+        framed = [v for k, v in stored.items() if k[:2] != b"\xff\xff" and v[0] == 1]
+        assert len(framed) == n and sum(map(len, framed)) < n * len(_text(0)) // 2
+        assert t.get(2, 3, b"small", b"") == b"tiny"
+        assert t.get(1, 7, b"k000007", b"") == _text(7)
+        assert [v for _, _, v in t.entries(1, 4)] == [_text(i) for i in range(4, n, 16)]
+        snap = t.snapshot()
+        try:
+            assert snap.get_many([(1, 9, b"k000009", b""), (1, 9, b"none", b"")]) \
+                == [_text(9), None]
+            assert [e[3] for e in snap.entries(4) if e[0] == 1] == \
+                [_text(i) for i in range(4, n, 16)]
+        finally:
+            snap.release()
+    finally:
+        t.close()
+    with _table(tmp_path / "env") as again:   # reopened: the dictionary is read back
+        assert again.dictionaries == [0]
+        assert again.get(1, 11, b"k000011", b"") == _text(11)
+        with again.write_batch():   # a written dictionary never changes: no second one
+            for i in range(n):
+                again.put(1, i % 16, b"j%06d" % i, b"", _text(i + n))
+        assert again.dictionaries == [0]
+        assert again.get(1, 3, b"j000003", b"") == _text(3 + n)
+
+
+def test_an_aborted_batch_leaves_no_dictionary_and_removed_samples_stay_removed(
+        tmp_path: Path) -> None:
+    class Boom(Exception):
+        pass
+
+    t = _table(tmp_path / "env")
+    try:
+        with pytest.raises(Boom), t.write_batch():
+            for i in range(2500):   # trains at the 2,000th value, then aborts
+                t.put(1, i % 16, b"k%06d" % i, b"", _text(i))
+            assert t.dictionaries == [0]
+            raise Boom
+        assert t.dictionaries == [] and len(t) == 0
+        assert b"\xff\xffdstl-dict\x00" not in _stored(t)
+        with t.write_batch():
+            for i in range(1200):
+                t.put(1, i % 16, b"k%06d" % i, b"", _text(i))
+            t.remove(1, 0, b"k000000", b"")           # sampled, then removed: stays removed
+            t.put(1, 1, b"k000001", b"", b"short")    # sampled, then overwritten
+        assert t.dictionaries == [0]
+        assert t.get(1, 0, b"k000000", b"") is None
+        assert t.get(1, 1, b"k000001", b"") == b"short"
+        assert t.get(1, 2, b"k000002", b"") == _text(2)
+    finally:
+        t.close()
+
+
+def test_a_layout_1_table_stays_layout_1(tmp_path: Path) -> None:
+    """Values as they are, no dictionary (a table written before layout "2", or installed
+    from such a snapshot file)."""
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"\xff\xffdstl-layout", b"1")
+        txn.put(b"\x00\x03\x00\x01\x00\x00\x00\x01a", b"\x00raw")
+    env.close()
+    t = _table(tmp_path / "env")
+    try:
+        assert t.layout == b"1"
+        assert t.get(1, 3, b"a", b"") == b"\x00raw"
+        with t.write_batch():
+            for i in range(1500):
+                t.put(1, i % 16, b"k%06d" % i, b"", _text(i))
+        assert t.dictionaries == []
+        assert _stored(t)[b"\x00\x05\x00\x01\x00\x00\x00\x07k000005"] == _text(5)
+        assert t.get(1, 5, b"k000005", b"") == _text(5)
+    finally:
+        t.close()
+
+
+_WRITE = """
+import hashlib, sys
+sys.path.insert(0, sys.argv[2])
+from dstl.keygroups import KeyGroupRange
+from materializer.lmdb_table import LmdbStateTable
+t = LmdbStateTable(sys.argv[1], KeyGroupRange(0, 15), map_size_bytes=1 << 20)
+with t.write_batch():
+    for i in range(int(sys.argv[3])):
+        t.put(1, i % 16, b"k%06d" % i, b"",
+              (b"%08d:" % i) + hashlib.sha256(b"%d" % i).hexdigest().encode() * 2 + b"x" * 63)
+print(t.dictionaries)
+t.close()
+"""
+
+
+def test_a_read_only_open_learns_the_dictionary_the_writer_trains_later(tmp_path: Path) -> None:
+    """The executor agent opens a worker's table read-only; the worker trains afterwards."""
+    root = str(Path(__file__).resolve().parents[3])
+    env = str(tmp_path / "env")
+
+    def write(n: int) -> str:
+        return subprocess.run([sys.executable, "-c", _WRITE, env, root, str(n)], check=True,
+                              capture_output=True, text=True, timeout=120).stdout.strip()
+
+    assert write(1) == "[]"
+    ro = LmdbStateTable(env, RANGE, readonly=True)
+    try:
+        assert ro.layout == b"2" and ro.dictionaries == []
+        assert write(1500) == "[0]"
+        assert ro.get(1, 7, b"k000007", b"") == _text(7)
+        assert ro.dictionaries == [0]
+        snap = ro.snapshot()
+        try:
+            assert [e[3] for e in snap.entries(5)] == [_text(i) for i in range(5, 1500, 16)]
+        finally:
+            snap.release()
+    finally:
+        ro.close()
+
+
+def test_a_bulk_load_trains_the_dictionary_too(tmp_path: Path) -> None:
+    """A restore's runs of records (``put_raw``) are samples like puts are."""
+    t = _table(tmp_path / "env")
+    try:
+        with t.bulk_load() as bulk:
+            bulk.put_raw([(bulk.prefix(i % 16, 1) + struct.pack(">I", 7) + b"k%06d" % i,
+                           _text(i)) for i in range(1200)])
+        assert t.dictionaries == [0]
+        framed = [v for k, v in _stored(t).items() if k[:2] != b"\xff\xff" and v[0] == 1]
+        assert len(framed) == 1200
+        assert t.get(1, 9, b"k000009", b"") == _text(9)
     finally:
         t.close()

@@ -156,7 +156,9 @@ def test_agent_materialization_streams_the_copy_and_leaves_nothing(storage: Chan
     assert [n for n in r["beside"] if n not in r["before"]] == [
         n for n in r["beside"] if n.startswith(".dstl-pack-")]
     assert r["after"] == r["before"]
-    assert r["raw_size"] > 4 * r["size"]   # the point: the copy is much larger than the object
+    # the point: the copy is much larger than the object (values framed with the table's
+    # dictionary already, the file's zstd frame still takes 3.5x off)
+    assert r["raw_size"] > 2 * r["size"]
     assert r["peak"] <= r["size"] + CHUNK_ALLOWANCE, (
         f"held {r['peak']} bytes in memory for an object of {r['size']} bytes")
 
@@ -344,9 +346,10 @@ def test_a_table_outgrowing_the_materializers_map_is_still_snapshotted(tmp_path:
                                  stdout=subprocess.PIPE, text=True)
         assert child.stdin is not None and child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
+        noise = random.Random(3).randbytes(300 * 12_000)   # incompressible: the map grows
         with writer.write_batch():
             for i in range(300, 12_000):
-                writer.put(1, i % MP, b"k%05d" % i, b"", b"v" * 300)
+                writer.put(1, i % MP, b"k%05d" % i, b"", noise[300 * i:300 * (i + 1)])
         assert writer.map_size_bytes > 4 << 20
         out, _ = child.communicate("go\n", timeout=60)
         assert child.returncode == 0

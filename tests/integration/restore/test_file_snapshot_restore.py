@@ -6,6 +6,7 @@ a child process) leaves no table that a later task could take for a checkpoint's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -213,6 +214,56 @@ def test_snapshot_without_log_installs_the_file_as_the_table(storage: ChangelogS
     r.close()
 
 
+@pytest.mark.parametrize("old,new", [(1, 2), (2, 1), (4, 3)])
+def test_rescale_copies_each_tables_dictionary(storage: ChangelogStorage, tmp_path: Path,
+                                               old: int, new: int) -> None:
+    """Tables whose values took a dictionary (a write batch of >= 1,000 values of 200 bytes)
+    rescale into tables holding every source's dictionary under its own number, and every
+    state kind equals the model, read from LMDB and the heap."""
+    model: Model = {}
+    big: dict[str, str] = {}
+    handles = []
+    ranges = [KeyGroupRange.of_operator(MP, old, i) for i in range(old)]
+    per = [[k for k in (f"big-{n}" for n in range(6000))
+            if key_group_for(k.encode(), MP) in kgs][:1100] for kgs in ranges]
+    for i, kgs in enumerate(ranges):
+        b = ChangelogKeyedStateBackend(storage, f"big/{i}", kgs, MP, table="lmdb", options=FILE,
+                                       local_directory=str(tmp_path / "src"))
+        v = b.get_state(ValueStateDescriptor("v"))
+        with b.write_batch():
+            for k in per[i]:
+                b.set_current_key(k)
+                big[k] = f"{k}:" + hashlib.sha256(k.encode()).hexdigest() * 3 + "x" * 64
+                v.update(big[k])
+        assert b.tables.dictionaries == [0]
+        _workload(b, random.Random(i), 300,
+                  [k for k in KEYS if key_group_for(k.encode(), MP) in kgs], model)
+        _checkpoint(b, 1)
+        assert b.materialize_now(WAIT) is not None
+        _workload(b, random.Random(i + 50), 100,
+                  [k for k in KEYS if key_group_for(k.encode(), MP) in kgs], model)
+        handles.append(_checkpoint(b, 2))
+        b.close()
+    for j in range(new):
+        kgs = KeyGroupRange.of_operator(MP, new, j)
+        sources = [i for i, r in enumerate(ranges) if len(r.intersection(kgs))]
+        for table in ("lmdb", "heap"):
+            r = restore_backend(handles, storage, kgs, table=table, operator_id=f"new/{j}",
+                                local_directory=str(tmp_path / table))
+            try:
+                assert _read_all(r) == _in(model, kgs), f"{table} backend {j} of {new}"
+                v = r.get_state(ValueStateDescriptor("v"))
+                for k, text in big.items():
+                    if key_group_for(k.encode(), MP) in kgs:
+                        r.set_current_key(k)
+                        assert v.value() == text
+                if table == "lmdb":
+                    assert r.tables.layout == b"2"
+                    assert r.tables.dictionaries == list(range(len(sources)))
+            finally:
+                r.close()
+
+
 @pytest.mark.parametrize("old,new", [(1, 2), (2, 1), (4, 3), (8, 2)])
 @pytest.mark.parametrize("sources", ["lmdb", "mixed"])
 def test_rescale_from_file_snapshots(storage: ChangelogStorage, tmp_path: Path, old: int,
@@ -274,6 +325,8 @@ def _golden_restores(golden: Path, sources: tuple[str, ...], version: int, tmp_p
                         r.set_current_namespace(ns)
                         if v.value() is not None:
                             rows.append([k, ns, v.value(), li.get(), sorted(map(list, m.items()))])
+                if dst == "lmdb" and version == 2:   # installed by rename: it stays layout 1
+                    assert r.tables.layout == b"1"
                 r.close()
                 expected = [[k, ns, val, lst, [list(x) for x in mp]]
                             for k, ns, val, lst, mp in model[src]]

@@ -286,10 +286,10 @@ def test_a_node_at_the_very_end_of_the_file_reads_its_key_head_padded(tmp_path: 
 
 def _dstl_file(tmp_path: Path, entries: list[tuple[int, int, bytes]]) -> str:
     """A compacting copy of an environment of DSTL's key layout holding ``(key group, state
-    id, key)`` entries (value b"v") and the layout record."""
+    id, key)`` entries (value b"v", tag 0 of key layout "2") and the layout record."""
     from materializer.lmdb_table import KEY_PREFIX, LAYOUT_KEY, LAYOUT_VERSION
 
-    items = [(KEY_PREFIX.pack(kg, sid, len(k)) + k, b"v") for kg, sid, k in entries]
+    items = [(KEY_PREFIX.pack(kg, sid, len(k)) + k, b"\x00v") for kg, sid, k in entries]
     return _env(tmp_path, sorted([*items, (LAYOUT_KEY, LAYOUT_VERSION)]))
 
 
