@@ -93,6 +93,7 @@ from dstl.errors import (
     ClosedError,
     ConfigError,
     ConfigTypeError,
+    CorruptValueError,
     DstlError,
     KeyGroupError,
     LocalDiskFullError,
@@ -645,12 +646,15 @@ class LmdbStateTable:
             layout = self._layout
         if layout == _LAYOUT_1:
             return stored
-        if stored[:1] == _RAW_TAG:
-            return stored[1:]
         codec = self._codec
-        if codec is None or not codec.holds(stored[1] if len(stored) > 1 else -1):
-            codec = self._load_codec(txn)   # another process trained it since we looked
-            assert codec is not None
+        if codec is not None:
+            try:
+                return codec.decode(stored, k)
+            except CorruptValueError:
+                if len(stored) < 2 or codec.holds(stored[1]):
+                    raise
+        codec = self._load_codec(txn)   # another process trained a dictionary since we looked
+        assert codec is not None
         return codec.decode(stored, k)
 
     def _decoder(self, txn: Any) -> _Decode | None:

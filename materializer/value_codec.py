@@ -186,7 +186,7 @@ class ValueCodec:
             ``<table value>`` when the caller re-raises them placed).
     """
 
-    __slots__ = ("_dicts", "_local", "_max", "_where", "encode_number")
+    __slots__ = ("_dicts", "_head", "_local", "_max", "_where", "encode_number")
 
     def __init__(self, dictionaries: Mapping[int, bytes] | None = None, *,
                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_VALUE_BYTES,
@@ -197,6 +197,7 @@ class ValueCodec:
         self._where = where
         #: The dictionary :meth:`encode` uses (the highest number), None without one.
         self.encode_number: int | None = None
+        self._head = b""   # tag 1 and encode_number
         for number, data in sorted((dictionaries or {}).items()):
             self.add(number, data)
 
@@ -218,8 +219,7 @@ class ValueCodec:
             raise UsageError(f"dictionary {number} is already in the table; a written "
                              "dictionary never changes")
         self._dicts[number] = load_dictionary(number, data, key=self._where)
-        self.encode_number = max(self._dicts)
-        self._local = _Contexts()
+        self._numbered()
 
     def holds(self, number: int) -> bool:
         """Whether dictionary ``number`` is in the codec."""
@@ -229,7 +229,11 @@ class ValueCodec:
         """Forget dictionary ``number`` that the transaction which added it did not commit
         (the table's write batch was aborted): no stored value names it."""
         del self._dicts[number]
+        self._numbered()
+
+    def _numbered(self) -> None:
         self.encode_number = max(self._dicts) if self._dicts else None
+        self._head = b"" if self.encode_number is None else bytes((TAG_DICT, self.encode_number))
         self._local = _Contexts()
 
     def _compressor(self) -> zstandard.ZstdCompressor | None:
@@ -256,11 +260,11 @@ class ValueCodec:
     def encode(self, value: bytes) -> bytes:
         """The stored bytes of ``value``: tag 1 when a dictionary makes it smaller, else tag 0."""
         if len(value) >= MIN_COMPRESSED_VALUE_BYTES and self.encode_number is not None:
-            c = self._compressor()
+            c = self._local.compressor or self._compressor()
             assert c is not None
             frame = c.compress(value)
-            if len(frame) + 2 < len(value) + 1:
-                return bytes((TAG_DICT, self.encode_number)) + frame
+            if len(frame) + 1 < len(value):
+                return self._head + frame
         return _RAW + value
 
     def declared_size(self, stored: bytes, entry_key: bytes = b"") -> int:
@@ -309,8 +313,26 @@ class ValueCodec:
         Raises:
             CorruptValueError: the framing, the dictionary number or the frame is wrong.
         """
-        if stored and stored[0] == TAG_RAW:
+        if stored[:1] == _RAW:
             return stored[1:]
+        # the common case in few calls; anything unusual takes the checked path below
+        if len(stored) > 2 and stored[0] == TAG_DICT:
+            d = self._local.decompressors.get(stored[1])
+            if d is not None:
+                frame = memoryview(stored)[2:]
+                try:
+                    size = zstandard.frame_content_size(frame)
+                    if 0 <= size <= self._max:
+                        out: bytes = d.decompress(frame, max_output_size=size,
+                                                  allow_extra_data=False)
+                        if len(out) == size:
+                            return out
+                except zstandard.ZstdError:
+                    pass
+        return self._decode_checked(stored, entry_key)
+
+    def _decode_checked(self, stored: bytes, entry_key: bytes) -> bytes:
+        """:meth:`decode` one check at a time, each failure its own error."""
         size = self.declared_size(stored, entry_key)
         d = self._decompressor(stored[1], entry_key)
         try:
