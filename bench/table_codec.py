@@ -1,14 +1,18 @@
 """LMDB state table: what compressing values would save on local disk and cost per put and get.
 
-The table stores values raw (``materializer/lmdb_table.py``), and its leaf pages end about two
-thirds full, so its local disk is about twice the keys and values; Spark's RocksDB compresses
-its blocks. This bench measures, on real LMDB tables (``LmdbStateTable``, its key layout, its
-write batches), candidate value encodings before any of them is a format:
+An LMDB table's leaf pages end about two thirds full, so its local disk is about twice the keys
+and values it stores; Spark's RocksDB compresses its blocks. This bench measures, on real LMDB
+tables (``LmdbStateTable``, its key layout, its write batches), value encodings:
 
-* ``raw`` — the value as stored today;
+* ``raw`` — the value as it is, in a table of key layout ``"1"`` (what tables stored before
+  layout ``"2"``);
 * ``zstd-1`` — one zstd frame per value, level 1, no dictionary (content size in the frame, no
-  checksum; the value kept raw when the frame is not smaller);
-* ``dict-1`` — the same with a zstd dictionary of 8 KiB trained per table on 2,000 of its values.
+  checksum; the value kept raw when the frame is not smaller), encoded outside a layout-1 table;
+* ``dict-1`` — the same with a zstd dictionary of 8 KiB trained per table on 2,000 of its values
+  with zstd's parameter search (the prototype of layout ``"2"``);
+* ``table`` — the table as it is (key layout ``"2"``, :mod:`materializer.value_codec`): values
+  put as they are, the table trains its dictionary from its first large write batch and encodes
+  and decodes every value itself.
 
 Disk (``disk`` rows): the workload of ``bench/scale.py`` without Spark — N keys ``k<9 digits>``,
 each a 256-character value (two sha256 hex digests + 128 ``x``, the string a ``ValueState``
@@ -60,6 +64,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import lmdb  # noqa: E402
 import zstandard  # noqa: E402
 
 from bench._common import (  # noqa: E402
@@ -78,8 +83,9 @@ from dstl.keygroups import KeyGroupRange, key_group_for  # noqa: E402
 from materializer import ChangelogKeyedStateBackend, ValueStateDescriptor  # noqa: E402
 from materializer.codecs import SafeCodec  # noqa: E402
 from materializer.lmdb_files import PackedEnvironment  # noqa: E402
-from materializer.lmdb_table import LmdbStateTable  # noqa: E402
+from materializer.lmdb_table import LAYOUT_KEY, LmdbStateTable  # noqa: E402
 from materializer.options import BackendOptions  # noqa: E402
+from materializer.value_codec import DICT_KEY_PREFIX  # noqa: E402
 
 MP = 128
 PARTITIONS = 4
@@ -88,7 +94,7 @@ UPDATE_FRAC = 0.01
 DICT_BYTES = 8192
 DICT_SAMPLES = 2000
 COMMIT_EVERY = 256
-VARIANTS = ("raw", "zstd-1", "dict-1")
+VARIANTS = ("raw", "zstd-1", "dict-1", "table")
 KINDS = ("scale", "hex", "random")
 SAFE = SafeCodec()
 
@@ -110,8 +116,9 @@ def value_of(kind: str, i: int, version: int) -> bytes:
 
 
 def codec(variant: str, samples: list[bytes]) -> tuple[Encode, Decode, int]:
-    """``(encode, decode, dictionary bytes)`` of a variant; ``samples`` train a dictionary."""
-    if variant == "raw":
+    """``(encode, decode, dictionary bytes)`` of a variant; ``samples`` train a dictionary
+    (``table``: the table encodes, so nothing here)."""
+    if variant in ("raw", "table"):
         return (lambda v: v), (lambda v: v), 0
     level = int(variant.split("-")[1])
     data = None
@@ -133,6 +140,33 @@ def codec(variant: str, samples: list[bytes]) -> tuple[Encode, Decode, int]:
         return x if len(x) == n else decompress(x)
 
     return encode, decode, len(data.as_bytes()) if data else 0
+
+
+def new_table(directory: str, key_groups: KeyGroupRange, variant: str) -> LmdbStateTable:
+    """A table for ``variant``: key layout ``"2"`` for ``table``, else a table of layout ``"1"``
+    (values stored as they are put), made by writing its layout record first."""
+    if variant != "table":
+        os.makedirs(directory, exist_ok=True)
+        env = lmdb.open(directory, map_size=1 << 20)
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(LAYOUT_KEY, b"1")
+        finally:
+            env.close()
+    t = LmdbStateTable(directory, key_groups)
+    assert t.layout == (b"2" if variant == "table" else b"1")
+    return t
+
+
+def _dictionary_bytes(tables: list[LmdbStateTable]) -> int:
+    total = 0
+    for t in tables:
+        snap = t.snapshot()
+        try:
+            total += sum(len(v) for k, v in snap.records() if k.startswith(DICT_KEY_PREFIX))
+        finally:
+            snap.release()
+    return total
 
 
 def _allocated(directory: str) -> int:
@@ -168,7 +202,7 @@ def disk(n: int, kind: str, variant: str, seed: int, where: str, *,
     for i in order:
         by_part[part[kgs[i]]].append(i)
     d = tempfile.mkdtemp(prefix="table-codec-", dir=where)
-    tables = [LmdbStateTable(os.path.join(d, str(p)), r) for p, r in enumerate(ranges)]
+    tables = [new_table(os.path.join(d, str(p)), r, variant) for p, r in enumerate(ranges)]
     raw = stored = dict_bytes = 0
     decoders = []
     try:
@@ -190,6 +224,16 @@ def disk(n: int, kind: str, variant: str, seed: int, where: str, *,
                     put(1, kgs[i], keys[i], b"", e)
         build_s = time.perf_counter() - t0
         after_build = _allocated(d)
+        if variant == "table":   # what the table stores: its own encoding
+            dict_bytes = _dictionary_bytes(tables)
+            stored = 0
+            for t in tables:
+                snap = t.snapshot()
+                try:
+                    stored += sum(len(k) - 8 + len(v) for k, v in snap.records()
+                                  if k[:2] != b"\xff\xff")
+                finally:
+                    snap.release()
         for r in range(ROUNDS):
             chosen = rng.sample(range(n), int(n * UPDATE_FRAC))
             for p, t in enumerate(tables):
@@ -248,7 +292,7 @@ def cost(n: int, repeats: int, where: str) -> dict[str, Any]:
     try:
         for variant in VARIANTS:
             enc, dec, _ = codec(variant, versions[0][:DICT_SAMPLES])
-            t = LmdbStateTable(os.path.join(d, variant), KeyGroupRange(0, MP - 1))
+            t = new_table(os.path.join(d, variant), KeyGroupRange(0, MP - 1), variant)
             with t.write_batch():
                 for i in rng.sample(range(n), n):
                     t.put(1, kgs[i], keys[i], b"", enc(versions[0][i]))
