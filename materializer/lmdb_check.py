@@ -198,7 +198,7 @@ def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, ke
                                 f"entry {i} of the LMDB data file (value at byte "
                                 f"{int(start[i])}) {why}")
     raw = spans.data
-    decode = codec.decode
+    decode = codec.decode_strict
     for i, v, n in zip(np.flatnonzero(numbered).tolist(), start[numbered].tolist(),
                        size[numbered].tolist(), strict=True):
         try:

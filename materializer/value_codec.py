@@ -9,7 +9,8 @@ A stored value is a tag byte and a body::
             :data:`LEVEL`, content size declared, no checksum, no dictionary id
 
 :meth:`ValueCodec.encode` writes tag 1 only when the table has a dictionary, the value has at
-least :data:`MIN_COMPRESSED_VALUE_BYTES` bytes and the frame is smaller than the value; else tag 0.
+least :data:`MIN_COMPRESSED_VALUE_BYTES` bytes and at most ``max_decoded_bytes`` (what a reader
+accepts a frame to declare) and the frame is smaller than the value; else tag 0.
 
 Dictionaries are the table's reserved records ``ff ff 'dstl-dict' u8 n`` (key group ``0xFFFF``,
 after every key group, like the layout and marker records). Rules:
@@ -259,7 +260,8 @@ class ValueCodec:
 
     def encode(self, value: bytes) -> bytes:
         """The stored bytes of ``value``: tag 1 when a dictionary makes it smaller, else tag 0."""
-        if len(value) >= MIN_COMPRESSED_VALUE_BYTES and self.encode_number is not None:
+        if MIN_COMPRESSED_VALUE_BYTES <= len(value) <= self._max \
+                and self.encode_number is not None:
             c = self._local.compressor or self._compressor()
             assert c is not None
             frame = c.compress(value)
@@ -315,24 +317,26 @@ class ValueCodec:
         """
         if stored[:1] == _RAW:
             return stored[1:]
-        # the common case in few calls; anything unusual takes the checked path below
+        # the common case in few calls (zstd allocates the declared size, checked first, and
+        # fails a frame that decodes to another); anything unusual takes the checked path
         if len(stored) > 2 and stored[0] == TAG_DICT:
             d = self._local.decompressors.get(stored[1])
             if d is not None:
-                frame = memoryview(stored)[2:]
+                frame = stored[2:]
                 try:
                     size = zstandard.frame_content_size(frame)
                     if 0 <= size <= self._max:
-                        out: bytes = d.decompress(frame, max_output_size=size,
-                                                  allow_extra_data=False)
+                        out: bytes = d.decompress(frame)
                         if len(out) == size:
                             return out
                 except zstandard.ZstdError:
                     pass
-        return self._decode_checked(stored, entry_key)
+        return self.decode_strict(stored, entry_key)
 
-    def _decode_checked(self, stored: bytes, entry_key: bytes) -> bytes:
-        """:meth:`decode` one check at a time, each failure its own error."""
+    def decode_strict(self, stored: bytes, entry_key: bytes = b"") -> bytes:
+        """:meth:`decode`, one check at a time, each failure its own error, and also refusing
+        bytes after the frame (which :meth:`decode` ignores): what a validator of stored
+        bytes calls once per value."""
         size = self.declared_size(stored, entry_key)
         d = self._decompressor(stored[1], entry_key)
         try:

@@ -168,12 +168,21 @@ FORGED = {
 
 @pytest.mark.parametrize("case", sorted(FORGED))
 def test_forged_value_is_a_typed_error_naming_the_entry(case: str) -> None:
+    """``decode_strict`` (the validator's) refuses every case; ``decode`` (a table's reads of
+    validated values) every case but bytes after the frame, which it ignores: the frame's
+    value is the one written."""
     stored, reason = FORGED[case]
+    c = codec()
     with pytest.raises(CorruptValueError, match=reason) as info:
-        codec().decode(stored, b"\x00\x01entry")
+        c.decode_strict(stored, b"\x00\x01entry")
     assert isinstance(info.value, CorruptObjectError)
     assert info.value.entry_key == b"\x00\x01entry"
     assert info.value.key == "<table value>"
+    if case == "trailing bytes":
+        assert c.decode(stored) == value(1)
+    else:
+        with pytest.raises(CorruptValueError, match=reason):
+            c.decode(stored, b"\x00\x01entry")
 
 
 def test_declared_size_above_the_bound_is_refused_before_decoding() -> None:
@@ -192,3 +201,11 @@ def test_forged_dictionary_record_is_refused(record: bytes) -> None:
     assert info.value.key == "obj" and info.value.offset == 12
     with pytest.raises(CorruptValueError):
         ValueCodec({4: record})
+
+
+def test_a_value_above_the_decoded_bound_stays_raw() -> None:
+    """What a reader would refuse to decode is never framed."""
+    assert DICT is not None
+    c = ValueCodec({0: DICT}, max_decoded_bytes=200)
+    assert c.encode(value(1, 274))[0] == TAG_RAW
+    assert c.encode(value(1, 200))[0] == TAG_DICT
