@@ -13,8 +13,9 @@ layout ``"1"`` or ``"2"``), at most the table marker and, in layout ``"2"``, dic
 Layout ``"2"`` (:mod:`materializer.value_codec`): every dictionary record's number and size
 bounded and zstd loads it; every value has a tag byte, 0 or 1; a tag-1 value names a dictionary
 the file holds and its zstd frame's header parses, declares a content size within
-``max_decoded_bytes``, and the frame decodes to exactly that size (decoded once here, so a
-table installed from the file never meets a value that does not decode).
+``max_decoded_bytes``, and the frame decodes to exactly that size (decoded once here, in one
+C call per dictionary, so a table installed from the file never meets a value that does not
+decode; bytes after a frame are ignored, as every reader of the value ignores them).
 What it accepts, LMDB reads and writes safely, and every
 path (restore into LMDB or the heap, range copy, the readers, ``dstl verify`` and
 ``dstl inspect``) sees the same entries; what it refuses is a
@@ -98,7 +99,7 @@ def check_data_file(data: np.ndarray | str, meta: FileSnapshotMeta, *, key: str,
                 codec.add(number, _value(spans, i))
             except CorruptValueError as exc:
                 raise _at(exc, key, offset, spans, i) from exc
-        _check_values(spans, reserved, codec, key, offset)
+        _check_values(spans, reserved, codec, key, offset, max_decoded_bytes)
     return ValidFile(spans, len(spans) - len(reserved), layout, codec, key, offset)
 
 
@@ -167,9 +168,11 @@ def _check_reserved(spans: EntrySpans, reserved: np.ndarray, key: str, offset: i
 
 
 def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, key: str,
-                  offset: int) -> None:
-    """Every state entry's value framing (layout ``"2"``, the module docstring): the tags and
-    dictionary numbers over all entries at once, then each tag-1 frame decoded."""
+                  offset: int, max_decoded_bytes: int) -> None:
+    """Every state entry's value framing (layout ``"2"``, the module docstring): the tags,
+    dictionary numbers and frame headers over all entries at once, then the tag-1 frames
+    decoded in one C call per dictionary; only when one fails, each frame on its own for the
+    error."""
     data = np.ones(len(spans), dtype=bool)
     data[reserved] = False
     size = spans.value_size
@@ -197,6 +200,15 @@ def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, ke
         raise CorruptValueError(key, offset, _bytes(spans, i),
                                 f"entry {i} of the LMDB data file (value at byte "
                                 f"{int(start[i])}) {why}")
+    starts = start[numbered] + 2   # the frames, after the tag and the dictionary number
+    lengths = size[numbered] - 2
+    declared, parsed = _declared_sizes(spans.data, starts, lengths, max_decoded_bytes)
+    numbers = number[numbered]
+    if parsed.all() and all(_frames_decode(codec, int(n), spans.data, starts[numbers == n],
+                                           lengths[numbers == n], declared[numbers == n])
+                            for n in np.unique(numbers)):
+        return
+    # a frame fails: each one decoded on its own, in entry order, says which and why
     raw = spans.data
     decode = codec.decode_strict
     for i, v, n in zip(np.flatnonzero(numbered).tolist(), start[numbered].tolist(),
@@ -205,6 +217,54 @@ def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, ke
             decode(raw[v:v + n].tobytes())
         except CorruptValueError as exc:
             raise _at(exc, key, offset, spans, i) from exc
+
+
+#: zstd's frame magic number, little-endian
+_ZSTD_MAGIC = (0x28, 0xB5, 0x2F, 0xFD)
+#: a frame header's dictionary id field and content size field widths by their flags
+_DICT_ID_BYTES = np.array([0, 1, 2, 4], dtype=np.int64)
+_CONTENT_SIZE_BYTES = np.array([0, 2, 4, 8], dtype=np.int64)
+
+
+def _declared_sizes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, limit: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The content size each zstd frame ``data[starts[i]:][:lengths[i]]`` declares in its
+    header (zstd's format: magic, frame header descriptor, window descriptor unless single
+    segment, dictionary id, content size), and whether the header is one: in the frame, a
+    content size declared and at most ``limit``. Over all frames at once, a byte column at a
+    time."""
+    last = len(data) - 1
+
+    def byte(at: np.ndarray) -> np.ndarray:
+        out: np.ndarray = data[np.minimum(at, last)].astype(np.int64)
+        return out
+
+    ok = lengths >= 6
+    for i, m in enumerate(_ZSTD_MAGIC):
+        ok &= byte(starts + i) == m
+    fhd = byte(starts + 4)
+    single = (fhd >> 5) & 1
+    width = np.where(fhd >> 6 == 0, single, _CONTENT_SIZE_BYTES[fhd >> 6])
+    at = starts + 5 + (1 - single) + _DICT_ID_BYTES[fhd & 3]
+    ok &= (width > 0) & (fhd & 0x08 == 0) & (at - starts + width <= lengths)
+    declared = np.zeros(len(starts), dtype=np.uint64)
+    for j in range(8):
+        part = byte(at + j).astype(np.uint64) << np.uint64(8 * j)
+        declared |= np.where(width > j, part, np.uint64(0))
+    declared += np.where(width == 2, np.uint64(256), np.uint64(0))
+    ok &= declared <= np.uint64(limit)
+    return declared, ok
+
+
+def _frames_decode(codec: ValueCodec, number: int, data: np.ndarray, starts: np.ndarray,
+                   lengths: np.ndarray, declared: np.ndarray) -> bool:
+    """Whether dictionary ``number``'s frames decode to their declared sizes (one C call:
+    :meth:`~materializer.value_codec.ValueCodec.frames_decode`)."""
+    segments = np.empty(2 * len(starts), dtype="<u8")
+    segments[0::2] = starts
+    segments[1::2] = lengths
+    return codec.frames_decode(number, data, segments.tobytes(),
+                               declared.astype("<u8").tobytes())
 
 
 def _value(spans: EntrySpans, i: int) -> bytes:

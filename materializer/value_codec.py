@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Any, Final
 
 import zstandard
 
@@ -309,6 +309,25 @@ class ValueCodec:
                                     "(max_value_decoded_bytes)")
         return int(size)
 
+    def frames_decode(self, number: int, data: Any, segments: bytes, declared: bytes) -> bool:
+        """Whether the zstd frames of dictionary ``number`` in ``data`` (a buffer: bytes, a
+        numpy ``uint8`` array) each decode to exactly their declared size, decoded in one call
+        in C (zstd's ``multi_decompress_to_buffer``; bytes after a frame are ignored, as
+        :meth:`decode` ignores them). ``segments``: little-endian ``u64`` pairs (offset in
+        ``data``, length), one per frame; ``declared``: a little-endian ``u64`` per frame, the
+        content size its header declares, which the caller read and bounded by
+        ``max_decoded_bytes`` (zstd allocates it). ``False``: at least one frame does not
+        decode to its size; :meth:`decode_strict` of each says which and why."""
+        if not segments:
+            return True
+        frames = zstandard.BufferWithSegments(data, segments)
+        try:
+            self._decompressor(number, b"").multi_decompress_to_buffer(
+                frames, decompressed_sizes=declared)
+        except zstandard.ZstdError:
+            return False
+        return True
+
     def decode(self, stored: bytes, entry_key: bytes = b"") -> bytes:
         """The value of ``stored`` (the module docstring's untrusted-input rules).
 
@@ -335,8 +354,8 @@ class ValueCodec:
 
     def decode_strict(self, stored: bytes, entry_key: bytes = b"") -> bytes:
         """:meth:`decode`, one check at a time, each failure its own error, and also refusing
-        bytes after the frame (which :meth:`decode` ignores): what a validator of stored
-        bytes calls once per value."""
+        bytes after the frame (which :meth:`decode` and :meth:`frames_decode` ignore): what
+        a validator calls to say which value is wrong and why."""
         size = self.declared_size(stored, entry_key)
         d = self._decompressor(stored[1], entry_key)
         try:

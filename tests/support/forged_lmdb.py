@@ -755,7 +755,9 @@ FORGERIES: list[Forgery] = [
     _file_forgery("value-declares-same", _framed(_declaring(lambda n: n)), MODEL,
                   what="the header rebuilt with a wider size field: the same value", deep=True),
     _file_forgery("value-truncated-frame", _framed(lambda v: v[:-3])),
-    _file_forgery("value-frame-trailing-bytes", _framed(lambda v: v + b"zz"), deep=True),
+    _file_forgery("value-frame-trailing-bytes", _framed(lambda v: v + b"zz"), MODEL,
+                  what="bytes after a value's zstd frame, which ends itself: every path reads "
+                       "the frame's value", deep=True),
     _file_forgery("value-not-a-frame", _framed(lambda v: v[:2] + b"not a zstd frame"),
                   deep=True),
     _file_forgery("dictionary-corrupt", _framed(record=lambda d: d[:8] + b"\xff" * 200)),
