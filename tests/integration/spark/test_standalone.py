@@ -320,11 +320,14 @@ def test_a_speculative_copy_of_a_state_task(standalone_cluster: StandaloneCluste
     attempts = [a for a in _attempts(side) if a["batch"] == BATCH and a["partition"] == 0]
     first = [a for a in attempts if a["attempt"] == 0]
     copies = [a for a in attempts if a["attempt"] > 0]
-    assert first and copies, f"Spark launched no speculative copy: {attempts}"
-    # the copy ran on the other host while the first attempt was still held, and won
-    assert {a["host"] for a in copies} != {a["host"] for a in first}, attempts
-    assert min(a["t"] for a in copies) < min(a["t"] for a in first) + HOLD_S, attempts
+    assert copies, f"Spark launched no speculative copy: {attempts}"
     assert not (side / "held-done").exists(), "the held attempt finished: no copy won"
+    # the copy ran on the other host while the first attempt was still held, and won (on a
+    # loaded machine Spark may speculate the first attempt, and kill it, before it reaches the
+    # processor: then it left no record)
+    if first:
+        assert {a["host"] for a in copies} != {a["host"] for a in first}, attempts
+        assert min(a["t"] for a in copies) < min(a["t"] for a in first) + HOLD_S, attempts
     assert not failures, failures
     rows, state = _model(files)
     assert _sink_rows(cluster_spark, tmp_path / "out") == rows
