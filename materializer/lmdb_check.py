@@ -204,9 +204,9 @@ def _check_values(spans: EntrySpans, reserved: np.ndarray, codec: ValueCodec, ke
     lengths = size[numbered] - 2
     declared, parsed = _declared_sizes(spans.data, starts, lengths, max_decoded_bytes)
     numbers = number[numbered]
-    if parsed.all() and all(_frames_decode(codec, int(n), spans.data, starts[numbers == n],
-                                           lengths[numbers == n], declared[numbers == n])
-                            for n in np.unique(numbers)):
+    if parsed.all() and all(_frames_decode(codec, int(n), spans.data, *(
+            column[numbers == n] for column in (starts, lengths, declared)))
+            for n in np.unique(numbers)):
         return
     # a frame fails: each one decoded on its own, in entry order, says which and why
     raw = spans.data
