@@ -131,11 +131,15 @@ class TableMarker:
     table_id: str = ""
 
     def holds(self, handle: ChangelogStateBackendHandle) -> bool:
-        """Whether the table holds exactly the checkpoint of ``handle``: the same checkpoint and
-        the same last change set. A batch id alone cannot tell two attempts of one batch apart
-        (a re-run, or Spark's speculative second attempt), their change sets can."""
+        """Whether the table holds exactly the checkpoint of ``handle``: the same checkpoint, the
+        same last change set and the same snapshot pieces. A batch id alone cannot tell two
+        attempts of one batch apart (a re-run, or Spark's speculative second attempt); their
+        change sets can, and when an attempt materialized all of its log (no change set after
+        its snapshot), its snapshot pieces can (their names are unique per upload)."""
         return (self.checkpoint_id == handle.checkpoint_id
-                and self.boundary == boundary_of(handle.non_materialized))
+                and self.boundary == boundary_of(handle.non_materialized)
+                and tuple(key for key, _ in self.snapshots)
+                == tuple(p.key for p in handle.materialized))
 
     def to_bytes(self) -> bytes:
         return json.dumps({

@@ -48,6 +48,7 @@ from dstl.spark.processor import StatefulProcessor, StatefulProcessorHandle
 from dstl.spark.worker_gc import freeze_imports
 from dstl.storage import ChangelogStorage
 from materializer.backend import ChangelogKeyedStateBackend
+from materializer.handles import ChangelogStateBackendHandle
 from materializer.local_dirs import executor_local_dir
 from restore.cache import LocalFileCache
 
@@ -66,6 +67,10 @@ class Slot:
         checkpoint_id: the checkpoint (batch id) the backend's state is at.
         handle: the processor's handle (the task sets its current key; it owns the timers).
         timer_values_arg: the processor's ``handle_input_rows`` takes ``timer_values``.
+        at: the backend handle of that checkpoint as this slot made or restored it (``None``:
+            unknown, e.g. after a rescale). A batch id alone cannot tell two attempts of one
+            batch apart (a re-run on another worker, Spark's speculative copy): the slot is
+            current only if the driver's base handle is this one.
     """
 
     backend: ChangelogKeyedStateBackend
@@ -73,6 +78,7 @@ class Slot:
     checkpoint_id: int
     handle: StatefulProcessorHandle | None = None
     timer_values_arg: bool = True
+    at: ChangelogStateBackendHandle | None = None
 
     def close(self) -> None:
         """Close the processor (its optional hook), then the backend, even if the hook fails."""

@@ -55,8 +55,10 @@ def acquire(rt: WorkerRuntime, partition: int, task_input: TaskInput
     processor = rt.cfg.processor()
     handle = StatefulProcessorHandle(backend, rt.cfg.time_mode)
     processor.init(handle)
+    base = _base_handle(task_input, partition)
     slot = Slot(backend, processor, task_input.base_checkpoint, handle,
-                input_rows_takes_timer_values(processor))
+                input_rows_takes_timer_values(processor),
+                None if access.access == "rescale" else base)
     rt.slots[partition] = slot
     return slot, access
 
@@ -66,12 +68,25 @@ def _is_at_base(rt: WorkerRuntime, slot: Slot, partition: int, task_input: TaskI
     if (slot.checkpoint_id != task_input.base_checkpoint
             or slot.backend.key_groups != rt.cfg.key_groups(partition)):
         return False
+    # The same batch id is not the same attempt: another worker may have re-run the batch, and
+    # the driver committed that attempt. Its handle differs (its change sets and snapshot pieces
+    # have names unique per upload), and so does the state its snapshot chain continues from.
+    base = _base_handle(task_input, partition)
+    if slot.at != base:
+        return False
     # An LMDB table is shared on disk by every worker of the executor: this worker's backend is
     # current only if no other worker has written the table since (the batch-id file says which
     # batch the table holds, the table marker which attempt of it).
     return rt.cfg.table != "lmdb" or (
-        rt.read_table_batch_id(partition) == task_input.base_checkpoint
-        and _holds_base(slot.backend, task_input, partition))
+        base is not None and rt.read_table_batch_id(partition) == task_input.base_checkpoint
+        and _holds(slot.backend, base))
+
+
+def _base_handle(task_input: TaskInput, partition: int) -> ChangelogStateBackendHandle | None:
+    """The base checkpoint's handle of ``partition`` (``None``: it has none)."""
+    raw = task_input.base_handles.get(partition)
+    return None if raw is None else ChangelogStateBackendHandle.from_json(
+        raw, key=f"checkpoint {task_input.base_checkpoint}: handle of partition {partition}")
 
 
 def _complete_base(backend: ChangelogKeyedStateBackend, task_input: TaskInput) -> None:
@@ -126,14 +141,10 @@ def _marker(backend: ChangelogKeyedStateBackend) -> TableMarker | None:
         raw, where=f"{backend.tables.path} (table marker)")
 
 
-def _holds_base(backend: ChangelogKeyedStateBackend, task_input: TaskInput,
-                partition: int) -> bool:
-    """Whether the partition's on-disk table holds exactly the base checkpoint."""
-    h = task_input.base_handles.get(partition)
+def _holds(backend: ChangelogKeyedStateBackend, h: ChangelogStateBackendHandle) -> bool:
+    """Whether the partition's on-disk table holds exactly checkpoint ``h``."""
     marker = _marker(backend)
-    return h is not None and marker is not None and marker.holds(
-        ChangelogStateBackendHandle.from_json(
-            h, key=f"checkpoint {task_input.base_checkpoint}: handle of partition {partition}"))
+    return marker is not None and marker.holds(h)
 
 
 def _adopt(rt: WorkerRuntime, operator_id: str, key_groups: KeyGroupRange,

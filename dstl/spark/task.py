@@ -159,7 +159,7 @@ def _run_group(rt: WorkerRuntime, task_input: TaskInput,
             _request_checkpoint(rt, s, task_input.batch_id)
         for s in started:
             run = _finish_batch(s)
-            s.slot.checkpoint_id = task_input.batch_id
+            s.slot.checkpoint_id, s.slot.at = task_input.batch_id, run.handle
             if rt.cfg.table == "lmdb":
                 rt.write_table_batch_id(s.partition, task_input.batch_id)
             done.append(_Committed(s, run, time.monotonic(), _table_stats(s.slot.backend)))

@@ -1,7 +1,9 @@
-"""A partition task that stops in the middle of its batch until told to go on, in a process of
-its own: the zombie attempt of ``test_spark_task.py::test_two_attempts_of_a_partition_never_
-interleave_on_one_table`` (an executor's task that keeps running after the driver re-ran it
-elsewhere, on the table of a ``local_dir`` both executors share)."""
+"""Partition tasks in a process of their own (another Python worker of the executor): one that
+stops in the middle of its batch until told to go on, the zombie attempt of
+``test_spark_task.py::test_two_attempts_of_a_partition_never_interleave_on_one_table`` (an
+executor's task that keeps running after the driver re-ran it elsewhere, on the table of a
+``local_dir`` both executors share), and one that runs its batch straight through
+(:func:`run_elsewhere`)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,18 @@ def run_gated(cfg: OperatorConfig, task_input: TaskInput, keys: list[str], start
         out.update({r["key"]: r["count"] for r in rb.to_pylist() if r[REPORT_COLUMN] is None})
     with open(result, "w") as f:
         json.dump(out, f)
+
+
+def run_elsewhere(cfg: OperatorConfig, task_input: TaskInput, keys: list[str],
+                  result: str) -> None:
+    """Run one task of partition 0; write its output rows and report (JSON) to ``result``."""
+    out, report = {}, None
+    for rb in run_partition(cfg, task_input, iter([pa.RecordBatch.from_pydict({"key": keys})]),
+                            partition=0):
+        for r in rb.to_pylist():
+            if r[REPORT_COLUMN] is None:
+                out[r["key"]] = r["count"]
+            else:
+                report = r[REPORT_COLUMN]
+    with open(result, "w") as f:
+        json.dump({"out": out, "report": report}, f)

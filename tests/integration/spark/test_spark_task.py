@@ -172,6 +172,48 @@ def test_another_attempt_of_the_same_batch_is_never_hit_or_adopted(tmp_path: Pat
         close_runtime(cfg)
 
 
+def test_a_batch_re_run_on_another_worker_is_never_continued_from_the_first_attempt(
+        tmp_path: Path) -> None:
+    """The heap, materializing every batch: worker A ran batch 1, Spark re-ran it on worker B,
+    and the driver committed B's attempt (A's snapshot piece is then deleted). Batch 1's id is
+    the base of batch 2 either way; worker A must not take its own backend as current, or its
+    next snapshot would be a delta on A's deleted piece (seen as a checkpoint naming a missing
+    object)."""
+    cfg = _heap_cfg(tmp_path, "rerun", BackendOptions(materialization_interval_s=0.0,
+                                                      materialize_log_ratio=None))
+    try:
+        _, r0 = _run(cfg, TaskInput(0, -1), ["a", "b"])
+        batch1 = TaskInput(1, 0, {0: r0.handle.to_json()}, (0,))
+        out_a, r1a = _run(cfg, batch1, ["a"])
+        assert out_a == {"a": 2} and r1a.slot.access == "hit"
+        # worker B (another process) serves the re-run
+        import json
+        import multiprocessing
+
+        from support import gated_task
+
+        result = tmp_path / "rerun.json"
+        worker_b = multiprocessing.get_context("spawn").Process(
+            target=gated_task.run_elsewhere, args=(cfg, batch1, ["a"], str(result)))
+        worker_b.start()
+        worker_b.join(120)
+        assert worker_b.exitcode == 0
+        got = json.loads(result.read_text())
+        r1b = TaskReport.from_json(got["report"])
+        assert got["out"] == {"a": 2} and r1b.slot.access == "restore"
+        first_pieces = {p.key for p in r1a.handle.materialized}
+        assert first_pieces - {p.key for p in r1b.handle.materialized}
+        out2, r2 = _run(cfg, TaskInput(2, 1, {0: r1b.handle.to_json()}, (0, 1)), ["a", "b"])
+        assert r2.slot.access == "restore" and out2 == {"a": 3, "b": 2}
+        assert not (first_pieces - {p.key for p in r1b.handle.materialized}) & {
+            p.key for p in r2.handle.materialized}
+        # the same attempt is still a hit
+        _, r3 = _run(cfg, TaskInput(3, 2, {0: r2.handle.to_json()}, (1, 2)), ["b"])
+        assert r3.slot.access == "hit"
+    finally:
+        close_runtime(cfg)
+
+
 def _heap_cfg(tmp_path: Path, name: str, backend_options: BackendOptions) -> OperatorConfig:
     return OperatorConfig(
         name=name, processor=Count, key_column="key", output_columns=("key", "count"),
