@@ -642,7 +642,8 @@ def _register_commit(agent: AgentClient, cfg: OperatorConfig, backend: Changelog
             bo.zstd_level, bo.max_failures, marker.boundary, marker.log_bytes,
             marker.snapshot_bytes, bo.max_snapshot_block_bytes, bo.lmdb_snapshot_format,
             bo.incremental_snapshots, bo.max_snapshot_deltas, bo.max_delta_ratio,
-            bo.max_delta_entries)
+            bo.max_delta_entries, marker.table_id,
+            handle if bo.incremental_snapshots else None)
     reply = agent.call(CommittedRequest(_store_ref(cfg), spec), _AGENT_QUICK_TIMEOUT_S)
     return reply.metrics, reply.log_tail
 

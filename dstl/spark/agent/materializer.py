@@ -42,7 +42,7 @@ checkpoint's log is durable and the marker committed, so a table's change sets b
 the order their write batches commit; every change set an executor's writers log for a table of
 this executor passes through this agent (agent mode has no other upload path); and a table that
 was instead loaded from a snapshot (restored, or after the partition moved) has a new
-``table_id``, which makes the next materialization full. Bodies of a batch that failed before its
+``table_id``, so no delta follows the agent's own chain any more. Bodies of a batch that failed before its
 commit stay in the list: their entries are written again with their current values, which is
 correct. A full snapshot at ``B`` may be followed by deltas only if the bodies after ``B`` are known:
 ``B``'s change set is in the list, or ``B`` is the boundary the partition was registered with
@@ -51,6 +51,21 @@ correct. A full snapshot at ``B`` may be followed by deltas only if the bodies a
 While a materialization of the partition runs, registrations drop nothing: its cut is not known
 until it is read, and the bodies after it are the next delta's (a batch committed during a long
 full snapshot would otherwise make the next materialization full too).
+
+*Seeds.* A partition the agent has no chain for (first seen: the executor restarted, the
+partition was restored here or moved here; or its chain broke: a registration with another
+``table_id``, change sets it did not see) would get a full snapshot, the cost of the whole table
+for the change of one batch. Instead a registration offers its committed checkpoint's handle
+(``PartitionSpec.checkpoint``): by the checkpoint's own definition the table at that checkpoint is
+its snapshot pieces with its log after them replayed, so the entries changed since those pieces
+are the entries that log changes. The agent reads that log's change sets back from the store (it
+did not see them go by: they were logged by another writer or before it knew the partition), adds
+the change sets it keeps since the registration, and writes a delta that follows the checkpoint's
+pieces — under the same rules as any delta (the cut's ``table_id`` is the registered one, its
+checkpoint names those pieces, the compaction rule). The seed is the newest registration's while
+no delta may follow ``latest``, and unused when its checkpoint names no snapshot, a delta first,
+pieces of other key groups (rescaled), or a log larger than ``_MAX_PENDING_BYTES``; a log that
+cannot be read back makes that materialization full.
 
 *Compaction* (:mod:`materializer.compaction`). Once ``max_snapshot_deltas`` deltas follow the
 full snapshot, the next delta is a merged one: it follows the full snapshot and holds every entry
@@ -96,6 +111,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstl.errors import DstlError
+from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
 from dstl.stores.base import BlobStore
 from materializer.external import (
@@ -105,9 +121,11 @@ from materializer.external import (
     changed_entries,
     materialize_table_directory,
 )
+from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.heap import release_free_memory
 from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
 from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
+from restore.reader import ChangelogReader
 
 __all__ = ["AgentMaterializer", "LatestMaterialization", "PartitionSpec"]
 
@@ -139,6 +157,9 @@ class PartitionSpec:
         incremental, max_snapshot_deltas, max_delta_ratio, max_delta_entries: the worker's
             ``BackendOptions.incremental_snapshots`` and its compaction rule (absent in JSON:
             full snapshots only).
+        table_id: the committed marker's ``table_id`` (``""``: not known).
+        checkpoint: the committed checkpoint's handle (incremental only; ``None``: not sent): a
+            partition without a chain of the agent's own starts one from its snapshot pieces.
     """
 
     log_id: str
@@ -158,10 +179,13 @@ class PartitionSpec:
     max_snapshot_deltas: int = 8
     max_delta_ratio: float = 0.5
     max_delta_entries: int = 250_000
+    table_id: str = ""
+    checkpoint: ChangelogStateBackendHandle | None = None
 
     @classmethod
     def from_json_obj(cls, obj: dict[str, Any]) -> PartitionSpec:
         b = obj.get("boundary")
+        cp = obj.get("checkpoint")
         return cls(str(obj["log_id"]), str(obj["env_path"]),
                    KeyGroupRange.from_json_obj(obj["key_groups"]),
                    None if obj.get("interval_s") is None else float(obj["interval_s"]),
@@ -173,7 +197,10 @@ class PartitionSpec:
                    str(obj.get("snapshot_format", "file")), obj.get("incremental") is True,
                    max(1, int(obj.get("max_snapshot_deltas", 8))),
                    max(0.0, float(obj.get("max_delta_ratio", 0.5))),
-                   max(1, int(obj.get("max_delta_entries", 250_000))))
+                   max(1, int(obj.get("max_delta_entries", 250_000))),
+                   str(obj.get("table_id", "")),
+                   None if cp is None else ChangelogStateBackendHandle.from_json_obj(
+                       cp, key=f"partition {obj['log_id']}: committed checkpoint"))
 
     def to_json_obj(self) -> dict[str, Any]:
         return {"log_id": self.log_id, "env_path": self.env_path,
@@ -186,7 +213,8 @@ class PartitionSpec:
                 "snapshot_format": self.snapshot_format, "incremental": self.incremental,
                 "max_snapshot_deltas": self.max_snapshot_deltas,
                 "max_delta_ratio": self.max_delta_ratio,
-                "max_delta_entries": self.max_delta_entries}
+                "max_delta_entries": self.max_delta_entries, "table_id": self.table_id,
+                "checkpoint": None if self.checkpoint is None else self.checkpoint.to_json_obj()}
 
     @property
     def rules(self) -> MaterializationRules:
@@ -245,6 +273,51 @@ class _Pending:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class _Seed:
+    """A committed checkpoint that a partition without a chain of the agent's own starts one
+    from (see the module docstring): its snapshot pieces, the table's ``table_id`` then, its log
+    after them, and that log's boundary."""
+
+    pieces: tuple[SnapshotRef, ...]
+    table_id: str
+    log: tuple[ChangelogHandle, ...]
+    boundary: tuple[str, int]
+
+
+def _seed(spec: PartitionSpec) -> _Seed | None:
+    """The seed a registration offers, if a delta may follow its checkpoint's pieces: a full
+    snapshot first, all of the partition's own key groups (not rescaled), a log after them that
+    is not larger than the change sets the agent keeps."""
+    cp = spec.checkpoint
+    if (not spec.incremental or cp is None or not spec.table_id or spec.boundary is None
+            or not cp.materialized or cp.materialized[0].delta
+            or any(p.key_groups != spec.key_groups for p in cp.materialized)
+            or cp.non_materialized_size > _MAX_PENDING_BYTES):
+        return None
+    return _Seed(cp.materialized, spec.table_id, cp.non_materialized, spec.boundary)
+
+
+def _seed_entries(store: BlobStore, seed: _Seed, log_id: str,
+                  into: set[tuple[int, int, bytes, bytes]]) -> int | None:
+    """Add the entries the seed's log changes to ``into``, read from the store (the agent did
+    not see those change sets go by: they were logged before it knew the partition); returns the
+    sqn after the log's last change set, or ``None`` when the log cannot be read (the next
+    materialization is then full)."""
+    reader = ChangelogReader(store)
+    after = 0
+    try:
+        for h in seed.log:
+            for ref, body, _blocks in reader.read_blocks(h):
+                changed_entries((body,), into)
+                after = ref.sqn + 1
+    except DstlError as exc:
+        logger.warning("materializer: partition %s: reading its checkpoint's log for a delta "
+                       "failed (%s); the next materialization is full", log_id, exc)
+        return None
+    return after
+
+
 @dataclass
 class _Partition:
     spec: PartitionSpec
@@ -262,6 +335,9 @@ class _Partition:
     #: a materialization of it is running: registrations keep the change sets (its cut is not
     #: known yet, and the change sets after it are the next delta's)
     in_flight: bool = False
+    #: while ``latest`` may not be followed by a delta: the newest registered checkpoint a
+    #: delta may follow instead (``pending`` then starts right after its boundary)
+    seed: _Seed | None = None
 
     def due_at(self) -> float:
         """When it is due (``inf``: never: nothing new since ``latest``, or failed for good)."""
@@ -308,15 +384,24 @@ class AgentMaterializer:
                 first = policy.start(now)
                 p = self._parts[ident] = _Partition(spec, store, policy, now)
                 p.pending.start = spec.boundary
+                p.seed = _seed(spec)
                 logger.info("materializer: partition %s registered (%s; first due in %.1fs)",
                             spec.log_id, spec.env_path, max(0.0, first - now))
             else:
                 p.spec, p.store, p.last_seen = spec, store, now
                 p.policy.rules = spec.rules
+                if (p.chainable and not p.in_flight and spec.table_id
+                        and spec.table_id != p.table_id):
+                    # the table was loaded from a snapshot since latest's cut (restored by a
+                    # worker): no delta can follow latest any more
+                    p.chainable = False
                 if not p.chainable and not p.in_flight and spec.boundary is not None:
-                    # the next materialization is full and cuts at this boundary or later: no
-                    # delta will ever need the change sets up to it
-                    p.pending.consume(spec.boundary)
+                    # no delta follows latest: the next materialization cuts at this boundary
+                    # or later and is full, or a delta on this checkpoint's pieces; no delta
+                    # will ever need the change sets up to it
+                    if not p.pending.consume(spec.boundary):
+                        p.pending = _Pending(start=spec.boundary)  # none after it seen yet
+                    p.seed = _seed(spec)
             self._cond.notify_all()
 
     def note_persisted(self, store_key: str, sets: list[tuple[str, str, int, int, bytes]]
@@ -401,14 +486,16 @@ class AgentMaterializer:
             result, error = _attempt(spec, store, skip, base, previous)
             with self._cond:
                 p.in_flight = False
-                written += self._record_locked(p, result, error)
+                written += self._record_locked(p, result, error, base)
                 self._cond.notify_all()
 
     def _delta_base_locked(self, p: _Partition) -> DeltaBase | None:
         """What the partition's next materialization may follow with a delta (``None``: it is
         full)."""
-        if not p.spec.incremental or p.latest is None or not p.chainable:
+        if not p.spec.incremental:
             return None
+        if p.latest is None or not p.chainable:
+            return self._seed_base_locked(p)
         pending = p.pending
 
         def changed(boundary: tuple[str, int]) -> ChangedEntries | None:
@@ -427,9 +514,39 @@ class AgentMaterializer:
         return DeltaBase(p.latest.pieces, p.table_id, changed, spec.max_snapshot_deltas,
                          spec.max_delta_ratio, spec.max_delta_entries, p.lineage)
 
+    def _seed_base_locked(self, p: _Partition) -> DeltaBase | None:
+        """A delta base from the partition's seed (``None``: none, the next one is full): the
+        entries changed since the seed's pieces are those its checkpoint's log changes (read
+        from the store) and those of the change sets the agent kept since."""
+        seed, pending, store, log_id = p.seed, p.pending, p.store, p.spec.log_id
+        if seed is None:
+            return None
+
+        def changed(boundary: tuple[str, int]) -> ChangedEntries | None:
+            with self._cond:
+                if p.pending is not pending or p.seed is not seed:  # replaced meanwhile
+                    return None
+                if boundary == seed.boundary:
+                    sets = []
+                elif pending.start == seed.boundary and (i := pending.index(boundary)) is not None:
+                    sets = pending.sets[:i + 1]
+                else:
+                    return None
+            entries: set[tuple[int, int, bytes, bytes]] = set()
+            after = _seed_entries(store, seed, log_id, entries)
+            if after is None:
+                return None
+            changed_entries((s[3] for s in sets), entries)
+            return ChangedEntries(entries, sets[-1][2] + 1 if sets else after)
+
+        spec = p.spec
+        return DeltaBase(seed.pieces, seed.table_id, changed, spec.max_snapshot_deltas,
+                         spec.max_delta_ratio, spec.max_delta_entries)
+
     def _record_locked(self, p: _Partition, result: ExternalMaterialization | None,
-                       error: BaseException | None) -> int:
-        """Record an attempt's outcome in the partition's policy; returns 1 if it wrote one."""
+                       error: BaseException | None, base: DeltaBase | None = None) -> int:
+        """Record an attempt's outcome in the partition's policy; returns 1 if it wrote one
+        (``base``: what the attempt's delta would follow)."""
         now = self._clock()
         if error is not None:
             p.policy.record_failure(now)
@@ -443,11 +560,9 @@ class AgentMaterializer:
             self._m["skipped"] += 1
             return 0
         p.policy.record_success(now, result.boundary, result.ref.size)
-        if result.ref.delta and p.latest is not None:
-            p.lineage = p.lineage | {(x.key, x.materialization_id) for x in p.latest.pieces}
-        else:
-            p.lineage = frozenset()
-        p.latest, p.error = result, None
+        # a delta's chain: the pieces of the base it followed, and what they replaced
+        p.lineage = base.known() if result.ref.delta and base is not None else frozenset()
+        p.latest, p.error, p.seed = result, None, None
         p.table_id = result.marker.table_id
         p.chainable = p.spec.incremental and p.pending.consume(result.boundary)
         self._m["completed"] += 1

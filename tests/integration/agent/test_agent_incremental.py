@@ -96,10 +96,11 @@ class Executor:
         return b
 
     def batch(self, model: Model, rng: random.Random, n: int = 12, *,
-              restore: bool = False, note: bool = True, install: bool = True
-              ) -> ChangelogStateBackendHandle:
+              restore: bool = False, note: bool = True, install: bool = True,
+              offer: bool = True) -> ChangelogStateBackendHandle:
         """One task: open (adopt, or restore from the last checkpoint), install the agent's
-        newest materialization, write ``n`` random updates, checkpoint, commit the marker."""
+        newest materialization, write ``n`` random updates, checkpoint, commit the marker,
+        register (with the checkpoint's handle unless not ``offer``)."""
         b = self._open(self.handle if restore else None)
         try:
             self.env = b.tables.path
@@ -152,7 +153,8 @@ class Executor:
             self.agent.note_persisted(STORE, bodies)
         self.agent.register(STORE, self.storage.store, PartitionSpec(
             self.op, self.env, self.kgs, 10.0, None, 0, 1, 3, marker.boundary, marker.log_bytes,
-            marker.snapshot_bytes, **self.spec_extra))
+            marker.snapshot_bytes, table_id=marker.table_id, checkpoint=h if offer else None,
+            **self.spec_extra))
         self.handle = h
         return h
 
@@ -258,11 +260,15 @@ def test_change_sets_no_delta_needs_are_not_kept(storage: ChangelogStorage,
     assert ex.materialize().ref.delta
     assert ex.agent.metrics()["materializer.pendingBytes"] == 0
     ex.batch(model, rng, note=False)  # a change set the agent did not see: the next is full
-    assert not ex.materialize().ref.delta
-    ex.batch(model, rng)  # ... and the one after it (the change sets since were not all seen)
+    full = ex.materialize()
+    assert not full.ref.delta
+    # the next batch names that full snapshot: the one after it is a delta on it, its entries
+    # from the registered checkpoint's log (read from the store) and nothing kept before it
+    ex.batch(model, rng)
     assert ex.agent.metrics()["materializer.pendingBytes"] == 0
-    assert not ex.materialize().ref.delta
-    ex.batch(model, rng)  # kept again after that full snapshot
+    m = ex.materialize()
+    assert m.ref.delta and m.chain == (full.ref,)
+    ex.batch(model, rng)  # kept again after that delta
     assert ex.agent.metrics()["materializer.pendingBytes"] > 0
     assert ex.materialize().ref.delta
     h = ex.batch(model, rng)
@@ -288,8 +294,9 @@ def test_full_when_the_table_was_loaded_compaction_or_changes_unknown(
     ex.batch(model, rng)
     assert ex.materialize().ref.delta
     # the table is restored from the checkpoint (a re-run batch, the partition came back): a new
-    # table_id, so the changes between the two cuts are not all in the change sets: full
-    h = ex.batch(model, rng, restore=True)
+    # table_id, so the changes between the two cuts are not all in the change sets; without
+    # the checkpoint's handle to start a chain from: full
+    h = ex.batch(model, rng, restore=True, offer=False)
     assert ex.materialize().ref.delta is False
     # a change set the agent did not see (persisted elsewhere): the boundary is not in its list
     ex.batch(model, rng)
@@ -554,4 +561,75 @@ def test_a_delta_follows_a_full_snapshot_no_checkpoint_named_yet(storage: Change
     assert [p.key for p in h.materialized] == [first.ref.key, m.ref.key]
     assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
     assert ex.agent.metrics()["materializer.full"] == 1
+    ex.close()
+
+
+def _restart_agent(ex: Executor) -> None:
+    """The executor (its agent) restarted: a materializer that knows no partition."""
+    ex.agent.close()
+    ex.agent = AgentMaterializer(clock=ex.clock, start=False, uniform=lambda a, b: a)
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_restored_table_continues_its_checkpoints_chain(storage: ChangelogStorage,
+                                                          tmp_path: Path, restart: bool) -> None:
+    """A partition restored from a checkpoint whose snapshot pieces are a full snapshot and a
+    delta, with a log of two batches after them: by an agent that never saw it (the executor
+    restarted) or by one whose chain the restore broke (the partition came back). The first
+    materialization after the restore is a delta that follows the checkpoint's pieces and holds
+    the entries of that log (read from the store) and of the batch after the restore; every
+    checkpoint after restores to the model."""
+    rng = random.Random(51)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    full = ex.materialize()
+    ex.batch(model, rng)
+    delta = ex.materialize()
+    ex.batch(model, rng)  # installs it
+    ex.batch(model, rng)
+    if restart:
+        _restart_agent(ex)
+    h = ex.batch(model, rng, restore=True)
+    assert [p.key for p in h.materialized] == [full.ref.key, delta.ref.key]
+    m = ex.materialize()
+    assert m.ref.delta and m.chain == (full.ref, delta.ref)
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f", "d", "d"]
+    assert _read(storage, [h], KGS, tmp_path / "r1") == _expected(model, KGS)
+    ex.batch(model, rng)
+    assert ex.materialize().ref.delta  # the chain goes on
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f", "d", "d", "d"]
+    assert _read(storage, [h], KGS, tmp_path / "r2") == _expected(model, KGS)
+    assert ex.agent.metrics()["materializer.full"] == (0 if restart else 1)
+    for j, sub in enumerate((KeyGroupRange(0, 6), KeyGroupRange(7, MP - 1))):
+        assert _read(storage, [h], sub, tmp_path / f"half{j}") == _expected(model, sub)
+    ex.close()
+
+
+def test_a_restored_table_is_snapshotted_in_full_when_its_checkpoint_cannot_seed_a_chain(
+        storage: ChangelogStorage, tmp_path: Path) -> None:
+    """No chain to continue: a checkpoint with no snapshot yet, or one whose log the agent
+    cannot read back (a segment gone); the materialization is full, not a failure."""
+    rng = random.Random(52)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    ex.batch(model, rng)
+    _restart_agent(ex)
+    ex.batch(model, rng, restore=True)
+    assert not ex.materialize().ref.delta  # nothing to follow
+    ex.batch(model, rng)  # installs it
+    before = ex.batch(model, rng)
+    _restart_agent(ex)
+    ex.batch(model, rng, restore=True)
+    # the log before the restore is gone from the store (the restore read it already)
+    storage.store.delete(sorted({r.key for lg in before.non_materialized
+                                 for r in lg.change_sets}))
+    m = ex.materialize()
+    assert not m.ref.delta and ex.agent.metrics()["materializer.failed"] == 0
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f"]
+    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
     ex.close()

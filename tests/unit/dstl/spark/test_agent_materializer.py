@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from dstl import ChangelogStorage, DstlOptions, KeyGroupRange
+from dstl.handle import ChangelogHandle, ChangeSetRef
 from dstl.spark.agent import AgentMaterializer, LatestMaterialization, PartitionSpec
 from materializer import BackendOptions, ChangelogKeyedStateBackend, ValueStateDescriptor
+from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.lmdb_table import LmdbStateTable
 
 MP = 8
@@ -110,6 +112,11 @@ def test_size_trigger_failures_and_stale(tmp_path: Path) -> None:
 def test_spec_round_trip() -> None:
     spec = PartitionSpec("op/p3", "/x", KGS, None, 2.0, 5, 3, 2, ("dstl/a", 7), 1, 2)
     assert PartitionSpec.from_json_obj(spec.to_json_obj()) == spec
+    log = ChangelogHandle("op/p3", KGS, 4, 5, (ChangeSetRef(4, "dstl/a", 7, 30, 2, 20),))
+    piece = SnapshotRef("snapshots/op_p3/s", 100, KGS, 3)
+    seeded = dataclasses.replace(spec, incremental=True, table_id="t1", checkpoint=(
+        ChangelogStateBackendHandle("op/p3", KGS, 9, 3, (piece,), (log,), 0, MP)))
+    assert PartitionSpec.from_json_obj(seeded.to_json_obj()) == seeded
     with pytest.raises(KeyError):
         PartitionSpec.from_json_obj({"log_id": "x"})
 
