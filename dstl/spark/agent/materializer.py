@@ -64,7 +64,10 @@ the change sets it keeps since the registration, and writes a delta that follows
 pieces — under the same rules as any delta (the cut's ``table_id`` is the registered one, its
 checkpoint names those pieces, the compaction rule). The seed is the newest registration's while
 no delta may follow ``latest``, and unused when its checkpoint names no snapshot, a delta first,
-pieces of other key groups (rescaled), or a log larger than ``_MAX_PENDING_BYTES``; a log that
+pieces of other key groups, or a log larger than ``_MAX_PENDING_BYTES``. Its full snapshot must be
+an environment file this partition wrote with exactly its key groups (its metadata, read from the
+store, says so): after a rescale a partition keeps its name but restores another layout's
+objects, restricted to its key groups, and no delta may follow those. A snapshot or log that
 cannot be read back makes that materialization full.
 
 *Compaction* (:mod:`materializer.compaction`). Once ``max_snapshot_deltas`` deltas follow the
@@ -110,6 +113,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dstl.envelope import HEADER_SIZE
 from dstl.errors import DstlError
 from dstl.handle import ChangelogHandle
 from dstl.keygroups import KeyGroupRange
@@ -121,10 +125,12 @@ from materializer.external import (
     changed_entries,
     materialize_table_directory,
 )
+from materializer.file_snapshot import read_file_snapshot_layout
 from materializer.handles import ChangelogStateBackendHandle, SnapshotRef
 from materializer.heap import release_free_memory
 from materializer.policy import MaterializationPolicy, MaterializationRules, Uniform
 from materializer.snapshot_format import DEFAULT_MAX_SNAPSHOT_BLOCK_BYTES
+from restore.file_restore import is_file_snapshot
 from restore.reader import ChangelogReader
 
 __all__ = ["AgentMaterializer", "LatestMaterialization", "PartitionSpec"]
@@ -298,23 +304,35 @@ def _seed(spec: PartitionSpec) -> _Seed | None:
     return _Seed(cp.materialized, spec.table_id, cp.non_materialized, spec.boundary)
 
 
-def _seed_entries(store: BlobStore, seed: _Seed, log_id: str,
+def _seed_entries(store: BlobStore, seed: _Seed, log_id: str, key_groups: KeyGroupRange,
                   into: set[tuple[int, int, bytes, bytes]]) -> int | None:
     """Add the entries the seed's log changes to ``into``, read from the store (the agent did
     not see those change sets go by: they were logged before it knew the partition); returns the
-    sqn after the log's last change set, or ``None`` when the log cannot be read (the next
-    materialization is then full)."""
+    sqn after the log's last change set, or ``None`` when no delta may follow the seed (the next
+    materialization is then full): its full snapshot is not an environment file this partition
+    wrote with exactly its key groups (a restore after a rescale names another partition's
+    object, restricted), or the log cannot be read."""
+    full = seed.pieces[0]
     reader = ChangelogReader(store)
     after = 0
+    found: set[tuple[int, int, bytes, bytes]] = set()
     try:
+        head = store.get_range(full.key, 0, HEADER_SIZE)
+        if not is_file_snapshot(head):
+            return None
+        meta = read_file_snapshot_layout(lambda offset, n: store.get_range(full.key, offset, n),
+                                         full.size, key=full.key).meta
+        if meta.key_groups != key_groups or meta.operator_id != log_id:
+            return None
         for h in seed.log:
             for ref, body, _blocks in reader.read_blocks(h):
-                changed_entries((body,), into)
+                changed_entries((body,), found)
                 after = ref.sqn + 1
     except DstlError as exc:
-        logger.warning("materializer: partition %s: reading its checkpoint's log for a delta "
-                       "failed (%s); the next materialization is full", log_id, exc)
+        logger.warning("materializer: partition %s: reading its checkpoint's snapshot or log "
+                       "for a delta failed (%s); the next materialization is full", log_id, exc)
         return None
+    into.update(e for e in found if e[0] in key_groups)
     return after
 
 
@@ -518,7 +536,8 @@ class AgentMaterializer:
         """A delta base from the partition's seed (``None``: none, the next one is full): the
         entries changed since the seed's pieces are those its checkpoint's log changes (read
         from the store) and those of the change sets the agent kept since."""
-        seed, pending, store, log_id = p.seed, p.pending, p.store, p.spec.log_id
+        seed, pending, store = p.seed, p.pending, p.store
+        log_id, key_groups = p.spec.log_id, p.spec.key_groups
         if seed is None:
             return None
 
@@ -533,7 +552,7 @@ class AgentMaterializer:
                 else:
                     return None
             entries: set[tuple[int, int, bytes, bytes]] = set()
-            after = _seed_entries(store, seed, log_id, entries)
+            after = _seed_entries(store, seed, log_id, key_groups, entries)
             if after is None:
                 return None
             changed_entries((s[3] for s in sets), entries)

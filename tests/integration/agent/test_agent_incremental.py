@@ -633,3 +633,29 @@ def test_a_restored_table_is_snapshotted_in_full_when_its_checkpoint_cannot_seed
     assert _kinds(storage, h) == ["f"]
     assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
     ex.close()
+
+
+def test_a_restore_after_a_rescale_is_snapshotted_in_full(storage: ChangelogStorage,
+                                                          tmp_path: Path) -> None:
+    """Rescaled 1 -> 2: partition 0 keeps its name but restores half of the old partition's
+    pieces (restricted to its key groups). No delta follows another partition's object: its
+    first materialization is full, and its checkpoints restore to the model."""
+    rng = random.Random(53)
+    ex = Executor(tmp_path, storage)
+    model: Model = {}
+    ex.batch(model, rng, 40)
+    ex.materialize()
+    ex.batch(model, rng)  # installs it
+    h = ex.batch(model, rng)
+    ex.close()
+    half = KeyGroupRange(0, 6)
+    part = Executor(tmp_path, storage, kgs=half)
+    part.handle, part.cp = h, ex.cp
+    restored = part.batch(model, rng, restore=True)
+    assert [p.key_groups for p in restored.materialized] == [half]
+    m = part.materialize()
+    assert not m.ref.delta and part.agent.metrics()["materializer.failed"] == 0
+    h = part.batch(model, rng)
+    assert _kinds(storage, h) == ["f"]
+    assert _read(storage, [h], half, tmp_path / "r") == _expected(model, half)
+    part.close()
