@@ -18,9 +18,11 @@ def worker_pythonpath() -> str:
     return os.pathsep.join(p for p in paths if p)
 
 
-#: no UI and no progress bar, a 1 GiB driver, 4 shuffle partitions, Arrow for pandas; and a
-#: Python worker that starts slowly on a loaded machine (it imports pyspark, pyarrow and dstl)
-#: may take longer than the 15 s default to connect back ("Python worker failed to connect back")
+#: no UI and no progress bar, a 1 GiB driver, 4 shuffle partitions, Arrow for pandas; a Python
+#: worker that starts slowly on a loaded machine (it imports pyspark, pyarrow and dstl) may take
+#: longer than the 15 s default to connect back ("Python worker failed to connect back"); and
+#: JVMs that compile with C1 only: a test's JVM lives seconds to minutes, and C2's compilations
+#: cost more CPU than they save there (two Spark test modules: 100-108 s -> 94-97 s)
 SESSION_CONF = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
@@ -28,6 +30,8 @@ SESSION_CONF = {
     "spark.sql.shuffle.partitions": "4",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.authenticate.socketTimeout": "120s",
+    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+    "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
 
 
