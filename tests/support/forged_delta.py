@@ -123,6 +123,11 @@ def build_delta_store(root: Path, keys: int = 300) -> F.Built:
 #: reads the checkpoint fails typed naming it; ``dstl inspect``, which reads the object alone,
 #: may describe it.
 CHAIN = "chain"
+#: Damage inside the delta's checksummed blocks (a byte flip): every path that reads the whole
+#: delta fails typed naming it; a path that reads only some key groups (restore onto a sub-range)
+#: reads only their blocks, so it fails typed or, the damage lying in a block it did not read,
+#: reads the model's state of its key groups.
+DAMAGED = "damaged"
 
 
 def _forge(obj: bytes, *, meta: dict[str, Any] | None = None,
