@@ -521,6 +521,17 @@ def test_merged_chains_restore_rescaled(storage: ChangelogStorage, tmp_path: Pat
         assert _read(storage, handles, kgs, tmp_path / f"after-{j}") == _expected(model, kgs)
 
 
+def _next_is_full_and_restores(ex: Executor, storage: ChangelogStorage, model: Model,
+                               rng: random.Random, tmp_path: Path) -> None:
+    """The next materialization is full (not a failure); the batch after installs it, and its
+    checkpoint restores to the model."""
+    m = ex.materialize()
+    assert not m.ref.delta and ex.agent.metrics()["materializer.failed"] == 0
+    h = ex.batch(model, rng)
+    assert _kinds(storage, h) == ["f"]
+    assert _read(storage, [h], ex.kgs, tmp_path / "r") == _expected(model, ex.kgs)
+
+
 def test_a_merge_that_cannot_read_its_deltas_is_a_full_snapshot(storage: ChangelogStorage,
                                                                 tmp_path: Path) -> None:
     """A delta of the chain missing from the store when a merge reads it back: the
@@ -536,11 +547,7 @@ def test_a_merge_that_cannot_read_its_deltas_is_a_full_snapshot(storage: Changel
     assert ex.materialize().ref.delta
     storage.store.delete([gone.ref.key])
     ex.batch(model, rng)
-    m = ex.materialize()
-    assert not m.ref.delta and ex.agent.metrics()["materializer.failed"] == 0
-    h = ex.batch(model, rng)
-    assert _kinds(storage, h) == ["f"]
-    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    _next_is_full_and_restores(ex, storage, model, rng, tmp_path)
     ex.close()
 
 
@@ -627,11 +634,7 @@ def test_a_restored_table_is_snapshotted_in_full_when_its_checkpoint_cannot_seed
     # the log before the restore is gone from the store (the restore read it already)
     storage.store.delete(sorted({r.key for lg in before.non_materialized
                                  for r in lg.change_sets}))
-    m = ex.materialize()
-    assert not m.ref.delta and ex.agent.metrics()["materializer.failed"] == 0
-    h = ex.batch(model, rng)
-    assert _kinds(storage, h) == ["f"]
-    assert _read(storage, [h], KGS, tmp_path / "r") == _expected(model, KGS)
+    _next_is_full_and_restores(ex, storage, model, rng, tmp_path)
     ex.close()
 
 
@@ -653,9 +656,5 @@ def test_a_restore_after_a_rescale_is_snapshotted_in_full(storage: ChangelogStor
     part.handle, part.cp = h, ex.cp
     restored = part.batch(model, rng, restore=True)
     assert [p.key_groups for p in restored.materialized] == [half]
-    m = part.materialize()
-    assert not m.ref.delta and part.agent.metrics()["materializer.failed"] == 0
-    h = part.batch(model, rng)
-    assert _kinds(storage, h) == ["f"]
-    assert _read(storage, [h], half, tmp_path / "r") == _expected(model, half)
+    _next_is_full_and_restores(part, storage, model, rng, tmp_path)
     part.close()
