@@ -293,8 +293,9 @@ class _Seed:
 
 def _seed(spec: PartitionSpec) -> _Seed | None:
     """The seed a registration offers, if a delta may follow its checkpoint's pieces: a full
-    snapshot first, all of the partition's own key groups (not rescaled), a log after them that
-    is not larger than the change sets the agent keeps."""
+    snapshot first, every piece of exactly the partition's key groups, a log after them that is
+    not larger than the change sets the agent keeps (whether the full snapshot is the
+    partition's own is read from the store when it is used: :func:`_seed_entries`)."""
     cp = spec.checkpoint
     if (not spec.incremental or cp is None or not spec.table_id or spec.boundary is None
             or not cp.materialized or cp.materialized[0].delta
