@@ -27,6 +27,9 @@ __all__ = ["flat_array", "int64_list_row", "to_array"]
 _NUMERIC = {"int8": "b", "int16": "h", "int32": "i", "int64": "q",
             "uint8": "B", "uint16": "H", "uint32": "I", "uint64": "Q",
             "float": "f", "double": "d"}
+#: float type code -> the largest magnitude of an int Arrow takes into it (every int up to it
+#: is exactly representable; Arrow refuses any beyond, even one that is, such as 2**25)
+_EXACT_INT = {"f": 1 << 24, "d": 1 << 53}
 #: variable-width types -> (offset type code, whether values are ``str``)
 _VARIABLE = {"string": ("i", True), "large_string": ("q", True),
              "binary": ("i", False), "large_binary": ("q", False)}
@@ -60,6 +63,10 @@ def flat_array(values: list[Any], arrow_type: Any) -> Any | None:
         if code is not None:
             if any(type(v) is bool for v in values):
                 return None  # Arrow refuses a bool in a numeric column: let it say so
+            limit = _EXACT_INT.get(code)
+            if limit is not None and any(type(v) is int and not -limit <= v <= limit
+                                         for v in values):
+                return None  # Arrow refuses it (array.array would round it): let it say so
             filled = values if not nulls else [0 if v is None else v for v in values]
             data = pa.py_buffer(array.array(code, filled))
             return pa.Array.from_buffers(arrow_type, n, [validity, data], null_count=nulls)

@@ -102,3 +102,17 @@ def test_a_task_s_rows_do_not_import_pandas() -> None:
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "False"]
+
+
+def test_an_int_a_float_column_cannot_hold_exactly_is_left_to_pyarrow() -> None:
+    """Arrow refuses an int beyond 2**24 (float32) or 2**53 (float64) in a float column, even
+    one the float holds; the fast path declines it, so the task gets Arrow's error, not a
+    rounded value."""
+    for t, limit in ((pa.float32(), 1 << 24), (pa.float64(), 1 << 53)):
+        for v in (limit, -limit, 1.5):
+            built = flat_array([v, None], t)
+            assert built is not None and built.equals(pa.array([v, None], type=t)), (t, v)
+        for v in (limit + 1, -limit - 1, limit * 2):
+            assert flat_array([1, v], t) is None, (t, v)
+            with pytest.raises(pa.ArrowInvalid):
+                to_array([1, v], t)
