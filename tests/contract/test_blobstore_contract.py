@@ -108,8 +108,12 @@ def keys_of(infos: Iterator[ObjectInfo]) -> list[str]:
 
 
 @pytest.mark.parametrize("size", [0, 17, 5 * 1024 * 1024], ids=["empty", "small", "5MiB"])
-def test_round_trip(store: BlobStore, size: int) -> None:
+def test_round_trip(store: BlobStore, size: int, request: pytest.FixtureRequest) -> None:
     data = os.urandom(size)
+    if request.node.callspec.params["store"] == "fsspec-gcs" and data.endswith(b"\r"):
+        # gcp-storage-emulator reads a multipart upload with Python's email parser, which drops
+        # the part's last CR (1 random body in 256); GCS keeps every byte
+        data = data[:-1] + b"\n"
     store.put("dstl/obj", data)
     assert store.get("dstl/obj") == data
     assert store.head("dstl/obj") == ObjectInfo("dstl/obj", size)
